@@ -1,0 +1,179 @@
+"""The Server-Sent Events wire format: every framing rule, both directions, in one place.
+
+Encoding follows the WHATWG HTML "server-sent events" section: an event is a block of
+`field: value` lines closed by a blank line. Data is split into one `data:` line per line of
+text on CR, LF or CRLF, so no text can end an event early or forge another one.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+__all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment"]
+
+_LINE_BREAK = re.compile(r"\r\n|\r|\n")
+_FORBIDDEN_IN_FIELD = ("\r", "\n", "\0")
+
+PING = b": ping\n\n"
+
+
+def comment(text: str) -> bytes:
+    """A comment block (ignored by parsers): used for heartbeats and send timestamps."""
+    return b"".join(b": " + line.encode() + b"\n" for line in _LINE_BREAK.split(text)) + b"\n"
+
+
+@dataclass(slots=True)
+class ServerSentEvent:
+    data: str | None = None
+    event: str | None = None
+    id: str | None = None
+    retry: int | None = None
+
+    def encode(self) -> bytes:
+        parts: list[str] = []
+        if self.id is not None:
+            _check_field("id", self.id)
+            parts.append(f"id: {self.id}\n")
+        if self.event is not None:
+            _check_field("event", self.event)
+            parts.append(f"event: {self.event}\n")
+        if self.retry is not None:
+            parts.append(f"retry: {int(self.retry)}\n")
+        data = self.data
+        if data is not None:
+            if "\n" in data or "\r" in data:
+                parts.extend(f"data: {line}\n" for line in _LINE_BREAK.split(data))
+            else:
+                parts.append(f"data: {data}\n")
+        parts.append("\n")
+        return "".join(parts).encode()
+
+
+def _check_field(name: str, value: str) -> None:
+    # A line break here would end the field and let the rest forge new fields or events.
+    if any(c in value for c in _FORBIDDEN_IN_FIELD):
+        raise ValueError(f"SSE {name} must not contain CR, LF or NUL")
+
+
+class EventDecoder:
+    """Incremental parser for an event stream, per the WHATWG algorithm.
+
+    Feed bytes as they arrive; complete events come out. `last_event_id` persists across events
+    as the spec requires, so a reconnecting client knows where it stopped.
+    """
+
+    def __init__(self) -> None:
+        self._buffer = ""
+        self._pending_cr = False
+        self._decoder_tail = b""
+        self._data: list[str] = []
+        self._event = ""
+        self._has_fields = False
+        self._started = False
+        self.last_event_id = ""
+        self.retry: int | None = None
+        self.comments: list[str] = []
+
+    def feed(self, chunk: bytes) -> list[ServerSentEvent]:
+        raw = self._decoder_tail + chunk
+        # Keep an incomplete UTF-8 sequence for the next chunk.
+        cut = _utf8_safe_end(raw)
+        self._decoder_tail = raw[cut:]
+        text = raw[:cut].decode("utf-8", errors="replace")
+        return list(self._feed_text(text))
+
+    def _feed_text(self, text: str) -> Iterator[ServerSentEvent]:
+        if not self._started:
+            self._started = bool(text)
+            text = text.removeprefix("\ufeff")
+        if self._pending_cr and text.startswith("\n"):
+            text = text[1:]
+        self._pending_cr = False
+        buf = self._buffer + text
+        start = 0
+        n = len(buf)
+        while True:
+            i = _find_eol(buf, start)
+            if i < 0:
+                break
+            line = buf[start:i]
+            if buf[i] == "\r":
+                if i + 1 < n and buf[i + 1] == "\n":
+                    start = i + 2
+                elif i + 1 == n:
+                    self._pending_cr = True
+                    start = i + 1
+                else:
+                    start = i + 1
+            else:
+                start = i + 1
+            event = self._line(line)
+            if event is not None:
+                yield event
+        self._buffer = buf[start:]
+
+    def _line(self, line: str) -> ServerSentEvent | None:
+        if line == "":
+            return self._dispatch()
+        if line.startswith(":"):
+            self.comments.append(line[1:].removeprefix(" "))
+            return None
+        name, sep, value = line.partition(":")
+        if sep:
+            value = value.removeprefix(" ")
+        if name == "data":
+            self._data.append(value)
+            self._has_fields = True
+        elif name == "event":
+            self._event = value
+        elif name == "id":
+            if "\0" not in value:
+                self.last_event_id = value
+        elif name == "retry":
+            if value.isdigit():
+                self.retry = int(value)
+        return None
+
+    def _dispatch(self) -> ServerSentEvent | None:
+        if not self._has_fields:
+            self._event = ""
+            return None
+        event = ServerSentEvent(
+            data="\n".join(self._data),
+            event=self._event or None,
+            id=self.last_event_id or None,
+        )
+        self._data = []
+        self._event = ""
+        self._has_fields = False
+        return event
+
+
+def _find_eol(buf: str, start: int) -> int:
+    lf = buf.find("\n", start)
+    cr = buf.find("\r", start)
+    if lf < 0:
+        return cr
+    if cr < 0:
+        return lf
+    return min(lf, cr)
+
+
+def _utf8_safe_end(raw: bytes) -> int:
+    """Index up to which `raw` holds only complete UTF-8 sequences."""
+    n = len(raw)
+    for back in range(1, min(4, n) + 1):
+        b = raw[n - back]
+        if b & 0xC0 != 0x80:  # a lead byte (or ASCII)
+            need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4
+            return n if back >= need else n - back
+    return n
+
+
+def iter_events(chunks: Iterable[bytes]) -> Iterator[ServerSentEvent]:
+    """Decode a whole byte stream (e.g. a capture) into events."""
+    decoder = EventDecoder()
+    for chunk in chunks:
+        yield from decoder.feed(chunk)
