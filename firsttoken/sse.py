@@ -11,7 +11,7 @@ import re
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment"]
+__all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment", "encode_event"]
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _FORBIDDEN_IN_FIELD = ("\r", "\n", "\0")
@@ -49,6 +49,14 @@ class ServerSentEvent:
                 parts.append(f"data: {data}\n")
         parts.append("\n")
         return "".join(parts).encode()
+
+
+def encode_event(seq: int, data: bytes, event: str | None = None) -> bytes:
+    """Fast path for the per-token hot path: one `id:` and one-line data (JSON has no raw
+    line breaks); anything else goes through `ServerSentEvent.encode`."""
+    if event is None and b"\n" not in data and b"\r" not in data:
+        return b"id: %d\ndata: %s\n\n" % (seq, data)
+    return ServerSentEvent(data=data.decode(), event=event, id=str(seq)).encode()
 
 
 def _check_field(name: str, value: str) -> None:

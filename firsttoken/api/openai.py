@@ -1,0 +1,174 @@
+"""OpenAI-compatible endpoints: /v1/chat/completions, /v1/completions, /v1/models."""
+
+from __future__ import annotations
+
+import time
+
+import anyio
+import orjson
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from firsttoken.api.errors import APIError, read_model
+from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
+from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
+from firsttoken.api.render import ChatRenderer, CompletionRenderer
+from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.response import EventStreamResponse
+from firsttoken.stream import Outcome, Stream
+
+__all__ = ["chat_completions", "completions", "models"]
+
+
+async def models(request: Request) -> Response:
+    gw = gateway(request)
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "firsttoken"}
+        for m in gw.engine.models
+    ]
+    return JSONResponse({"object": "list", "data": data})
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _serve(request, ChatCompletionRequest)
+
+
+async def completions(request: Request) -> Response:
+    return await _serve(request, CompletionRequest)
+
+
+async def _serve(
+    request: Request, kind: type[ChatCompletionRequest | CompletionRequest]
+) -> Response:
+    accepted_at = anyio.current_time()
+    gw = gateway(request)
+    trace = trace_id(request)
+    try:
+        body = await read_model(request, kind, gw.settings.max_body_bytes)
+        model = gw.model(body.model)
+    except APIError as exc:
+        return exc.response(trace)
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt = body.prompt() if isinstance(body, ChatCompletionRequest) else body.prompt
+    stream_id = new_stream_id()
+    generation = GenerationRequest(
+        request_id=stream_id,
+        prompt=prompt,
+        model=model,
+        max_tokens=body.token_limit(),
+        seed=body.seed,
+        temperature=body.temperature,
+        stop=body.stop_strings(),
+        options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+    )
+    chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
+    created = int(time.time())
+    if not body.stream:
+        return await _complete(gw, request, generation, chunk_id, created, chat, trace)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    renderer = (ChatRenderer if chat else CompletionRenderer)(
+        chunk_id, model, created, include_usage
+    )
+    stream = Stream(
+        generation,
+        renderer,
+        trace_id=trace,
+        grace_s=gw.settings.openai_grace_s,
+        prompt_tokens=gw.engine.prompt_tokens(prompt),
+        max_events=gw.settings.resume_max_events,
+        accepted_at=accepted_at,
+    )
+    return EventStreamResponse(
+        stream,
+        gw.registry,
+        gw.metrics,
+        heartbeat_s=gw.settings.heartbeat_s,
+        headers={"x-resume-token": stream.resume_token},
+        start=True,
+    )
+
+
+async def _complete(
+    gw: Gateway,
+    request: Request,
+    generation: GenerationRequest,
+    chunk_id: str,
+    created: int,
+    chat: bool,
+    trace: str,
+) -> Response:
+    """A non-streaming answer: generate it all, still stopping if the client goes away."""
+    parts: list[str] = []
+    finish: str | None = None
+    error: EngineError | None = None
+    metrics = gw.metrics
+    metrics.active_streams += 1
+    try:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
+            try:
+                async for delta in gw.engine.generate(generation):
+                    if delta.text:
+                        parts.append(delta.text)
+                    if delta.finish_reason:
+                        finish = delta.finish_reason
+                finish = finish or "stop"
+            except EngineError as exc:
+                error = exc
+            tg.cancel_scope.cancel()
+    finally:
+        metrics.active_streams -= 1
+        if error is not None:
+            outcome = Outcome.ERROR
+        elif finish is None:
+            outcome = Outcome.DISCONNECTED
+            with anyio.CancelScope(shield=True):
+                await gw.engine.abort(generation.request_id)
+        else:
+            outcome = Outcome.COMPLETED
+        metrics.streams[outcome.value] += 1
+    if error is not None:
+        return APIError(500, error.code, error.message).response(trace)
+    if finish is None:
+        return Response(status_code=499)  # nobody is left to read it
+    completion_tokens = len(parts)
+    metrics.tokens_sent += completion_tokens
+    prompt_tokens = gw.engine.prompt_tokens(generation.prompt)
+    usage = {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+    text = "".join(parts)
+    if chat:
+        choice: dict[str, object] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish,
+        }
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        obj = "text_completion"
+    body = {
+        "id": chunk_id,
+        "object": obj,
+        "created": created,
+        "model": generation.model,
+        "choices": [choice],
+        "usage": usage,
+    }
+    return Response(
+        orjson.dumps(body),
+        media_type="application/json",
+        headers={"x-request-id": trace, "x-stream-id": generation.request_id},
+    )
+
+
+async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            scope.cancel()
+            return

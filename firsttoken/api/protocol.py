@@ -1,0 +1,99 @@
+"""Wire-format models: request bodies as clients send them (OpenAI and native)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+__all__ = [
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "NativeStreamRequest",
+    "StreamOptions",
+    "SyntheticKnobs",
+]
+
+
+class _Body(BaseModel):
+    # Unknown fields are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
+    model_config = ConfigDict(extra="ignore")
+
+
+class SyntheticKnobs(_Body):
+    ttft_ms: Annotated[float, Field(ge=0, le=600_000)] | None = None
+    itl_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
+    fail_after: Annotated[int, Field(ge=0)] | None = None
+    error_code: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")] | None = None
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[_TextPart] | None = None
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text for part in self.content)
+
+
+Stop = str | Annotated[list[str], Field(max_length=4)] | None
+
+
+class _Generation(_Body):
+    model: str | None = None
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    seed: int | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    stop: Stop = None
+    synthetic: SyntheticKnobs | None = None
+
+    def stop_strings(self) -> tuple[str, ...]:
+        if self.stop is None:
+            return ()
+        return (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
+
+
+class _OpenAIGeneration(_Generation):
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Annotated[int, Field(ge=1, le=1)] = 1
+
+    def token_limit(self) -> int | None:
+        # Newer SDKs send only max_completion_tokens; when both come, the smaller wins.
+        limits = [x for x in (self.max_tokens, self.max_completion_tokens) if x is not None]
+        return min(limits) if limits else None
+
+
+class ChatCompletionRequest(_OpenAIGeneration):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+
+    def prompt(self) -> str:
+        return "\n".join(f"{m.role}: {m.text()}" for m in self.messages)
+
+
+class CompletionRequest(_OpenAIGeneration):
+    prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+
+    @field_validator("prompt")
+    @classmethod
+    def _one_prompt(cls, value: str | list[str]) -> str:
+        return value if isinstance(value, str) else value[0]
+
+
+class NativeStreamRequest(_Generation):
+    prompt: str

@@ -1,0 +1,112 @@
+"""Renderers: engine output → the data payloads of each API's events.
+
+The per-token payload is a precomputed prefix + the JSON-escaped token + a suffix: no dict is
+built and no full document is serialised per token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import orjson
+
+__all__ = ["ChatRenderer", "CompletionRenderer", "NativeRenderer"]
+
+DONE = b"[DONE]"
+_dumps = orjson.dumps
+
+
+def _error(code: str, message: str) -> bytes:
+    return _dumps({"error": {"code": code, "message": message, "type": "server_error"}})
+
+
+class _OpenAIRenderer:
+    object: str
+
+    def __init__(self, chunk_id: str, model: str, created: int, include_usage: bool) -> None:
+        self.head = {"id": chunk_id, "object": self.object, "created": created, "model": model}
+        self.include_usage = include_usage
+        head = _dumps(self.head)[:-1]  # the JSON object without its closing brace
+        self._prefix, self._suffix = self._token_frame(head)
+
+    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
+        raise NotImplementedError
+
+    def token(self, text: str) -> bytes:
+        return self._prefix + _dumps(text) + self._suffix
+
+    def closing(
+        self, finish_reason: str, usage: dict[str, int]
+    ) -> Sequence[tuple[str | None, bytes]]:
+        out: list[tuple[str | None, bytes]] = [
+            (None, _dumps({**self.head, "choices": [self._final(finish_reason)]}))
+        ]
+        if self.include_usage:
+            out.append((None, _dumps({**self.head, "choices": [], "usage": usage})))
+        out.append((None, DONE))
+        return out
+
+    def _final(self, finish_reason: str) -> dict[str, object]:
+        raise NotImplementedError
+
+    def error(self, code: str, message: str) -> bytes:
+        return _error(code, message)
+
+
+class ChatRenderer(_OpenAIRenderer):
+    object = "chat.completion.chunk"
+
+    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
+        return (
+            head + b',"choices":[{"index":0,"delta":{"content":',
+            b'},"logprobs":null,"finish_reason":null}]}',
+        )
+
+    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+        choice = {
+            "index": 0,
+            "delta": {"role": "assistant", "content": ""},
+            "logprobs": None,
+            "finish_reason": None,
+        }
+        return [(None, _dumps({**self.head, "choices": [choice]}))]
+
+    def _final(self, finish_reason: str) -> dict[str, object]:
+        return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
+
+
+class CompletionRenderer(_OpenAIRenderer):
+    object = "text_completion"
+
+    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
+        return head + b',"choices":[{"index":0,"text":', b',"logprobs":null,"finish_reason":null}]}'
+
+    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+        return ()
+
+    def _final(self, finish_reason: str) -> dict[str, object]:
+        return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
+
+
+class NativeRenderer:
+    """`data: {"token": ...}` per token; a closing `event: meta` with finish and usage."""
+
+    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+        return ()
+
+    def token(self, text: str) -> bytes:
+        return b'{"token":' + _dumps(text) + b"}"
+
+    def closing(
+        self, finish_reason: str, usage: dict[str, int]
+    ) -> Sequence[tuple[str | None, bytes]]:
+        meta = {
+            "finish_reason": finish_reason,
+            "tokens": usage["completion_tokens"],
+            "remaining": 0,
+            "usage": usage,
+        }
+        return [("meta", _dumps(meta)), (None, DONE)]
+
+    def error(self, code: str, message: str) -> bytes:
+        return _error(code, message)

@@ -1,0 +1,89 @@
+"""The ASGI application: routes, lifespan, and the pieces wired together."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+
+import anyio
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.gzip import GZipMiddleware
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+
+from firsttoken.api import native, openai
+from firsttoken.api.errors import APIError
+from firsttoken.api.gateway import Gateway, gateway
+from firsttoken.config import Settings
+from firsttoken.engines import Engine, build_engine
+from firsttoken.observability import Metrics
+from firsttoken.stream import StreamRegistry
+
+__all__ = ["create_app"]
+
+WEB_DIR = Path(__file__).parent / "web"
+
+
+def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Starlette:
+    settings = settings or Settings()
+    engine = engine or build_engine(settings)
+    metrics = Metrics(tokens_generated=lambda: engine.tokens_generated)
+    registry = StreamRegistry(engine, metrics, ttl_s=settings.resume_ttl_s)
+    gw = Gateway(settings=settings, engine=engine, registry=registry, metrics=metrics)
+
+    @asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        await engine.start()
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            yield
+            tg.cancel_scope.cancel()
+        await engine.close()
+
+    routes = [
+        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/v1/completions", openai.completions, methods=["POST"]),
+        Route("/v1/models", openai.models, methods=["GET"]),
+        Route("/v1/streams", native.create_stream, methods=["POST"]),
+        Route("/v1/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
+        Route("/v1/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
+        Route("/v1/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+        Route("/metrics", _metrics, methods=["GET"]),
+        Route("/healthz", _healthz, methods=["GET"]),
+        Route("/readyz", _readyz, methods=["GET"]),
+        Mount("/", StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
+    ]
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
+        middleware=[Middleware(GZipMiddleware, minimum_size=1024)],
+        exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
+    )
+    app.state.gateway = gw
+    return app
+
+
+async def _metrics(request: Request) -> Response:
+    return Response(
+        gateway(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
+    )
+
+
+async def _healthz(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+async def _readyz(request: Request) -> Response:
+    gw: Gateway = gateway(request)
+    return JSONResponse({"status": "ready", "active_streams": gw.metrics.active_streams})
+
+
+async def _http_error(request: Request, exc: HTTPException) -> Response:
+    code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
+    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response()

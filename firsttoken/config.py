@@ -1,0 +1,77 @@
+"""One settings object: every knob, its default, and its FIRSTTOKEN_* environment variable."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+__all__ = ["Settings"]
+
+
+def _knob(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices})
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    host: str = _knob("127.0.0.1", "address to listen on")
+    port: int = _knob(8000, "port to listen on (0 picks a free one)")
+    engine: str = _knob("synthetic", "token engine", choices=("synthetic", "openai", "llamacpp"))
+    upstream: str | None = _knob(None, "OpenAI-compatible upstream URL (engine openai)")
+    redis: str | None = _knob(None, "Redis URL for shared stream state (default: in memory)")
+    api_keys: str | None = _knob(None, "API keys file (default: open server)")
+    heartbeat_s: float = _knob(15.0, "send a ': ping' comment after this many idle seconds")
+    synthetic_ttft_ms: float = _knob(200.0, "synthetic engine: time to first token, ms")
+    synthetic_itl_ms: float = _knob(20.0, "synthetic engine: time per further token, ms")
+    resume_grace_s: float = _knob(
+        10.0, "native streams: keep generating this long after the last reader left"
+    )
+    openai_grace_s: float = _knob(
+        0.0, "OpenAI-path streams: keep generating this long after the client left"
+    )
+    resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
+    resume_max_events: int = _knob(8192, "events kept per stream for resume")
+    max_body_bytes: int = _knob(1_048_576, "largest request body accepted (413 above)")
+    log_level: str = _knob("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    @classmethod
+    def from_args(
+        cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
+    ) -> Settings:
+        parser = cls.parser(env)
+        return cls(**vars(parser.parse_args(argv)))
+
+    @classmethod
+    def parser(cls, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
+        """`serve` options; each default comes from FIRSTTOKEN_<NAME> when set."""
+        env = os.environ if env is None else env
+        parser = argparse.ArgumentParser(
+            prog="firsttoken serve", description="Run the firsttoken server."
+        )
+        for f in fields(cls):
+            kind = _kind(f.type)
+            default = f.default
+            var = "FIRSTTOKEN_" + f.name.upper()
+            if var in env:
+                default = kind(env[var])
+            parser.add_argument(
+                "--" + f.name.replace("_", "-"),
+                dest=f.name,
+                type=kind,
+                default=default,
+                choices=f.metadata.get("choices"),
+                help=f"{f.metadata['help']} (env {var}; default {f.default})",
+            )
+        return parser
+
+
+def _kind(annotation: Any) -> type:
+    text = str(annotation)
+    if text.startswith("int"):
+        return int
+    if text.startswith("float"):
+        return float
+    return str

@@ -1,0 +1,57 @@
+"""The engine interface: the one thing the server knows about whatever generates tokens."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+__all__ = ["Delta", "Engine", "EngineError", "GenerationRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    request_id: str
+    prompt: str
+    model: str
+    max_tokens: int | None = None
+    seed: int | None = None
+    temperature: float | None = None
+    stop: tuple[str, ...] = ()
+    # Engine-specific extras, e.g. the synthetic engine's per-request timing and faults.
+    options: Mapping[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Delta:
+    """One step of generation: a token's text; the last one carries `finish_reason`."""
+
+    text: str
+    finish_reason: str | None = None
+
+
+class EngineError(Exception):
+    """Generation failed; `code` and `message` go to the client as they are."""
+
+    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.retryable = retryable
+
+
+class Engine(Protocol):
+    """An async iterator of deltas per request, abort by id, and a count of tokens made."""
+
+    models: tuple[str, ...]
+    tokens_generated: int
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    def prompt_tokens(self, prompt: str) -> int: ...
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...

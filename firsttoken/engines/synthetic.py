@@ -1,0 +1,210 @@
+"""The synthetic engine: deterministic prose at a configurable pace, with fault injection.
+
+Output is a pure function of (prompt, seed, max_tokens): the same request always yields the
+same tokens, so tests and benchmarks can check delivered text token-exact.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import re
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import anyio
+
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+
+__all__ = ["SyntheticEngine", "SyntheticOptions", "synthetic_tokens"]
+
+MODEL_ID = "synthetic"
+
+_WORDS = (
+    "the stream model token answer server client reader browser network latency buffer "
+    "event gateway engine request response sentence paragraph question moment person screen "
+    "text first second quickly slowly clearly honestly always never often every small large "
+    "fast steady smooth visible waiting reading writing sending flowing arrives starts stops "
+    "keeps shows measures carries delivers generates resumes cancels breaks returns holds "
+    "connection interruption intermediary compression heartbeat backpressure throughput "
+    "we you it they this that with without before after while because so and but or of to "
+    "in on for from into over under through between across a an is are was were can will"
+).split()
+# Multi-byte text so UTF-8 handling is exercised on every answer: (tokens, sentence end).
+_FOREIGN = (
+    (["스트리밍", "은", " 빠르", "고", " 정직", "합니다"], "."),
+    (["첫", " 토큰", "이", " 곧", " 도착", "합니다"], "."),
+    (["流式", "传输", "让", "用户", "立刻", "看到", "文字"], "。"),
+    (["模型", "正在", "生成", "回答"], "！"),
+)
+_EMOJI = (" 🚀", " ✨", " 👋")
+_ENDS = (".", ".", ".", "!", "?")
+
+
+@dataclass(frozen=True, slots=True)
+class SyntheticOptions:
+    """Per-request knobs (body field `synthetic`); None means the server default."""
+
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+    fail_after: int | None = None
+    error_code: str | None = None
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any] | None) -> SyntheticOptions:
+        if not raw:
+            return cls()
+        return cls(
+            ttft_ms=raw.get("ttft_ms"),
+            itl_ms=raw.get("itl_ms"),
+            fail_after=raw.get("fail_after"),
+            error_code=raw.get("error_code"),
+        )
+
+
+def synthetic_tokens(
+    prompt: str, seed: int | None = None, max_tokens: int | None = None
+) -> tuple[list[str], str]:
+    """The tokens the engine emits for this request, and the finish reason."""
+    natural = _natural_answer(prompt, seed or 0)
+    if max_tokens is not None and max_tokens < len(natural):
+        return list(natural[:max_tokens]), "length"
+    return list(natural), "stop"
+
+
+def apply_stop(tokens: list[str], stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    """Cut the answer before the first stop string; the cut token keeps its prefix."""
+    if not stop:
+        return tokens, False
+    text = "".join(tokens)
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if not hits:
+        return tokens, False
+    end = min(hits)
+    out: list[str] = []
+    pos = 0
+    for token in tokens:
+        if pos + len(token) <= end:
+            out.append(token)
+            pos += len(token)
+            continue
+        if end > pos:
+            out.append(token[: end - pos])
+        break
+    return out, True
+
+
+@lru_cache(maxsize=1024)
+def _natural_answer(prompt: str, seed: int) -> tuple[str, ...]:
+    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    target = rng.randint(270, 330)
+    tokens: list[str] = []
+    sentences_in_paragraph = 0
+    paragraph_len = rng.randint(3, 5)
+    while len(tokens) < target:
+        if tokens and sentences_in_paragraph == paragraph_len:
+            tokens.append("\n\n")
+            sentences_in_paragraph = 0
+            paragraph_len = rng.randint(3, 5)
+        if rng.random() < 0.12:
+            words, end = rng.choice(_FOREIGN)
+            tokens.append(" " + words[0])
+            tokens.extend(words[1:])
+            tokens.append(end)
+        else:
+            tokens.extend(_sentence(rng))
+        sentences_in_paragraph += 1
+    return tuple(tokens)
+
+
+def _sentence(rng: random.Random) -> list[str]:
+    tokens: list[str] = []
+    n = rng.randint(6, 16)
+    for i in range(n):
+        word = rng.choice(_WORDS)
+        if i == 0:
+            word = word.capitalize()
+        if len(word) > 7:
+            # Long words become two tokens, as a BPE vocabulary would split them.
+            tokens.extend((" " + word[:5], word[5:]))
+        else:
+            tokens.append(" " + word)
+        if 0 < i < n - 2 and rng.random() < 0.08:
+            tokens.append(",")
+    if rng.random() < 0.1:
+        tokens.append(rng.choice(_EMOJI))
+    tokens.append(rng.choice(_ENDS))
+    return tokens
+
+
+_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+
+
+class SyntheticEngine:
+    """Paces the synthetic answer: TTFT, then one token every ITL."""
+
+    models = (MODEL_ID,)
+
+    def __init__(self, *, ttft_ms: float = 200.0, itl_ms: float = 20.0) -> None:
+        self.ttft_ms = ttft_ms
+        self.itl_ms = itl_ms
+        self.tokens_generated = 0
+        self._aborted: set[str] = set()
+        self._running: set[str] = set()
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return len(_WORD_RE.findall(prompt))
+
+    async def abort(self, request_id: str) -> None:
+        # Cancelling the consumer already stops the generator at its next await; this covers
+        # an abort that arrives from elsewhere (another task, another instance).
+        if request_id in self._running:
+            self._aborted.add(request_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        opts = request.options.get("synthetic")
+        if not isinstance(opts, SyntheticOptions):
+            opts = SyntheticOptions.from_mapping(opts)
+        ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
+        itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
+        tokens, finish = synthetic_tokens(request.prompt, request.seed, request.max_tokens)
+        tokens, stopped = apply_stop(tokens, request.stop)
+        if stopped:
+            finish = "stop"
+        rid = request.request_id
+        self._running.add(rid)
+        try:
+            clock = anyio.current_time
+            due = clock() + ttft
+            last = len(tokens) - 1
+            for i, text in enumerate(tokens):
+                if opts.fail_after is not None and i >= opts.fail_after:
+                    await anyio.sleep(max(0.0, due - clock()))
+                    raise EngineError(
+                        opts.error_code or "engine_error",
+                        f"synthetic engine failure after {i} tokens",
+                    )
+                delay = due - clock()
+                if delay > 0:
+                    await anyio.sleep(delay)
+                elif delay < -itl:
+                    due = clock()  # fell behind (paused reader): don't burst to catch up
+                if rid in self._aborted:
+                    return
+                self.tokens_generated += 1
+                yield Delta(text, finish if i == last else None)
+                due += itl
+            if not tokens:
+                yield Delta("", finish)
+        finally:
+            self._running.discard(rid)
+            self._aborted.discard(rid)

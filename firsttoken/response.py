@@ -1,0 +1,154 @@
+"""The streaming ASGI response: one reader of a stream's event log, writing to one socket.
+
+Siblings in one task group: the pump (log → socket, the only task that writes), the heartbeat
+(tells the pump a ping is due) and the disconnect watcher (cancels the group when the client
+goes). Whatever ends the group detaches the reader, which is what lets the registry stop an
+abandoned stream's engine.
+"""
+
+from __future__ import annotations
+
+import anyio
+from starlette.types import Receive, Scope, Send
+
+from firsttoken.observability import Metrics, log_event
+from firsttoken.resume import Event, ResumeExpired
+from firsttoken.sse import PING, encode_event
+from firsttoken.stream import Stream, StreamRegistry
+
+__all__ = ["SSE_HEADERS", "EventStreamResponse", "sse_headers"]
+
+SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache, no-transform"),
+    (b"x-accel-buffering", b"no"),
+)
+
+
+def sse_headers(stream: Stream, extra: dict[str, str] | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [
+        *SSE_HEADERS,
+        (b"x-stream-id", stream.id.encode()),
+        (b"x-request-id", stream.trace_id.encode()),
+    ]
+    for name, value in (extra or {}).items():
+        headers.append((name.lower().encode(), value.encode()))
+    return headers
+
+
+class EventStreamResponse:
+    def __init__(
+        self,
+        stream: Stream,
+        registry: StreamRegistry,
+        metrics: Metrics,
+        *,
+        after: int = 0,
+        heartbeat_s: float = 15.0,
+        preamble: bytes = b"",
+        headers: dict[str, str] | None = None,
+        start: bool = False,
+    ) -> None:
+        self.stream = stream
+        self.registry = registry
+        self.metrics = metrics
+        self.after = after
+        self.heartbeat_s = heartbeat_s
+        self.preamble = preamble
+        self.headers = sse_headers(stream, headers)
+        self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
+        self._last_write = 0.0
+        self._ping_due = False
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
+        self.registry.attach(self.stream)
+        try:
+            if self.start:
+                await self.registry.start(self.stream)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
+                tg.start_soon(self._heartbeat)
+                await self._pump(send)
+                tg.cancel_scope.cancel()
+        finally:
+            self.registry.detach(self.stream)
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _pump(self, send: Send) -> None:
+        stream, log = self.stream, self.stream.log
+        clock = anyio.current_time
+        seq = self.after
+        self._last_write = clock()
+        if self.preamble:
+            await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
+        while True:
+            try:
+                events = log.after(seq)
+            except ResumeExpired as exc:
+                body = encode_event(
+                    log.next_seq,
+                    b'{"error":{"code":"resume_expired","type":"invalid_request_error",'
+                    b'"message":"' + str(exc).encode() + b'"}}',
+                    "error",
+                )
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                return
+            if events:
+                # Everything that piled up while the socket was busy leaves in one write.
+                body = events[0].wire if len(events) == 1 else b"".join(e.wire for e in events)
+                await send({"type": "http.response.body", "body": body, "more_body": True})
+                now = clock()
+                self._last_write = now
+                seq = events[-1].seq
+                if seq > stream.delivered_seq:
+                    self._account(events, now)
+                continue
+            if log.closed:
+                return
+            if self._ping_due:
+                self._ping_due = False
+                await send({"type": "http.response.body", "body": PING, "more_body": True})
+                self._last_write = clock()
+            await log.wait(seq)
+
+    def _account(self, events: list[Event], now: float) -> None:
+        """Metrics for first deliveries only: a replay to a resuming reader is not new."""
+        stream, metrics = self.stream, self.metrics
+        fresh = 0
+        for event in events:
+            if event.seq <= stream.delivered_seq or not event.tokens:
+                continue
+            fresh += event.tokens
+            if stream.first_token_at is None:
+                stream.first_token_at = now
+                metrics.ttft.observe(now - stream.accepted_at)
+                log_event(
+                    "stream.first_token",
+                    stream=stream.id,
+                    trace_id=stream.trace_id,
+                    ttft_ms=round((now - stream.accepted_at) * 1000, 3),
+                )
+            else:
+                metrics.inter_chunk.observe(now - stream.last_content_at)
+            stream.last_content_at = now
+        stream.delivered_seq = events[-1].seq
+        stream.tokens_sent += fresh
+        metrics.tokens_sent += fresh
+
+    async def _heartbeat(self) -> None:
+        clock = anyio.current_time
+        while True:
+            idle = clock() - self._last_write
+            if idle >= self.heartbeat_s:
+                self._ping_due = True
+                self.stream.log.nudge()
+                idle = 0.0
+            await anyio.sleep(self.heartbeat_s - idle)
+
+    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                scope.cancel()
+                return

@@ -1,0 +1,78 @@
+"""In-memory event log: one per stream, appended by the producer, tailed by readers."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+
+__all__ = ["Event", "EventLog", "ResumeExpired"]
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    seq: int
+    wire: bytes  # the framed SSE event, ready for the socket
+    tokens: int  # content tokens it carries (0 for role/finish/meta/error/[DONE])
+
+
+class ResumeExpired(Exception):
+    """The reader asked for events the log no longer holds."""
+
+
+class EventLog:
+    """Events numbered 1, 2, 3...; the oldest are dropped past `max_events`."""
+
+    def __init__(self, max_events: int = 8192) -> None:
+        self._events: deque[Event] = deque(maxlen=max_events)
+        self._waiters: list[asyncio.Future[None]] = []
+        self.last_seq = 0
+        self.closed = False
+
+    @property
+    def next_seq(self) -> int:
+        return self.last_seq + 1
+
+    @property
+    def first_seq(self) -> int:
+        return self._events[0].seq if self._events else self.last_seq + 1
+
+    def append(self, wire: bytes, tokens: int = 0) -> None:
+        self.last_seq += 1
+        self._events.append(Event(self.last_seq, wire, tokens))
+        self._wake()
+
+    def close(self) -> None:
+        self.closed = True
+        self._wake()
+
+    def after(self, seq: int) -> list[Event]:
+        """Events with a sequence number above `seq` (none if the reader is caught up)."""
+        if seq >= self.last_seq:
+            return []
+        first = self.first_seq
+        if seq + 1 < first:
+            raise ResumeExpired(f"events up to {first - 1} are no longer kept")
+        start = seq + 1 - first
+        if start == 0:
+            return list(self._events)
+        return [self._events[i] for i in range(start, len(self._events))]
+
+    async def wait(self, seq: int) -> None:
+        """Return once there is an event after `seq`, the log closes, or `nudge()` is called."""
+        if seq < self.last_seq or self.closed:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
+        await waiter
+
+    def nudge(self) -> None:
+        """Wake the readers (e.g. a heartbeat is due)."""
+        self._wake()
+
+    def _wake(self) -> None:
+        if self._waiters:
+            waiters, self._waiters = self._waiters, []
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)

@@ -1,0 +1,105 @@
+"""The SSE encoder: no text can end an event early or forge another (property tests)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from firsttoken.sse import EventDecoder, ServerSentEvent, comment, encode_event
+
+
+def reference_parse(stream: str) -> list[dict[str, str | None]]:
+    """The WHATWG event-stream interpretation, written straight from the spec, independently
+    of firsttoken's own decoder."""
+    events: list[dict[str, str | None]] = []
+    data, event_type, last_id = "", "", ""
+    # Lines end at CRLF, LF or CR; a trailing partial line is discarded.
+    lines = re.split(r"\r\n|\r|\n", stream)
+    for line in lines[:-1]:
+        if line == "":
+            if data:
+                events.append({"data": data[:-1], "event": event_type or None,
+                               "id": last_id or None})
+            data, event_type = "", ""
+            continue
+        if line.startswith(":"):
+            continue
+        if ":" in line:
+            name, value = line.split(":", 1)
+            if value.startswith(" "):
+                value = value[1:]
+        else:
+            name, value = line, ""
+        if name == "data":
+            data += value + "\n"
+        elif name == "event":
+            event_type = value
+        elif name == "id" and "\0" not in value:
+            last_id = value
+    return events
+
+
+field_text = st.text(
+    alphabet=st.characters(blacklist_characters="\r\n\0", blacklist_categories=("Cs",)), max_size=20
+)
+any_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
+hostile = st.sampled_from(["\n\ndata: [DONE]\n\n", "\r", "\r\n", "\n", "\0", "event: error\n",
+                           "id: 99\n\n", ": ping\n\n", "data:", "\u2028", "🚀", "한국어"])
+payloads = st.lists(st.one_of(any_text, hostile), max_size=6).map("".join)
+
+
+@settings(max_examples=400, deadline=None)
+@given(events=st.lists(st.tuples(payloads, st.none() | field_text, st.none() | field_text),
+                       min_size=1, max_size=8))
+def test_round_trip_through_independent_parser(
+    events: list[tuple[str, str | None, str | None]],
+) -> None:
+    wire = b"".join(
+        ServerSentEvent(data=data, event=name, id=eid).encode() for data, name, eid in events
+    )
+    parsed = reference_parse(wire.decode())
+    assert len(parsed) == len(events)
+    last_id: str | None = None
+    for got, (data, name, eid) in zip(parsed, events, strict=True):
+        last_id = eid if eid is not None else last_id
+        # Line breaks of any kind come back as LF: that is the spec's normalisation.
+        assert got["data"] == re.sub(r"\r\n|\r", "\n", data)
+        assert got["event"] == (name or None)
+        assert got["id"] == (last_id or None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(data=payloads, cuts=st.lists(st.integers(min_value=0, max_value=400), max_size=10))
+def test_library_decoder_agrees_on_any_chunking(data: str, cuts: list[int]) -> None:
+    wire = ServerSentEvent(data=data, id="7").encode() + encode_event(8, b'{"token":"x"}')
+    decoder = EventDecoder()
+    out = []
+    prev = 0
+    for cut in sorted(c for c in cuts if c < len(wire)):
+        out += decoder.feed(wire[prev:cut])
+        prev = cut
+    out += decoder.feed(wire[prev:])
+    expected = reference_parse(wire.decode())
+    assert [(e.data, e.id) for e in out] == [(e["data"], e["id"]) for e in expected]
+    assert decoder.last_event_id == "8"
+
+
+@pytest.mark.parametrize("field", ["id", "event"])
+@pytest.mark.parametrize("bad", ["a\nb", "a\rb", "a\0b"])
+def test_line_breaks_never_allowed_in_id_or_event(field: str, bad: str) -> None:
+    with pytest.raises(ValueError):
+        ServerSentEvent(data="x", **{field: bad}).encode()
+
+
+def test_exact_framing() -> None:
+    assert ServerSentEvent(data="a\r\nb\rc\nd", event="meta", id="3", retry=1000).encode() == (
+        b"id: 3\nevent: meta\nretry: 1000\ndata: a\ndata: b\ndata: c\ndata: d\n\n"
+    )
+    assert encode_event(5, b'{"token":"hi"}') == b'id: 5\ndata: {"token":"hi"}\n\n'
+    # The fast path must fall back to full framing when the payload has a line break.
+    assert encode_event(6, b"x\ny") == b"id: 6\ndata: x\ndata: y\n\n"
+    assert comment("ping") == b": ping\n\n"
+    assert ServerSentEvent(data="").encode() == b"data: \n\n"
