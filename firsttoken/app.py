@@ -45,14 +45,18 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             tg.cancel_scope.cancel()
         await engine.close()
 
+    api = [
+        Route("/chat/completions", openai.chat_completions, methods=["POST"]),
+        Route("/completions", openai.completions, methods=["POST"]),
+        Route("/models", openai.models, methods=["GET"]),
+        Route("/streams", native.create_stream, methods=["POST"]),
+        Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
+        Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
+        Route("/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+    ]
     routes = [
-        Route("/v1/chat/completions", openai.chat_completions, methods=["POST"]),
-        Route("/v1/completions", openai.completions, methods=["POST"]),
-        Route("/v1/models", openai.models, methods=["GET"]),
-        Route("/v1/streams", native.create_stream, methods=["POST"]),
-        Route("/v1/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
-        Route("/v1/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
-        Route("/v1/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+        # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
+        Mount("/v1", routes=api),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),

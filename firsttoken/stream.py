@@ -182,6 +182,8 @@ class StreamRegistry:
         if outcome in (Outcome.CANCELLED, Outcome.DISCONNECTED):
             with anyio.CancelScope(shield=True):
                 await self.engine.abort(stream.id)
+            # A reader still attached, or one resuming later, learns why the stream ended.
+            error = EngineError(*_STOPPED[outcome])
         if error is not None:
             stream.log.append(
                 _frame(stream, "error", stream.renderer.error(error.code, error.message))
@@ -242,6 +244,12 @@ class StreamRegistry:
             while self._expiry and self._expiry[0][0] <= now:
                 _, stream_id = self._expiry.popleft()
                 self._streams.pop(stream_id, None)
+
+
+_STOPPED = {
+    Outcome.CANCELLED: ("cancelled", "the stream was cancelled"),
+    Outcome.DISCONNECTED: ("stream_abandoned", "no reader came back within the grace window"),
+}
 
 
 def _frame(stream: Stream, name: str | None, data: bytes) -> bytes:

@@ -1,0 +1,95 @@
+"""Bad input gets a clear 4xx with the OpenAI error shape, before the first byte."""
+
+from __future__ import annotations
+
+import socket
+
+import httpx
+import pytest
+
+from tests.servers import Server, run_server
+
+MSG = [{"role": "user", "content": "hi"}]
+
+
+def check(r: httpx.Response, status: int, code: str) -> dict:
+    assert r.status_code == status, r.text
+    assert r.headers["content-type"].startswith("application/json")
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"]
+    return err
+
+
+@pytest.mark.parametrize(
+    ("body", "code", "param"),
+    [
+        ({"messages": MSG, "max_tokens": 0}, "invalid_value", "max_tokens"),
+        ({"messages": MSG, "max_completion_tokens": -1}, "invalid_value", "max_completion_tokens"),
+        ({"messages": MSG, "max_tokens": "ten"}, "invalid_value", "max_tokens"),
+        ({"max_tokens": 5}, "missing_field", "messages"),
+        ({"messages": []}, "invalid_value", "messages"),
+        ({"messages": [{"role": "robot", "content": "x"}]}, "invalid_value", "messages.0.role"),
+        ({"messages": MSG, "temperature": 3}, "invalid_value", "temperature"),
+        ({"messages": MSG, "n": 2}, "invalid_value", "n"),
+        ({"messages": MSG, "synthetic": {"itl_ms": -1}}, "invalid_value", "synthetic.itl_ms"),
+    ],
+)
+def test_invalid_fields(server: Server, body: dict, code: str, param: str) -> None:
+    err = check(httpx.post(server.v1 + "/chat/completions", json=body, timeout=10), 400, code)
+    assert err["param"] == param
+
+
+def test_malformed_json(server: Server) -> None:
+    r = httpx.post(server.v1 + "/chat/completions", content=b'{"messages": [', timeout=10,
+                   headers={"content-type": "application/json"})
+    check(r, 400, "invalid_json")
+    check(httpx.post(server.v1 + "/completions", content=b"[1,2]", timeout=10), 400,
+          "invalid_request")
+
+
+def test_unknown_model(server: Server) -> None:
+    r = httpx.post(server.v1 + "/chat/completions", json={"model": "nope", "messages": MSG},
+                   timeout=10)
+    check(r, 404, "model_not_found")
+
+
+def test_body_over_limit_is_413() -> None:
+    with run_server("--max-body-bytes", "2000") as srv:
+        big = {"messages": [{"role": "user", "content": "x" * 5000}]}
+        check(httpx.post(srv.v1 + "/chat/completions", json=big, timeout=10), 413,
+              "request_too_large")
+        # Without Content-Length (a chunked upload) the limit holds too.
+        with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
+            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                         b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            for _ in range(5):
+                sock.sendall(b"3e8\r\n" + b" " * 1000 + b"\r\n")
+            sock.sendall(b"0\r\n\r\n")
+            head = sock.recv(65536)
+        assert head.startswith(b"HTTP/1.1 413 ")
+        assert b'"code":"request_too_large"' in head
+
+
+def test_unknown_route_and_method(server: Server) -> None:
+    check(httpx.get(server.url + "/v1/nothing", timeout=10), 404, "not_found")
+    check(httpx.get(server.v1 + "/chat/completions", timeout=10), 405, "method_not_allowed")
+
+
+def test_native_stream_auth_and_resume_point(server: Server) -> None:
+    created = httpx.post(server.v1 + "/streams", json={"prompt": "p", "max_tokens": 3},
+                         timeout=10)
+    assert created.status_code == 201
+    info = created.json()
+    base = f"{server.v1}/streams/{info['id']}/events"
+    check(httpx.get(base, timeout=10), 401, "missing_token")
+    check(httpx.get(base + "?token=wrong", timeout=10), 404, "stream_not_found")
+    check(httpx.get(f"{server.v1}/streams/{'0' * 32}/events?token=x", timeout=10), 404,
+          "stream_not_found")
+    other = httpx.post(server.v1 + "/streams", json={"prompt": "q"}, timeout=10).json()
+    check(httpx.get(f"{base}?token={other['resume_token']}", timeout=10), 404,
+          "stream_not_found")
+    check(httpx.get(f"{base}?token={info['resume_token']}&last_event_id=abc", timeout=10), 400,
+          "invalid_last_event_id")
+    check(httpx.post(server.v1 + "/streams", json={"max_tokens": 3}, timeout=10), 400,
+          "missing_field")
+    httpx.delete(f"{server.v1}/streams/{other['id']}?token={other['resume_token']}", timeout=10)
