@@ -1,0 +1,363 @@
+"""The Python client: text deltas, invisible resume, and nothing lost when a stream breaks.
+
+    from firsttoken.client import Client
+    with Client("http://127.0.0.1:8000") as client:
+        answer = client.chat([{"role": "user", "content": "hi"}], max_tokens=100)
+        for delta in answer:
+            print(delta, end="")
+
+A dropped connection is resumed from the last event id with backoff; a stream that ends
+without `[DONE]` and cannot be resumed raises `StreamInterrupted`; an `event: error` raises
+`StreamError`. Both carry the text received so far. `AsyncClient` is the same with `async for`.
+It depends only on the wire format.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from typing import Any
+
+import anyio
+import httpx
+
+from firsttoken.sse import EventDecoder, ServerSentEvent
+
+__all__ = ["AsyncClient", "Client", "StreamError", "StreamInterrupted", "TextStream"]
+
+_DROPS = (httpx.TransportError, httpx.RemoteProtocolError)
+
+
+class StreamError(Exception):
+    """The server ended the stream with `event: error`."""
+
+    def __init__(self, code: str, message: str, text: str) -> None:
+        super().__init__(f"{code}: {message}")
+        self.code = code
+        self.message = message
+        self.text = text
+
+
+class StreamInterrupted(Exception):
+    """The stream ended without `[DONE]` and could not be resumed."""
+
+    def __init__(self, reason: str, text: str, last_event_id: str) -> None:
+        super().__init__(f"response interrupted: {reason}")
+        self.reason = reason
+        self.text = text
+        self.last_event_id = last_event_id
+
+
+class TextStream:
+    """The state of one answer: what arrived, where to resume, how it ended.
+
+    Sans-IO: `Client` and `AsyncClient` feed it bytes and iterate the deltas it returns.
+    """
+
+    def __init__(self) -> None:
+        self.stream_id: str | None = None
+        self.resume_token: str | None = None
+        self.last_event_id = ""
+        self.parts: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.done = False
+        self.interrupted = False
+        self.reconnects = 0
+        self._decoder = EventDecoder()
+
+    @property
+    def text(self) -> str:
+        return "".join(self.parts)
+
+    def _connected(self, response: httpx.Response) -> None:
+        self.stream_id = response.headers.get("x-stream-id", self.stream_id)
+        self.resume_token = response.headers.get("x-resume-token", self.resume_token)
+        self._decoder = EventDecoder()  # a new connection starts a new event stream
+
+    def _feed(self, chunk: bytes) -> list[str]:
+        deltas: list[str] = []
+        for event in self._decoder.feed(chunk):
+            delta = self._event(event)
+            if delta:
+                deltas.append(delta)
+        return deltas
+
+    def _event(self, event: ServerSentEvent) -> str | None:
+        if event.id:
+            self.last_event_id = event.id
+        if event.event == "error":
+            err = json.loads(event.data or "{}").get("error", {})
+            raise StreamError(err.get("code", "error"), err.get("message", ""), self.text)
+        if event.data == "[DONE]":
+            self.done = True
+            return None
+        if event.event is not None or not event.data:
+            if event.event == "meta":
+                meta = json.loads(event.data or "{}")
+                self.finish_reason = meta.get("finish_reason", self.finish_reason)
+                self.usage = meta.get("usage", self.usage)
+            return None
+        payload = json.loads(event.data)
+        if "token" in payload:
+            text = payload["token"]
+        else:
+            if payload.get("usage"):
+                self.usage = payload["usage"]
+            choices = payload.get("choices") or []
+            if not choices:
+                return None
+            choice = choices[0]
+            self.finish_reason = choice.get("finish_reason") or self.finish_reason
+            text = choice.get("delta", {}).get("content") or choice.get("text") or ""
+        if text:
+            self.parts.append(text)
+        return text or None
+
+
+class _Base:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        api_key: str | None = None,
+        max_retries: int = 5,
+        backoff_s: float = 0.25,
+        max_backoff_s: float = 4.0,
+        timeout_s: float = 60.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/").removesuffix("/v1")
+        self.api_key = api_key
+        self.max_retries = max_retries
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
+
+    def _headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def _delay(self, attempt: int) -> float:
+        return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+    def _resume_request(self, stream: TextStream) -> tuple[str, dict[str, str]]:
+        url = f"{self.base_url}/v1/streams/{stream.stream_id}/events"
+        headers = {"Authorization": f"Bearer {stream.resume_token}", "Accept": "text/event-stream"}
+        if stream.last_event_id:
+            headers["Last-Event-ID"] = stream.last_event_id
+        return url, headers
+
+    @staticmethod
+    def _chat_body(messages: Sequence[Mapping[str, Any]], params: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "model": params.pop("model", None),
+            "messages": list(messages),
+            "stream": True,
+            **params,
+        }
+
+    @staticmethod
+    def _check(response: httpx.Response) -> None:
+        if response.status_code >= 400:
+            try:
+                err = response.json()["error"]
+            except (ValueError, KeyError, TypeError):
+                err = {"code": f"http_{response.status_code}", "message": response.text}
+            raise StreamError(err.get("code") or "error", err.get("message", ""), "")
+
+
+class Client(_Base):
+    """Synchronous client (httpx)."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self._http = httpx.Client(timeout=self.timeout, headers=self._headers())
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._http.close()
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> Answer:
+        """Stream `/v1/chat/completions`; params are the OpenAI body fields."""
+        body = self._chat_body(messages, params)
+        return Answer(self, ("POST", f"{self.base_url}/v1/chat/completions", body))
+
+    def stream(self, prompt: str, **params: Any) -> Answer:
+        """Create a native stream (`POST /v1/streams`) and read it."""
+        r = self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
+        self._check(r)
+        info = r.json()
+        return self.resume(info["id"], info["resume_token"])
+
+    def resume(self, stream_id: str, resume_token: str, last_event_id: str = "") -> Answer:
+        answer = Answer(self, None)
+        state = answer.state
+        state.stream_id, state.resume_token, state.last_event_id = (
+            stream_id,
+            resume_token,
+            last_event_id,
+        )
+        return answer
+
+
+class Answer:
+    """Iterate for text deltas; `.text`, `.finish_reason`, `.usage` afterwards."""
+
+    def __init__(self, client: Client, first: tuple[str, str, dict[str, Any]] | None) -> None:
+        self.client = client
+        self.state = TextStream()
+        self._first = first
+
+    @property
+    def text(self) -> str:
+        return self.state.text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.state, name)
+
+    def __iter__(self) -> Iterator[str]:
+        client, state = self.client, self.state
+        attempt = 0
+        reason = ""
+        while True:
+            try:
+                with self._open() as response:
+                    if response.status_code == 204:  # everything was already delivered
+                        state.done = True
+                        return
+                    if response.status_code >= 400:
+                        response.read()
+                        client._check(response)
+                    state._connected(response)
+                    attempt = 0
+                    for chunk in response.iter_raw():
+                        yield from state._feed(chunk)
+                        if state.done:
+                            return
+                reason = "the stream ended without [DONE]"
+            except _DROPS as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            except StreamError as exc:
+                if not state.stream_id or exc.code not in ("stream_not_found",):
+                    raise StreamError(exc.code, exc.message, state.text) from None
+                reason = exc.message
+            if (
+                state.stream_id is None
+                or state.resume_token is None
+                or (attempt >= client.max_retries)
+            ):
+                state.interrupted = True
+                raise StreamInterrupted(reason, state.text, state.last_event_id)
+            time.sleep(client._delay(attempt))
+            attempt += 1
+            state.reconnects += 1
+            self._first = None
+
+    def _open(self) -> Any:
+        if self._first is not None:
+            method, url, body = self._first
+            return self.client._http.stream(method, url, json=body)
+        url, headers = self.client._resume_request(self.state)
+        return self.client._http.stream("GET", url, headers=headers)
+
+
+class AsyncClient(_Base):
+    """Asynchronous client (httpx.AsyncClient); same behaviour as `Client`."""
+
+    def __init__(self, base_url: str = "http://127.0.0.1:8000", **kwargs: Any) -> None:
+        super().__init__(base_url, **kwargs)
+        self._http = httpx.AsyncClient(timeout=self.timeout, headers=self._headers())
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> AsyncAnswer:
+        body = self._chat_body(messages, params)
+        return AsyncAnswer(self, ("POST", f"{self.base_url}/v1/chat/completions", body))
+
+    async def stream(self, prompt: str, **params: Any) -> AsyncAnswer:
+        r = await self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
+        self._check(r)
+        info = r.json()
+        return self.resume(info["id"], info["resume_token"])
+
+    def resume(self, stream_id: str, resume_token: str, last_event_id: str = "") -> AsyncAnswer:
+        answer = AsyncAnswer(self, None)
+        state = answer.state
+        state.stream_id, state.resume_token, state.last_event_id = (
+            stream_id,
+            resume_token,
+            last_event_id,
+        )
+        return answer
+
+
+class AsyncAnswer:
+    def __init__(self, client: AsyncClient, first: tuple[str, str, dict[str, Any]] | None) -> None:
+        self.client = client
+        self.state = TextStream()
+        self._first = first
+
+    @property
+    def text(self) -> str:
+        return self.state.text
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.state, name)
+
+    async def __aiter__(self) -> AsyncIterator[str]:
+        client, state = self.client, self.state
+        attempt = 0
+        reason = ""
+        while True:
+            try:
+                async with self._open() as response:
+                    if response.status_code == 204:
+                        state.done = True
+                        return
+                    if response.status_code >= 400:
+                        await response.aread()
+                        client._check(response)
+                    state._connected(response)
+                    attempt = 0
+                    async for chunk in response.aiter_raw():
+                        for delta in state._feed(chunk):
+                            yield delta
+                        if state.done:
+                            return
+                reason = "the stream ended without [DONE]"
+            except _DROPS as exc:
+                reason = f"{type(exc).__name__}: {exc}"
+            except StreamError as exc:
+                if not state.stream_id or exc.code not in ("stream_not_found",):
+                    raise StreamError(exc.code, exc.message, state.text) from None
+                reason = exc.message
+            if (
+                state.stream_id is None
+                or state.resume_token is None
+                or (attempt >= client.max_retries)
+            ):
+                state.interrupted = True
+                raise StreamInterrupted(reason, state.text, state.last_event_id)
+            await anyio.sleep(client._delay(attempt))
+            attempt += 1
+            state.reconnects += 1
+            self._first = None
+
+    def _open(self) -> Any:
+        if self._first is not None:
+            method, url, body = self._first
+            return self.client._http.stream(method, url, json=body)
+        url, headers = self.client._resume_request(self.state)
+        return self.client._http.stream("GET", url, headers=headers)
