@@ -8,8 +8,15 @@ import time
 
 
 class RawStream:
-    def __init__(self, port: int, method: str, path: str, body: object | None = None,
-                 headers: dict[str, str] | None = None, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        port: int,
+        method: str,
+        path: str,
+        body: object | None = None,
+        headers: dict[str, str] | None = None,
+        host: str = "127.0.0.1",
+    ) -> None:
         self.sock = socket.create_connection((host, port), timeout=10)
         payload = b"" if body is None else json.dumps(body).encode()
         lines = [f"{method} {path} HTTP/1.1", f"Host: {host}:{port}"]
@@ -49,7 +56,7 @@ class RawStream:
             if not data:
                 raise ConnectionError("closed")
             self._buf += data
-        chunk, self._buf = self._buf[:size], self._buf[size + 2:]
+        chunk, self._buf = self._buf[:size], self._buf[size + 2 :]
         self.body += chunk
         return chunk
 

@@ -22,8 +22,9 @@ def outcome(server: Server, name: str) -> float:
 @pytest.fixture(scope="module")
 def slow() -> Iterator[Server]:
     """ITL 20 ms: the seeds' pace, so 'within one token' means within 20 ms."""
-    with run_server("--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "20",
-                    "--resume-grace-s", "0.3") as s:
+    with run_server(
+        "--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "20", "--resume-grace-s", "0.3"
+    ) as s:
         yield s
 
 
@@ -34,9 +35,16 @@ def read_content_events(s: RawStream, n: int) -> None:
 
 def test_disconnect_after_ten_chunks_stops_generation(slow: Server) -> None:
     disconnected = outcome(slow, "disconnected")
-    s = RawStream(slow.port, "POST", "/v1/chat/completions", {
-        "messages": [{"role": "user", "content": "long answer"}], "stream": True,
-        "max_tokens": 300})
+    s = RawStream(
+        slow.port,
+        "POST",
+        "/v1/chat/completions",
+        {
+            "messages": [{"role": "user", "content": "long answer"}],
+            "stream": True,
+            "max_tokens": 300,
+        },
+    )
     read_content_events(s, 10)
     before = slow.metric(GENERATED)
     s.close()
@@ -55,8 +63,11 @@ def test_cancel_endpoint_stops_native_stream(slow: Server) -> None:
     s = RawStream(slow.port, "GET", created["events_url"])
     assert s.status == 200
     read_content_events(s, 5)
-    r = httpx.post(f"{slow.v1}/streams/{created['id']}/cancel",
-                   headers={"Authorization": f"Bearer {created['resume_token']}"}, timeout=10)
+    r = httpx.post(
+        f"{slow.v1}/streams/{created['id']}/cancel",
+        headers={"Authorization": f"Bearer {created['resume_token']}"},
+        timeout=10,
+    )
     assert r.status_code == 200 and r.json()["outcome"] == "cancelled"
     before = slow.metric(GENERATED)
     body = s.read_all()  # the stream ends by itself, with a reason
@@ -70,8 +81,9 @@ def test_cancel_endpoint_stops_native_stream(slow: Server) -> None:
 
 def test_delete_also_cancels(slow: Server) -> None:
     created = httpx.post(slow.v1 + "/streams", json={"prompt": "x"}, timeout=10).json()
-    r = httpx.delete(f"{slow.v1}/streams/{created['id']}?token={created['resume_token']}",
-                     timeout=10)
+    r = httpx.delete(
+        f"{slow.v1}/streams/{created['id']}?token={created['resume_token']}", timeout=10
+    )
     assert r.status_code == 200 and r.json()["outcome"] == "cancelled"
 
 
@@ -91,8 +103,11 @@ def test_abandoned_native_stream_stops_after_grace(slow: Server) -> None:
 def test_non_streaming_request_stops_when_client_gives_up(slow: Server) -> None:
     disconnected = outcome(slow, "disconnected")
     with pytest.raises(httpx.ReadTimeout):
-        httpx.post(slow.v1 + "/chat/completions", json={
-            "messages": [{"role": "user", "content": "x"}], "max_tokens": 300}, timeout=0.3)
+        httpx.post(
+            slow.v1 + "/chat/completions",
+            json={"messages": [{"role": "user", "content": "x"}], "max_tokens": 300},
+            timeout=0.3,
+        )
     wait_for(lambda: outcome(slow, "disconnected") == disconnected + 1, timeout=5)
     stopped = slow.metric(GENERATED)
     time.sleep(0.2)

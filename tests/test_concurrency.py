@@ -15,8 +15,12 @@ N = 200
 
 
 async def one(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, list[str], bool]:
-    body = {"messages": [{"role": "user", "content": f"question {i}"}], "stream": True,
-            "max_tokens": 30 + i % 20, "seed": i}
+    body = {
+        "messages": [{"role": "user", "content": f"question {i}"}],
+        "stream": True,
+        "max_tokens": 30 + i % 20,
+        "seed": i,
+    }
     tokens: list[str] = []
     done = False
     decoder = EventDecoder()

@@ -40,28 +40,37 @@ def test_invalid_fields(server: Server, body: dict, code: str, param: str) -> No
 
 
 def test_malformed_json(server: Server) -> None:
-    r = httpx.post(server.v1 + "/chat/completions", content=b'{"messages": [', timeout=10,
-                   headers={"content-type": "application/json"})
+    r = httpx.post(
+        server.v1 + "/chat/completions",
+        content=b'{"messages": [',
+        timeout=10,
+        headers={"content-type": "application/json"},
+    )
     check(r, 400, "invalid_json")
-    check(httpx.post(server.v1 + "/completions", content=b"[1,2]", timeout=10), 400,
-          "invalid_request")
+    check(
+        httpx.post(server.v1 + "/completions", content=b"[1,2]", timeout=10), 400, "invalid_request"
+    )
 
 
 def test_unknown_model(server: Server) -> None:
-    r = httpx.post(server.v1 + "/chat/completions", json={"model": "nope", "messages": MSG},
-                   timeout=10)
+    r = httpx.post(
+        server.v1 + "/chat/completions", json={"model": "nope", "messages": MSG}, timeout=10
+    )
     check(r, 404, "model_not_found")
 
 
 def test_body_over_limit_is_413() -> None:
     with run_server("--max-body-bytes", "2000") as srv:
         big = {"messages": [{"role": "user", "content": "x" * 5000}]}
-        check(httpx.post(srv.v1 + "/chat/completions", json=big, timeout=10), 413,
-              "request_too_large")
+        check(
+            httpx.post(srv.v1 + "/chat/completions", json=big, timeout=10), 413, "request_too_large"
+        )
         # Without Content-Length (a chunked upload) the limit holds too.
         with socket.create_connection(("127.0.0.1", srv.port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
-                         b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            )
             for _ in range(5):
                 sock.sendall(b"3e8\r\n" + b" " * 1000 + b"\r\n")
             sock.sendall(b"0\r\n\r\n")
@@ -76,20 +85,25 @@ def test_unknown_route_and_method(server: Server) -> None:
 
 
 def test_native_stream_auth_and_resume_point(server: Server) -> None:
-    created = httpx.post(server.v1 + "/streams", json={"prompt": "p", "max_tokens": 3},
-                         timeout=10)
+    created = httpx.post(server.v1 + "/streams", json={"prompt": "p", "max_tokens": 3}, timeout=10)
     assert created.status_code == 201
     info = created.json()
     base = f"{server.v1}/streams/{info['id']}/events"
     check(httpx.get(base, timeout=10), 401, "missing_token")
     check(httpx.get(base + "?token=wrong", timeout=10), 404, "stream_not_found")
-    check(httpx.get(f"{server.v1}/streams/{'0' * 32}/events?token=x", timeout=10), 404,
-          "stream_not_found")
+    check(
+        httpx.get(f"{server.v1}/streams/{'0' * 32}/events?token=x", timeout=10),
+        404,
+        "stream_not_found",
+    )
     other = httpx.post(server.v1 + "/streams", json={"prompt": "q"}, timeout=10).json()
-    check(httpx.get(f"{base}?token={other['resume_token']}", timeout=10), 404,
-          "stream_not_found")
-    check(httpx.get(f"{base}?token={info['resume_token']}&last_event_id=abc", timeout=10), 400,
-          "invalid_last_event_id")
-    check(httpx.post(server.v1 + "/streams", json={"max_tokens": 3}, timeout=10), 400,
-          "missing_field")
+    check(httpx.get(f"{base}?token={other['resume_token']}", timeout=10), 404, "stream_not_found")
+    check(
+        httpx.get(f"{base}?token={info['resume_token']}&last_event_id=abc", timeout=10),
+        400,
+        "invalid_last_event_id",
+    )
+    check(
+        httpx.post(server.v1 + "/streams", json={"max_tokens": 3}, timeout=10), 400, "missing_field"
+    )
     httpx.delete(f"{server.v1}/streams/{other['id']}?token={other['resume_token']}", timeout=10)

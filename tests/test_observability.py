@@ -19,14 +19,17 @@ def test_bucket_resolution_meets_the_interface() -> None:
 
 def test_metrics_names_and_histograms_move(server: Server) -> None:
     before = server.metrics()
-    httpx.post(server.v1 + "/chat/completions", json={
-        "messages": [{"role": "user", "content": "m"}], "stream": True, "max_tokens": 10},
-        timeout=10)
+    httpx.post(
+        server.v1 + "/chat/completions",
+        json={"messages": [{"role": "user", "content": "m"}], "stream": True, "max_tokens": 10},
+        timeout=10,
+    )
     m = server.metrics()
     assert m["firsttoken_ttft_seconds_count"] == before["firsttoken_ttft_seconds_count"] + 1
     # 10 tokens: 1 TTFT + 9 inter-chunk gaps.
     assert m["firsttoken_inter_chunk_seconds_count"] == (
-        before["firsttoken_inter_chunk_seconds_count"] + 9)
+        before["firsttoken_inter_chunk_seconds_count"] + 9
+    )
     for name in ("firsttoken_tokens_generated_total", "firsttoken_tokens_sent_total"):
         assert m[name] == before[name] + 10
     assert "firsttoken_active_streams" in m
@@ -37,8 +40,11 @@ def test_metrics_names_and_histograms_move(server: Server) -> None:
 def test_ttft_histogram_matches_engine_ttft() -> None:
     with run_server("--synthetic-ttft-ms", "120", "--synthetic-itl-ms", "5") as srv:
         for _ in range(3):
-            httpx.post(srv.v1 + "/completions", json={"prompt": "t", "stream": True,
-                                                      "max_tokens": 3}, timeout=10)
+            httpx.post(
+                srv.v1 + "/completions",
+                json={"prompt": "t", "stream": True, "max_tokens": 3},
+                timeout=10,
+            )
         m = srv.metrics()
         assert m['firsttoken_ttft_seconds_bucket{le="0.115"}'] == 0
         assert m['firsttoken_ttft_seconds_bucket{le="0.2"}'] == 3
@@ -46,9 +52,12 @@ def test_ttft_histogram_matches_engine_ttft() -> None:
 
 def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
-    r = httpx.post(server.v1 + "/chat/completions", json={
-        "messages": [{"role": "user", "content": "log"}], "stream": True, "max_tokens": 4},
-        headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"}, timeout=10)
+    r = httpx.post(
+        server.v1 + "/chat/completions",
+        json={"messages": [{"role": "user", "content": "log"}], "stream": True, "max_tokens": 4},
+        headers={"traceparent": f"00-{trace}-00f067aa0ba902b7-01"},
+        timeout=10,
+    )
     assert r.headers["x-request-id"] == trace
     stream_id = r.headers["x-stream-id"]
 
@@ -64,8 +73,9 @@ def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
     assert finished["tokens_generated"] == finished["tokens_sent"] == 4
     assert finished["ttft_ms"] > 0
     # An error response carries the caller's request id too.
-    bad = httpx.post(server.v1 + "/chat/completions", json={}, timeout=10,
-                     headers={"X-Request-Id": "req-42"})
+    bad = httpx.post(
+        server.v1 + "/chat/completions", json={}, timeout=10, headers={"X-Request-Id": "req-42"}
+    )
     assert bad.headers["x-request-id"] == "req-42"
 
 

@@ -26,7 +26,11 @@ def test_models_lists_synthetic(server: Server) -> None:
 def test_stream_chat_token_exact_with_usage(server: Server) -> None:
     expected, finish = synthetic_tokens(PROMPT, 7, 40)
     stream = client(server).chat.completions.create(
-        model="synthetic", messages=MESSAGES, stream=True, max_tokens=40, seed=7,
+        model="synthetic",
+        messages=MESSAGES,
+        stream=True,
+        max_tokens=40,
+        seed=7,
         stream_options={"include_usage": True},
     )
     contents, finishes, usage, roles = [], [], None, []
@@ -82,7 +86,9 @@ def test_legacy_completions_stream_and_whole(server: Server) -> None:
         if ch.choices and ch.choices[0].text
     ]
     assert parts == expected
-    whole = c.completions.create(model="synthetic", prompt="Once upon a time", max_tokens=12, seed=2)
+    whole = c.completions.create(
+        model="synthetic", prompt="Once upon a time", max_tokens=12, seed=2
+    )
     assert whole.object == "text_completion" and whole.choices[0].text == "".join(expected)
     assert whole.usage is not None and whole.usage.completion_tokens == 12
 
@@ -118,7 +124,11 @@ def test_error_mid_stream_raises_api_error_and_keeps_text(server: Server) -> Non
     received: list[str] = []
     with pytest.raises(openai.APIError) as info:
         for chunk in client(server).chat.completions.create(
-            model="synthetic", messages=MESSAGES, stream=True, max_tokens=50, seed=5,
+            model="synthetic",
+            messages=MESSAGES,
+            stream=True,
+            max_tokens=50,
+            seed=5,
             extra_body={"synthetic": {"fail_after": 8, "error_code": "engine_overloaded"}},
         ):
             if chunk.choices and chunk.choices[0].delta.content:
@@ -141,7 +151,10 @@ def test_bad_max_tokens_is_400(server: Server) -> None:
 
 
 def test_non_streaming_engine_error_is_an_http_error(server: Server) -> None:
-    r = httpx.post(server.v1 + "/chat/completions", json={
-        "messages": MESSAGES, "max_tokens": 5, "synthetic": {"fail_after": 2}}, timeout=10)
+    r = httpx.post(
+        server.v1 + "/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 5, "synthetic": {"fail_after": 2}},
+        timeout=10,
+    )
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "engine_error"

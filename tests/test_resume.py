@@ -24,15 +24,20 @@ def native_tokens(body: bytes) -> tuple[list[str], list[int], bool]:
 
 
 def test_drop_after_ten_tokens_and_resume_token_exact(server: Server) -> None:
-    created = httpx.post(server.v1 + "/streams", json={"prompt": "resume me", "max_tokens": 60,
-                                                       "seed": 11}, timeout=10).json()
+    created = httpx.post(
+        server.v1 + "/streams",
+        json={"prompt": "resume me", "max_tokens": 60, "seed": 11},
+        timeout=10,
+    ).json()
     s = RawStream(server.port, "GET", created["events_url"])
     while s.body.count(b'{"token":') < 10:
         s.read_chunk()
     s.close()
     first, ids, _ = native_tokens(s.body)
     assert s.body.startswith(b"retry: 1000\n\n")
-    r = RawStream(server.port, "GET", created["events_url"], headers={"Last-Event-ID": str(ids[-1])})
+    r = RawStream(
+        server.port, "GET", created["events_url"], headers={"Last-Event-ID": str(ids[-1])}
+    )
     rest, rest_ids, done = native_tokens(r.read_all())
     r.close()
     assert done
@@ -41,8 +46,9 @@ def test_drop_after_ten_tokens_and_resume_token_exact(server: Server) -> None:
 
 
 def test_resume_after_end_replays_then_204(server: Server) -> None:
-    created = httpx.post(server.v1 + "/streams", json={"prompt": "short", "max_tokens": 5},
-                         timeout=10).json()
+    created = httpx.post(
+        server.v1 + "/streams", json={"prompt": "short", "max_tokens": 5}, timeout=10
+    ).json()
     url = server.url + created["events_url"]
     whole = httpx.get(url, timeout=10).content
     tokens, _, done = native_tokens(whole)
@@ -57,19 +63,26 @@ def test_resume_after_end_replays_then_204(server: Server) -> None:
 
 
 def test_openai_stream_resumes_by_stream_id() -> None:
-    with run_server("--openai-grace-s", "5", "--synthetic-itl-ms", "5",
-                    "--synthetic-ttft-ms", "10") as srv:
-        s = RawStream(srv.port, "POST", "/v1/chat/completions", {
-            "messages": [{"role": "user", "content": "q"}], "stream": True, "max_tokens": 40})
+    with run_server(
+        "--openai-grace-s", "5", "--synthetic-itl-ms", "5", "--synthetic-ttft-ms", "10"
+    ) as srv:
+        s = RawStream(
+            srv.port,
+            "POST",
+            "/v1/chat/completions",
+            {"messages": [{"role": "user", "content": "q"}], "stream": True, "max_tokens": 40},
+        )
         while s.body.count(b'"content":"') < 5:
             s.read_chunk()
         s.close()
         decoder = EventDecoder()
         seen = [e for e in decoder.feed(s.body)]
         stream_id, token = s.headers["x-stream-id"], s.headers["x-resume-token"]
-        r = httpx.get(f"{srv.v1}/streams/{stream_id}/events",
-                      headers={"Authorization": f"Bearer {token}",
-                               "Last-Event-ID": decoder.last_event_id}, timeout=10)
+        r = httpx.get(
+            f"{srv.v1}/streams/{stream_id}/events",
+            headers={"Authorization": f"Bearer {token}", "Last-Event-ID": decoder.last_event_id},
+            timeout=10,
+        )
         rest = list(EventDecoder().feed(r.content))
         text = ""
         for event in seen + rest:
@@ -82,10 +95,12 @@ def test_openai_stream_resumes_by_stream_id() -> None:
 
 
 def test_resume_older_than_the_buffer_is_a_clear_error() -> None:
-    with run_server("--resume-max-events", "10", "--synthetic-itl-ms", "1",
-                    "--synthetic-ttft-ms", "1") as srv:
-        created = httpx.post(srv.v1 + "/streams", json={"prompt": "x", "max_tokens": 40},
-                             timeout=10).json()
+    with run_server(
+        "--resume-max-events", "10", "--synthetic-itl-ms", "1", "--synthetic-ttft-ms", "1"
+    ) as srv:
+        created = httpx.post(
+            srv.v1 + "/streams", json={"prompt": "x", "max_tokens": 40}, timeout=10
+        ).json()
         url = srv.url + created["events_url"]
         httpx.get(url, timeout=10)  # read it all, so the log has rolled past event 1
         body = httpx.get(url + "&last_event_id=1", timeout=10).content

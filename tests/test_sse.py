@@ -21,8 +21,9 @@ def reference_parse(stream: str) -> list[dict[str, str | None]]:
     for line in lines[:-1]:
         if line == "":
             if data:
-                events.append({"data": data[:-1], "event": event_type or None,
-                               "id": last_id or None})
+                events.append(
+                    {"data": data[:-1], "event": event_type or None, "id": last_id or None}
+                )
             data, event_type = "", ""
             continue
         if line.startswith(":"):
@@ -46,14 +47,31 @@ field_text = st.text(
     alphabet=st.characters(blacklist_characters="\r\n\0", blacklist_categories=("Cs",)), max_size=20
 )
 any_text = st.text(alphabet=st.characters(blacklist_categories=("Cs",)), max_size=200)
-hostile = st.sampled_from(["\n\ndata: [DONE]\n\n", "\r", "\r\n", "\n", "\0", "event: error\n",
-                           "id: 99\n\n", ": ping\n\n", "data:", "\u2028", "🚀", "한국어"])
+hostile = st.sampled_from(
+    [
+        "\n\ndata: [DONE]\n\n",
+        "\r",
+        "\r\n",
+        "\n",
+        "\0",
+        "event: error\n",
+        "id: 99\n\n",
+        ": ping\n\n",
+        "data:",
+        "\u2028",
+        "🚀",
+        "한국어",
+    ]
+)
 payloads = st.lists(st.one_of(any_text, hostile), max_size=6).map("".join)
 
 
 @settings(max_examples=400, deadline=None)
-@given(events=st.lists(st.tuples(payloads, st.none() | field_text, st.none() | field_text),
-                       min_size=1, max_size=8))
+@given(
+    events=st.lists(
+        st.tuples(payloads, st.none() | field_text, st.none() | field_text), min_size=1, max_size=8
+    )
+)
 def test_round_trip_through_independent_parser(
     events: list[tuple[str, str | None, str | None]],
 ) -> None:
