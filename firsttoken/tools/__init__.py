@@ -1,0 +1,1 @@
+"""Client-side tools: `firsttoken diag` (measure any SSE endpoint) and `firsttoken replay`."""

@@ -1,0 +1,419 @@
+"""One measured stream: send the request, timestamp every network read, decode the events.
+
+Timing is taken per read off the socket (httpx `aiter_raw`), before any decoding, so what is
+reported is when bytes reached this process, not when Python got round to parsing them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+import time
+import zlib
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+from urllib.parse import urljoin, urlsplit
+
+import httpx
+
+from firsttoken.sse import EventDecoder, ServerSentEvent
+
+__all__ = [
+    "Comment",
+    "Event",
+    "Kind",
+    "Read",
+    "RequestSpec",
+    "StreamResult",
+    "detect_kind",
+    "measure_stream",
+]
+
+_SERVER_T = re.compile(r"^t=(\d+(?:\.\d+)?)$")
+_LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
+_ERROR_BODY_LIMIT = 65536
+
+
+class Kind(StrEnum):
+    CHAT = "chat"
+    COMPLETIONS = "completions"
+    NATIVE = "native"
+    SSE = "sse"
+
+
+def detect_kind(url: str) -> Kind:
+    """The request shape from the URL path (see docs/tools.md)."""
+    path = urlsplit(url).path.rstrip("/")
+    if path.endswith("/chat/completions"):
+        return Kind.CHAT
+    if path.endswith("/completions"):
+        return Kind.COMPLETIONS
+    if path.endswith("/v1/streams"):
+        return Kind.NATIVE
+    return Kind.SSE
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    url: str
+    kind: Kind
+    prompt: str
+    model: str | None = None
+    max_tokens: int | None = None
+    extra_body: dict[str, Any] = field(default_factory=dict)
+    headers: dict[str, str] = field(default_factory=dict)
+    include_usage: bool = True
+
+    def body(self) -> dict[str, Any] | None:
+        body: dict[str, Any]
+        if self.kind is Kind.CHAT:
+            body = {"messages": [{"role": "user", "content": self.prompt}], "stream": True}
+        elif self.kind is Kind.COMPLETIONS:
+            body = {"prompt": self.prompt, "stream": True}
+        elif self.kind is Kind.NATIVE:
+            body = {"prompt": self.prompt}
+        else:
+            return None
+        if self.kind is not Kind.NATIVE:
+            if self.model is not None:
+                body["model"] = self.model
+            if self.include_usage:
+                body["stream_options"] = {"include_usage": True}
+        elif self.model is not None:
+            body["model"] = self.model
+        if self.max_tokens is not None:
+            body["max_tokens"] = self.max_tokens
+        body.update(self.extra_body)
+        return body
+
+
+@dataclass(slots=True)
+class Event:
+    """One SSE event as received. `t` is seconds since the request started."""
+
+    t: float
+    data: str
+    event: str | None
+    id: str | None  # only when this event's block carried its own `id:` line
+    size: int  # bytes of the event's block on the (decoded) stream
+    server_t: float | None = None  # epoch seconds from a preceding `: t=` comment
+    role: str = "other"  # content | done | error | meta | usage | other
+    text: str = ""
+    seq: int = 0  # wire order among events and comments
+
+
+@dataclass(slots=True)
+class Comment:
+    t: float
+    text: str
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class Read:
+    """One piece off the wire: when it arrived, when we were done with it, its sizes."""
+
+    t: float
+    done_t: float
+    wire: int
+    decoded: int
+
+
+@dataclass
+class StreamResult:
+    url: str
+    kind: Kind
+    started_at: float  # epoch seconds at request start
+    status: int | None = None
+    http_version: str | None = None
+    headers: dict[str, str] = field(default_factory=dict)
+    # When the request was fully written (the server can start): TTFT counts from here. For
+    # native streams that is the POST; `sse_request_t` is when the SSE GET was written.
+    sent_t: float = 0.0
+    sse_request_t: float = 0.0
+    connect_s: float | None = None  # TCP connect, when this request opened a connection
+    headers_t: float | None = None
+    end_t: float = 0.0
+    events: list[Event] = field(default_factory=list)
+    comments: list[Comment] = field(default_factory=list)
+    reads: list[Read] = field(default_factory=list)
+    error: dict[str, str] | None = None
+    usage: dict[str, Any] | None = None
+    finish_reason: str | None = None
+
+    @property
+    def content(self) -> list[Event]:
+        return [e for e in self.events if e.role == "content"]
+
+    @property
+    def done(self) -> bool:
+        return any(e.role == "done" for e in self.events)
+
+    @property
+    def wire_bytes(self) -> int:
+        return sum(r.wire for r in self.reads)
+
+    @property
+    def decoded_bytes(self) -> int:
+        return sum(r.decoded for r in self.reads)
+
+    @property
+    def ttft(self) -> float | None:
+        """First content event after the request was sent, as the server counts it."""
+        content = self.content
+        return content[0].t - self.sent_t if content else None
+
+    @property
+    def ttft_e2e(self) -> float | None:
+        """First content event after we started: connect and send included."""
+        content = self.content
+        return content[0].t if content else None
+
+    @property
+    def intervals(self) -> list[float]:
+        ts = [e.t for e in self.content]
+        return [b - a for a, b in itertools.pairwise(ts)]
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None and self.status == 200 and self.done
+
+
+def classify(ev: Event) -> None:
+    """Fill `role` and `text`: what the event means for the measurement."""
+    data = ev.data
+    if ev.event == "error":
+        ev.role = "error"
+        return
+    if data.strip() == "[DONE]":
+        ev.role = "done"
+        return
+    try:
+        obj: Any = json.loads(data)
+    except ValueError:
+        obj = None
+    if ev.event not in (None, "message"):
+        ev.role = "meta" if ev.event == "meta" else "other"
+        return
+    if not isinstance(obj, dict):
+        # Plain-text SSE (or a JSON scalar): the data is the content.
+        ev.role, ev.text = "content", data
+        return
+    choices = obj.get("choices")
+    if isinstance(choices, list):
+        if not choices:
+            ev.role = "usage" if obj.get("usage") else "other"
+            return
+        c0 = choices[0] if isinstance(choices[0], dict) else {}
+        delta = c0.get("delta") if isinstance(c0.get("delta"), dict) else {}
+        text = (
+            delta.get("content")
+            or delta.get("reasoning_content")
+            or delta.get("reasoning")
+            or c0.get("text")
+            or ""
+        )
+        ev.role, ev.text = ("content", str(text)) if text else ("other", "")
+        return
+    if "error" in obj:
+        ev.role = "error"
+        return
+    for key in ("token", "text", "content", "delta"):
+        value = obj.get(key)
+        if isinstance(value, str):
+            ev.role, ev.text = "content", value
+            return
+    ev.role = "other"
+
+
+class _Body:
+    """Content decoding, line splitting and SSE decoding of one response body."""
+
+    def __init__(self, encoding: str, result: StreamResult) -> None:
+        self._result = result
+        self._zlib: Any = None
+        enc = encoding.strip().lower()
+        if enc in ("gzip", "x-gzip"):
+            self._zlib = zlib.decompressobj(16 + zlib.MAX_WBITS)
+        elif enc == "deflate":
+            self._zlib = zlib.decompressobj()
+            self._deflate_probe = True
+        self._partial = b""
+        self._decoder = EventDecoder()
+        self._block_bytes = 0
+        self._block_has_id = False
+        self._pending_t: float | None = None
+        self._seq = 0
+
+    def decode(self, raw: bytes) -> bytes:
+        if self._zlib is None:
+            return raw
+        try:
+            return bytes(self._zlib.decompress(raw))
+        except zlib.error:
+            # "deflate" in the wild is sometimes raw deflate without the zlib header.
+            if getattr(self, "_deflate_probe", False):
+                self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
+                self._deflate_probe = False
+                return bytes(self._zlib.decompress(raw))
+            raise
+
+    def feed(self, t: float, data: bytes) -> None:
+        buf = self._partial + data
+        pos = 0
+        for m in _LINE.finditer(buf):
+            self._line(t, m.group(0))
+            pos = m.end()
+        self._partial = buf[pos:]
+
+    def _line(self, t: float, line: bytes) -> None:
+        # Fed a line at a time so comments (`: t=`) and id lines keep their order with events.
+        self._block_bytes += len(line)
+        if line.startswith(b"id:") or line.rstrip(b"\r\n") == b"id":
+            self._block_has_id = True
+        before = len(self._decoder.comments)
+        events = self._decoder.feed(line)
+        for text in self._decoder.comments[before:]:
+            self._seq += 1
+            self._result.comments.append(Comment(t, text, self._seq))
+            m = _SERVER_T.match(text.strip())
+            if m:
+                self._pending_t = float(m.group(1))
+        if line.strip(b"\r\n") == b"" and not events:
+            self._block_bytes = 0
+            self._block_has_id = False
+        for sse in events:
+            self._event(t, sse)
+
+    def _event(self, t: float, sse: ServerSentEvent) -> None:
+        ev = Event(
+            t=t,
+            data=sse.data or "",
+            event=sse.event,
+            id=sse.id if self._block_has_id else None,
+            size=self._block_bytes,
+            server_t=self._pending_t,
+        )
+        self._seq += 1
+        ev.seq = self._seq
+        self._block_bytes = 0
+        self._block_has_id = False
+        self._pending_t = None
+        classify(ev)
+        result = self._result
+        result.events.append(ev)
+        if ev.role == "error":
+            result.error = _error_of(ev.data, default_code="stream_error")
+        elif ev.role in ("content", "other", "usage"):
+            _note_openai_fields(ev.data, result)
+
+
+def _note_openai_fields(data: str, result: StreamResult) -> None:
+    if '"usage"' not in data and '"finish_reason"' not in data:
+        return
+    try:
+        obj = json.loads(data)
+    except ValueError:
+        return
+    if not isinstance(obj, dict):
+        return
+    if isinstance(obj.get("usage"), dict):
+        result.usage = obj["usage"]
+    choices = obj.get("choices")
+    if isinstance(choices, list) and choices and isinstance(choices[0], dict):
+        reason = choices[0].get("finish_reason")
+        if reason:
+            result.finish_reason = str(reason)
+
+
+def _error_of(body: str, default_code: str) -> dict[str, str]:
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return {"code": default_code, "message": body[:300]}
+    err = obj.get("error") if isinstance(obj, dict) else None
+    if isinstance(err, dict):
+        code = err.get("code") or err.get("type") or default_code
+        return {"code": str(code), "message": str(err.get("message", ""))[:300]}
+    if isinstance(err, str):
+        return {"code": default_code, "message": err[:300]}
+    return {"code": default_code, "message": body[:300]}
+
+
+def _note_sent(result: StreamResult, marks: dict[str, float]) -> None:
+    result.sent_t = marks.get("send_request_body.complete", 0.0)
+    if "connect_tcp.started" in marks and "connect_tcp.complete" in marks:
+        result.connect_s = marks["connect_tcp.complete"] - marks["connect_tcp.started"]
+
+
+async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> StreamResult:
+    """Run one streaming request and record everything about its arrival."""
+    t0 = time.perf_counter()
+    result = StreamResult(url=spec.url, kind=spec.kind, started_at=time.time())
+
+    def rel() -> float:
+        return time.perf_counter() - t0
+
+    def tracer(marks: dict[str, float]) -> dict[str, Any]:
+        async def trace(name: str, info: dict[str, Any]) -> None:
+            marks.setdefault(name.rsplit(".", 2)[-2] + "." + name.rsplit(".", 1)[-1], rel())
+
+        return {"trace": trace}
+
+    first: dict[str, float] = {}
+    second: dict[str, float] = {}
+
+    headers = {"Accept": "text/event-stream", "Accept-Encoding": "gzip, deflate"}
+    headers.update(spec.headers)
+    method, url, body = (
+        ("GET", spec.url, None) if spec.kind is Kind.SSE else ("POST", spec.url, spec.body())
+    )
+    try:
+        if spec.kind is Kind.NATIVE:
+            created = await client.post(
+                url,
+                json=body,
+                headers={**headers, "Accept": "application/json"},
+                extensions=tracer(first),
+            )
+            _note_sent(result, first)
+            if created.status_code not in (200, 201):
+                result.status = created.status_code
+                result.error = _error_of(created.text, default_code=str(created.status_code))
+                result.error["code"] = str(created.status_code)
+                return result
+            info = created.json()
+            method, url, body = "GET", urljoin(str(created.url), info["events_url"]), None
+        marks = second if spec.kind is Kind.NATIVE else first
+        async with client.stream(
+            method, url, json=body, headers=headers, extensions=tracer(marks)
+        ) as resp:
+            result.headers_t = rel()
+            result.sse_request_t = marks.get("send_request_body.complete", 0.0)
+            if spec.kind is not Kind.NATIVE:
+                _note_sent(result, marks)
+            result.status = resp.status_code
+            result.http_version = resp.http_version
+            result.headers = {k.lower(): v for k, v in resp.headers.items()}
+            if resp.status_code != 200:
+                raw = (await resp.aread())[:_ERROR_BODY_LIMIT]
+                result.error = _error_of(raw.decode("utf-8", "replace"), str(resp.status_code))
+                result.error["code"] = str(resp.status_code)
+                return result
+            decoder = _Body(resp.headers.get("content-encoding", ""), result)
+            async for raw in resp.aiter_raw():
+                t = rel()
+                data = decoder.decode(raw)
+                decoder.feed(t, data)
+                result.reads.append(Read(t=t, done_t=rel(), wire=len(raw), decoded=len(data)))
+    except httpx.TimeoutException as exc:
+        result.error = {"code": "timeout", "message": f"{type(exc).__name__}: {exc}"}
+    except (httpx.HTTPError, zlib.error, KeyError, ValueError) as exc:
+        result.error = {"code": type(exc).__name__, "message": str(exc)[:300]}
+    finally:
+        result.end_t = rel()
+    if result.error is None and result.status == 200 and not result.done:
+        result.error = {"code": "no_done", "message": "stream ended without [DONE]"}
+    return result

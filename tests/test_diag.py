@@ -1,0 +1,385 @@
+"""`firsttoken diag` against the real server, a 4 KB-batching proxy and a send-at-the-end server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import io
+import json
+import re
+import subprocess
+import sys
+import threading
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from firsttoken.tools import diag
+from firsttoken.tools._measure import Event, Kind, Read, StreamResult, detect_kind
+from firsttoken.tools._verdict import judge
+from tests.servers import ROOT, Server, run_server
+
+
+def run_diag(*args: str) -> tuple[int, dict[str, Any]]:
+    """`firsttoken diag ... --json` in-process: (exit status, the JSON object)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        rc = diag.main([*args, "--json"])
+    return rc, json.loads(out.getvalue())
+
+
+# --- intermediaries for negative controls, on a background event loop -----------------------
+
+
+class BackgroundLoop:
+    def __init__(self) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout=30)
+
+    def close(self) -> None:
+        async def cancel_all() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        self.run(cancel_all())
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5)
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def bg() -> Iterator[BackgroundLoop]:
+    loop = BackgroundLoop()
+    yield loop
+    loop.close()
+
+
+async def start_batching_proxy(upstream_port: int, block: int = 4096) -> asyncio.Server:
+    """TCP proxy passing the response on only in `block`-byte batches (a buffering proxy).
+
+    The remainder goes out when the upstream closes or has been quiet for 300 ms.
+    """
+
+    async def pipe_up(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+        with contextlib.suppress(ConnectionError):
+            while data := await src.read(65536):
+                dst.write(data)
+                await dst.drain()
+
+    async def handle(creader: asyncio.StreamReader, cwriter: asyncio.StreamWriter) -> None:
+        ureader, uwriter = await asyncio.open_connection("127.0.0.1", upstream_port)
+        up = asyncio.create_task(pipe_up(creader, uwriter))
+        pending = b""
+        try:
+            while True:
+                try:
+                    data = await asyncio.wait_for(ureader.read(65536), timeout=0.3)
+                except TimeoutError:
+                    data = None
+                if data == b"" or up.done():  # either side closed
+                    break
+                if data is None:
+                    if pending:
+                        cwriter.write(pending)
+                        pending = b""
+                    continue
+                pending += data
+                while len(pending) >= block:
+                    cwriter.write(pending[:block])
+                    pending = pending[block:]
+                await cwriter.drain()
+            cwriter.write(pending)
+            await cwriter.drain()
+        except ConnectionError:
+            pass
+        finally:
+            up.cancel()
+            uwriter.close()
+            cwriter.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+async def start_end_sender(events: int = 40, itl_s: float = 0.005) -> asyncio.Server:
+    """A server that generates events over time but sends them all at the end (with a length)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = re.search(rb"(?i)content-length:\s*(\d+)", head)
+        if length:
+            await reader.readexactly(int(length.group(1)))
+        body = b""
+        for i in range(events):
+            await asyncio.sleep(itl_s)
+            chunk = {"choices": [{"index": 0, "delta": {"content": f" w{i}"}}]}
+            body += f"id: {i + 1}\ndata: {json.dumps(chunk)}\n\n".encode()
+        body += b"data: [DONE]\n\n"
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nConnection: close\r\n"
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        writer.close()
+
+    return await asyncio.start_server(handle, "127.0.0.1", 0)
+
+
+def port_of(server: asyncio.Server) -> int:
+    return int(server.sockets[0].getsockname()[1])
+
+
+# --- the real server --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_server() -> Iterator[Server]:
+    """Timing slow enough to read clearly on a loaded machine: TTFT 100 ms, ITL 20 ms."""
+    with run_server("--synthetic-ttft-ms", "100", "--synthetic-itl-ms", "20") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def fast_server() -> Iterator[Server]:
+    with run_server("--synthetic-ttft-ms", "50", "--synthetic-itl-ms", "4") as s:
+        yield s
+
+
+def test_kind_from_url() -> None:
+    assert detect_kind("http://h/v1/chat/completions") is Kind.CHAT
+    assert detect_kind("http://h/v1/completions/") is Kind.COMPLETIONS
+    assert detect_kind("http://h/v1/streams") is Kind.NATIVE
+    assert detect_kind("http://h/v1/streams/abc/events?token=x") is Kind.SSE
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/streams"])
+def test_clean_stream_all_endpoint_kinds(slow_server: Server, path: str) -> None:
+    rc, d = run_diag(slow_server.url + path, "--max-tokens", "12")
+    assert rc == 0, d
+    assert d["status"] == 200 and d["done"] is True and d["truncated"] is False
+    assert d["chunks"] == 12 and d["tokens"] == 12
+    assert d["ttft_ms"] >= 95
+    assert 15 <= d["itl_ms"]["p50"] <= 30
+    assert set(d["itl_ms"]) >= {"p50", "p90", "p99"}
+    assert d["buffered"] is False and d["verdict"] == "clean", d["reason"]
+    assert d["ids"]["seen"] > 0 and d["ids"]["gaps"] == 0
+    checks = {c["header"]: c["ok"] for c in d["header_checks"]}
+    assert checks["content-type"] and checks["cache-control"] and checks["x-accel-buffering"]
+    assert checks["content-encoding"]
+    assert 30 <= d["tokens_per_s"] <= 70  # 50 tokens/s nominal
+    assert d["bytes"] > 0 and d["heartbeats"]["count"] == 0
+
+
+def test_diag_agrees_with_server_histograms() -> None:
+    """Same streams, measured at both ends: diag's p50s fall in the server's p50 buckets."""
+    with run_server("--synthetic-ttft-ms", "100", "--synthetic-itl-ms", "20") as s:
+        rc, d = run_diag(
+            s.url + "/v1/chat/completions",
+            "--max-tokens",
+            "20",
+            "--requests",
+            "6",
+            "--concurrency",
+            "2",
+        )
+        assert rc == 0 and d["completed"] == 6
+        text = httpx.get(s.url + "/metrics", timeout=10).text
+    ttft_lo, ttft_hi = p50_bucket(text, "firsttoken_ttft_seconds")
+    itl_lo, itl_hi = p50_bucket(text, "firsttoken_inter_chunk_seconds")
+    # diag adds the loopback trip and the request parse: allow 1 ms beyond the bucket, and
+    # (loaded CI machine) a little more on the TTFT side where connect + parse sit.
+    assert ttft_lo - 1.0 <= d["ttft_ms"] <= ttft_hi + 3.0, (d["ttft_ms_pct"], ttft_lo, ttft_hi)
+    assert itl_lo - 1.0 <= d["itl_ms"]["p50"] <= itl_hi + 1.0, (d["itl_ms"], itl_lo, itl_hi)
+    mean_ttft = histogram_mean(text, "firsttoken_ttft_seconds")
+    assert abs(d["ttft_ms_pct"]["mean"] - mean_ttft) < 5.0
+
+
+def p50_bucket(metrics: str, name: str) -> tuple[float, float]:
+    """(lower, upper] bound in ms of the bucket holding the histogram's median."""
+    buckets = [
+        (float(le), float(count))
+        for le, count in re.findall(rf'(?m)^{name}_bucket\{{le="([^"]+)"\}} (\S+)$', metrics)
+    ]
+    total = buckets[-1][1]
+    assert total > 0
+    lower = 0.0
+    for le, count in buckets:
+        if count >= total / 2:
+            return lower * 1000, le * 1000
+        lower = le
+    raise AssertionError("no median bucket")
+
+
+def histogram_mean(metrics: str, name: str) -> float:
+    total = float(re.search(rf"(?m)^{name}_sum (\S+)$", metrics).group(1))  # type: ignore[union-attr]
+    count = float(re.search(rf"(?m)^{name}_count (\S+)$", metrics).group(1))  # type: ignore[union-attr]
+    return 1000 * total / count
+
+
+def test_batching_proxy_is_flagged(fast_server: Server, bg: BackgroundLoop) -> None:
+    proxy = bg.run(start_batching_proxy(fast_server.port))
+    try:
+        url = f"http://127.0.0.1:{port_of(proxy)}/v1/chat/completions"
+        rc, d = run_diag(url, "--max-tokens", "150")
+    finally:
+        proxy.close()
+    assert rc == 0 and d["done"] is True
+    assert d["buffered"] is True, d["reason"]
+    assert re.search(r"bursts of ~[34]\.\d KB", d["reason"]), d["reason"]
+    assert "proxy buffering" in d["reason"]
+
+
+def test_send_at_end_server_is_flagged(bg: BackgroundLoop) -> None:
+    server = bg.run(start_end_sender())
+    try:
+        rc, d = run_diag(f"http://127.0.0.1:{port_of(server)}/v1/chat/completions", "--model", "x")
+    finally:
+        server.close()
+    assert rc == 0 and d["chunks"] == 40 and d["done"] is True
+    assert d["buffered"] is True
+    assert d["reason"].startswith("nothing until the end"), d["reason"]
+    checks = {c["header"]: c["ok"] for c in d["header_checks"]}
+    assert checks["content-length"] is False and checks["x-accel-buffering"] is False
+
+
+def test_truncated_stream_and_error_event(fast_server: Server) -> None:
+    extra = json.dumps({"synthetic": {"fail_after": 5, "error_code": "engine_overloaded"}})
+    rc, d = run_diag(
+        fast_server.url + "/v1/chat/completions", "--max-tokens", "20", "--extra-body", extra
+    )
+    assert rc == 1
+    assert d["done"] is False and d["truncated"] is True
+    assert d["chunks"] == 5
+    assert d["error"]["code"] == "engine_overloaded"
+
+
+def test_http_error_status(fast_server: Server) -> None:
+    rc, d = run_diag(fast_server.url + "/v1/chat/completions", "--model", "no-such-model")
+    assert rc == 1
+    assert d["status"] >= 400 and d["error"]["code"] == str(d["status"])
+    assert d["buffered"] is None and d["verdict"] == "inconclusive"
+
+
+def test_load_mode(fast_server: Server, tmp_path: Path) -> None:
+    plot = tmp_path / "plot.png"
+    capture = tmp_path / "cap.jsonl"
+    rc, d = run_diag(
+        fast_server.url + "/v1/chat/completions",
+        "--max-tokens",
+        "20",
+        "--concurrency",
+        "4",
+        "--requests",
+        "8",
+        "--plot",
+        str(plot),
+        "--capture",
+        str(capture),
+    )
+    assert rc == 0
+    assert d["requests"] == 8 and d["completed"] == 8 and d["completion_rate"] == 1.0
+    assert d["errors"] == {} and d["done"] is True and d["chunks"] == 160
+    assert d["buffered"] is False and d["verdicts"] == {"clean": 8}
+    for key in ("p50", "p90", "p99"):
+        assert d["ttft_ms_pct"][key] >= 45 and d["itl_ms"][key] is not None
+    assert d["client_cpu_percent"] is not None and d["client_cpu_s"] > 0
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    streams = {json.loads(line).get("stream") for line in capture.read_text().splitlines()[1:]}
+    assert streams == set(range(8))
+
+
+def test_load_mode_counts_errors_by_code(fast_server: Server) -> None:
+    extra = json.dumps({"synthetic": {"fail_after": 2, "error_code": "engine_overloaded"}})
+    rc, d = run_diag(
+        fast_server.url + "/v1/chat/completions",
+        "--max-tokens",
+        "10",
+        "--concurrency",
+        "3",
+        "--requests",
+        "3",
+        "--extra-body",
+        extra,
+    )
+    assert rc == 1
+    assert d["completed"] == 0 and d["completion_rate"] == 0.0
+    assert d["errors"] == {"engine_overloaded": 3}
+
+
+def test_cli_entry_points(fast_server: Server) -> None:
+    url = fast_server.url + "/v1/chat/completions"
+    for cmd in (["-m", "firsttoken.tools.diag"], ["-m", "firsttoken", "diag"]):
+        proc = subprocess.run(
+            [sys.executable, *cmd, url, "--max-tokens", "5", "--json"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert json.loads(proc.stdout)["chunks"] == 5
+    proc = subprocess.run(
+        [sys.executable, "-m", "firsttoken.tools.diag", url, "--max-tokens", "5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0 and "verdict" in proc.stdout and "TTFT" in proc.stdout
+
+
+def test_bad_arguments() -> None:
+    assert diag.main(["not-a-url"]) == 2
+    assert diag.main(["http://127.0.0.1:9/x", "--extra-body", "[1]"]) == 2
+    assert diag.main(["http://127.0.0.1:9/x", "-H", "nocolon"]) == 2
+
+
+# --- the verdict on constructed arrivals (no network) -----------------------------------------
+
+
+def _result(times: list[float], sizes: int = 200) -> StreamResult:
+    """Events at `times`; events sharing a time came in one read (back to back)."""
+    r = StreamResult(url="x", kind=Kind.SSE, started_at=0.0, status=200)
+    for t in sorted(set(times)):
+        r.reads.append(Read(t=t, done_t=t + 0.0001, wire=sizes, decoded=sizes))
+    for t in times:
+        r.events.append(Event(t=t, data="x", event=None, id=None, size=sizes, role="content"))
+    return r
+
+
+def test_verdict_clean_with_jitter() -> None:
+    times = [0.1 + 0.002 * i for i in range(100)]
+    times[50:53] = [times[52]] * 3  # a client hiccup: three events in one read
+    v = judge(_result(times))
+    assert v.buffered is False and v.label == "clean"
+
+
+def test_verdict_block_bursts() -> None:
+    times = [0.1 + 0.05 * (i // 20) for i in range(100)]  # 20 events × 200 B, every 50 ms
+    v = judge(_result(times))
+    assert v.buffered is True and "bursts of ~3.9 KB" in v.reason
+
+
+def test_verdict_all_at_end_and_too_few() -> None:
+    v = judge(_result([0.5] * 30))
+    assert v.buffered is True and v.reason.startswith("nothing until the end")
+    v = judge(_result([0.1, 0.2]))
+    assert v.buffered is None and v.label == "inconclusive"
+
+
+def test_heartbeats_are_seen() -> None:
+    with run_server(
+        "--synthetic-ttft-ms", "400", "--synthetic-itl-ms", "5", "--heartbeat-s", "0.05"
+    ) as s:
+        rc, d = run_diag(s.url + "/v1/chat/completions", "--max-tokens", "5")
+    assert rc == 0
+    assert d["heartbeats"]["count"] >= 2 and d["heartbeats"]["max_gap_ms"] is not None

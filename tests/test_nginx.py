@@ -1,0 +1,112 @@
+"""deploy/nginx.conf with a real nginx: clean streaming, and diag catching a misconfigured one."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.nginx import (
+    DEPLOY_CONF,
+    MULTI_CONF,
+    check_config,
+    free_port,
+    nginx_binary,
+    render_config,
+    run_nginx,
+)
+from tests.servers import Server, run_server
+from tests.test_diag import run_diag
+
+pytestmark = pytest.mark.skipif(
+    nginx_binary() is None, reason="nginx not installed (apt-get install -y nginx)"
+)
+
+CHAT = "/v1/chat/completions"
+# gzip for the event stream, as a careless global `gzip_types` would do.
+GZIP_SSE = {
+    "gzip off;": "gzip on;\n            gzip_types text/event-stream;\n"
+    "            gzip_min_length 0;"
+}
+# Buffering on, and our X-Accel-Buffering: no ignored.
+BUFFER_IGNORING = {
+    "proxy_buffering off;": "proxy_buffering on;\n"
+    "            proxy_ignore_headers X-Accel-Buffering;"
+}
+# Buffering on, but X-Accel-Buffering: no honoured (nginx's default behaviour).
+BUFFER_HONOURING = {"proxy_buffering off;": "proxy_buffering on;"}
+
+
+@pytest.fixture(scope="module")
+def upstream() -> Iterator[Server]:
+    with run_server("--synthetic-ttft-ms", "100", "--synthetic-itl-ms", "10") as s:
+        yield s
+
+
+@pytest.mark.parametrize("conf", [DEPLOY_CONF, MULTI_CONF], ids=["single", "multi"])
+def test_deploy_config_is_valid(conf: Path, tmp_path: Path) -> None:
+    text = render_config(conf.read_text(), [8000, 8001], free_port(), tmp_path)
+    proc = check_config(text, tmp_path)
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_clean_through_nginx(upstream: Server, tmp_path: Path) -> None:
+    with run_nginx([upstream.port], tmp_path) as ng:
+        run_diag(ng.url + CHAT, "--max-tokens", "2")  # warm the worker and upstream keepalive
+        args = ("--max-tokens", "20", "--requests", "5")
+        rc_direct, direct = run_diag(upstream.url + CHAT, *args)
+        rc_proxied, proxied = run_diag(ng.url + CHAT, *args)
+        rc_native, native = run_diag(ng.url + "/v1/streams", "--max-tokens", "20")
+    assert rc_direct == rc_proxied == rc_native == 0
+    assert direct["verdicts"] == {"clean": 5}
+    assert proxied["verdicts"] == {"clean": 5} and proxied["buffered"] is False
+    assert proxied["completed"] == 5 and proxied["chunks"] == 100
+    print(
+        f"TTFT p50 direct {direct['ttft_ms']:.2f} ms, via nginx {proxied['ttft_ms']:.2f} ms; "
+        f"ITL p50 {direct['itl_ms']['p50']:.2f} / {proxied['itl_ms']['p50']:.2f} ms"
+    )
+    assert abs(proxied["ttft_ms"] - direct["ttft_ms"]) < 5.0
+    assert abs(proxied["itl_ms"]["p50"] - direct["itl_ms"]["p50"]) < 2.0
+    assert native["done"] is True and native["buffered"] is False and native["chunks"] == 20
+
+
+def test_gzip_and_ignored_x_accel_is_flagged(upstream: Server, tmp_path: Path) -> None:
+    """Measured on Debian's nginx 1.22: the whole stream then arrives at the end."""
+    with run_nginx([upstream.port], tmp_path, {**GZIP_SSE, **BUFFER_IGNORING}) as ng:
+        rc, d = run_diag(ng.url + CHAT, "--max-tokens", "30")
+    assert rc == 0 and d["done"] is True and d["chunks"] == 30
+    assert d["headers"].get("content-encoding") == "gzip"
+    assert d["buffered"] is True, d["reason"]
+    assert d["reason"].startswith("nothing until the end") and "gzip" in d["reason"]
+
+
+def test_gzip_with_x_accel_honoured_streams_cleanly(upstream: Server, tmp_path: Path) -> None:
+    with run_nginx([upstream.port], tmp_path, {**GZIP_SSE, **BUFFER_HONOURING}) as ng:
+        rc, d = run_diag(ng.url + CHAT, "--max-tokens", "30")
+    assert rc == 0 and d["done"] is True and d["chunks"] == 30
+    assert d["headers"].get("content-encoding") == "gzip"  # compressed, flushed per event
+    assert d["buffered"] is False and d["verdict"] == "clean", d["reason"]
+
+
+def test_buffering_on_with_slow_small_events_is_not_flagged(
+    upstream: Server, tmp_path: Path
+) -> None:
+    """nginx's proxy buffering still passes slow, small events on at once: judge arrivals."""
+    with run_nginx([upstream.port], tmp_path, BUFFER_IGNORING) as ng:
+        rc, d = run_diag(ng.url + CHAT, "--max-tokens", "30")
+    assert rc == 0 and d["buffered"] is False, d["reason"]
+
+
+def test_multi_instance_config_balances_streams(tmp_path: Path) -> None:
+    with (
+        run_server("--synthetic-ttft-ms", "50", "--synthetic-itl-ms", "5") as a,
+        run_server("--synthetic-ttft-ms", "50", "--synthetic-itl-ms", "5") as b,
+        run_nginx([a.port, b.port], tmp_path, base=MULTI_CONF) as ng,
+    ):
+        rc, d = run_diag(
+            ng.url + CHAT, "--max-tokens", "10", "--requests", "4", "--concurrency", "2"
+        )
+        served = [s.metric('firsttoken_streams_total{outcome="completed"}') for s in (a, b)]
+    assert rc == 0 and d["completed"] == 4 and d["buffered"] is False
+    assert sum(served) >= 4 and min(served) >= 1, served
