@@ -22,6 +22,7 @@ from firsttoken.api.gateway import Gateway, gateway
 from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
 from firsttoken.observability import Metrics
+from firsttoken.resume import open_store
 from firsttoken.stream import StreamRegistry
 
 __all__ = ["create_app"]
@@ -33,7 +34,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     settings = settings or Settings()
     engine = engine or build_engine(settings)
     metrics = Metrics(tokens_generated=lambda: engine.tokens_generated)
-    registry = StreamRegistry(engine, metrics, ttl_s=settings.resume_ttl_s)
+    store = open_store(settings.redis, max_events=settings.resume_max_events)
+    registry = StreamRegistry(
+        engine,
+        metrics,
+        ttl_s=settings.resume_ttl_s,
+        store=store,
+        max_events=settings.resume_max_events,
+    )
     gw = Gateway(settings=settings, engine=engine, registry=registry, metrics=metrics)
 
     @asynccontextmanager

@@ -101,7 +101,7 @@ class EventStreamResponse:
                 now = clock()
                 self._last_write = now
                 seq = events[-1].seq
-                if seq > stream.delivered_seq:
+                if seq > stream.delivered_seq and not stream.mirror:
                     self._account(events, now)
                 continue
             if log.closed:

@@ -12,7 +12,7 @@ from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.api.render import NativeRenderer
 from firsttoken.engines import GenerationRequest
 from firsttoken.response import EventStreamResponse
-from firsttoken.stream import Outcome, Stream
+from firsttoken.stream import Stream
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
 
@@ -43,6 +43,7 @@ async def create_stream(request: Request) -> Response:
     stream = Stream(
         generation,
         NativeRenderer(),
+        kind="native",
         trace_id=trace,
         grace_s=gw.settings.resume_grace_s,
         prompt_tokens=gw.engine.prompt_tokens(body.prompt),
@@ -67,15 +68,21 @@ async def create_stream(request: Request) -> Response:
 async def stream_events(request: Request) -> Response:
     gw = gateway(request)
     try:
-        stream = _authorized_stream(request)
+        stream = await _authorized_stream(request)
         after = _last_event_id(request)
     except APIError as exc:
         return exc.response(trace_id(request))
     log = stream.log
+    if stream.mirror:
+        await gw.registry.tail(stream, after)
+        # Give the mirror a moment to learn whether the stream already ended there.
+        with anyio.move_on_after(0.5):
+            while not log.closed and log.last_seq == after:
+                await log.wait(after)
     if log.closed and after >= log.last_seq:
         # Everything was delivered: 204 tells an EventSource to stop reconnecting.
         return Response(status_code=204, headers={"x-stream-id": stream.id})
-    native = isinstance(stream.renderer, NativeRenderer)
+    native = stream.kind == "native"
     return EventStreamResponse(
         stream,
         gw.registry,
@@ -88,18 +95,14 @@ async def stream_events(request: Request) -> Response:
 
 async def cancel_stream(request: Request) -> Response:
     try:
-        stream = _authorized_stream(request)
+        stream = await _authorized_stream(request)
     except APIError as exc:
         return exc.response(trace_id(request))
-    stream.stop(Outcome.CANCELLED)
-    with anyio.move_on_after(5):
-        await stream.done.wait()
-    outcome = stream.outcome.value if stream.outcome else "cancelling"
+    outcome = await gateway(request).registry.cancel(stream)
     return JSONResponse({"id": stream.id, "outcome": outcome})
 
 
-def _authorized_stream(request: Request) -> Stream:
-    stream = gateway(request).registry.get(request.path_params["stream_id"])
+async def _authorized_stream(request: Request) -> Stream:
     token = request.query_params.get("token")
     auth = request.headers.get("authorization", "")
     if token is None and auth[:7].lower() == "bearer ":
@@ -110,9 +113,14 @@ def _authorized_stream(request: Request) -> Stream:
             "missing_token",
             "this stream needs its resume token (?token= or Authorization: Bearer)",
         )
+    stream = await gateway(request).registry.find(request.path_params["stream_id"])
     # Unknown id and wrong token answer alike, so ids cannot be probed.
     if stream is None or not stream.check_token(token):
-        raise APIError(404, "stream_not_found", "no such stream, or the token does not match")
+        raise APIError(
+            404,
+            "stream_not_found",
+            "no such stream (it may have expired), or the token does not match",
+        )
     return stream
 
 

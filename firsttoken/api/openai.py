@@ -72,6 +72,7 @@ async def _serve(
     stream = Stream(
         generation,
         renderer,
+        kind="openai",
         trace_id=trace,
         grace_s=gw.settings.openai_grace_s,
         prompt_tokens=gw.engine.prompt_tokens(prompt),

@@ -1,5 +1,23 @@
 """The resume buffer: every event of a stream, kept for readers that come back."""
 
 from firsttoken.resume.memory import Event, EventLog, ResumeExpired
+from firsttoken.resume.store import EventStore, MemoryStore, StreamRecord, token_digest
 
-__all__ = ["Event", "EventLog", "ResumeExpired"]
+__all__ = [
+    "Event",
+    "EventLog",
+    "EventStore",
+    "MemoryStore",
+    "ResumeExpired",
+    "StreamRecord",
+    "open_store",
+    "token_digest",
+]
+
+
+def open_store(redis_url: str | None, *, max_events: int) -> EventStore:
+    if not redis_url:
+        return MemoryStore()
+    from firsttoken.resume.redis import RedisStore
+
+    return RedisStore(redis_url, max_events=max_events)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = ["Event", "EventLog", "ResumeExpired"]
@@ -28,6 +29,7 @@ class EventLog:
         self._waiters: list[asyncio.Future[None]] = []
         self.last_seq = 0
         self.closed = False
+        self.replica: Callable[[Event], None] | None = None  # e.g. the Redis store's queue
 
     @property
     def next_seq(self) -> int:
@@ -39,7 +41,10 @@ class EventLog:
 
     def append(self, wire: bytes, tokens: int = 0) -> None:
         self.last_seq += 1
-        self._events.append(Event(self.last_seq, wire, tokens))
+        event = Event(self.last_seq, wire, tokens)
+        self._events.append(event)
+        if self.replica is not None:
+            self.replica(event)
         self._wake()
 
     def close(self) -> None:

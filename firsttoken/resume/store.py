@@ -1,0 +1,84 @@
+"""Where streams are shared beyond this process: nowhere (memory) or Redis.
+
+The local `EventLog` is always the live buffer that this instance's readers tail. A store
+replicates it so that another instance can find the stream, replay and tail it, hear that a
+reader is attached there, and ask the owner to cancel it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import anyio
+from anyio.abc import TaskStatus
+
+from firsttoken.resume.memory import Event, EventLog
+
+__all__ = ["EventStore", "MemoryStore", "StreamRecord", "token_digest"]
+
+
+def token_digest(token: str) -> str:
+    return hashlib.sha256(token.encode()).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class StreamRecord:
+    id: str
+    kind: str  # "native" | "openai": decides the connection preamble
+    token_digest: str
+    trace_id: str
+    model: str
+
+
+class EventStore(Protocol):
+    async def run(
+        self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
+    ) -> None: ...
+
+    async def register(self, record: StreamRecord, ttl_s: float) -> None: ...
+
+    def replicate(self, stream_id: str, event: Event) -> None: ...
+
+    def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None: ...
+
+    async def lookup(self, stream_id: str) -> StreamRecord | None: ...
+
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> None: ...
+
+    async def cancel(self, stream_id: str) -> str | None: ...
+
+    async def has_remote_readers(self, stream_id: str) -> bool: ...
+
+
+class MemoryStore:
+    """One process: nothing to share."""
+
+    replicates = False
+
+    async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
+        task_status.started()
+        await anyio.sleep_forever()
+
+    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+        return None
+
+    def replicate(self, stream_id: str, event: Event) -> None:
+        return None
+
+    def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
+        return None
+
+    async def lookup(self, stream_id: str) -> StreamRecord | None:
+        return None
+
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
+        log.close()
+
+    async def cancel(self, stream_id: str) -> str | None:
+        return None
+
+    async def has_remote_readers(self, stream_id: str) -> bool:
+        return False

@@ -1,0 +1,110 @@
+"""Two gateway instances sharing a real Redis: resume on the other one, cancel from it."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from firsttoken.client import Client
+from firsttoken.engines import synthetic_tokens
+from firsttoken.sse import EventDecoder
+from tests.rawhttp import RawStream
+from tests.redis_server import run_redis
+from tests.servers import Server, run_server, wait_for
+
+GENERATED = "firsttoken_tokens_generated_total"
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[tuple[Server, Server]]:
+    with run_redis() as url:
+        args = (
+            "--redis",
+            url,
+            "--synthetic-ttft-ms",
+            "10",
+            "--synthetic-itl-ms",
+            "15",
+            "--resume-grace-s",
+            "2",
+            "--openai-grace-s",
+            "2",
+        )
+        with run_server(*args) as a, run_server(*args) as b:
+            yield a, b
+
+
+def tokens_of(body: bytes) -> tuple[list[str], str, bool]:
+    decoder = EventDecoder()
+    tokens, done = [], False
+    for event in decoder.feed(body):
+        if event.data == "[DONE]":
+            done = True
+        elif event.event is None:
+            tokens.append(json.loads(event.data)["token"])
+    return tokens, decoder.last_event_id, done
+
+
+def test_start_on_a_resume_on_b_token_exact(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    created = httpx.post(
+        a.v1 + "/streams", json={"prompt": "shared", "max_tokens": 60}, timeout=10
+    ).json()
+    s = RawStream(a.port, "GET", created["events_url"])
+    while s.body.count(b'{"token":') < 10:
+        s.read_chunk()
+    s.close()
+    first, last_id, _ = tokens_of(s.body)
+    r = httpx.get(b.url + created["events_url"], headers={"Last-Event-ID": last_id}, timeout=20)
+    rest, _, done = tokens_of(r.content)
+    assert r.status_code == 200 and done
+    assert first + rest == synthetic_tokens("shared", None, 60)[0]
+    # A finished stream replays from B too, and a wrong token is refused there as well.
+    assert tokens_of(httpx.get(b.url + created["events_url"], timeout=10).content)[0] == (
+        first + rest
+    )
+    wrong = httpx.get(f"{b.v1}/streams/{created['id']}/events?token=nope", timeout=10)
+    assert wrong.status_code == 404
+
+
+def test_client_follows_a_stream_from_one_instance_to_the_other(
+    pair: tuple[Server, Server],
+) -> None:
+    a, b = pair
+    with Client(a.url) as ca:
+        answer = ca.chat([{"role": "user", "content": "x"}], max_tokens=30)
+        it = iter(answer)
+        got = [next(it) for _ in range(5)]
+    with Client(b.url) as cb:
+        rest = cb.resume(answer.stream_id, answer.resume_token, answer.last_event_id)
+        got += list(rest)
+    assert got == synthetic_tokens("user: x", None, 30)[0]
+
+
+def test_cancel_via_b_stops_engine_on_a(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    created = httpx.post(a.v1 + "/streams", json={"prompt": "cancel across"}, timeout=10).json()
+    wait_for(lambda: a.metric("firsttoken_active_streams") >= 1)
+    r = httpx.post(
+        f"{b.v1}/streams/{created['id']}/cancel?token={created['resume_token']}", timeout=10
+    )
+    assert r.status_code == 200 and r.json()["outcome"] == "cancelled"
+    stopped = a.metric(GENERATED)
+    time.sleep(0.3)
+    assert a.metric(GENERATED) == stopped
+    assert a.metric('firsttoken_streams_total{outcome="cancelled"}') >= 1
+
+
+def test_reader_on_b_keeps_stream_on_a_alive(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    created = httpx.post(
+        a.v1 + "/streams", json={"prompt": "long", "max_tokens": 250}, timeout=10
+    ).json()
+    # Nobody reads on A; B reads the whole answer (~3.8 s), past A's 2 s grace window.
+    r = httpx.get(b.url + created["events_url"], timeout=30)
+    tokens, _, done = tokens_of(r.content)
+    assert done and tokens == synthetic_tokens("long", None, 250)[0]
