@@ -16,11 +16,12 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 
+from firsttoken.admission import Admission
 from firsttoken.api import native, openai
-from firsttoken.api.errors import APIError
 from firsttoken.api.gateway import Gateway, gateway
 from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
+from firsttoken.errors import APIError
 from firsttoken.observability import Metrics
 from firsttoken.resume import open_store
 from firsttoken.stream import StreamRegistry
@@ -42,13 +43,17 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         store=store,
         max_events=settings.resume_max_events,
     )
-    gw = Gateway(settings=settings, engine=engine, registry=registry, metrics=metrics)
+    admission = Admission(settings, metrics)
+    gw = Gateway(
+        settings=settings, engine=engine, registry=registry, metrics=metrics, admission=admission
+    )
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
         await engine.start()
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
+            tg.start_soon(admission.run, registry)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
@@ -93,6 +98,14 @@ async def _healthz(request: Request) -> Response:
 
 async def _readyz(request: Request) -> Response:
     gw: Gateway = gateway(request)
+    shedder = gw.admission.shedder
+    if shedder.shedding:
+        reasons = sorted(shedder.reasons) + ([] if shedder.breaker == "closed" else ["breaker"])
+        return JSONResponse(
+            {"status": "shedding", "reasons": reasons},
+            status_code=503,
+            headers={"retry-after": "5"},
+        )
     return JSONResponse({"status": "ready", "active_streams": gw.metrics.active_streams})
 
 

@@ -35,6 +35,24 @@ class Settings:
     resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
     resume_max_events: int = _knob(8192, "events kept per stream for resume")
     max_body_bytes: int = _knob(1_048_576, "largest request body accepted (413 above)")
+    header_timeout_s: float = _knob(10.0, "close connections whose request headers take longer")
+    body_timeout_s: float = _knob(30.0, "answer 408 when a request body takes longer")
+    max_streams_per_key: int = _knob(5, "concurrent streams per API key (keys file can override)")
+    rate_limit_per_s: float = _knob(100.0, "new streams per second, server-wide (0 turns it off)")
+    rate_limit_burst: int = _knob(200, "new streams allowed at once above the rate")
+    send_timeout_s: float = _knob(30.0, "disconnect a reader that takes no bytes for this long")
+    stream_buffer_events: int = _knob(
+        256, "events a reader may fall behind before generation pauses"
+    )
+    memory_limit: str = _knob(
+        "auto", "memory limit for shedding, e.g. 2G or 512M (auto: cgroup limit or total RAM)"
+    )
+    memory_shed_fraction: float = _knob(0.8, "shed load above this fraction of --memory-limit")
+    breaker_error_rate: float = _knob(0.05, "open the breaker above this engine error rate")
+    breaker_window_s: float = _knob(30.0, "sliding window for the error rate and TTFT p99")
+    breaker_min_streams: int = _knob(20, "streams in the window before the breaker can open")
+    breaker_open_s: float = _knob(10.0, "breaker stays open this long, then probes")
+    ttft_slo_ms: float = _knob(500.0, "refuse new streams while TTFT p99 is above this (0: off)")
     log_level: str = _knob("info", "log level", choices=("debug", "info", "warning", "error"))
 
     @classmethod

@@ -79,6 +79,9 @@ class Metrics:
         self.tokens_sent = 0
         self.active_streams = 0
         self.streams = dict.fromkeys(OUTCOMES, 0)
+        self.shedding = dict.fromkeys(("breaker", "ttft", "memory"), 0)
+        self.breaker_state = "closed"
+        self.memory_rss_bytes = 0
         self.tokens_generated = tokens_generated
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
@@ -105,6 +108,24 @@ class Metrics:
         active = GaugeMetricFamily("firsttoken_active_streams", "Streams generating now.")
         active.add_metric([], self.active_streams)
         yield active
+        shedding = GaugeMetricFamily(
+            "firsttoken_shedding", "1 while new streams are refused, by trigger.", labels=["reason"]
+        )
+        self.shedding["breaker"] = int(self.breaker_state != "closed")
+        for reason, on in self.shedding.items():
+            shedding.add_metric([reason], on)
+        yield shedding
+        breaker = GaugeMetricFamily(
+            "firsttoken_breaker_state",
+            "Circuit breaker: 1 for the current state.",
+            labels=["state"],
+        )
+        for state in ("closed", "open", "half_open"):
+            breaker.add_metric([state], int(state == self.breaker_state))
+        yield breaker
+        rss = GaugeMetricFamily("firsttoken_memory_rss_bytes", "Resident memory of the process.")
+        rss.add_metric([], self.memory_rss_bytes)
+        yield rss
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

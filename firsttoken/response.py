@@ -48,6 +48,7 @@ class EventStreamResponse:
         preamble: bytes = b"",
         headers: dict[str, str] | None = None,
         start: bool = False,
+        send_timeout_s: float = 30.0,
     ) -> None:
         self.stream = stream
         self.registry = registry
@@ -57,23 +58,38 @@ class EventStreamResponse:
         self.preamble = preamble
         self.headers = sse_headers(stream, headers)
         self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
+        self.send_timeout_s = send_timeout_s
+        self.stalled = False
         self._last_write = 0.0
+        self._sending_since = 0.0
         self._ping_due = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        self.registry.attach(self.stream)
+        stream, log = self.stream, self.stream.log
+        self.registry.attach(stream)
+        log.track(self, self.after)
+        finished = False
         try:
             if self.start:
-                await self.registry.start(self.stream)
+                await self.registry.start(stream)
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
                 tg.start_soon(self._heartbeat)
+                tg.start_soon(self._watch_stall, tg.cancel_scope)
                 await self._pump(send)
+                finished = True
                 tg.cancel_scope.cancel()
         finally:
-            self.registry.detach(self.stream)
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            log.untrack(self)
+            self.registry.detach(stream)
+        if finished:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        elif self.stalled:
+            # The reader takes no bytes: a graceful close would wait on it forever.
+            abort = scope.get("firsttoken.abort")
+            if abort is not None:
+                abort()
 
     async def _pump(self, send: Send) -> None:
         stream, log = self.stream, self.stream.log
@@ -97,10 +113,13 @@ class EventStreamResponse:
             if events:
                 # Everything that piled up while the socket was busy leaves in one write.
                 body = events[0].wire if len(events) == 1 else b"".join(e.wire for e in events)
+                self._sending_since = clock()
                 await send({"type": "http.response.body", "body": body, "more_body": True})
                 now = clock()
                 self._last_write = now
+                self._sending_since = 0.0
                 seq = events[-1].seq
+                log.advance(self, seq)
                 if seq > stream.delivered_seq and not stream.mirror:
                     self._account(events, now)
                 continue
@@ -123,6 +142,8 @@ class EventStreamResponse:
             if stream.first_token_at is None:
                 stream.first_token_at = now
                 metrics.ttft.observe(now - stream.accepted_at)
+                if stream.ticket is not None:
+                    stream.ticket.first_token(now - stream.accepted_at)
                 log_event(
                     "stream.first_token",
                     stream=stream.id,
@@ -145,6 +166,17 @@ class EventStreamResponse:
                 self.stream.log.nudge()
                 idle = 0.0
             await anyio.sleep(self.heartbeat_s - idle)
+
+    async def _watch_stall(self, scope: anyio.CancelScope) -> None:
+        """Disconnect a reader whose socket has taken nothing for `send_timeout_s`."""
+        clock = anyio.current_time
+        while True:
+            await anyio.sleep(min(1.0, self.send_timeout_s / 4))
+            since = self._sending_since
+            if since and clock() - since > self.send_timeout_s:
+                self.stalled = True
+                scope.cancel()
+                return
 
     async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
         while True:

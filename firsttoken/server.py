@@ -15,8 +15,17 @@ from firsttoken.observability import configure_logging, log_event
 __all__ = ["serve"]
 
 
-class _NoDelayProtocol(HttpToolsProtocol):
-    """Every token is a small write: Nagle's algorithm would hold it back ~40 ms."""
+class _StreamingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus what streaming needs from the connection:
+
+    - TCP_NODELAY: every token is a small write; Nagle's algorithm would hold it back ~40 ms;
+    - a header deadline: a slow-loris client trickling headers is cut off;
+    - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
+      close would wait for it to read the buffered data, forever).
+    """
+
+    header_timeout_s = 10.0
+    _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -26,6 +35,34 @@ class _NoDelayProtocol(HttpToolsProtocol):
             except OSError:
                 pass
         super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope["firsttoken.abort"] = self.transport.abort  # type: ignore[typeddict-unknown-key]
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._header_timer = loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
 
 
 class _Server(uvicorn.Server):
@@ -53,10 +90,11 @@ def serve(settings: Settings) -> None:
     sock = bind(settings.host, settings.port)
     port = sock.getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    _StreamingProtocol.header_timeout_s = settings.header_timeout_s
     config = uvicorn.Config(
         create_app(settings),
         loop="uvloop",
-        http=_NoDelayProtocol,
+        http=_StreamingProtocol,
         lifespan="on",
         access_log=False,
         log_level="warning",

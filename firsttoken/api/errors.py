@@ -1,81 +1,41 @@
-"""Errors before the first byte: an HTTP status and the OpenAI error shape."""
+"""Reading request bodies: size limit, JSON, validation — each failure a clear 4xx."""
 
 from __future__ import annotations
 
 from typing import TypeVar
 
+import anyio
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response
+
+from firsttoken.errors import APIError, error_body
 
 __all__ = ["APIError", "error_body", "read_model"]
 
 M = TypeVar("M", bound=BaseModel)
 
-_TYPES = {
-    400: "invalid_request_error",
-    401: "authentication_error",
-    403: "permission_error",
-    404: "not_found_error",
-    405: "invalid_request_error",
-    413: "invalid_request_error",
-    415: "invalid_request_error",
-    422: "invalid_request_error",
-    429: "rate_limit_error",
-    503: "server_error",
-}
 
-
-def error_body(
-    code: str, message: str, type_: str = "server_error", param: str | None = None
-) -> bytes:
-    return orjson.dumps(
-        {"error": {"message": message, "type": type_, "code": code, "param": param}}
-    )
-
-
-class APIError(Exception):
-    def __init__(
-        self,
-        status: int,
-        code: str,
-        message: str,
-        *,
-        param: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.code = code
-        self.message = message
-        self.param = param
-        self.headers = headers or {}
-
-    def response(self, request_id: str | None = None) -> Response:
-        headers = dict(self.headers)
-        if request_id:
-            headers["x-request-id"] = request_id
-        body = error_body(
-            self.code, self.message, _TYPES.get(self.status, "server_error"), self.param
-        )
-        return Response(
-            body, status_code=self.status, media_type="application/json", headers=headers
-        )
-
-
-async def read_model(request: Request, model: type[M], max_bytes: int) -> M:
+async def read_model(
+    request: Request, model: type[M], max_bytes: int, timeout_s: float = 30.0
+) -> M:
     """Read, size-check, parse and validate a JSON body; every failure is a clear 4xx."""
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, "request_too_large", f"request body is over {max_bytes} bytes")
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > max_bytes:
-            raise APIError(413, "request_too_large", f"request body is over {max_bytes} bytes")
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(timeout_s):  # a slow-loris body must not hold the handler
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise APIError(
+                        413, "request_too_large", f"request body is over {max_bytes} bytes"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, "request_timeout", f"request body took over {timeout_s:g} s") from None
     try:
         raw = orjson.loads(b"".join(chunks))
     except orjson.JSONDecodeError as exc:

@@ -6,16 +6,21 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
+from typing import TypeVar
 
+from pydantic import BaseModel
 from starlette.requests import Request
 
-from firsttoken.api.errors import APIError
+from firsttoken.admission import Admission, Ticket
+from firsttoken.api.errors import APIError, read_model
 from firsttoken.config import Settings
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics
 from firsttoken.stream import StreamRegistry
 
 __all__ = ["Gateway", "gateway", "new_stream_id", "trace_id"]
+
+B = TypeVar("B", bound=BaseModel)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
@@ -27,6 +32,17 @@ class Gateway:
     engine: Engine
     registry: StreamRegistry
     metrics: Metrics
+    admission: Admission
+
+    async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, Ticket]:
+        """Authenticate, read and validate the body, resolve the model, then admit."""
+        key = self.admission.authenticate(request)
+        body = await read_model(
+            request, kind, self.settings.max_body_bytes, self.settings.body_timeout_s
+        )
+        model = self.model(getattr(body, "model", None))
+        ticket = await self.admission.admit(key)
+        return body, model, ticket
 
     def model(self, requested: str | None) -> str:
         if requested is None:

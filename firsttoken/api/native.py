@@ -6,7 +6,7 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from firsttoken.api.errors import APIError, read_model
+from firsttoken.api.errors import APIError
 from firsttoken.api.gateway import gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.api.render import NativeRenderer
@@ -25,8 +25,7 @@ async def create_stream(request: Request) -> Response:
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body = await read_model(request, NativeStreamRequest, gw.settings.max_body_bytes)
-        model = gw.model(body.model)
+        body, model, ticket = await gw.accept(request, NativeStreamRequest)
     except APIError as exc:
         return exc.response(trace)
     stream_id = new_stream_id()
@@ -49,7 +48,9 @@ async def create_stream(request: Request) -> Response:
         prompt_tokens=gw.engine.prompt_tokens(body.prompt),
         max_events=gw.settings.resume_max_events,
         accepted_at=accepted_at,
+        window=gw.settings.stream_buffer_events,
     )
+    stream.ticket = ticket
     await gw.registry.start(stream)
     events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
     return JSONResponse(
@@ -90,6 +91,7 @@ async def stream_events(request: Request) -> Response:
         after=after,
         heartbeat_s=gw.settings.heartbeat_s,
         preamble=_PREAMBLE if native else b"",
+        send_timeout_s=gw.settings.send_timeout_s,
     )
 
 
@@ -103,7 +105,8 @@ async def cancel_stream(request: Request) -> Response:
 
 
 async def _authorized_stream(request: Request) -> Stream:
-    token = request.query_params.get("token")
+    # The resume token is the credential here (an EventSource can only send it in the URL).
+    token = request.query_params.get("token") or request.headers.get("x-resume-token")
     auth = request.headers.get("authorization", "")
     if token is None and auth[:7].lower() == "bearer ":
         token = auth[7:].strip()

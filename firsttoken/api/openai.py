@@ -9,7 +9,8 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from firsttoken.api.errors import APIError, read_model
+from firsttoken.admission import Ticket
+from firsttoken.api.errors import APIError
 from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.render import ChatRenderer, CompletionRenderer
@@ -22,6 +23,10 @@ __all__ = ["chat_completions", "completions", "models"]
 
 async def models(request: Request) -> Response:
     gw = gateway(request)
+    try:
+        gw.admission.authenticate(request)
+    except APIError as exc:
+        return exc.response(trace_id(request))
     data = [
         {"id": m, "object": "model", "created": 0, "owned_by": "firsttoken"}
         for m in gw.engine.models
@@ -44,8 +49,7 @@ async def _serve(
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body = await read_model(request, kind, gw.settings.max_body_bytes)
-        model = gw.model(body.model)
+        body, model, ticket = await gw.accept(request, kind)
     except APIError as exc:
         return exc.response(trace)
     chat = isinstance(body, ChatCompletionRequest)
@@ -64,7 +68,7 @@ async def _serve(
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
     created = int(time.time())
     if not body.stream:
-        return await _complete(gw, request, generation, chunk_id, created, chat, trace)
+        return await _complete(gw, request, generation, ticket, chunk_id, created, chat, trace)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     renderer = (ChatRenderer if chat else CompletionRenderer)(
         chunk_id, model, created, include_usage
@@ -78,7 +82,9 @@ async def _serve(
         prompt_tokens=gw.engine.prompt_tokens(prompt),
         max_events=gw.settings.resume_max_events,
         accepted_at=accepted_at,
+        window=gw.settings.stream_buffer_events,
     )
+    stream.ticket = ticket
     return EventStreamResponse(
         stream,
         gw.registry,
@@ -86,6 +92,7 @@ async def _serve(
         heartbeat_s=gw.settings.heartbeat_s,
         headers={"x-resume-token": stream.resume_token},
         start=True,
+        send_timeout_s=gw.settings.send_timeout_s,
     )
 
 
@@ -93,6 +100,7 @@ async def _complete(
     gw: Gateway,
     request: Request,
     generation: GenerationRequest,
+    ticket: Ticket,
     chunk_id: str,
     created: int,
     chat: bool,
@@ -128,6 +136,8 @@ async def _complete(
         else:
             outcome = Outcome.COMPLETED
         metrics.streams[outcome.value] += 1
+        with anyio.CancelScope(shield=True):
+            await ticket.release(outcome)
     if error is not None:
         return APIError(500, error.code, error.message).response(trace)
     if finish is None:

@@ -24,9 +24,15 @@ class ResumeExpired(Exception):
 class EventLog:
     """Events numbered 1, 2, 3...; the oldest are dropped past `max_events`."""
 
-    def __init__(self, max_events: int = 8192) -> None:
+    def __init__(self, max_events: int = 8192, window: int | None = None) -> None:
         self._events: deque[Event] = deque(maxlen=max_events)
         self._waiters: list[asyncio.Future[None]] = []
+        # Backpressure: the producer may run at most `window` events ahead of the slowest
+        # reader (or, with none attached, of where the last one stopped).
+        self.window = min(window or max_events, max_events)
+        self._cursors: dict[object, int] = {}
+        self._floor = 0
+        self._room: asyncio.Future[None] | None = None
         self.last_seq = 0
         self.closed = False
         self.replica: Callable[[Event], None] | None = None  # e.g. the Redis store's queue
@@ -70,6 +76,35 @@ class EventLog:
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         await waiter
+
+    def track(self, reader: object, seq: int) -> None:
+        self._cursors[reader] = seq
+
+    def advance(self, reader: object, seq: int) -> None:
+        self._cursors[reader] = seq
+        if self._room is not None and self.has_room():
+            self._release_room()
+
+    def untrack(self, reader: object) -> None:
+        seq = self._cursors.pop(reader, 0)
+        self._floor = max(self._floor, seq)
+        if self._room is not None and self.has_room():
+            self._release_room()
+
+    def has_room(self) -> bool:
+        floor = min(self._cursors.values()) if self._cursors else self._floor
+        return self.last_seq - floor < self.window
+
+    async def room(self) -> None:
+        """Wait until the readers have caught up enough for the producer to go on."""
+        while not self.has_room():
+            self._room = asyncio.get_running_loop().create_future()
+            await self._room
+
+    def _release_room(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
 
     def nudge(self) -> None:
         """Wake the readers (e.g. a heartbeat is due)."""

@@ -1,0 +1,120 @@
+"""Admission: who may start a stream now — auth, limits, load shedding — decided up front.
+
+Every refusal is an `APIError` before the first byte (401, 429 or 503 with Retry-After) and is
+counted as a `rejected` stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import anyio
+from starlette.requests import Request
+
+from firsttoken.admission.keys import ApiKey, KeyRing
+from firsttoken.admission.limits import Lease, MemoryLimits
+from firsttoken.admission.shedding import LoadShedder
+from firsttoken.config import Settings
+from firsttoken.errors import APIError
+from firsttoken.observability import Metrics
+from firsttoken.stream import Outcome, StreamRegistry
+
+__all__ = ["Admission", "ApiKey", "KeyRing", "LoadShedder", "Ticket"]
+
+_OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
+
+
+class Ticket:
+    """An admitted stream's hold on its slot; the stream reports back through it."""
+
+    def __init__(self, admission: Admission, key: ApiKey, lease: Lease | None) -> None:
+        self.admission = admission
+        self.key = key
+        self.lease = lease
+        self.released = False
+
+    def first_token(self, ttft_s: float) -> None:
+        self.admission.shedder.record_ttft(ttft_s)
+
+    async def release(self, outcome: Outcome) -> None:
+        if self.released:
+            return
+        self.released = True
+        if outcome in (Outcome.COMPLETED, Outcome.ERROR):
+            self.admission.shedder.record_outcome(failed=outcome is Outcome.ERROR)
+        if self.lease is not None:
+            await self.admission.limits.release(self.lease)
+
+
+class Admission:
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.keys = KeyRing.load(settings.api_keys) if settings.api_keys else None
+        if settings.redis:
+            from firsttoken.admission.redis_limits import RedisLimits
+
+            self.limits: MemoryLimits | RedisLimits = RedisLimits(
+                settings.redis, settings.rate_limit_per_s, settings.rate_limit_burst
+            )
+        else:
+            self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
+        self.shedder = LoadShedder(settings, metrics)
+
+    async def run(self, registry: StreamRegistry) -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self.limits.run)
+            tg.start_soon(self.shedder.watch_memory, registry.end_oldest)
+
+    def authenticate(self, request: Request) -> ApiKey:
+        if self.keys is None:
+            return _OPEN
+        auth = request.headers.get("authorization", "")
+        secret = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        key = self.keys.find(secret) if secret else None
+        if key is None:
+            self._rejected()
+            raise APIError(
+                401,
+                "invalid_api_key",
+                "missing or unknown API key (send Authorization: Bearer <key>)",
+            )
+        return key
+
+    async def admit(self, key: ApiKey) -> Ticket:
+        refusal = self.shedder.refusal()
+        if refusal is not None:
+            code, message, retry = refusal
+            self._rejected()
+            raise APIError(503, code, message, headers=_retry_after(retry))
+        wait = await self.limits.take_new_stream()
+        if wait > 0:
+            self._rejected()
+            raise APIError(
+                429,
+                "rate_limit_exceeded",
+                f"over the server's limit of {self.settings.rate_limit_per_s:g} new streams "
+                "per second",
+                headers=_retry_after(wait),
+            )
+        lease = None
+        if self.keys is not None:
+            limit = key.max_streams or self.settings.max_streams_per_key
+            lease = await self.limits.acquire(key.name, limit)
+            if lease is None:
+                self._rejected()
+                raise APIError(
+                    429,
+                    "concurrency_limit_exceeded",
+                    f"key {key.name!r} already has {limit} streams open "
+                    f"(max_streams_per_key={limit})",
+                    headers=_retry_after(1),
+                )
+        return Ticket(self, key, lease)
+
+    def _rejected(self) -> None:
+        self.metrics.streams["rejected"] += 1
+
+
+def _retry_after(seconds: float) -> dict[str, str]:
+    return {"retry-after": str(max(1, math.ceil(seconds)))}

@@ -1,0 +1,52 @@
+"""API keys: a TOML file of named keys, each with optional limits."""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["ApiKey", "KeyRing"]
+
+
+@dataclass(frozen=True, slots=True)
+class ApiKey:
+    name: str
+    max_streams: int | None = None  # None: the server's --max-streams-per-key
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode()).digest()
+
+
+class KeyRing:
+    """Keys by the digest of their secret: lookups never compare secrets byte by byte."""
+
+    def __init__(self, keys: dict[str, ApiKey]) -> None:
+        self._by_digest = {_digest(secret): key for secret, key in keys.items()}
+
+    @classmethod
+    def load(cls, path: str | Path) -> KeyRing:
+        """
+        [[keys]]
+        name = "alice"
+        key = "sk-alice-..."
+        max_streams = 5      # optional
+        """
+        raw = tomllib.loads(Path(path).read_text())
+        keys: dict[str, ApiKey] = {}
+        for i, entry in enumerate(raw.get("keys", [])):
+            secret, name = entry.get("key"), entry.get("name")
+            if not isinstance(secret, str) or not secret or not isinstance(name, str):
+                raise ValueError(f"{path}: keys[{i}] needs a string 'name' and 'key'")
+            limit = entry.get("max_streams")
+            if limit is not None and (not isinstance(limit, int) or limit < 1):
+                raise ValueError(f"{path}: keys[{i}].max_streams must be a positive integer")
+            keys[secret] = ApiKey(name=name, max_streams=limit)
+        if not keys:
+            raise ValueError(f"{path}: no [[keys]] entries")
+        return cls(keys)
+
+    def find(self, secret: str) -> ApiKey | None:
+        return self._by_digest.get(_digest(secret))

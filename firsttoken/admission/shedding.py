@@ -1,0 +1,160 @@
+"""Load shedding: a circuit breaker on engine errors, a TTFT guard, and a memory guard.
+
+Each trigger is independent, has its own metric and log line, and while any holds, new
+streams get 503 with Retry-After and /readyz answers 503 so a load balancer routes around us.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+from collections import deque
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+
+from firsttoken.config import Settings
+from firsttoken.observability import Metrics, log_event
+
+__all__ = ["LoadShedder", "memory_limit_bytes", "rss_bytes"]
+
+_UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+
+
+def memory_limit_bytes(spec: str) -> int:
+    """'2G', '512M', '1073741824', or 'auto' (cgroup v2/v1 limit, else total RAM)."""
+    if spec != "auto":
+        m = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", spec.strip().upper())
+        if not m:
+            raise ValueError(f"memory limit {spec!r}: use bytes or a K/M/G/T suffix")
+        return int(float(m.group(1)) * _UNITS[m.group(2)])
+    for path in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        try:
+            text = Path(path).read_text().strip()
+        except OSError:
+            continue
+        if text.isdigit() and int(text) < (1 << 60):
+            return int(text)
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class LoadShedder:
+    CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+
+    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+        self.s = settings
+        self.metrics = metrics
+        self.memory_limit = memory_limit_bytes(settings.memory_limit)
+        self.breaker = self.CLOSED
+        self._opened_at = 0.0
+        self._probes = 0
+        self._outcomes: deque[tuple[float, bool]] = deque()  # (when, failed)
+        self._ttfts: deque[tuple[float, float]] = deque()
+        self.reasons: set[str] = set()
+
+    # Signals from streams.
+
+    def record_outcome(self, failed: bool) -> None:
+        now = time.monotonic()
+        if self.breaker == self.HALF_OPEN:
+            self._probes -= 1
+            self._set_breaker(self.OPEN if failed else self.CLOSED, now)
+            if not failed:
+                self._outcomes.clear()
+            return
+        self._outcomes.append((now, failed))
+        self._trim(self._outcomes, now)
+        total = len(self._outcomes)
+        if self.breaker == self.CLOSED and total >= self.s.breaker_min_streams:
+            failures = sum(1 for _, f in self._outcomes if f)
+            if failures / total > self.s.breaker_error_rate:
+                self._set_breaker(self.OPEN, now)
+
+    def record_ttft(self, seconds: float) -> None:
+        now = time.monotonic()
+        self._ttfts.append((now, seconds))
+        self._trim(self._ttfts, now)
+
+    # Decisions.
+
+    def refusal(self) -> tuple[str, str, float] | None:
+        """(code, message, retry_after_s) while new streams must be refused, else None."""
+        now = time.monotonic()
+        if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
+            self._set_breaker(self.HALF_OPEN, now)
+            self._probes = 0
+        if self.breaker == self.OPEN:
+            wait = self.s.breaker_open_s - (now - self._opened_at)
+            return "engine_unavailable", "the engine is failing; the breaker is open", wait
+        if self.breaker == self.HALF_OPEN:
+            if self._probes >= 1:  # one probe at a time decides
+                return "engine_unavailable", "the breaker is probing the engine", 1.0
+            self._probes += 1
+        self._update_ttft(now)
+        if "ttft" in self.reasons:
+            return "overloaded", f"TTFT p99 is over {self.s.ttft_slo_ms:.0f} ms", 5.0
+        if "memory" in self.reasons:
+            return "overloaded", "memory is over its limit", 5.0
+        return None
+
+    @property
+    def shedding(self) -> bool:
+        self._update_ttft(time.monotonic())
+        return bool(self.reasons) or self.breaker != self.CLOSED
+
+    async def watch_memory(self, end_oldest: Callable[[], bool], interval_s: float = 0.25) -> None:
+        """Refuse new streams and end the oldest ones while RSS is over the threshold."""
+        threshold = self.memory_limit * self.s.memory_shed_fraction
+        while True:
+            rss = rss_bytes()
+            self.metrics.memory_rss_bytes = rss
+            over = rss > threshold
+            self._set_reason("memory", over, rss_bytes=rss, threshold_bytes=int(threshold))
+            if over:
+                end_oldest()
+            await anyio.sleep(interval_s)
+
+    # Internals.
+
+    def _update_ttft(self, now: float) -> None:
+        if self.s.ttft_slo_ms <= 0:
+            return
+        self._trim(self._ttfts, now)
+        values = sorted(v for _, v in self._ttfts)
+        over = False
+        if len(values) >= self.s.breaker_min_streams:
+            p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
+            over = p99 * 1000 > self.s.ttft_slo_ms
+        self._set_reason("ttft", over)
+
+    def _trim(self, window: deque, now: float) -> None:  # type: ignore[type-arg]
+        horizon = now - self.s.breaker_window_s
+        while window and window[0][0] < horizon:
+            window.popleft()
+
+    def _set_breaker(self, state: str, now: float) -> None:
+        if state == self.breaker:
+            return
+        self.breaker = state
+        if state == self.OPEN:
+            self._opened_at = now
+        self.metrics.breaker_state = state
+        log_event("shed.breaker", logging.WARNING, state=state)
+
+    def _set_reason(self, reason: str, on: bool, **fields: object) -> None:
+        if on == (reason in self.reasons):
+            return
+        if on:
+            self.reasons.add(reason)
+        else:
+            self.reasons.discard(reason)
+        self.metrics.shedding[reason] = int(on)
+        log_event("shed.start" if on else "shed.stop", logging.WARNING, reason=reason, **fields)
