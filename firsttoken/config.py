@@ -41,6 +41,9 @@ class Settings:
     rate_limit_per_s: float = _knob(100.0, "new streams per second, server-wide (0 turns it off)")
     rate_limit_burst: int = _knob(200, "new streams allowed at once above the rate")
     send_timeout_s: float = _knob(30.0, "disconnect a reader that takes no bytes for this long")
+    socket_send_buffer: int = _knob(
+        65536, "SO_SNDBUF per connection, bytes (0: the OS autotunes, up to MBs per stalled reader)"
+    )
     stream_buffer_events: int = _knob(
         256, "events a reader may fall behind before generation pauses"
     )

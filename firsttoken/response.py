@@ -9,6 +9,7 @@ abandoned stream's engine.
 from __future__ import annotations
 
 import anyio
+import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
 from firsttoken.observability import Metrics, log_event
@@ -87,9 +88,17 @@ class EventStreamResponse:
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         elif self.stalled:
             # The reader takes no bytes: a graceful close would wait on it forever.
+            log_event(
+                "stream.reader_stalled",
+                stream=stream.id,
+                trace_id=stream.trace_id,
+                send_timeout_s=self.send_timeout_s,
+            )
             abort = scope.get("firsttoken.abort")
             if abort is not None:
                 abort()
+                # Let the server see the connection go before we return.
+                await anyio.lowlevel.checkpoint()
 
     async def _pump(self, send: Send) -> None:
         stream, log = self.stream, self.stream.log

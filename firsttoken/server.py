@@ -19,12 +19,14 @@ class _StreamingProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus what streaming needs from the connection:
 
     - TCP_NODELAY: every token is a small write; Nagle's algorithm would hold it back ~40 ms;
+    - a fixed SO_SNDBUF, so what a stalled reader holds in the kernel is bounded;
     - a header deadline: a slow-loris client trickling headers is cut off;
     - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
       close would wait for it to read the buffered data, forever).
     """
 
     header_timeout_s = 10.0
+    send_buffer_bytes = 65536
     _header_timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -32,6 +34,10 @@ class _StreamingProtocol(HttpToolsProtocol):
         if sock is not None:
             try:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.send_buffer_bytes > 0:
+                    # A fixed kernel buffer (no autotuning up to MBs): a stalled reader holds
+                    # a bounded amount, and the stream's backpressure starts soon enough.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
             except OSError:
                 pass
         super().connection_made(transport)
@@ -91,6 +97,7 @@ def serve(settings: Settings) -> None:
     port = sock.getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     _StreamingProtocol.header_timeout_s = settings.header_timeout_s
+    _StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     config = uvicorn.Config(
         create_app(settings),
         loop="uvloop",

@@ -26,6 +26,7 @@ class SyntheticKnobs(_Body):
     itl_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
     fail_after: Annotated[int, Field(ge=0)] | None = None
     error_code: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")] | None = None
+    answer_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
 
 class StreamOptions(_Body):

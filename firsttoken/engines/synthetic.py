@@ -51,6 +51,7 @@ class SyntheticOptions:
     itl_ms: float | None = None
     fail_after: int | None = None
     error_code: str | None = None
+    answer_tokens: int | None = None  # length of the natural answer (default ~300, by seed)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SyntheticOptions:
@@ -61,14 +62,18 @@ class SyntheticOptions:
             itl_ms=raw.get("itl_ms"),
             fail_after=raw.get("fail_after"),
             error_code=raw.get("error_code"),
+            answer_tokens=raw.get("answer_tokens"),
         )
 
 
 def synthetic_tokens(
-    prompt: str, seed: int | None = None, max_tokens: int | None = None
+    prompt: str,
+    seed: int | None = None,
+    max_tokens: int | None = None,
+    answer_tokens: int | None = None,
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
-    natural = _natural_answer(prompt, seed or 0)
+    natural = _natural_answer(prompt, seed or 0, answer_tokens)
     if max_tokens is not None and max_tokens < len(natural):
         return list(natural[:max_tokens]), "length"
     return list(natural), "stop"
@@ -97,10 +102,12 @@ def apply_stop(tokens: list[str], stop: tuple[str, ...]) -> tuple[list[str], boo
 
 
 @lru_cache(maxsize=1024)
-def _natural_answer(prompt: str, seed: int) -> tuple[str, ...]:
+def _natural_answer(prompt: str, seed: int, length: int | None) -> tuple[str, ...]:
     digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     target = rng.randint(270, 330)
+    if length is not None:  # drawn anyway, so a longer answer starts with the default one
+        target = length
     tokens: list[str] = []
     sentences_in_paragraph = 0
     paragraph_len = rng.randint(3, 5)
@@ -176,7 +183,9 @@ class SyntheticEngine:
             opts = SyntheticOptions.from_mapping(opts)
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
-        tokens, finish = synthetic_tokens(request.prompt, request.seed, request.max_tokens)
+        tokens, finish = synthetic_tokens(
+            request.prompt, request.seed, request.max_tokens, opts.answer_tokens
+        )
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
