@@ -12,7 +12,7 @@ import anyio
 from starlette.requests import Request
 
 from firsttoken.admission.keys import ApiKey, KeyRing
-from firsttoken.admission.limits import Lease, MemoryLimits
+from firsttoken.admission.limits import RATE, SLOTS, Lease, MemoryLimits
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.errors import APIError
@@ -87,8 +87,11 @@ class Admission:
             code, message, retry = refusal
             self._rejected()
             raise APIError(503, code, message, headers=_retry_after(retry))
-        wait = await self.limits.take_new_stream()
-        if wait > 0:
+        limit = key.max_streams or self.settings.max_streams_per_key
+        verdict, wait, lease = await self.limits.admit(
+            key.name if self.keys is not None else None, limit
+        )
+        if verdict == RATE:
             self._rejected()
             raise APIError(
                 429,
@@ -97,19 +100,14 @@ class Admission:
                 "per second",
                 headers=_retry_after(wait),
             )
-        lease = None
-        if self.keys is not None:
-            limit = key.max_streams or self.settings.max_streams_per_key
-            lease = await self.limits.acquire(key.name, limit)
-            if lease is None:
-                self._rejected()
-                raise APIError(
-                    429,
-                    "concurrency_limit_exceeded",
-                    f"key {key.name!r} already has {limit} streams open "
-                    f"(max_streams_per_key={limit})",
-                    headers=_retry_after(1),
-                )
+        if verdict == SLOTS:
+            self._rejected()
+            raise APIError(
+                429,
+                "concurrency_limit_exceeded",
+                f"key {key.name!r} already has {limit} streams open (max_streams_per_key={limit})",
+                headers=_retry_after(wait),
+            )
         return Ticket(self, key, lease)
 
     def _rejected(self) -> None:

@@ -1,10 +1,16 @@
-"""Rate and concurrency limits, in this process: a token bucket and per-key slot counts."""
+"""Rate and concurrency limits, in this process: a token bucket and per-key slot counts.
+
+`admit` checks the key's slots first (a refused stream must not spend a rate token), then the
+server-wide bucket; it answers (verdict, retry_after_s, lease).
+"""
 
 from __future__ import annotations
 
 import time
 
-__all__ = ["Lease", "MemoryLimits"]
+__all__ = ["OK", "RATE", "SLOTS", "Lease", "MemoryLimits"]
+
+OK, RATE, SLOTS = "ok", "rate", "slots"
 
 
 class Lease:
@@ -29,25 +35,23 @@ class MemoryLimits:
     async def run(self) -> None:
         return None
 
-    async def take_new_stream(self) -> float:
-        """0.0 when a new stream may start, else seconds until one may."""
-        if self.rate <= 0:
-            return 0.0
-        now = time.monotonic()
-        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-        self._stamp = now
-        if self._tokens >= 1:
+    async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
+        """`key` None: no per-key slots (an open server)."""
+        held = self._held.get(key, 0) if key is not None else 0
+        if key is not None and held >= limit:
+            return SLOTS, 1.0, None
+        if self.rate > 0:
+            now = time.monotonic()
+            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+            self._stamp = now
+            if self._tokens < 1:
+                return RATE, (1 - self._tokens) / self.rate, None
             self._tokens -= 1
-            return 0.0
-        return (1 - self._tokens) / self.rate
-
-    async def acquire(self, key: str, limit: int) -> Lease | None:
-        held = self._held.get(key, 0)
-        if held >= limit:
-            return None
+        if key is None:
+            return OK, 0.0, None
         self._held[key] = held + 1
         self._next += 1
-        return Lease(key, str(self._next))
+        return OK, 0.0, Lease(key, str(self._next))
 
     async def release(self, lease: Lease) -> None:
         left = self._held.get(lease.key, 0) - 1

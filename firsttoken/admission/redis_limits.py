@@ -12,36 +12,37 @@ import uuid
 import anyio
 from redis.asyncio import Redis
 
-from firsttoken.admission.limits import Lease
+from firsttoken.admission.limits import OK, RATE, SLOTS, Lease
 from firsttoken.observability import log_event
 
 __all__ = ["RedisLimits"]
 
-_BUCKET = """
+# KEYS: bucket, slots (or a dummy when no key). ARGV: rate, burst, limit (0: no slots),
+# lease_ms, lease_id. Returns {verdict, retry_after_s}: 0 ok, 1 rate, 2 slots.
+_ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
-local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
-local tokens = tonumber(b[1]) or burst
-local ts = tonumber(b[2]) or now
-tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
-local allowed = 0
-if tokens >= 1 then tokens = tokens - 1; allowed = 1 end
-redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
-return {allowed, tostring(tokens)}
-"""
-
-_ACQUIRE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now)
-if redis.call('ZCARD', KEYS[1]) < tonumber(ARGV[1]) then
-  redis.call('ZADD', KEYS[1], now + tonumber(ARGV[2]), ARGV[3])
-  redis.call('PEXPIRE', KEYS[1], tonumber(ARGV[2]))
-  return 1
+local now_ms = math.floor(now * 1000)
+local rate, burst, limit = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
+local lease_ms = tonumber(ARGV[4])
+if limit > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now_ms)
+  if redis.call('ZCARD', KEYS[2]) >= limit then return {2, '1'} end
 end
-return 0
+if rate > 0 then
+  local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+  local tokens = tonumber(b[1]) or burst
+  local ts = tonumber(b[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+  if tokens < 1 then return {1, tostring((1 - tokens) / rate)} end
+  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(now))
+  redis.call('PEXPIRE', KEYS[1], math.ceil(burst / rate * 1000) + 1000)
+end
+if limit > 0 then
+  redis.call('ZADD', KEYS[2], now_ms + lease_ms, ARGV[5])
+  redis.call('PEXPIRE', KEYS[2], lease_ms)
+end
+return {0, '0'}
 """
 
 _REFRESH = """
@@ -65,8 +66,7 @@ class RedisLimits:
         self.rate = rate_per_s
         self.burst = max(1, burst)
         self.lease_ms = int(lease_s * 1000)
-        self._bucket = self.redis.register_script(_BUCKET)
-        self._acquire = self.redis.register_script(_ACQUIRE)
+        self._admit = self.redis.register_script(_ADMIT)
         self._refresh = self.redis.register_script(_REFRESH)
         self._held: dict[str, Lease] = {}
 
@@ -89,22 +89,27 @@ class RedisLimits:
             with anyio.CancelScope(shield=True):
                 await self.redis.aclose()
 
-    async def take_new_stream(self) -> float:
-        if self.rate <= 0:
-            return 0.0
-        allowed, tokens = await self._bucket(
-            keys=["ft:bucket:new-streams"], args=[self.rate, self.burst]
+    async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
+        """One round trip: the key's slots, then the shared bucket, atomically."""
+        lease = Lease(key, uuid.uuid4().hex) if key is not None else None
+        verdict, retry = await self._admit(
+            keys=["ft:bucket:new-streams", _slots(key) if key is not None else "ft:nokey"],
+            args=[
+                self.rate,
+                self.burst,
+                limit if key is not None else 0,
+                self.lease_ms,
+                lease.id if lease else "",
+            ],
         )
-        if int(allowed):
-            return 0.0
-        return (1 - float(tokens)) / self.rate
-
-    async def acquire(self, key: str, limit: int) -> Lease | None:
-        lease = Lease(key, uuid.uuid4().hex)
-        if not int(await self._acquire(keys=[_slots(key)], args=[limit, self.lease_ms, lease.id])):
-            return None
-        self._held[lease.id] = lease
-        return lease
+        verdict = int(verdict)
+        if verdict == 2:
+            return SLOTS, 1.0, None
+        if verdict == 1:
+            return RATE, float(retry), None
+        if lease is not None:
+            self._held[lease.id] = lease
+        return OK, 0.0, lease
 
     async def release(self, lease: Lease) -> None:
         self._held.pop(lease.id, None)

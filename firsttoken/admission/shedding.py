@@ -58,6 +58,7 @@ class LoadShedder:
         self._probes = 0
         self._outcomes: deque[tuple[float, bool]] = deque()  # (when, failed)
         self._ttfts: deque[tuple[float, float]] = deque()
+        self._ttft_checked = 0.0
         self.reasons: set[str] = set()
 
     # Signals from streams.
@@ -125,8 +126,10 @@ class LoadShedder:
     # Internals.
 
     def _update_ttft(self, now: float) -> None:
-        if self.s.ttft_slo_ms <= 0:
+        # Sorting the window costs O(n log n): at most ten times a second, not per admission.
+        if self.s.ttft_slo_ms <= 0 or now - self._ttft_checked < 0.1:
             return
+        self._ttft_checked = now
         self._trim(self._ttfts, now)
         values = sorted(v for _, v in self._ttfts)
         over = False
