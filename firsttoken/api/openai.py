@@ -63,6 +63,9 @@ async def _serve(
         seed=body.seed,
         temperature=body.temperature,
         stop=body.stop_strings(),
+        messages=tuple({"role": m.role, "content": m.text()} for m in body.messages)
+        if isinstance(body, ChatCompletionRequest)
+        else None,
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
     )
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id

@@ -18,6 +18,9 @@ class GenerationRequest:
     seed: int | None = None
     temperature: float | None = None
     stop: tuple[str, ...] = ()
+    # Chat requests keep their messages ({"role", "content"} with string content) for engines
+    # that apply their own chat template or relay them; `prompt` is the plain rendering.
+    messages: tuple[Mapping[str, str], ...] | None = None
     # Engine-specific extras, e.g. the synthetic engine's per-request timing and faults.
     options: Mapping[str, Any] = field(default_factory=dict)
 

@@ -30,7 +30,7 @@ def plot(results: list[StreamResult], path: str | Path, title: str) -> None:
                 label=f"stream {i}" if len(results) <= 10 else None,
             )
     ax_t.set_title(f"chunk arrivals  {title}")
-    ax_t.set_xlabel("ms since request start")
+    ax_t.set_xlabel("ms since each request started")
     ax_t.set_ylabel("chunks received")
     if 1 < len(results) <= 10:
         ax_t.legend(fontsize="small")
