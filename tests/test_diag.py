@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib.util
 import io
 import json
 import re
@@ -272,6 +273,8 @@ def test_http_error_status(fast_server: Server) -> None:
 def test_load_mode(fast_server: Server, tmp_path: Path) -> None:
     plot = tmp_path / "plot.png"
     capture = tmp_path / "cap.jsonl"
+    # matplotlib is optional (the `bench` extra): draw the plot when it is there.
+    has_mpl = importlib.util.find_spec("matplotlib") is not None
     rc, d = run_diag(
         fast_server.url + "/v1/chat/completions",
         "--max-tokens",
@@ -280,8 +283,7 @@ def test_load_mode(fast_server: Server, tmp_path: Path) -> None:
         "4",
         "--requests",
         "8",
-        "--plot",
-        str(plot),
+        *(("--plot", str(plot)) if has_mpl else ()),
         "--capture",
         str(capture),
     )
@@ -292,7 +294,8 @@ def test_load_mode(fast_server: Server, tmp_path: Path) -> None:
     for key in ("p50", "p90", "p99"):
         assert d["ttft_ms_pct"][key] >= 45 and d["itl_ms"][key] is not None
     assert d["client_cpu_percent"] is not None and d["client_cpu_s"] > 0
-    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    if has_mpl:
+        assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     streams = {json.loads(line).get("stream") for line in capture.read_text().splitlines()[1:]}
     assert streams == set(range(8))
 
@@ -383,3 +386,20 @@ def test_heartbeats_are_seen() -> None:
         rc, d = run_diag(s.url + "/v1/chat/completions", "--max-tokens", "5")
     assert rc == 0
     assert d["heartbeats"]["count"] >= 2 and d["heartbeats"]["max_gap_ms"] is not None
+
+
+def test_verdict_with_server_timestamps() -> None:
+    bursty = [0.1 + 0.05 * (i // 20) for i in range(100)]
+    # The server itself sent those bursts (its stamps say so): not the path's doing.
+    r = _result(bursty)
+    for e in r.events:
+        e.server_t = e.t - 0.0003
+    v = judge(r)
+    assert v.buffered is False and "server itself sends in bursts" in v.reason
+    assert v.server_delay_ms is not None and v.server_delay_ms["added_max"] < 1
+    # The server sent smoothly every 2.5 ms; the path delivered bursts: held back.
+    r = _result(bursty)
+    for i, e in enumerate(r.events):
+        e.server_t = 0.05 + 0.0025 * i
+    v = judge(r)
+    assert v.buffered is True and "added delay" in v.reason

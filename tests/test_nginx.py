@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from statistics import median
+from typing import Any
 
 import pytest
 
@@ -52,22 +54,31 @@ def test_deploy_config_is_valid(conf: Path, tmp_path: Path) -> None:
 
 
 def test_clean_through_nginx(upstream: Server, tmp_path: Path) -> None:
+    direct: list[dict[str, Any]] = []
+    proxied: list[dict[str, Any]] = []
     with run_nginx([upstream.port], tmp_path) as ng:
         run_diag(ng.url + CHAT, "--max-tokens", "2")  # warm the worker and upstream keepalive
-        args = ("--max-tokens", "20", "--requests", "5")
-        rc_direct, direct = run_diag(upstream.url + CHAT, *args)
-        rc_proxied, proxied = run_diag(ng.url + CHAT, *args)
+        for _ in range(4):  # interleaved, so a busy spell on the machine hits both alike
+            for base, out in ((upstream.url, direct), (ng.url, proxied)):
+                rc, d = run_diag(base + CHAT, "--max-tokens", "20")
+                assert rc == 0 and d["chunks"] == 20 and d["done"] is True
+                out.append(d)
         rc_native, native = run_diag(ng.url + "/v1/streams", "--max-tokens", "20")
-    assert rc_direct == rc_proxied == rc_native == 0
-    assert direct["verdicts"] == {"clean": 5}
-    assert proxied["verdicts"] == {"clean": 5} and proxied["buffered"] is False
-    assert proxied["completed"] == 5 and proxied["chunks"] == 100
+    assert all(d["buffered"] is False for d in direct + proxied), [d["reason"] for d in proxied]
+    ttft_direct = sorted(d["ttft_ms"] for d in direct)
+    ttft_proxied = sorted(d["ttft_ms"] for d in proxied)
+    itl_direct = median(d["itl_ms"]["p50"] for d in direct)
+    itl_proxied = median(d["itl_ms"]["p50"] for d in proxied)
     print(
-        f"TTFT p50 direct {direct['ttft_ms']:.2f} ms, via nginx {proxied['ttft_ms']:.2f} ms; "
-        f"ITL p50 {direct['itl_ms']['p50']:.2f} / {proxied['itl_ms']['p50']:.2f} ms"
+        f"TTFT direct min/p50 {ttft_direct[0]:.2f}/{median(ttft_direct):.2f} ms, via nginx "
+        f"{ttft_proxied[0]:.2f}/{median(ttft_proxied):.2f} ms; ITL p50 {itl_direct:.2f} / "
+        f"{itl_proxied:.2f} ms"
     )
-    assert abs(proxied["ttft_ms"] - direct["ttft_ms"]) < 5.0
-    assert abs(proxied["itl_ms"]["p50"] - direct["itl_ms"]["p50"]) < 2.0
+    # What the proxy adds shows in the best case; medians carry the machine's noise as well.
+    assert abs(ttft_proxied[0] - ttft_direct[0]) < 5.0
+    assert abs(median(ttft_proxied) - median(ttft_direct)) < 10.0
+    assert abs(itl_proxied - itl_direct) < 2.0
+    assert rc_native == 0
     assert native["done"] is True and native["buffered"] is False and native["chunks"] == 20
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 import sys
@@ -77,13 +78,22 @@ def assert_same_stream(first: Path, second: Path, speed: float) -> None:
     base2, ev2 = load(second)
     key = [(e["data"], e["event"], e["id"]) for e in ev1]
     assert [(e["data"], e["event"], e["id"]) for e in ev2] == key
+    # TTFT: the replay counts from the request's arrival.
+    ttft1, ttft2 = (ev1[0]["t"] - base1) / speed, ev2[0]["t"] - base2
+    assert abs(ttft2 - ttft1) < 0.020, (ttft1, ttft2)
+    # Every event against the original timeline, less the common offset (TTFT, checked above).
+    # Replays are scheduled from one start, so errors don't accumulate; a scheduling stall on a
+    # shared machine delays a run of events until it catches up, the bulk stays on time.
     expected = [(e["t"] - base1) / speed for e in ev1]
     got = [e["t"] - base2 for e in ev2]
-    errors = [g - x for g, x in zip(got, expected, strict=True)]
-    # Replays are scheduled from the request's arrival: late by scheduling noise, never early
-    # by more than clock granularity. Generous bounds: the machine is shared.
+    raw = [g - x for g, x in zip(got, expected, strict=True)]
+    offset = median(raw)
+    errors = [e - offset for e in raw]
     assert median(abs(e) for e in errors) < 0.005, errors
-    assert max(abs(e) for e in errors) < 0.030, errors
+    assert max(abs(e) for e in errors) < 0.300, errors
+    gaps1 = [(b["t"] - a["t"]) / speed for a, b in itertools.pairwise(ev1)]
+    gaps2 = [b["t"] - a["t"] for a, b in itertools.pairwise(ev2)]
+    assert abs(median(gaps2) - median(gaps1)) < 0.002, (median(gaps1), median(gaps2))
 
 
 @pytest.mark.parametrize("speed", [1.0, 2.0])
@@ -136,7 +146,8 @@ def test_replay_text_format(original: Path) -> None:
         [
             sys.executable,
             "-m",
-            "firsttoken.tools.replay",
+            "firsttoken",
+            "replay",
             str(original),
             "--speed",
             "50",
@@ -166,7 +177,7 @@ def test_replay_serves_native_flow(original: Path) -> None:
 
 def test_send_timestamps_measure_the_path(original: Path) -> None:
     """With server send stamps, diag reports the delay the path added per event."""
-    with serve_replay(original, "--send-timestamps", "--speed", "4") as url:
+    with serve_replay(original, "--send-timestamps", "--speed", "2") as url:
         rc, direct = run_diag(url + "/events")
         loop = BackgroundLoop()
         try:
@@ -179,6 +190,7 @@ def test_send_timestamps_measure_the_path(original: Path) -> None:
     assert rc == rc2 == 0
     assert direct["server_delay_ms"] is not None and direct["buffered"] is False
     assert direct["server_delay_ms"]["added_p90"] < 25
+    assert len(direct["server_delay_ms"]["added_per_chunk"]) == 30
     assert proxied["buffered"] is True, proxied["reason"]
     assert "added delay" in proxied["reason"]
     assert proxied["server_delay_ms"]["added_max"] > 25

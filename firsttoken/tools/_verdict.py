@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 from statistics import median
+from typing import Any
 
 from firsttoken.tools._measure import Event, StreamResult
 from firsttoken.tools._stats import percentile
@@ -38,7 +39,7 @@ class Verdict:
     label: str  # clean | buffered | inconclusive
     reason: str
     bursts: list[Burst] = field(default_factory=list)
-    server_delay_ms: dict[str, float] | None = None
+    server_delay_ms: dict[str, Any] | None = None
 
 
 def bursts(result: StreamResult, events: list[Event]) -> list[Burst]:
@@ -153,6 +154,7 @@ def _judge_stamped(result: StreamResult, stamped: list[Event], bs: list[Burst]) 
         "added_p50": round((percentile(added, 50) or 0) * 1000, 3),
         "added_p90": round((percentile(added, 90) or 0) * 1000, 3),
         "added_max": round(max(added) * 1000, 3),
+        "added_per_chunk": [round(a * 1000, 2) for a in added],
     }
     p90 = percentile(added, 90) or 0.0
     n = len(result.content)
