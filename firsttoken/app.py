@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         routes=routes,
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
-        middleware=[Middleware(GZipMiddleware, minimum_size=1024)],
+        middleware=[Middleware(GZipMiddleware, minimum_size=settings.compression_min_bytes)],
         exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
     )
     app.state.gateway = gw

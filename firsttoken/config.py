@@ -48,6 +48,24 @@ class Settings:
     openai_grace_s: float = _knob(
         0.0, "OpenAI-path streams: keep generating this long after the client left"
     )
+    coalesce: str = _knob(
+        "off",
+        "default chunking: one event per token, or boundary coalescing",
+        choices=("off", "boundary"),
+    )
+    coalesce_max_wait_ms: float = _knob(50.0, "boundary coalescing: longest a token waits")
+    coalesce_max_bytes: int = _knob(1024, "boundary coalescing: largest chunk, UTF-8 bytes")
+    meta_interval_ms: float = _knob(
+        250.0, "`event: meta` progress at most this often (native streams; OpenAI opt-in)"
+    )
+    stream_compression: str = _knob(
+        "off",
+        "compress event streams (zstd or gzip, flushed per event) when the client accepts it",
+        choices=("off", "on"),
+    )
+    compression_min_bytes: int = _knob(
+        256, "compress JSON responses only above this size (streams are always above it)"
+    )
     resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
     resume_max_events: int = _knob(8192, "events kept per stream for resume")
     max_body_bytes: int = _knob(1_048_576, "largest request body accepted (413 above)")

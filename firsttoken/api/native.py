@@ -41,7 +41,7 @@ async def create_stream(request: Request) -> Response:
     )
     stream = Stream(
         generation,
-        NativeRenderer(),
+        NativeRenderer(binary=body.binary),
         kind="native",
         trace_id=trace,
         grace_s=gw.settings.resume_grace_s,
@@ -51,6 +51,9 @@ async def create_stream(request: Request) -> Response:
         window=gw.settings.stream_buffer_events,
     )
     stream.ticket = ticket
+    stream.coalesce = gw.coalesce_policy(body.coalesce)
+    if body.meta:
+        stream.meta_interval_s = gw.settings.meta_interval_ms / 1000
     await gw.registry.start(stream)
     events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
     return JSONResponse(
@@ -92,6 +95,8 @@ async def stream_events(request: Request) -> Response:
         heartbeat_s=gw.settings.heartbeat_s,
         preamble=_PREAMBLE if native else b"",
         send_timeout_s=gw.settings.send_timeout_s,
+        timestamps=request.query_params.get("timestamps") in ("1", "true"),
+        compressor=gw.compressor(request),
     )
 
 

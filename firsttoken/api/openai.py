@@ -88,6 +88,10 @@ async def _serve(
         window=gw.settings.stream_buffer_events,
     )
     stream.ticket = ticket
+    options = body.stream_options
+    stream.coalesce = gw.coalesce_policy(options.coalesce if options else None)
+    if options and options.meta:
+        stream.meta_interval_s = gw.settings.meta_interval_ms / 1000
     return EventStreamResponse(
         stream,
         gw.registry,
@@ -96,6 +100,8 @@ async def _serve(
         headers={"x-resume-token": stream.resume_token},
         start=True,
         send_timeout_s=gw.settings.send_timeout_s,
+        timestamps=bool(options and options.timestamps),
+        compressor=gw.compressor(request),
     )
 
 

@@ -9,6 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 __all__ = [
     "ChatCompletionRequest",
     "ChatMessage",
+    "Coalesce",
+    "CoalesceOptions",
     "CompletionRequest",
     "NativeStreamRequest",
     "StreamOptions",
@@ -29,8 +31,20 @@ class SyntheticKnobs(_Body):
     answer_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
 
 
+class CoalesceOptions(_Body):
+    mode: Literal["off", "boundary"] = "boundary"
+    max_wait_ms: Annotated[float, Field(ge=0, le=10_000)] | None = None
+    max_bytes: Annotated[int, Field(ge=4, le=1_048_576)] | None = None
+
+
+Coalesce = Literal["off", "boundary"] | CoalesceOptions | None
+
+
 class StreamOptions(_Body):
     include_usage: bool = False
+    coalesce: Coalesce = None
+    meta: bool = False  # opt-in: SDKs would parse named events as chunks
+    timestamps: bool = False  # `: t=<send time>` comments before each event
 
 
 class _TextPart(_Body):
@@ -98,3 +112,6 @@ class CompletionRequest(_OpenAIGeneration):
 
 class NativeStreamRequest(_Generation):
     prompt: str
+    coalesce: Coalesce = None
+    meta: bool = True
+    binary: bool = False  # `event: token` with base64 UTF-8 bytes instead of JSON text

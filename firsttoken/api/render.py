@@ -6,6 +6,7 @@ built and no full document is serialised per token.
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 
 import orjson
@@ -22,6 +23,7 @@ def _error(code: str, message: str) -> bytes:
 
 class _OpenAIRenderer:
     object: str
+    token_event: str | None = None
 
     def __init__(self, chunk_id: str, model: str, created: int, include_usage: bool) -> None:
         self.head = {"id": chunk_id, "object": self.object, "created": created, "model": model}
@@ -89,12 +91,19 @@ class CompletionRenderer(_OpenAIRenderer):
 
 
 class NativeRenderer:
-    """`data: {"token": ...}` per token; a closing `event: meta` with finish and usage."""
+    """`data: {"token": ...}` per token (or, binary, `event: token` with base64 UTF-8);
+    a closing `event: meta` with finish and usage."""
+
+    def __init__(self, binary: bool = False) -> None:
+        self.binary = binary
+        self.token_event = "token" if binary else None
 
     def opening(self) -> Sequence[tuple[str | None, bytes]]:
         return ()
 
     def token(self, text: str) -> bytes:
+        if self.binary:
+            return base64.b64encode(text.encode())
         return b'{"token":' + _dumps(text) + b"}"
 
     def closing(
