@@ -62,8 +62,12 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.toml"
         keys.write_text('[[keys]]\nname = "bench"\nkey = "sk-bench"\n')
-        base = dict(api_keys=str(keys), rate_limit_per_s=1e9, rate_limit_burst=10**9,
-                    max_streams_per_key=10**6)
+        base = dict(
+            api_keys=str(keys),
+            rate_limit_per_s=1e9,
+            rate_limit_burst=10**9,
+            max_streams_per_key=10**6,
+        )
         memory_us = asyncio.run(_measure(Settings(**base)))
         if args.redis:
             redis_us = asyncio.run(_measure(Settings(**base, redis=args.redis)))
@@ -78,8 +82,10 @@ def main() -> None:
     print(f"dict lookup (floor)     {floor:8.2f} µs")
     print(f"admission, in memory    {memory_us:8.2f} µs  ({memory_us / floor:6.0f}× floor)")
     print(f"Redis PING round trip   {ping_us:8.2f} µs")
-    print(f"admission, Redis        {redis_us:8.2f} µs  ({redis_us / ping_us:6.1f}× a PING; "
-          "admit is one script call, release one ZREM)")
+    print(
+        f"admission, Redis        {redis_us:8.2f} µs  ({redis_us / ping_us:6.1f}× a PING; "
+        "admit is one script call, release one ZREM)"
+    )
 
 
 if __name__ == "__main__":
