@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 import threading
+import zlib
 from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ import httpx
 import pytest
 
 from firsttoken.tools import diag
-from firsttoken.tools._measure import Event, Kind, Read, StreamResult, detect_kind
+from firsttoken.tools._measure import Event, Kind, Read, StreamResult, _Body, detect_kind
 from firsttoken.tools._verdict import judge
 from tests.servers import ROOT, Server, run_server
 
@@ -403,3 +404,28 @@ def test_verdict_with_server_timestamps() -> None:
         e.server_t = 0.05 + 0.0025 * i
     v = judge(r)
     assert v.buffered is True and "added delay" in v.reason
+
+
+def test_body_decoding_split_anywhere() -> None:
+    """Events, ids and `: t=` stamps survive any split of the bytes, CRLF and gzip included."""
+    wire = (
+        b': ping\r\n\r\n: t=1700000000.250000\r\nid: 1\r\ndata: {"token": "a"}\r\n\r\n'
+        b"id: 2\r\nevent: meta\r\ndata: {}\r\n\r\n"
+        b'data: {"token": "b"}\r\n\r\ndata: [DONE]\r\n\r\n'
+    )
+    gz = zlib.compressobj(wbits=16 + zlib.MAX_WBITS)
+    gzipped = gz.compress(wire) + gz.flush()
+    for encoding, body in (("", wire), ("gzip", gzipped)):
+        for cut in range(1, len(body)):
+            r = StreamResult(url="x", kind=Kind.SSE, started_at=0.0, status=200)
+            dec = _Body(encoding, r)
+            for i, piece in enumerate((body[:cut], body[cut:])):
+                dec.feed(float(i), dec.decode(piece))
+            got = [(e.role, e.id, e.text, e.server_t) for e in r.events]
+            assert got == [
+                ("content", "1", "a", 1700000000.25),
+                ("meta", "2", "", None),
+                ("content", None, "b", None),
+                ("done", None, "", None),
+            ], (encoding, cut)
+            assert [c.text for c in r.comments] == ["ping", "t=1700000000.250000"]

@@ -234,6 +234,7 @@ class _Body:
     def __init__(self, encoding: str, result: StreamResult) -> None:
         self._result = result
         self._zlib: Any = None
+        self._deflate_probe = False
         enc = encoding.strip().lower()
         if enc in ("gzip", "x-gzip"):
             self._zlib = zlib.decompressobj(16 + zlib.MAX_WBITS)
@@ -246,6 +247,7 @@ class _Body:
         self._block_has_id = False
         self._pending_t: float | None = None
         self._seq = 0
+        self._after_cr = False
 
     def decode(self, raw: bytes) -> bytes:
         if self._zlib is None:
@@ -254,7 +256,7 @@ class _Body:
             return bytes(self._zlib.decompress(raw))
         except zlib.error:
             # "deflate" in the wild is sometimes raw deflate without the zlib header.
-            if getattr(self, "_deflate_probe", False):
+            if self._deflate_probe:
                 self._zlib = zlib.decompressobj(-zlib.MAX_WBITS)
                 self._deflate_probe = False
                 return bytes(self._zlib.decompress(raw))
@@ -281,7 +283,10 @@ class _Body:
             m = _SERVER_T.match(text.strip())
             if m:
                 self._pending_t = float(m.group(1))
-        if line.strip(b"\r\n") == b"" and not events:
+        # A lone LF right after a CR is the rest of a CRLF split across reads, not a blank line.
+        split_crlf = self._after_cr and line == b"\n"
+        self._after_cr = line.endswith(b"\r")
+        if line.strip(b"\r\n") == b"" and not events and not split_crlf:
             self._block_bytes = 0
             self._block_has_id = False
         for sse in events:
