@@ -240,6 +240,24 @@ def test_batching_proxy_is_flagged(fast_server: Server, bg: BackgroundLoop) -> N
     assert "proxy buffering" in d["reason"]
 
 
+def test_server_timestamps_measure_the_path(fast_server: Server, bg: BackgroundLoop) -> None:
+    """With the server's `: t=` stamps, diag reports the delay the path added per chunk."""
+    for path in ("/v1/chat/completions", "/v1/streams"):
+        rc, d = run_diag(fast_server.url + path, "--max-tokens", "40", "--timestamps")
+        assert rc == 0 and d["buffered"] is False, d["reason"]
+        delay = d["server_delay_ms"]
+        assert delay is not None and len(delay["added_per_chunk"]) == 40
+        assert delay["min"] < 20  # same clock on loopback: sent to received is sub-ms here
+    proxy = bg.run(start_batching_proxy(fast_server.port))
+    try:
+        url = f"http://127.0.0.1:{port_of(proxy)}/v1/chat/completions"
+        rc, d = run_diag(url, "--max-tokens", "150", "--timestamps")
+    finally:
+        proxy.close()
+    assert rc == 0 and d["buffered"] is True, d["reason"]
+    assert "added delay" in d["reason"] and d["server_delay_ms"]["added_max"] > 25
+
+
 def test_send_at_end_server_is_flagged(bg: BackgroundLoop) -> None:
     server = bg.run(start_end_sender())
     try:

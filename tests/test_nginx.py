@@ -64,6 +64,7 @@ def test_clean_through_nginx(upstream: Server, tmp_path: Path) -> None:
                 assert rc == 0 and d["chunks"] == 20 and d["done"] is True
                 out.append(d)
         rc_native, native = run_diag(ng.url + "/v1/streams", "--max-tokens", "20")
+        rc_stamped, stamped = run_diag(ng.url + CHAT, "--max-tokens", "20", "--timestamps")
     assert all(d["buffered"] is False for d in direct + proxied), [d["reason"] for d in proxied]
     ttft_direct = sorted(d["ttft_ms"] for d in direct)
     ttft_proxied = sorted(d["ttft_ms"] for d in proxied)
@@ -80,12 +81,17 @@ def test_clean_through_nginx(upstream: Server, tmp_path: Path) -> None:
     assert abs(itl_proxied - itl_direct) < 2.0
     assert rc_native == 0
     assert native["done"] is True and native["buffered"] is False and native["chunks"] == 20
+    assert rc_stamped == 0 and stamped["buffered"] is False, stamped["reason"]
+    assert stamped["server_delay_ms"] is not None
 
 
 def test_gzip_and_ignored_x_accel_is_flagged(upstream: Server, tmp_path: Path) -> None:
     """Measured on Debian's nginx 1.22: the whole stream then arrives at the end."""
     with run_nginx([upstream.port], tmp_path, {**GZIP_SSE, **BUFFER_IGNORING}) as ng:
         rc, d = run_diag(ng.url + CHAT, "--max-tokens", "30")
+        rc_stamped, stamped = run_diag(ng.url + CHAT, "--max-tokens", "30", "--timestamps")
+    assert rc_stamped == 0 and stamped["buffered"] is True
+    assert "added delay" in stamped["reason"] and "nothing until the end" in stamped["reason"]
     assert rc == 0 and d["done"] is True and d["chunks"] == 30
     assert d["headers"].get("content-encoding") == "gzip"
     assert d["buffered"] is True, d["reason"]

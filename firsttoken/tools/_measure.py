@@ -14,7 +14,7 @@ import zlib
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
-from urllib.parse import urljoin, urlsplit
+from urllib.parse import urljoin, urlsplit, urlunsplit
 
 import httpx
 
@@ -65,6 +65,7 @@ class RequestSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)
     headers: dict[str, str] = field(default_factory=dict)
     include_usage: bool = True
+    timestamps: bool = False  # ask for `: t=` send stamps (firsttoken's extension)
 
     def body(self) -> dict[str, Any] | None:
         body: dict[str, Any]
@@ -79,8 +80,13 @@ class RequestSpec:
         if self.kind is not Kind.NATIVE:
             if self.model is not None:
                 body["model"] = self.model
+            options: dict[str, Any] = {}
             if self.include_usage:
-                body["stream_options"] = {"include_usage": True}
+                options["include_usage"] = True
+            if self.timestamps:
+                options["timestamps"] = True
+            if options:
+                body["stream_options"] = options
         elif self.model is not None:
             body["model"] = self.model
         if self.max_tokens is not None:
@@ -347,6 +353,12 @@ def _error_of(body: str, default_code: str) -> dict[str, str]:
     return {"code": default_code, "message": body[:300]}
 
 
+def _with_query(url: str, name: str, value: str) -> str:
+    parts = urlsplit(url)
+    query = "&".join(q for q in (parts.query, f"{name}={value}") if q)
+    return urlunsplit(parts._replace(query=query))
+
+
 def _note_sent(result: StreamResult, marks: dict[str, float]) -> None:
     result.sent_t = marks.get("send_request_body.complete", 0.0)
     if "connect_tcp.started" in marks and "connect_tcp.complete" in marks:
@@ -391,6 +403,8 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
                 return result
             info = created.json()
             method, url, body = "GET", urljoin(str(created.url), info["events_url"]), None
+        if spec.timestamps and method == "GET":
+            url = _with_query(url, "timestamps", "1")
         marks = second if spec.kind is Kind.NATIVE else first
         async with client.stream(
             method, url, json=body, headers=headers, extensions=tracer(marks)

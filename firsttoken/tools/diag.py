@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-usage", action="store_true", help="don't ask for stream_options.include_usage"
     )
     p.add_argument(
+        "--timestamps",
+        action="store_true",
+        help="ask the server for `: t=` send timestamps (firsttoken: stream_options.timestamps "
+        "or ?timestamps=1) to measure the delay the path adds",
+    )
+    p.add_argument(
         "--kind",
         choices=["auto", *[k.value for k in Kind]],
         default="auto",
@@ -127,6 +133,7 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
         extra_body=extra,
         headers=headers,
         include_usage=not args.no_usage,
+        timestamps=args.timestamps,
     )
 
 
