@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import anyio
 import httpx
@@ -195,23 +195,18 @@ class Client(_Base):
         return self.resume(info["id"], info["resume_token"])
 
     def resume(self, stream_id: str, resume_token: str, last_event_id: str = "") -> Answer:
-        answer = Answer(self, None)
-        state = answer.state
-        state.stream_id, state.resume_token, state.last_event_id = (
-            stream_id,
-            resume_token,
-            last_event_id,
-        )
-        return answer
+        return _resumed(Answer(self, None), stream_id, resume_token, last_event_id)
 
 
-class Answer:
-    """Iterate for text deltas; `.text`, `.finish_reason`, `.usage` afterwards."""
+class _Answer:
+    """What the sync and async answers share: state, the request to (re)open, and the
+    decision after a break (resume after a delay, or give up with the partial text)."""
 
-    def __init__(self, client: Client, first: tuple[str, str, dict[str, Any]] | None) -> None:
+    def __init__(self, client: _Base, first: tuple[str, str, dict[str, Any]] | None) -> None:
         self.client = client
         self.state = TextStream()
         self._first = first
+        self._attempt = 0
 
     @property
     def text(self) -> str:
@@ -220,50 +215,71 @@ class Answer:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.state, name)
 
+    def _request(self) -> tuple[str, str, dict[str, Any]]:
+        if self._first is not None:
+            method, url, body = self._first
+            return method, url, {"json": body}
+        url, headers = self.client._resume_request(self.state)
+        return "GET", url, {"headers": headers}
+
+    def _opened(self, response: httpx.Response) -> bool:
+        """False when there is nothing to read (204: everything was already delivered)."""
+        if response.status_code == 204:
+            self.state.done = True
+            return False
+        self.client._check(response)
+        self.state._connected(response)
+        self._attempt = 0
+        return True
+
+    def _broken(self, exc: Exception | None) -> float:
+        """After a break: the delay before resuming, or raise with the text kept."""
+        state, client = self.state, self.client
+        if isinstance(exc, StreamError):
+            if not state.stream_id or exc.code != "stream_not_found":
+                raise StreamError(exc.code, exc.message, state.text) from None
+            reason = exc.message
+        elif exc is not None:
+            reason = f"{type(exc).__name__}: {exc}"
+        else:
+            reason = "the stream ended without [DONE]"
+        if (
+            state.stream_id is None
+            or state.resume_token is None
+            or (self._attempt >= client.max_retries)
+        ):
+            state.interrupted = True
+            raise StreamInterrupted(reason, state.text, state.last_event_id)
+        delay = client._delay(self._attempt)
+        self._attempt += 1
+        state.reconnects += 1
+        self._first = None
+        return delay
+
+
+class Answer(_Answer):
+    """Iterate for text deltas; `.text`, `.finish_reason`, `.usage` afterwards."""
+
+    client: Client
+
     def __iter__(self) -> Iterator[str]:
-        client, state = self.client, self.state
-        attempt = 0
-        reason = ""
+        state = self.state
         while True:
+            error: Exception | None = None
             try:
-                with self._open() as response:
-                    if response.status_code == 204:  # everything was already delivered
-                        state.done = True
-                        return
+                method, url, kwargs = self._request()
+                with self.client._http.stream(method, url, **kwargs) as response:
                     if response.status_code >= 400:
                         response.read()
-                        client._check(response)
-                    state._connected(response)
-                    attempt = 0
+                    if not self._opened(response):
+                        return
                     for chunk in response.iter_raw():
                         yield from state._feed(chunk)
                         if state.done:
                             return
-                reason = "the stream ended without [DONE]"
-            except _DROPS as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            except StreamError as exc:
-                if not state.stream_id or exc.code not in ("stream_not_found",):
-                    raise StreamError(exc.code, exc.message, state.text) from None
-                reason = exc.message
-            if (
-                state.stream_id is None
-                or state.resume_token is None
-                or (attempt >= client.max_retries)
-            ):
-                state.interrupted = True
-                raise StreamInterrupted(reason, state.text, state.last_event_id)
-            time.sleep(client._delay(attempt))
-            attempt += 1
-            state.reconnects += 1
-            self._first = None
-
-    def _open(self) -> Any:
-        if self._first is not None:
-            method, url, body = self._first
-            return self.client._http.stream(method, url, json=body)
-        url, headers = self.client._resume_request(self.state)
-        return self.client._http.stream("GET", url, headers=headers)
+            except (*_DROPS, StreamError) as exc:
+                error = exc
+            time.sleep(self._broken(error))
 
 
 class AsyncClient(_Base):
@@ -293,71 +309,41 @@ class AsyncClient(_Base):
         return self.resume(info["id"], info["resume_token"])
 
     def resume(self, stream_id: str, resume_token: str, last_event_id: str = "") -> AsyncAnswer:
-        answer = AsyncAnswer(self, None)
-        state = answer.state
-        state.stream_id, state.resume_token, state.last_event_id = (
-            stream_id,
-            resume_token,
-            last_event_id,
-        )
-        return answer
+        return _resumed(AsyncAnswer(self, None), stream_id, resume_token, last_event_id)
 
 
-class AsyncAnswer:
-    def __init__(self, client: AsyncClient, first: tuple[str, str, dict[str, Any]] | None) -> None:
-        self.client = client
-        self.state = TextStream()
-        self._first = first
-
-    @property
-    def text(self) -> str:
-        return self.state.text
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.state, name)
+class AsyncAnswer(_Answer):
+    client: AsyncClient
 
     async def __aiter__(self) -> AsyncIterator[str]:
-        client, state = self.client, self.state
-        attempt = 0
-        reason = ""
+        state = self.state
         while True:
+            error: Exception | None = None
             try:
-                async with self._open() as response:
-                    if response.status_code == 204:
-                        state.done = True
-                        return
+                method, url, kwargs = self._request()
+                async with self.client._http.stream(method, url, **kwargs) as response:
                     if response.status_code >= 400:
                         await response.aread()
-                        client._check(response)
-                    state._connected(response)
-                    attempt = 0
+                    if not self._opened(response):
+                        return
                     async for chunk in response.aiter_raw():
                         for delta in state._feed(chunk):
                             yield delta
                         if state.done:
                             return
-                reason = "the stream ended without [DONE]"
-            except _DROPS as exc:
-                reason = f"{type(exc).__name__}: {exc}"
-            except StreamError as exc:
-                if not state.stream_id or exc.code not in ("stream_not_found",):
-                    raise StreamError(exc.code, exc.message, state.text) from None
-                reason = exc.message
-            if (
-                state.stream_id is None
-                or state.resume_token is None
-                or (attempt >= client.max_retries)
-            ):
-                state.interrupted = True
-                raise StreamInterrupted(reason, state.text, state.last_event_id)
-            await anyio.sleep(client._delay(attempt))
-            attempt += 1
-            state.reconnects += 1
-            self._first = None
+            except (*_DROPS, StreamError) as exc:
+                error = exc
+            await anyio.sleep(self._broken(error))
 
-    def _open(self) -> Any:
-        if self._first is not None:
-            method, url, body = self._first
-            return self.client._http.stream(method, url, json=body)
-        url, headers = self.client._resume_request(self.state)
-        return self.client._http.stream("GET", url, headers=headers)
+
+A = TypeVar("A", bound=_Answer)
+
+
+def _resumed(answer: A, stream_id: str, resume_token: str, last_event_id: str) -> A:
+    state = answer.state
+    state.stream_id, state.resume_token, state.last_event_id = (
+        stream_id,
+        resume_token,
+        last_event_id,
+    )
+    return answer
