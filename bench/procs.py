@@ -1,0 +1,161 @@
+"""Server processes under test: start one on an ephemeral port, read its CPU time and RSS."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from bench.servers import ServerSpec
+
+__all__ = ["CpuSample", "ServerProcess", "cpu_sample", "raise_fd_limit"]
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class ServerProcess:
+    """A server subprocess; stdout/stderr go to a log file (nothing to drain while measuring)."""
+
+    def __init__(self, spec: ServerSpec, proc: subprocess.Popen[bytes], log: Path) -> None:
+        self.spec = spec
+        self.proc = proc
+        self.log = log
+        self.url = ""
+        self.ps = psutil.Process(proc.pid)
+
+    @classmethod
+    def launch(
+        cls, spec: ServerSpec, log: Path, *, ttft_ms: float, itl_ms: float, heartbeat_s: float
+    ) -> ServerProcess:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                spec.command(ttft_ms, itl_ms, heartbeat_s),
+                cwd=ROOT,
+                env=env,
+                stdout=sink,
+                stderr=subprocess.STDOUT,
+            )
+        return cls(spec, proc, log)
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.log.read_text(errors="replace").splitlines():
+                if '"listening"' in line:
+                    try:
+                        self.url = json.loads(line)["url"]
+                        return
+                    except (ValueError, KeyError):
+                        continue
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        raise RuntimeError(f"{self.spec.name} did not start; log tail:\n{self.log_tail()}")
+
+    @property
+    def host(self) -> str:
+        return self.url.split("//", 1)[1].rsplit(":", 1)[0]
+
+    @property
+    def port(self) -> int:
+        return int(self.url.rsplit(":", 1)[1])
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU of the server and any children it started."""
+        total = 0.0
+        for p in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                t = p.cpu_times()
+            except psutil.NoSuchProcess:
+                continue
+            total += t.user + t.system
+        return total
+
+    def rss_bytes(self) -> int:
+        total = 0
+        for p in [self.ps, *self.ps.children(recursive=True)]:
+            try:
+                total += p.memory_info().rss
+            except psutil.NoSuchProcess:
+                continue
+        return total
+
+    def metrics(self) -> dict[str, float]:
+        with urllib.request.urlopen(self.url + "/metrics", timeout=10) as resp:
+            text = resp.read().decode()
+        out: dict[str, float] = {}
+        for line in text.splitlines():
+            if line.startswith("#") or not line.strip():
+                continue
+            name, _, value = line.rpartition(" ")
+            try:
+                out[name.strip()] = float(value)
+            except ValueError:
+                continue
+        return out
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@dataclass(frozen=True, slots=True)
+class CpuSample:
+    """CPU seconds used so far: this (client) process, and the whole machine (busy, total)."""
+
+    wall: float
+    client: float
+    machine_busy: float
+
+    def since(self, earlier: CpuSample) -> tuple[float, float, float]:
+        return (
+            self.wall - earlier.wall,
+            self.client - earlier.client,
+            self.machine_busy - earlier.machine_busy,
+        )
+
+
+_ME = psutil.Process()
+
+
+def cpu_sample() -> CpuSample:
+    mine = _ME.cpu_times()
+    machine = psutil.cpu_times()
+    busy = machine.user + machine.nice + machine.system
+    busy += getattr(machine, "irq", 0.0) + getattr(machine, "softirq", 0.0)
+    return CpuSample(time.perf_counter(), mine.user + mine.system, busy)
+
+
+def raise_fd_limit(wanted: int) -> tuple[int, str | None]:
+    """Raise RLIMIT_NOFILE toward `wanted` (children inherit it); returns (limit, note)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if target > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        soft = target
+    note = None
+    if soft < wanted:
+        note = f"open-file limit is {soft} (hard limit {hard}), below the {wanted} wanted"
+    return soft, note

@@ -1,0 +1,67 @@
+"""The servers under test: how to start each one on an ephemeral loopback port.
+
+Each prints one JSON line containing "listening" and "url" when it accepts connections, the
+same contract as `firsttoken serve`, so one launcher (bench/procs.py) handles all of them.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+__all__ = ["SERVERS", "ServerSpec"]
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSpec:
+    name: str
+    label: str
+    module: str  # run as `python -m MODULE serve --port 0 ...`
+    has_metrics: bool  # serves firsttoken's /metrics (needed by the abandonment workload)
+    extra: tuple[str, ...] = ()  # further `serve` options
+
+    def command(self, ttft_ms: float, itl_ms: float, heartbeat_s: float) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            self.module,
+            "serve",
+            "--port",
+            "0",
+            "--synthetic-ttft-ms",
+            _num(ttft_ms),
+            "--synthetic-itl-ms",
+            _num(itl_ms),
+            "--heartbeat-s",
+            _num(heartbeat_s),
+            *self.extra,
+        ]
+
+
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else str(x)
+
+
+SERVERS: dict[str, ServerSpec] = {
+    spec.name: spec
+    for spec in (
+        ServerSpec(
+            "firsttoken",
+            "firsttoken",
+            "firsttoken",
+            has_metrics=True,
+            # Admission control would turn the load away (429/503) instead of streaming it: the
+            # bench measures the streaming path, so the rate limit and TTFT-SLO shedding are off.
+            extra=("--rate-limit-per-s", "0", "--ttft-slo-ms", "0"),
+        ),
+        ServerSpec("raw_floor", "raw asyncio floor", "bench.servers.raw_floor", has_metrics=False),
+        ServerSpec(
+            "tutorial", "FastAPI+sse-starlette", "bench.servers.tutorial", has_metrics=False
+        ),
+    )
+}
+
+# TODO(relay): issue part 4, not built yet. A LiteLLM proxy and `firsttoken serve --engine openai
+# --upstream URL` would both relay from one upstream (the raw floor is a fine upstream). Add them
+# here as specs whose command() takes that upstream URL, and let __main__ start the upstream first;
+# the workloads and the report need no change because they only see a server's URL and pid.

@@ -1,0 +1,47 @@
+"""How big each workload is: the default (minutes) and `--quick` (seconds, for the smoke test)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+__all__ = ["Sizes"]
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    ttft_ms: float = 200.0
+    itl_ms: float = 20.0
+    tokens: int = 300
+    levels: tuple[int, ...] = (1, 100, 1000)  # overhead: concurrent streams
+    single_stream_rounds: int = 3  # at 1 stream, run a few in a row for more TTFT samples
+    ramp_s: float = 1.0  # streams start evenly over this (no accept-queue stampede)
+    saturation: tuple[int, ...] = (250, 500, 1000, 2000)
+    idle_streams: int = 10_000
+    idle_heartbeat_s: float = 2.0
+    idle_ttft_ms: float = 120_000.0  # long enough that no idle stream ever starts its answer
+    idle_hold_s: float = 4.0  # streams held open (after all have pinged) to time heartbeat CPU
+    abandon_streams: int = 1000
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(
+            ttft_ms=50.0,
+            itl_ms=5.0,
+            tokens=20,
+            levels=(1, 20),
+            single_stream_rounds=1,
+            ramp_s=0.1,
+            saturation=(20, 40),
+            idle_streams=100,
+            idle_heartbeat_s=0.3,
+            idle_hold_s=0.5,
+            abandon_streams=30,
+        )
+
+    def scaled_idle(self, streams: int) -> Sizes:
+        return replace(self, idle_streams=streams)
+
+    @property
+    def stream_s(self) -> float:
+        """A whole stream's natural length."""
+        return (self.ttft_ms + self.tokens * self.itl_ms) / 1000

@@ -1,0 +1,90 @@
+"""The benchmark harness must not rot: a tiny run of every workload against every server.
+
+Not a performance test: nothing here checks a figure against a target, only that the harness
+starts each server, drives it, verifies the text, and writes its table, JSON and chart.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from bench.decode import decode
+from bench.expected import RequestSpec
+from bench.load import Capture
+from bench.profile import top_frames
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench", "--quick", "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "TARGETS" in proc.stdout and "ratios" in proc.stdout
+    res = json.loads((tmp_path / "results.json").read_text())
+    servers = {"firsttoken", "raw_floor", "tutorial"}
+    for workload in ("overhead", "saturation"):
+        rows = res[workload]
+        assert {r["server"] for r in rows} == servers
+        for r in rows:
+            assert r["exact"] == r["streams"], r  # every stream token-exact
+            assert r["tokens"] > 0 and r["added_ttft_ms_p50"] is not None
+    assert {r["server"] for r in res["idle"]} == servers
+    assert all(r["opened"] == r["streams"] and r["kib_per_stream"] is not None for r in res["idle"])
+    abandoned = res["abandonment"]["firsttoken"]
+    assert abandoned["tokens_generated"] >= abandoned["tokens_received"] > 0
+    assert {t["target"].split(" (")[0] for t in res["targets"]} >= {
+        "tokens per server CPU-second ÷ tutorial",
+        "tokens generated after disconnect, per stream",
+    }
+    assert (tmp_path / "chart.png").stat().st_size > 10_000
+
+
+def _capture(spec: RequestSpec, reads: list[bytes]) -> Capture:
+    cap = Capture(spec, t_sent=1.0)
+    cap.reads = [(1.0 + i / 100, r) for i, r in enumerate(reads)]
+    return cap
+
+
+def test_decode_chunked_crlf_split_anywhere() -> None:
+    spec = RequestSpec(0, 5, 0.0, 0.0)
+    tokens = spec.tokens()
+    body = b": ping - 2025\r\n\r\n" + b"".join(
+        b'data: {"choices":[{"index":0,"delta":{"content":%s},"finish_reason":null}]}\r\n\r\n'
+        % json.dumps(t).encode()
+        for t in tokens
+    )
+    body += b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"length"}]}\r\n\r\n'
+    body += b"data: [DONE]\r\n\r\n"
+    chunked = b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in (body[:50], body[50:])) + b"0\r\n\r\n"
+    wire = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n" + chunked
+    reads = [wire[i : i + 7] for i in range(0, len(wire), 7)]  # splits CRLFs and UTF-8
+    d = decode(_capture(spec, reads))
+    assert d.problem is None
+    assert tuple(d.contents) == tokens and d.done and d.finish_reason == "length"
+    assert d.heartbeats == 1 and len(d.times) == len(tokens)
+
+
+def test_decode_reports_error_event_and_http_status() -> None:
+    spec = RequestSpec(0, 5, 0.0, 0.0)
+    err = b'HTTP/1.1 200 OK\r\n\r\nevent: error\ndata: {"error": {"code": "x"}}\n\n'
+    assert "error event" in (decode(_capture(spec, [err])).problem or "")
+    busy = b"HTTP/1.1 429 Too Many Requests\r\nContent-Length: 0\r\n\r\n"
+    assert decode(_capture(spec, [busy])).problem == "HTTP 429"
+
+
+def test_profile_top_frames() -> None:
+    raw = "main (a.py:1);f (a.py:2);g (a.py:3) 3\nmain (a.py:1);f (a.py:2) 1\n"
+    total, by_self, inclusive = top_frames(raw, 5)
+    assert total == 4
+    assert by_self[0] == ("g (a.py)", 3)
+    assert inclusive == [("g (a.py)", 3)]  # frames on every stack are dropped
+    assert top_frames(raw, 5, lines=True)[1][0] == ("g (a.py:3)", 3)
