@@ -56,6 +56,7 @@ class Bench:
             "saturation": [],
             "idle": [],
             "abandonment": {},
+            "abandonment_light": {},
         }
 
     def _launch(self, spec: ServerSpec, tag: str, heartbeat_s: float) -> ServerProcess:
@@ -147,9 +148,16 @@ class Bench:
     async def _abandonment(self, procs: Sequence[ServerProcess]) -> None:
         for p in procs:
             if p.spec.has_metrics:
-                result = await workloads.abandonment(p, self.sizes, self.sizes.abandon_streams)
-                self.res["abandonment"][p.spec.name] = result
-                _log(f"abandonment {p.spec.name}: {result['excess_per_stream']:.2f} extra/stream")
+                for key, streams in (
+                    ("abandonment_light", self.sizes.abandon_light_streams),
+                    ("abandonment", self.sizes.abandon_streams),
+                ):
+                    result = await workloads.abandonment(p, self.sizes, streams)
+                    self.res[key][p.spec.name] = result
+                    _log(
+                        f"abandonment {streams:>5} {p.spec.name}: "
+                        f"{result['excess_per_stream']:.2f} extra/stream"
+                    )
 
     async def _idle(self, procs: Sequence[ServerProcess]) -> None:
         nominal = self.sizes.idle_streams

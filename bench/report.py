@@ -330,24 +330,28 @@ def _idle(res: dict[str, Any]) -> str:
 
 def _abandonment(res: dict[str, Any]) -> str:
     out = ["ABANDONMENT — every client disconnects at a random point"]
-    for server, a in res["abandonment"].items():
+    runs = [*res.get("abandonment_light", {}).items(), *res["abandonment"].items()]
+    for server, a in runs:
         out.append(
-            f"{server}: {a['streams']} streams; tokens generated {a['tokens_generated']:.0f}, "
+            f"{server}, {a['streams']} streams: tokens generated {a['tokens_generated']:.0f}, "
             f"sent {a['tokens_sent']:.0f}, received {a['tokens_received']}; "
             f"generated after disconnect {a['excess_tokens']:.0f} "
             f"({a['excess_per_stream']:.2f} per stream); "
-            f"active after: {a['active_streams_after']}; "
-            f"outcomes {a['outcomes']}"
+            f"active after: {a['active_streams_after']}; outcomes {a['outcomes']}"
         )
         out.append(
             f"  of which generated but never written to the socket: "
-            f"{a['generated_not_sent']:.0f}; written but not read before the client closed "
-            f"(in flight, or the client's own lag, max {_fmt(a['client_lag_ms_max'], 0)} ms): "
-            f"{a['tokens_sent'] - a['tokens_received']:.0f}"
+            f"{a['generated_not_sent']:.0f}; written but never read: "
+            f"{a['tokens_sent'] - a['tokens_received']:.0f} (in flight when the client closed, "
+            f"written after it closed but before the server noticed, or unread because the "
+            f"client lagged: max lag {_fmt(a['client_lag_ms_max'], 0)} ms)"
         )
-    if not res["abandonment"]:
+    if not runs:
         out.append("(not run)")
-    out.append("raw floor and tutorial: not measured (they have no /metrics token counter)")
+    out.append(
+        f"the target is judged at {res['meta']['sizes']['abandon_streams']} streams; "
+        "raw floor and tutorial: not measured (they have no /metrics token counter)"
+    )
     return "\n".join(out)
 
 

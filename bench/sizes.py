@@ -21,6 +21,7 @@ class Sizes:
     idle_ttft_ms: float = 120_000.0  # long enough that no idle stream ever starts its answer
     idle_hold_s: float = 4.0  # streams held open (after all have pinged) to time heartbeat CPU
     abandon_streams: int = 1000
+    abandon_light_streams: int = 100  # also at a load every server keeps pace with (diagnosis)
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -36,6 +37,7 @@ class Sizes:
             idle_heartbeat_s=0.3,
             idle_hold_s=0.5,
             abandon_streams=30,
+            abandon_light_streams=10,
         )
 
     def scaled_idle(self, streams: int) -> Sizes:
