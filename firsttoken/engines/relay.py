@@ -1,0 +1,372 @@
+"""The relay engine: stream from OpenAI-compatible upstreams (vLLM, TGI, Ollama, llama.cpp
+server, OpenAI), one delta per upstream chunk, with errors normalised to `EngineError`.
+
+Several upstreams are balanced by least outstanding streams; a request fails over to the next
+upstream only while nothing has been yielded, so a client never sees text twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import AsyncIterator, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+import anyio
+import httpx
+import orjson
+
+from firsttoken.config import Settings
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.observability import log_event
+from firsttoken.sse import EventDecoder, ServerSentEvent
+
+__all__ = ["RelayEngine", "Upstream", "normalise_error", "upstream_base"]
+
+# An upstream that refused or timed out a connect is tried last for this long.
+COOLDOWN_S = 5.0
+# Older TGI finish reasons, mapped to OpenAI's.
+_FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
+_CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
+_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+_MAX_ERROR_BODY = 64 * 1024
+
+
+@dataclass(slots=True)
+class Upstream:
+    base: str  # ends with the API root, e.g. http://host:8000/v1
+    models: tuple[str, ...] | None = None  # None: /models did not answer at start
+    outstanding: int = 0
+    down_until: float = 0.0
+
+    def serves(self, model: str) -> bool:
+        return self.models is None or model in self.models
+
+
+def upstream_base(url: str) -> str:
+    """A bare `http://host:port` gets `/v1`; a URL with a path is the API root as given."""
+    url = url.strip().rstrip("/")
+    if urlsplit(url).path in ("", "/"):
+        url += "/v1"
+    return url
+
+
+class RelayEngine:
+    """`--engine openai`: relays to `--upstream URL[,URL...]`."""
+
+    def __init__(self, settings: Settings) -> None:
+        if not settings.upstream:
+            raise ValueError("--engine openai needs --upstream URL[,URL...]")
+        self.upstreams = [upstream_base(u) for u in settings.upstream.split(",") if u.strip()]
+        self._ups = [Upstream(u) for u in self.upstreams]
+        self.models: tuple[str, ...] = ()
+        self.tokens_generated = 0
+        self.failovers = 0
+        self._api_key = settings.upstream_api_key
+        self._timeout = httpx.Timeout(
+            connect=settings.upstream_connect_timeout_s,
+            read=settings.upstream_read_timeout_s,
+            write=settings.upstream_read_timeout_s,
+            pool=settings.upstream_connect_timeout_s,
+        )
+        self._client: httpx.AsyncClient | None = None
+        self._inflight: dict[str, httpx.Response] = {}
+        self._aborted: set[str] = set()
+        self._turn = 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        headers = {"accept-encoding": "identity"}
+        if self._api_key:
+            headers["authorization"] = f"Bearer {self._api_key}"
+        self._client = httpx.AsyncClient(
+            timeout=self._timeout,
+            headers=headers,
+            # Each stream holds a connection for its whole length; admission bounds them.
+            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        errors: dict[str, str] = {}
+        async with anyio.create_task_group() as tg:
+            for up in self._ups:
+                tg.start_soon(self._fetch_models, up, errors)
+        if not any(up.models is not None for up in self._ups):
+            await self.close()
+            detail = "; ".join(f"{url}: {err}" for url, err in errors.items())
+            raise RuntimeError(f"relay: no upstream answered GET /models ({detail})")
+        models: dict[str, None] = {}
+        for up in self._ups:
+            models.update(dict.fromkeys(up.models or ()))
+        if not models:
+            await self.close()
+            raise RuntimeError("relay: the upstreams list no models")
+        self.models = tuple(models)
+
+    async def _fetch_models(self, up: Upstream, errors: dict[str, str]) -> None:
+        assert self._client is not None
+        try:
+            resp = await self._client.get(up.base + "/models")
+            resp.raise_for_status()
+            ids = tuple(str(m["id"]) for m in resp.json()["data"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            errors[up.base] = f"{type(exc).__name__}: {exc}"
+            log_event("relay.upstream_down", logging.WARNING, upstream=up.base, error=str(exc))
+            return
+        up.models = ids
+        log_event("relay.upstream", upstream=up.base, models=list(ids))
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    # -- the Engine protocol ---------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: str) -> int:
+        # Words and punctuation: near enough to a BPE count for usage and limits.
+        return len(_WORD_RE.findall(prompt))
+
+    async def abort(self, request_id: str) -> None:
+        # The consumer's cancellation already closed the upstream response when it was
+        # reading; this covers a generator left suspended at a yield.
+        resp = self._inflight.pop(request_id, None)
+        if resp is not None:
+            self._aborted.add(request_id)
+            await resp.aclose()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        last: EngineError | None = None
+        for i, up in enumerate(self._order(request.model)):
+            if i:
+                self.failovers += 1
+                log_event("relay.failover", stream=request.request_id, upstream=up.base)
+            yielded = False
+            try:
+                async with aclosing(self._stream(up, request)) as deltas:
+                    async for delta in deltas:
+                        yielded = True
+                        yield delta
+                return
+            except EngineError as exc:
+                log_event(
+                    "relay.upstream_error",
+                    logging.WARNING,
+                    stream=request.request_id,
+                    upstream=up.base,
+                    code=exc.code,
+                    error=exc.message[:200],
+                )
+                if yielded or not exc.retryable:
+                    raise
+                last = exc
+        raise last or EngineError("model_not_found", f"no upstream serves {request.model!r}")
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _order(self, model: str) -> list[Upstream]:
+        """Upstreams to try: least outstanding first, ties taken in turn, cooling down last."""
+        now = anyio.current_time()
+        n = len(self._ups)
+        self._turn = (self._turn + 1) % n
+        candidates = [
+            (up.down_until > now, up.outstanding, (i - self._turn) % n, up)
+            for i, up in enumerate(self._ups)
+            if up.serves(model)
+        ]
+        candidates.sort(key=lambda c: c[:3])
+        return [c[3] for c in candidates]
+
+    def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
+        body: dict[str, Any] = {"model": request.model, "stream": True}
+        if request.messages is not None:
+            path = "/chat/completions"
+            body["messages"] = [dict(m) for m in request.messages]
+        else:
+            path = "/completions"
+            body["prompt"] = request.prompt
+        if request.max_tokens is not None:
+            body["max_tokens"] = request.max_tokens
+        if request.seed is not None:
+            body["seed"] = request.seed
+        if request.temperature is not None:
+            body["temperature"] = request.temperature
+        if request.stop:
+            body["stop"] = list(request.stop)
+        # A firsttoken upstream's per-request knobs, sent only when the client gave them.
+        synthetic = request.options.get("synthetic")
+        if isinstance(synthetic, Mapping):
+            knobs = {k: v for k, v in synthetic.items() if v is not None}
+            if knobs:
+                body["synthetic"] = knobs
+        return path, orjson.dumps(body)
+
+    async def _stream(self, up: Upstream, request: GenerationRequest) -> AsyncIterator[Delta]:
+        if self._client is None:
+            raise EngineError("engine_unavailable", "the relay engine is not started")
+        rid = request.request_id
+        path, body = self._body(request)
+        headers = {
+            "content-type": "application/json",
+            "accept": "text/event-stream",
+            "x-request-id": rid,
+        }
+        chat = request.messages is not None
+        up.outstanding += 1
+        try:
+            async with self._client.stream(
+                "POST", up.base + path, content=body, headers=headers
+            ) as resp:
+                self._inflight[rid] = resp
+                if resp.status_code >= 400:
+                    raw = await _read_bounded(resp)
+                    raise normalise_error(raw, resp.status_code)
+                async with aclosing(self._deltas(resp, chat)) as deltas:
+                    async for delta in deltas:
+                        yield delta
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            up.down_until = anyio.current_time() + COOLDOWN_S
+            code = "upstream_timeout" if isinstance(exc, httpx.TimeoutException) else None
+            raise EngineError(
+                code or "upstream_unavailable",
+                f"could not connect to the upstream ({type(exc).__name__})",
+                retryable=True,
+            ) from exc
+        except httpx.TimeoutException as exc:
+            raise EngineError(
+                "upstream_timeout", "the upstream sent nothing for too long", retryable=True
+            ) from exc
+        except (httpx.HTTPError, httpx.StreamError) as exc:
+            if rid in self._aborted:
+                return
+            raise EngineError(
+                "upstream_truncated",
+                f"the upstream connection broke mid-stream ({type(exc).__name__})",
+                retryable=True,
+            ) from exc
+        finally:
+            up.outstanding -= 1
+            self._inflight.pop(rid, None)
+            self._aborted.discard(rid)
+
+    async def _deltas(self, resp: httpx.Response, chat: bool) -> AsyncIterator[Delta]:
+        ctype = resp.headers.get("content-type", "")
+        if "json" in ctype and "event-stream" not in ctype:
+            # A server that answers an error (or ignores `stream`) with one JSON body.
+            raise normalise_error(await _read_bounded(resp), resp.status_code)
+        # Raw bytes unless the upstream compressed anyway (we ask for identity).
+        identity = resp.headers.get("content-encoding", "identity") == "identity"
+        chunks = resp.aiter_raw() if identity else resp.aiter_bytes()
+        decoder = _UpstreamDecoder()
+        finished = False
+        async for chunk in chunks:
+            for event in decoder.feed(chunk):
+                data = event.data or ""
+                if event.event == "error":
+                    raise normalise_error(data.encode())
+                if data == "[DONE]":
+                    await _drain(chunks)
+                    return
+                try:
+                    obj = orjson.loads(data)
+                except orjson.JSONDecodeError:
+                    raise EngineError(
+                        "upstream_bad_response", f"the upstream sent non-JSON data: {data[:200]}"
+                    ) from None
+                if not isinstance(obj, dict):
+                    continue
+                if "error" in obj or obj.get("object") == "error":
+                    raise normalise_error(data.encode())
+                choices = obj.get("choices")
+                if not choices:
+                    continue  # a usage-only chunk
+                choice = choices[0]
+                if chat:
+                    text = (choice.get("delta") or {}).get("content") or ""
+                else:
+                    text = choice.get("text") or ""
+                finish = choice.get("finish_reason")
+                if finish:
+                    finish = _FINISH.get(finish, finish)
+                    finished = True
+                if text:
+                    self.tokens_generated += 1
+                if text or finish:
+                    yield Delta(text, finish)
+        # Older TGI ends after the finish chunk without [DONE]: that is complete.
+        if not finished:
+            raise EngineError(
+                "upstream_truncated",
+                "the upstream ended the stream before it finished",
+                retryable=True,
+            )
+
+
+class _UpstreamDecoder(EventDecoder):
+    """SSE, plus llama.cpp server's `error: {json}` line (not an SSE field: it would be lost)."""
+
+    def _line(self, line: str) -> ServerSentEvent | None:
+        if line.startswith("error:"):
+            return ServerSentEvent(data=line[6:].strip(), event="error")
+        return super()._line(line)
+
+
+async def _drain(chunks: AsyncIterator[bytes]) -> None:
+    # Read to the body's end so the connection goes back to the pool (a new one costs a
+    # connect, and a TLS handshake to a remote upstream); don't wait long for a lingerer.
+    with anyio.move_on_after(1.0):
+        async for _ in chunks:
+            pass
+
+
+async def _read_bounded(resp: httpx.Response) -> bytes:
+    raw = b""
+    async for chunk in resp.aiter_bytes():
+        raw += chunk
+        if len(raw) >= _MAX_ERROR_BODY:
+            break
+    return raw
+
+
+def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
+    """Any upstream error body (OpenAI, vLLM, TGI, llama.cpp, or not JSON) → EngineError.
+
+    The code is the upstream's code string when it has one, else `upstream_<status>` (HTTP or
+    the body's numeric code), else the error type; the message is kept as sent.
+    """
+    try:
+        obj: Any = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        obj = None
+    code_str: str | None = None
+    code_num: int | None = None
+    kind: str | None = None
+    message: str | None = None
+    if isinstance(obj, dict):
+        err = obj.get("error", obj)
+        if isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
+            message, kind = err, obj.get("error_type")
+        elif isinstance(err, dict):  # OpenAI, vLLM, llama.cpp; or vLLM's flat object
+            message = err.get("message") or err.get("detail")
+            kind = err.get("type") or err.get("error_type")
+            code = err.get("code")
+            if isinstance(code, str) and not code.isdigit():
+                code_str = code
+            elif isinstance(code, int | str) and str(code).isdigit():
+                code_num = int(code)
+    if message is None:
+        message = raw.decode("utf-8", "replace").strip()[:500] or "the upstream failed"
+    if code_str and _CODE.match(code_str):
+        code = code_str
+    elif status is not None or code_num is not None:
+        code = f"upstream_{status if status is not None else code_num}"
+    elif isinstance(kind, str) and _CODE.match(kind):
+        code = kind
+    else:
+        code = "upstream_error"
+    # Another upstream may do better after overload, a server error, or an in-stream error
+    # (vLLM labels those 400 whatever broke); a 4xx answer is the request's own fault.
+    retryable = status is None or status == 429 or status >= 500
+    return EngineError(code, str(message), retryable=retryable)

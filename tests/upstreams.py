@@ -1,0 +1,236 @@
+"""A scripted OpenAI-compatible upstream for relay tests: the error shapes real servers send.
+
+One asyncio HTTP/1.1 server on 127.0.0.1:0 in a background thread. `GET /v1/models` lists a
+model per scenario; a streaming POST for model `X` plays scenario `X` (or `scenarios[X]`),
+written as chunked transfer encoding, one chunk per SSE event, like uvicorn and TGI do.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+TOKENS = ("Hello", ",", " wor", "ld")
+BEFORE = "".join(TOKENS[:2])  # the text every error scenario sends before failing
+
+# Error bodies as the servers put them on the wire.
+VLLM_STREAM_ERROR = {
+    "error": {
+        "object": "error",
+        "message": "vLLM: CUDA error: an illegal memory access was encountered",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
+VLLM_FLAT_ERROR = {
+    "object": "error",
+    "message": "This model's maximum context length is 2048 tokens.",
+    "type": "BadRequestError",
+    "param": None,
+    "code": 400,
+}
+TGI_ERROR = {
+    "error": "Request failed during generation: Server error: CUDA out of memory",
+    "error_type": "generation",
+}
+TGI_VALIDATION = {
+    "error": "Input validation error: `inputs` must be non-empty",
+    "error_type": "validation",
+}
+LLAMACPP_ERROR = {
+    "code": 500,
+    "message": "llama.cpp: failed to decode the batch",
+    "type": "server_error",
+}
+OPENAI_ERROR = {
+    "error": {
+        "message": "The server had an error while processing your request.",
+        "type": "server_error",
+        "param": None,
+        "code": "server_error",
+    }
+}
+OPENAI_429 = {
+    "error": {
+        "message": "Rate limit reached for requests",
+        "type": "requests",
+        "param": None,
+        "code": "rate_limit_exceeded",
+    }
+}
+
+HANG = object()  # stop sending, keep the connection open
+CUT = object()  # drop the connection without ending the chunked body
+
+
+def _data(obj: object) -> bytes:
+    return b"data: " + json.dumps(obj).encode() + b"\n\n"
+
+
+def _chunk(chat: bool, text: str | None, finish: str | None = None) -> bytes:
+    if chat:
+        delta = {} if text is None else {"content": text}
+        choice = {"index": 0, "delta": delta, "finish_reason": finish}
+        return _data({"object": "chat.completion.chunk", "choices": [choice]})
+    choice = {"index": 0, "text": text or "", "finish_reason": finish}
+    return _data({"object": "text_completion", "choices": [choice]})
+
+
+def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
+    """(status, content type, steps): bytes are one chunk each, HANG and CUT end abnormally."""
+    sse = "text/event-stream"
+    before = [_chunk(chat, None)] + [_chunk(chat, t) for t in TOKENS[:2]]
+    done = [_chunk(chat, None, "stop"), b"data: [DONE]\n\n"]
+    if name == "ok":
+        return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), *done]
+    if name == "ok-no-done":  # older TGI: finish_reason, then the body ends
+        return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), done[0]]
+    if name == "vllm-error":  # vLLM sends [DONE] after its error
+        return 200, sse, [*before, _data(VLLM_STREAM_ERROR), b"data: [DONE]\n\n"]
+    if name == "vllm-flat-error":
+        return 200, sse, [*before, _data(VLLM_FLAT_ERROR)]
+    if name == "tgi-error":
+        return 200, sse, [*before, _data(TGI_ERROR)]
+    if name == "llamacpp-error":  # llama.cpp server: a bare `error:` line, not SSE data
+        return 200, sse, [*before, b"error: " + json.dumps(LLAMACPP_ERROR).encode() + b"\n\n"]
+    if name == "llamacpp-data-error":
+        return 200, sse, [*before, _data({"error": LLAMACPP_ERROR})]
+    if name == "openai-event-error":
+        return 200, sse, [*before, b"event: error\n" + _data(OPENAI_ERROR)]
+    if name == "early-error":  # an error event before any content
+        return 200, sse, [_chunk(chat, None), _data(VLLM_STREAM_ERROR)]
+    if name == "cut":  # the body ends cleanly, but without finish_reason or [DONE]
+        return 200, sse, before
+    if name == "cut-chunked":  # the connection drops mid-body
+        return 200, sse, [*before, CUT]
+    if name == "hang":
+        return 200, sse, [*before, HANG]
+    if name == "hang-before":  # never answers at all
+        return 0, sse, [HANG]
+    if name == "http-500":
+        return 500, "application/json", [json.dumps({"error": LLAMACPP_ERROR}).encode()]
+    if name == "http-503":
+        return 503, "text/html", [b"<html><body>503 Service Unavailable</body></html>"]
+    if name == "http-400":
+        return 400, "application/json", [json.dumps(VLLM_FLAT_ERROR).encode()]
+    if name == "http-422":
+        return 422, "application/json", [json.dumps(TGI_VALIDATION).encode()]
+    if name == "http-429":
+        return 429, "application/json", [json.dumps(OPENAI_429).encode()]
+    raise KeyError(name)
+
+
+SCENARIOS = (
+    "ok ok-no-done vllm-error vllm-flat-error tgi-error llamacpp-error llamacpp-data-error "
+    "openai-event-error early-error cut cut-chunked hang hang-before "
+    "http-500 http-503 http-400 http-422 http-429"
+).split()
+
+
+@dataclass
+class ScriptedUpstream:
+    """`scenarios` maps extra model names to a scenario (e.g. {"synthetic": "http-503"})."""
+
+    scenarios: Mapping[str, str] = field(default_factory=dict)
+    url: str = ""
+    posts: list[dict] = field(default_factory=list)  # request bodies, in order
+    closed_early: int = 0  # connections the client closed before the script ended
+    _loop: asyncio.AbstractEventLoop | None = None
+
+    def models(self) -> list[str]:
+        return [*SCENARIOS, *self.scenarios]
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while await self._one(reader, writer):
+                pass
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass  # the client left, or the server is shutting down
+        finally:
+            writer.close()
+
+    async def _one(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+        head = await reader.readuntil(b"\r\n\r\n")
+        request_line, *lines = head.decode().split("\r\n")
+        method, path, _ = request_line.split(" ", 2)
+        headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(":") for x in lines)}
+        body = await reader.readexactly(int(headers.get("content-length", "0") or 0))
+        if method == "GET" and path.endswith("/models"):
+            data = {"object": "list", "data": [{"id": m, "object": "model"} for m in self.models()]}
+            payload = json.dumps(data).encode()
+            writer.write(
+                b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(payload), payload)
+            )
+            await writer.drain()
+            return True
+        request = json.loads(body)
+        self.posts.append(request)
+        model = request.get("model", "")
+        status, ctype, steps = script(self.scenarios.get(model, model), "messages" in request)
+        if status:
+            writer.write(
+                b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n"
+                % (status, ctype.encode())
+            )
+        for step in steps:
+            if step is HANG:
+                if await reader.read(1) == b"":  # returns when the client gives up
+                    self.closed_early += 1
+                return False
+            if step is CUT:
+                writer.transport.abort()
+                return False
+            assert isinstance(step, bytes)
+            writer.write(b"%x\r\n%s\r\n" % (len(step), step))
+            await writer.drain()
+            await asyncio.sleep(0.002)
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        return True
+
+
+@contextmanager
+def scripted_upstream(scenarios: Mapping[str, str] | None = None) -> Iterator[ScriptedUpstream]:
+    """Run a ScriptedUpstream in a daemon thread for the block; `url` is its base URL."""
+    up = ScriptedUpstream(dict(scenarios or {}))
+    started = threading.Event()
+    stop: list[asyncio.Event] = []
+
+    async def main() -> None:
+        server = await asyncio.start_server(up._handle, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        up.url = f"http://127.0.0.1:{port}"
+        done = asyncio.Event()
+        stop.append(done)
+        up._loop = asyncio.get_running_loop()
+        started.set()
+        async with server:
+            await done.wait()
+
+    thread = threading.Thread(target=asyncio.run, args=(main(),), daemon=True)
+    thread.start()
+    if not started.wait(10):
+        raise RuntimeError("scripted upstream did not start")
+    try:
+        yield up
+    finally:
+        assert up._loop is not None
+        with contextlib.suppress(RuntimeError):
+            up._loop.call_soon_threadsafe(stop[0].set)
+        thread.join(timeout=5)
+
+
+def free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
