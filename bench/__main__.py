@@ -238,7 +238,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds): smoke test")
     parser.add_argument(
-        "--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}"
+        "--servers",
+        default=",".join(n for n in SERVERS if n != "firsttoken_w2"),
+        help=f"comma list of {', '.join(SERVERS)} (firsttoken_w2 only when named)",
     )
     parser.add_argument(
         "--workloads", default=",".join(WORKLOADS), help=f"comma list of {', '.join(WORKLOADS)}"

@@ -1,9 +1,12 @@
-"""firsttoken: stream LLM output over Server-Sent Events, fast and honestly."""
+"""firsttoken: stream LLM output over Server-Sent Events, fast and honestly.
 
-from firsttoken.app import create_app
-from firsttoken.config import Settings
-from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest, SyntheticEngine
-from firsttoken.sse import EventDecoder, ServerSentEvent
+Names are imported on first use, so `firsttoken diag` and the client don't pay for the server.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
 
 __all__ = [
     "Delta",
@@ -17,3 +20,27 @@ __all__ = [
     "create_app",
 ]
 __version__ = "0.1.0"
+
+_WHERE = {
+    "create_app": "firsttoken.app",
+    "Settings": "firsttoken.config",
+    "Delta": "firsttoken.engines",
+    "Engine": "firsttoken.engines",
+    "EngineError": "firsttoken.engines",
+    "GenerationRequest": "firsttoken.engines",
+    "SyntheticEngine": "firsttoken.engines",
+    "EventDecoder": "firsttoken.sse",
+    "ServerSentEvent": "firsttoken.sse",
+}
+
+if TYPE_CHECKING:
+    from firsttoken.app import create_app
+    from firsttoken.config import Settings
+    from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest, SyntheticEngine
+    from firsttoken.sse import EventDecoder, ServerSentEvent
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(importlib.import_module(_WHERE[name]), name)
+    raise AttributeError(f"module 'firsttoken' has no attribute {name!r}")

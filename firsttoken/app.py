@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
 from firsttoken.api import native, openai
@@ -23,10 +24,11 @@ from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
 from firsttoken.errors import APIError
 from firsttoken.observability import Metrics
+from firsttoken.response import RAW_SEND_KEY
 from firsttoken.resume import open_store
 from firsttoken.stream import StreamRegistry
 
-__all__ = ["create_app"]
+__all__ = ["RawSendApp", "create_app"]
 
 WEB_DIR = Path(__file__).parent / "web"
 
@@ -84,6 +86,19 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.gateway = gw
     return app
+
+
+class RawSendApp:
+    """The outermost ASGI layer: leaves the server's own `send` in the scope, so a streaming
+    response can write its body past the middleware (see `response.RAW_SEND_KEY`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            scope[RAW_SEND_KEY] = send
+        await self.app(scope, receive, send)
 
 
 async def _metrics(request: Request) -> Response:

@@ -37,6 +37,9 @@ class Settings:
         0.0, "serve identical deterministic requests from a cache this long (0: off)"
     )
     canned_answers: str | None = _knob(None, "TOML file of canned answers for greetings")
+    workers: int = _knob(
+        1, "server processes sharing the port (more than 1 needs --redis for resume/cancel)"
+    )
     redis: str | None = _knob(None, "Redis URL for shared stream state (default: in memory)")
     api_keys: str | None = _knob(None, "API keys file (default: open server)")
     heartbeat_s: float = _knob(15.0, "send a ': ping' comment after this many idle seconds")

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+import os
+import signal
 import socket
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.app import create_app
+from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 from firsttoken.observability import configure_logging, log_event
 
@@ -96,10 +100,26 @@ def serve(settings: Settings) -> None:
     sock = bind(settings.host, settings.port)
     port = sock.getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
+    url = f"http://{host}:{port}"
+    if settings.workers <= 1:
+        _run(settings, sock, url)
+        return
+    if not settings.redis:
+        log_event(
+            "workers.without_redis",
+            logging.WARNING,
+            workers=settings.workers,
+            note="each worker keeps its own streams, limits and /metrics: a resume or "
+            "cancel that lands on another worker gets 404; use --redis",
+        )
+    _prefork(settings, sock, url)
+
+
+def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     _StreamingProtocol.header_timeout_s = settings.header_timeout_s
     _StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     config = uvicorn.Config(
-        create_app(settings),
+        RawSendApp(create_app(settings)),
         loop="uvloop",
         http=_StreamingProtocol,
         lifespan="on",
@@ -109,4 +129,32 @@ def serve(settings: Settings) -> None:
         timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=64 * 1024,
     )
-    _Server(config, f"http://{host}:{port}").run(sockets=[sock])
+    _Server(config, url).run(sockets=[sock])
+
+
+def _prefork(settings: Settings, sock: socket.socket, url: str) -> None:
+    """N processes accept on one listening socket (the kernel spreads connections): the way
+    past one core's worth of Python per process."""
+    children: list[int] = []
+    for _ in range(settings.workers):
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                _run(settings, sock, url)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        children.append(pid)
+
+    def forward(signum: int, _frame: object) -> None:
+        for child in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(child, signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    for child in children:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(child, 0)

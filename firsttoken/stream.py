@@ -180,7 +180,7 @@ class StreamRegistry:
             grace_s=0,
             prompt_tokens=0,
             max_events=self.max_events,
-            accepted_at=anyio.current_time(),
+            accepted_at=time.perf_counter(),
         )
         mirror.mirror = True
         mirror.token_digest = record.token_digest
@@ -325,7 +325,7 @@ class StreamRegistry:
         deadline or the size limit. (A deadline can't be put on the engine's iterator
         itself: cancelling a pending `__anext__` would end the generator.)"""
         coalescer = Coalescer(policy)
-        clock = anyio.current_time
+        clock = time.perf_counter
         finish = "stop"
         failure: list[EngineError] = []
         send, receive = anyio.create_memory_object_stream[Delta](64)
@@ -375,7 +375,7 @@ class StreamRegistry:
         stream.log.append(_frame(stream, renderer.token_event, renderer.token(text)), tokens)
         interval = stream.meta_interval_s
         if interval is not None:
-            now = anyio.current_time()
+            now = time.perf_counter()
             if stream.first_generated_at is None:
                 stream.first_generated_at = now
             elif now - stream.last_meta_at >= interval:

@@ -54,6 +54,13 @@ SERVERS: dict[str, ServerSpec] = {
             # bench measures the streaming path, so the rate limit and TTFT-SLO shedding are off.
             extra=("--rate-limit-per-s", "0", "--ttft-slo-ms", "0"),
         ),
+        ServerSpec(
+            "firsttoken_w2",
+            "firsttoken --workers 2",
+            "firsttoken",
+            has_metrics=False,  # each worker has its own /metrics
+            extra=("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--workers", "2"),
+        ),
         ServerSpec("raw_floor", "raw asyncio floor", "bench.servers.raw_floor", has_metrics=False),
         ServerSpec(
             "tutorial", "FastAPI+sse-starlette", "bench.servers.tutorial", has_metrics=False
