@@ -36,7 +36,10 @@ WEB_DIR = Path(__file__).parent / "web"
 def create_app(settings: Settings | None = None, engine: Engine | None = None) -> Starlette:
     settings = settings or Settings()
     engine = engine or build_engine(settings)
-    metrics = Metrics(tokens_generated=lambda: engine.tokens_generated)
+    metrics = Metrics(
+        tokens_generated=lambda: engine.tokens_generated,
+        engine_counter=lambda name: int(getattr(engine, name, 0)),
+    )
     store = open_store(settings.redis, max_events=settings.resume_max_events)
     registry = StreamRegistry(
         engine,

@@ -73,7 +73,11 @@ class Histogram:
 class Metrics:
     """The server's counters and histograms, exported under the INTERFACE.md names."""
 
-    def __init__(self, tokens_generated: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self,
+        tokens_generated: Callable[[], int] = lambda: 0,
+        engine_counter: Callable[[str], int] = lambda name: 0,
+    ) -> None:
         self.ttft = Histogram(TTFT_BUCKETS)
         self.inter_chunk = Histogram(INTER_CHUNK_BUCKETS)
         self.tokens_sent = 0
@@ -83,6 +87,7 @@ class Metrics:
         self.breaker_state = "closed"
         self.memory_rss_bytes = 0
         self.tokens_generated = tokens_generated
+        self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
 
@@ -96,6 +101,13 @@ class Metrics:
         )
         generated.add_metric([], self.tokens_generated())
         yield generated
+        for attr, name, doc in (
+            ("failovers", "firsttoken_relay_failovers", "Streams moved to another upstream."),
+            ("cache_hits", "firsttoken_cache_hits", "Answers served from the prompt cache."),
+        ):
+            family = CounterMetricFamily(name, doc)
+            family.add_metric([], self.engine_counter(attr))
+            yield family
         sent = CounterMetricFamily("firsttoken_tokens_sent", "Tokens written to clients.")
         sent.add_metric([], self.tokens_sent)
         yield sent
