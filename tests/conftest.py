@@ -15,7 +15,13 @@ def server() -> Iterator[Server]:
     the new-stream rate limit are off here; their own tests turn them on.
     """
     with run_server(
-        "--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "2",
-        "--breaker-error-rate", "1", "--rate-limit-per-s", "0",
+        "--synthetic-ttft-ms",
+        "20",
+        "--synthetic-itl-ms",
+        "2",
+        "--breaker-error-rate",
+        "1",
+        "--rate-limit-per-s",
+        "0",
     ) as s:
         yield s
