@@ -1,0 +1,213 @@
+"""The synthetic engine behind a simulated continuous-batching scheduler (as vLLM/TGI run).
+
+One scheduler task runs decode *steps*. A step emits one token for every sequence in the
+batch and takes `batch_step_base_ms + batch_step_per_seq_ms × batch size` (a GPU decode step:
+a fixed cost plus a little per sequence). At most `batch_max` sequences run; the rest wait and
+join at a step boundary. When nothing runs, the scheduler first waits up to `batch_timeout_ms`
+for a batch to fill (or until `batch_max` requests are waiting).
+
+A joining sequence's first step is its prefill: its first token comes out of that step, so
+TTFT = time queued (+ the idle batch wait) + one step. Per-request `ttft_ms`/`itl_ms` knobs
+are ignored here (the scheduler sets the pace); `answer_tokens`, `fail_after` and
+`error_code` are honoured, and the text is token-exact with the plain synthetic engine.
+
+A sequence whose consumer goes away (generator closed or cancelled, or `abort(id)`) leaves
+the batch before the next step and frees its slot. That is the fix for the seeds' "concurrency
+mysteriously drops" incident: abandoned streams used to hold their slots until they finished.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from firsttoken.config import Settings
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.synthetic import (
+    MODEL_ID,
+    SyntheticEngine,
+    SyntheticOptions,
+    apply_stop,
+    synthetic_tokens,
+)
+
+__all__ = ["BatchingEngine"]
+
+_Item = Delta | EngineError
+
+
+@dataclass(eq=False, slots=True)
+class _Seq:
+    request_id: str
+    tokens: list[str]
+    finish: str
+    fail_after: int | None
+    error_code: str | None
+    send: MemoryObjectSendStream[_Item]
+    pos: int = 0
+
+
+class BatchingEngine:
+    """Synthetic text, paced by a step scheduler with a bounded batch."""
+
+    models = (MODEL_ID,)
+
+    def __init__(self, settings: Settings) -> None:
+        self.batch_max = max(1, settings.batch_max)
+        self.batch_timeout_s = settings.batch_timeout_ms / 1000
+        self.step_base_s = settings.batch_step_base_ms / 1000
+        self.step_per_seq_s = settings.batch_step_per_seq_ms / 1000
+        self.tokens_generated = 0
+        self.steps = 0  # decode steps run (for tests and benches)
+        # Both keyed by request id, in arrival order; a request is in at most one of them.
+        self._waiting: dict[str, _Seq] = {}
+        self._running: dict[str, _Seq] = {}
+        self._wake = anyio.Event()
+        self._exit: AsyncExitStack | None = None
+        self._words = SyntheticEngine()  # only for prompt_tokens
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        # The task group lives from start() to close() (both run in the app's lifespan task).
+        stack = AsyncExitStack()
+        tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
+        tg.start_soon(self._schedule)
+        stack.callback(tg.cancel_scope.cancel)  # runs first on exit: stop the scheduler
+        self._exit = stack
+
+    async def close(self) -> None:
+        for seq in [*self._waiting.values(), *self._running.values()]:
+            seq.send.close()
+        self._waiting.clear()
+        self._running.clear()
+        if self._exit is not None:
+            exit_stack, self._exit = self._exit, None
+            await exit_stack.aclose()
+
+    # -- the Engine interface --------------------------------------------------------------
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return self._words.prompt_tokens(prompt)
+
+    def step_s(self, batch_size: int) -> float:
+        """How long one decode step over `batch_size` sequences takes."""
+        return self.step_base_s + self.step_per_seq_s * batch_size
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    async def abort(self, request_id: str) -> None:
+        seq = self._waiting.get(request_id) or self._running.get(request_id)
+        if seq is not None:
+            self._leave(seq)
+            seq.send.close()  # the consumer's loop ends
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        opts = request.options.get("synthetic")
+        if not isinstance(opts, SyntheticOptions):
+            opts = SyntheticOptions.from_mapping(opts)
+        tokens, finish = synthetic_tokens(
+            request.prompt, request.seed, request.max_tokens, opts.answer_tokens
+        )
+        tokens, stopped = apply_stop(tokens, request.stop)
+        if stopped:
+            finish = "stop"
+        if not tokens:
+            yield Delta("", finish)
+            return
+        if self._exit is None:
+            raise EngineError("engine_unavailable", "the batching engine is not running")
+        # Unbounded: a batched sequence does not pause for a slow reader (a GPU batch doesn't
+        # either); what piles up is bounded by the answer's length.
+        send: MemoryObjectSendStream[_Item]
+        receive: MemoryObjectReceiveStream[_Item]
+        send, receive = anyio.create_memory_object_stream(math.inf)
+        seq = _Seq(request.request_id, tokens, finish, opts.fail_after, opts.error_code, send)
+        self._waiting[seq.request_id] = seq
+        self._notify()
+        try:
+            with receive:
+                async for item in receive:
+                    if isinstance(item, EngineError):
+                        raise item
+                    yield item
+        finally:
+            # Cancelled, closed early, or done: either way the slot is free for the next step.
+            self._leave(seq)
+
+    # -- the scheduler ---------------------------------------------------------------------
+
+    def _notify(self) -> None:
+        self._wake.set()
+
+    async def _wait_for_news(self) -> None:
+        event = self._wake
+        await event.wait()
+        if self._wake is event:
+            self._wake = anyio.Event()
+
+    def _leave(self, seq: _Seq) -> None:
+        self._waiting.pop(seq.request_id, None)
+        self._running.pop(seq.request_id, None)
+
+    async def _schedule(self) -> None:
+        clock = anyio.current_time
+        while True:
+            if not self._running:
+                while not self._waiting:
+                    await self._wait_for_news()
+                # Idle: give a batch up to the timeout to fill before the first step.
+                deadline = clock() + self.batch_timeout_s
+                while len(self._waiting) < self.batch_max and clock() < deadline:
+                    with anyio.move_on_after(deadline - clock()):
+                        await self._wait_for_news()
+            # Step boundary: waiting requests take the free slots, oldest first.
+            while self._waiting and len(self._running) < self.batch_max:
+                rid = next(iter(self._waiting))
+                self._running[rid] = self._waiting.pop(rid)
+            if not self._running:
+                continue  # everyone who waited has left
+            started = clock()
+            await anyio.sleep_until(started + self.step_s(len(self._running)))
+            self._step()
+
+    def _step(self) -> None:
+        """Emit one token for every sequence still in the batch (no awaits: atomic)."""
+        self.steps += 1
+        for seq in list(self._running.values()):
+            if seq.fail_after is not None and seq.pos >= seq.fail_after:
+                seq.send.send_nowait(
+                    EngineError(
+                        seq.error_code or "engine_error",
+                        f"synthetic engine failure after {seq.pos} tokens",
+                    )
+                )
+                self._finish(seq)
+                continue
+            text = seq.tokens[seq.pos]
+            seq.pos += 1
+            last = seq.pos == len(seq.tokens)
+            try:
+                seq.send.send_nowait(Delta(text, seq.finish if last else None))
+            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
+                self._finish(seq)  # its reader is gone; don't wait for the generator's close
+                continue
+            self.tokens_generated += 1
+            if last:
+                self._finish(seq)
+
+    def _finish(self, seq: _Seq) -> None:
+        self._running.pop(seq.request_id, None)
+        seq.send.close()
