@@ -65,7 +65,11 @@ class Server:
         cmd = [sys.executable, "-m", "firsttoken", "serve", "--port", "0", *args]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=self.log, stderr=self.log)
-        self.url = self._wait_listening()
+        try:
+            self.url = self._wait_listening()
+        except BaseException:
+            self.close()  # never leave a server behind
+            raise
 
     def _wait_listening(self, timeout: float = 30.0) -> str:
         deadline = time.monotonic() + timeout
