@@ -8,6 +8,7 @@ leaves and the grace runs out.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import secrets
@@ -22,8 +23,8 @@ import anyio
 import orjson
 from anyio.abc import TaskGroup, TaskStatus
 
-from firsttoken.chunking import CoalescePolicy, Coalescer
-from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest
+from firsttoken.chunking import Chunk, CoalescePolicy, Coalescer
+from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventLog, EventStore, MemoryStore, StreamRecord, token_digest
 from firsttoken.sse import encode_event
@@ -321,52 +322,42 @@ class StreamRegistry:
             log.append(_frame(stream, name, data))
 
     async def _generate_coalesced(self, stream: Stream, policy: CoalescePolicy) -> str:
-        """The engine feeds a small channel; this loop merges tokens until a boundary, a
-        deadline or the size limit. (A deadline can't be put on the engine's iterator
-        itself: cancelling a pending `__anext__` would end the generator.)"""
+        """Tokens go through the coalescer as they come; a pending chunk's deadline is a
+        loop timer (one per chunk, not per token) that flushes it if no boundary comes first."""
         coalescer = Coalescer(policy)
         clock = time.perf_counter
+        loop = asyncio.get_running_loop()
+        timer: asyncio.TimerHandle | None = None
         finish = "stop"
-        failure: list[EngineError] = []
-        send, receive = anyio.create_memory_object_stream[Delta](64)
 
-        async def feed() -> None:
-            async with send:
-                try:
-                    async for delta in self.engine.generate(stream.request):
-                        await send.send(delta)
-                except EngineError as exc:
-                    failure.append(exc)
+        def emit(chunks: list[Chunk]) -> None:
+            for chunk in chunks:
+                self._emit(stream, chunk.text, chunk.tokens)
 
-        async with anyio.create_task_group() as tg, receive:
-            tg.start_soon(feed)
-            while True:
+        def flush_due() -> None:
+            nonlocal timer
+            timer = None
+            emit(coalescer.due(clock()))
+
+        try:
+            async for delta in self.engine.generate(stream.request):
+                if not stream.log.has_room():
+                    await self._wait_for_readers(stream)
+                finish = delta.finish_reason or finish
+                if not delta.text:
+                    continue
+                stream.tokens_generated += 1
+                emit(coalescer.push(delta.text, clock()))
                 deadline = coalescer.deadline
-                delta: Delta | None = None
-                try:
-                    if deadline is None:
-                        delta = await receive.receive()
-                    else:
-                        with anyio.move_on_after(max(0.0, deadline - clock())):
-                            delta = await receive.receive()
-                except anyio.EndOfStream:
-                    break
-                if delta is None:
-                    chunks = coalescer.due(clock())
-                else:
-                    finish = delta.finish_reason or finish
-                    if not delta.text:
-                        continue
-                    stream.tokens_generated += 1
-                    chunks = coalescer.push(delta.text, clock())
-                for chunk in chunks:
-                    if not stream.log.has_room():
-                        await self._wait_for_readers(stream)
-                    self._emit(stream, chunk.text, chunk.tokens)
-        for chunk in coalescer.flush():  # keep what arrived, even before an error
-            self._emit(stream, chunk.text, chunk.tokens)
-        if failure:
-            raise failure[0]
+                if deadline is None and timer is not None:
+                    timer.cancel()
+                    timer = None
+                elif deadline is not None and timer is None:
+                    timer = loop.call_later(max(0.0, deadline - clock()), flush_due)
+        finally:
+            if timer is not None:
+                timer.cancel()
+            emit(coalescer.flush())  # keep what arrived, even before an error
         return finish
 
     def _emit(self, stream: Stream, text: str, tokens: int) -> None:
