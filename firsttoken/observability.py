@@ -104,6 +104,7 @@ class Metrics:
         for attr, name, doc in (
             ("failovers", "firsttoken_relay_failovers", "Streams moved to another upstream."),
             ("cache_hits", "firsttoken_cache_hits", "Answers served from the prompt cache."),
+            ("canned_hits", "firsttoken_canned_answers", "Greetings served canned answers."),
         ):
             family = CounterMetricFamily(name, doc)
             family.add_metric([], self.engine_counter(attr))
