@@ -82,7 +82,7 @@ class Settings:
         65536, "SO_SNDBUF per connection, bytes (0: the OS autotunes, up to MBs per stalled reader)"
     )
     stream_buffer_events: int = _knob(
-        256, "events a reader may fall behind before generation pauses"
+        4, "events an attached reader may fall behind before generation pauses"
     )
     memory_limit: str = _knob(
         "auto", "memory limit for shedding, e.g. 2G or 512M (auto: cgroup limit or total RAM)"

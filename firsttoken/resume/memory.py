@@ -28,7 +28,8 @@ class EventLog:
         self._events: deque[Event] = deque(maxlen=max_events)
         self._waiters: list[asyncio.Future[None]] = []
         # Backpressure: the producer may run at most `window` events ahead of the slowest
-        # reader (or, with none attached, of where the last one stopped).
+        # attached reader; with none attached, until the buffer holds `max_events` unread.
+        self.capacity = max_events
         self.window = min(window or max_events, max_events)
         self._cursors: dict[object, int] = {}
         self._floor = 0
@@ -92,8 +93,10 @@ class EventLog:
             self._release_room()
 
     def has_room(self) -> bool:
-        floor = min(self._cursors.values()) if self._cursors else self._floor
-        return self.last_seq - floor < self.window
+        if self._cursors:
+            return self.last_seq - min(self._cursors.values()) < self.window
+        # Nobody reading (the grace window): generate into the buffer until it is full.
+        return self.last_seq - self._floor < self.capacity
 
     async def room(self) -> None:
         """Wait until the readers have caught up enough for the producer to go on."""
