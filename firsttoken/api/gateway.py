@@ -6,7 +6,7 @@ import re
 import secrets
 import uuid
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 from starlette.requests import Request
@@ -17,9 +17,10 @@ from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.chunking import CoalescePolicy
 from firsttoken.compression import StreamCompressor, negotiate
 from firsttoken.config import Settings
-from firsttoken.engines import Engine
+from firsttoken.engines import Engine, GenerationRequest
 from firsttoken.observability import Metrics
-from firsttoken.stream import StreamRegistry
+from firsttoken.response import EventStreamResponse
+from firsttoken.stream import Renderer, Stream, StreamRegistry
 
 __all__ = ["Gateway", "gateway", "new_stream_id", "trace_id"]
 
@@ -46,6 +47,50 @@ class Gateway:
         model = self.model(getattr(body, "model", None))
         ticket = await self.admission.admit(key)
         return body, model, ticket
+
+    def open_stream(
+        self,
+        generation: GenerationRequest,
+        renderer: Renderer,
+        *,
+        kind: str,
+        trace: str,
+        accepted_at: float,
+        ticket: Ticket,
+        coalesce: Coalesce,
+        meta: bool,
+    ) -> Stream:
+        """A new stream with this server's resume, backpressure and chunking settings."""
+        s = self.settings
+        stream = Stream(
+            generation,
+            renderer,
+            kind=kind,
+            trace_id=trace,
+            grace_s=s.resume_grace_s if kind == "native" else s.openai_grace_s,
+            prompt_tokens=self.engine.prompt_tokens(generation.prompt),
+            max_events=s.resume_max_events,
+            accepted_at=accepted_at,
+            window=s.stream_buffer_events,
+        )
+        stream.ticket = ticket
+        stream.coalesce = self.coalesce_policy(coalesce)
+        if meta:
+            stream.meta_interval_s = s.meta_interval_ms / 1000
+        return stream
+
+    def reader(self, stream: Stream, request: Request, **options: Any) -> EventStreamResponse:
+        """A connection reading `stream`, with this server's heartbeat, send timeout and
+        compression."""
+        return EventStreamResponse(
+            stream,
+            self.registry,
+            self.metrics,
+            heartbeat_s=self.settings.heartbeat_s,
+            send_timeout_s=self.settings.send_timeout_s,
+            compressor=self.compressor(request),
+            **options,
+        )
 
     def coalesce_policy(self, requested: Coalesce) -> CoalescePolicy | None:
         """The request's chunking, else the server's; None is one event per token."""

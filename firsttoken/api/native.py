@@ -13,7 +13,6 @@ from firsttoken.api.gateway import gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.api.render import NativeRenderer
 from firsttoken.engines import GenerationRequest
-from firsttoken.response import EventStreamResponse
 from firsttoken.stream import Stream
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
@@ -41,21 +40,16 @@ async def create_stream(request: Request) -> Response:
         stop=body.stop_strings(),
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
     )
-    stream = Stream(
+    stream = gw.open_stream(
         generation,
         NativeRenderer(binary=body.binary),
         kind="native",
-        trace_id=trace,
-        grace_s=gw.settings.resume_grace_s,
-        prompt_tokens=gw.engine.prompt_tokens(body.prompt),
-        max_events=gw.settings.resume_max_events,
+        trace=trace,
         accepted_at=accepted_at,
-        window=gw.settings.stream_buffer_events,
+        ticket=ticket,
+        coalesce=body.coalesce,
+        meta=body.meta,
     )
-    stream.ticket = ticket
-    stream.coalesce = gw.coalesce_policy(body.coalesce)
-    if body.meta:
-        stream.meta_interval_s = gw.settings.meta_interval_ms / 1000
     await gw.registry.start(stream)
     events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
     return JSONResponse(
@@ -88,17 +82,12 @@ async def stream_events(request: Request) -> Response:
     if log.closed and after >= log.last_seq:
         # Everything was delivered: 204 tells an EventSource to stop reconnecting.
         return Response(status_code=204, headers={"x-stream-id": stream.id})
-    native = stream.kind == "native"
-    return EventStreamResponse(
+    return gw.reader(
         stream,
-        gw.registry,
-        gw.metrics,
+        request,
         after=after,
-        heartbeat_s=gw.settings.heartbeat_s,
-        preamble=_PREAMBLE if native else b"",
-        send_timeout_s=gw.settings.send_timeout_s,
+        preamble=_PREAMBLE if stream.kind == "native" else b"",
         timestamps=request.query_params.get("timestamps") in ("1", "true"),
-        compressor=gw.compressor(request),
     )
 
 

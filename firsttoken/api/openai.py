@@ -15,8 +15,7 @@ from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.render import ChatRenderer, CompletionRenderer
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.response import EventStreamResponse
-from firsttoken.stream import Outcome, Stream
+from firsttoken.stream import Outcome
 
 __all__ = ["chat_completions", "completions", "models"]
 
@@ -76,32 +75,23 @@ async def _serve(
     renderer = (ChatRenderer if chat else CompletionRenderer)(
         chunk_id, model, created, include_usage
     )
-    stream = Stream(
+    options = body.stream_options
+    stream = gw.open_stream(
         generation,
         renderer,
         kind="openai",
-        trace_id=trace,
-        grace_s=gw.settings.openai_grace_s,
-        prompt_tokens=gw.engine.prompt_tokens(prompt),
-        max_events=gw.settings.resume_max_events,
+        trace=trace,
         accepted_at=accepted_at,
-        window=gw.settings.stream_buffer_events,
+        ticket=ticket,
+        coalesce=options.coalesce if options else None,
+        meta=bool(options and options.meta),
     )
-    stream.ticket = ticket
-    options = body.stream_options
-    stream.coalesce = gw.coalesce_policy(options.coalesce if options else None)
-    if options and options.meta:
-        stream.meta_interval_s = gw.settings.meta_interval_ms / 1000
-    return EventStreamResponse(
+    return gw.reader(
         stream,
-        gw.registry,
-        gw.metrics,
-        heartbeat_s=gw.settings.heartbeat_s,
+        request,
         headers={"x-resume-token": stream.resume_token},
         start=True,
-        send_timeout_s=gw.settings.send_timeout_s,
         timestamps=bool(options and options.timestamps),
-        compressor=gw.compressor(request),
     )
 
 
