@@ -161,9 +161,6 @@ class StreamRegistry:
             task_status.started()
             await anyio.sleep_forever()
 
-    def get(self, stream_id: str) -> Stream | None:
-        return self._streams.get(stream_id)
-
     async def find(self, stream_id: str) -> Stream | None:
         """This instance's stream, or a mirror of one that another instance generates."""
         stream = self._streams.get(stream_id)
@@ -212,9 +209,6 @@ class StreamRegistry:
         stream = self._streams.get(stream_id)
         if stream is not None:
             stream.stop(Outcome.CANCELLED)
-
-    def __len__(self) -> int:
-        return len(self._streams)
 
     async def start(self, stream: Stream) -> None:
         assert self._tg is not None, "registry is not running"
