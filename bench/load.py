@@ -95,7 +95,9 @@ class _Stream(asyncio.Protocol):
             self._tr.close()
 
     async def wait_closed(self) -> None:
-        await self._closed
+        # Shielded: a timed-out wait must not cancel the shared future, or the next wait
+        # (close_all after a deadline) raises CancelledError instead of waiting.
+        await asyncio.shield(self._closed)
 
 
 class Run:
