@@ -21,10 +21,12 @@ from firsttoken.resume import Event, ResumeExpired
 from firsttoken.sse import PING, encode_event
 from firsttoken.stream import Stream, StreamRegistry
 
-__all__ = ["RAW_SEND_KEY", "SSE_HEADERS", "EventStreamResponse", "sse_headers"]
+__all__ = ["ABORT_KEY", "RAW_SEND_KEY", "SSE_HEADERS", "EventStreamResponse", "sse_headers"]
 
 # The scope key under which the app's outermost layer leaves the server's own `send`.
 RAW_SEND_KEY = "firsttoken.raw_send"
+# The scope key of a callable that resets the connection (set by our uvicorn protocol).
+ABORT_KEY = "firsttoken.abort"
 
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream"),
@@ -113,7 +115,7 @@ class EventStreamResponse:
                 trace_id=stream.trace_id,
                 send_timeout_s=self.send_timeout_s,
             )
-            abort = scope.get("firsttoken.abort")
+            abort = scope.get(ABORT_KEY)
             if abort is not None:
                 abort()
                 # Let the server see the connection go before we return.

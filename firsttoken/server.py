@@ -15,6 +15,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 from firsttoken.observability import configure_logging, log_event
+from firsttoken.response import ABORT_KEY
 
 __all__ = ["serve"]
 
@@ -49,7 +50,7 @@ class _StreamingProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
-        self.scope["firsttoken.abort"] = self.transport.abort  # type: ignore[typeddict-unknown-key]
+        self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
