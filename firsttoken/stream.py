@@ -64,7 +64,7 @@ class AdmissionTicket(Protocol):
 
     def first_token(self, ttft_s: float) -> None: ...
 
-    async def release(self, outcome: Outcome) -> None: ...
+    async def release(self, outcome: Outcome, tokens: int = 0) -> None: ...
 
 
 class Stream:
@@ -288,7 +288,7 @@ class StreamRegistry:
         self._finish(stream, outcome, error)
         if stream.ticket is not None:
             with anyio.CancelScope(shield=True):
-                await stream.ticket.release(outcome)
+                await stream.ticket.release(outcome, stream.tokens_generated)
 
     async def _generate(self, stream: Stream) -> None:
         log, renderer = stream.log, stream.renderer

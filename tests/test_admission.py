@@ -27,6 +27,11 @@ key = "sk-bob"
 name = "carol"
 key = "sk-carol"
 max_streams = 1
+
+[[keys]]
+name = "dave"
+key = "sk-dave"
+tokens_per_minute = 50
 """
 MSG = [{"role": "user", "content": "limits"}]
 GENERATED = "firsttoken_tokens_generated_total"
@@ -125,6 +130,40 @@ def test_per_key_override_from_the_keys_file(keyed: Server) -> None:
     first.close()
 
 
+def spend_budget(first: Server, second: Server) -> None:
+    """dave has 50 tokens a minute: 40 + 40 are admitted (40 < 50), the third is refused."""
+    if (left := 60 - time.time() % 60) < 10:
+        time.sleep(left + 0.5)  # don't straddle the minute the budget counts in
+    for srv in (first, first):
+        r = httpx.post(
+            srv.v1 + "/completions",
+            headers=auth("sk-dave"),
+            json={"prompt": "budget", "max_tokens": 40},
+            timeout=10,
+        )
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 40
+    refused = httpx.post(
+        second.v1 + "/completions",
+        headers=auth("sk-dave"),
+        json={"prompt": "budget", "max_tokens": 1},
+        timeout=10,
+    )
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "token_budget_exceeded"
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    other = httpx.post(
+        second.v1 + "/completions",
+        headers=auth("sk-bob"),
+        json={"prompt": "budget", "max_tokens": 1},
+        timeout=10,
+    )
+    assert other.status_code == 200
+
+
+def test_tokens_per_minute_budget(keyed: Server) -> None:
+    spend_budget(keyed, keyed)
+
+
 def test_burst_over_the_new_stream_bucket() -> None:
     with run_server(
         "--rate-limit-per-s",
@@ -168,6 +207,7 @@ def test_two_instances_share_one_per_key_limit_and_leases_expire(tmp_path: Path)
             "20",
         )
         with run_server(*args) as a, run_server(*args) as b:
+            spend_budget(a, b)  # the token budget is shared too
             on_a = open_stream(a, "sk-bob")
             on_b = open_stream(b, "sk-bob")
             assert on_a.status == on_b.status == 200

@@ -12,7 +12,13 @@ import anyio
 from starlette.requests import Request
 
 from firsttoken.admission.keys import ApiKey, KeyRing
-from firsttoken.admission.limits import RATE, SLOTS, Lease, MemoryLimits
+from firsttoken.admission.limits import (
+    RATE,
+    SLOTS,
+    Lease,
+    MemoryLimits,
+    seconds_to_next_minute,
+)
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.errors import APIError
@@ -36,10 +42,12 @@ class Ticket:
     def first_token(self, ttft_s: float) -> None:
         self.admission.shedder.record_ttft(ttft_s)
 
-    async def release(self, outcome: Outcome) -> None:
+    async def release(self, outcome: Outcome, tokens: int = 0) -> None:
         if self.released:
             return
         self.released = True
+        if self.key.tokens_per_minute and tokens:
+            await self.admission.limits.spend(self.key.name, tokens)
         if outcome in (Outcome.COMPLETED, Outcome.ERROR):
             self.admission.shedder.record_outcome(failed=outcome is Outcome.ERROR)
         if self.lease is not None:
@@ -87,6 +95,16 @@ class Admission:
             code, message, retry = refusal
             self._rejected()
             raise APIError(503, code, message, headers=_retry_after(retry))
+        budget = key.tokens_per_minute
+        if budget and await self.limits.tokens_spent(key.name) >= budget:
+            self._rejected()
+            raise APIError(
+                429,
+                "token_budget_exceeded",
+                f"key {key.name!r} used its {budget} tokens for this minute "
+                f"(tokens_per_minute={budget})",
+                headers=_retry_after(seconds_to_next_minute()),
+            )
         limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit

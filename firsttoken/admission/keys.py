@@ -14,6 +14,7 @@ __all__ = ["ApiKey", "KeyRing"]
 class ApiKey:
     name: str
     max_streams: int | None = None  # None: the server's --max-streams-per-key
+    tokens_per_minute: int | None = None  # None: no token budget
 
 
 def _digest(secret: str) -> bytes:
@@ -33,6 +34,7 @@ class KeyRing:
         name = "alice"
         key = "sk-alice-..."
         max_streams = 5      # optional
+        tokens_per_minute = 20000   # optional
         """
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
@@ -43,7 +45,10 @@ class KeyRing:
             limit = entry.get("max_streams")
             if limit is not None and (not isinstance(limit, int) or limit < 1):
                 raise ValueError(f"{path}: keys[{i}].max_streams must be a positive integer")
-            keys[secret] = ApiKey(name=name, max_streams=limit)
+            budget = entry.get("tokens_per_minute")
+            if budget is not None and (not isinstance(budget, int) or budget < 1):
+                raise ValueError(f"{path}: keys[{i}].tokens_per_minute must be a positive integer")
+            keys[secret] = ApiKey(name=name, max_streams=limit, tokens_per_minute=budget)
         if not keys:
             raise ValueError(f"{path}: no [[keys]] entries")
         return cls(keys)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["OK", "RATE", "SLOTS", "Lease", "MemoryLimits"]
+__all__ = ["OK", "RATE", "SLOTS", "Lease", "MemoryLimits", "seconds_to_next_minute"]
 
 OK, RATE, SLOTS = "ok", "rate", "slots"
 
@@ -31,6 +31,7 @@ class MemoryLimits:
         self._stamp = time.monotonic()
         self._held: dict[str, int] = {}
         self._next = 0
+        self._spent: dict[str, tuple[int, int]] = {}  # key -> (minute, tokens used in it)
 
     async def run(self) -> None:
         return None
@@ -53,9 +54,27 @@ class MemoryLimits:
         self._next += 1
         return OK, 0.0, Lease(key, str(self._next))
 
+    async def tokens_spent(self, key: str) -> int:
+        """Tokens the key used in the current clock minute."""
+        window, used = self._spent.get(key, (0, 0))
+        return used if window == _minute() else 0
+
+    async def spend(self, key: str, tokens: int) -> None:
+        window, used = self._spent.get(key, (0, 0))
+        now = _minute()
+        self._spent[key] = (now, (used if window == now else 0) + tokens)
+
     async def release(self, lease: Lease) -> None:
         left = self._held.get(lease.key, 0) - 1
         if left > 0:
             self._held[lease.key] = left
         else:
             self._held.pop(lease.key, None)
+
+
+def _minute() -> int:
+    return int(time.time() // 60)
+
+
+def seconds_to_next_minute() -> float:
+    return 60 - time.time() % 60

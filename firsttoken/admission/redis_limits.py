@@ -7,6 +7,7 @@ second, so the slots of a crashed instance free themselves within `lease_s`.
 from __future__ import annotations
 
 import logging
+import time
 import uuid
 
 import anyio
@@ -54,6 +55,11 @@ for i = 2, #ARGV do
 end
 return 1
 """
+
+
+def _budget(key: str) -> str:
+    """This clock minute's token count for the key (a fixed one-minute window)."""
+    return f"ft:tpm:{{{key}}}:{int(time.time() // 60)}"
 
 
 def _slots(key: str) -> str:
@@ -110,6 +116,16 @@ class RedisLimits:
         if lease is not None:
             self._held[lease.id] = lease
         return OK, 0.0, lease
+
+    async def tokens_spent(self, key: str) -> int:
+        used = await self.redis.get(_budget(key))
+        return int(used) if used else 0
+
+    async def spend(self, key: str, tokens: int) -> None:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.incrby(_budget(key), tokens)
+            pipe.expire(_budget(key), 120)
+            await pipe.execute()
 
     async def release(self, lease: Lease) -> None:
         self._held.pop(lease.id, None)

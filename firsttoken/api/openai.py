@@ -136,7 +136,7 @@ async def _complete(
             outcome = Outcome.COMPLETED
         metrics.streams[outcome.value] += 1
         with anyio.CancelScope(shield=True):
-            await ticket.release(outcome)
+            await ticket.release(outcome, len(parts))
     if error is not None:
         return APIError(500, error.code, error.message).response(trace)
     if finish is None:
