@@ -18,6 +18,7 @@ __all__ = ["Decoded", "decode"]
 @dataclass(slots=True)
 class Decoded:
     status: int | None = None
+    headers: dict[str, str] = field(default_factory=dict)
     contents: list[str] = field(default_factory=list)
     times: list[float] = field(default_factory=list)  # arrival time of each content event
     done: bool = False
@@ -114,12 +115,13 @@ def decode(cap: Capture) -> Decoded:
     except (IndexError, ValueError):
         out.problem = f"bad status line {lines[0][:80]!r}"
         return out
-    chunked = any(
-        ln.lower().startswith(b"transfer-encoding:") and b"chunked" in ln.lower() for ln in lines
-    )
+    for ln in lines[1:]:
+        name, _, value = ln.partition(b":")
+        out.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
     if out.status != 200:
         out.problem = f"HTTP {out.status}"
         return out
+    chunked = "chunked" in out.headers.get("transfer-encoding", "")
     dechunk = _Dechunker() if chunked else None
     events = _Events()
     try:
@@ -159,10 +161,14 @@ def _event(out: Decoded, t: float, block: list[bytes]) -> None:
         out.done = True
         return
     chunk = orjson.loads(payload)
-    choice = chunk["choices"][0]
-    content = choice.get("delta", {}).get("content")
-    if content:
-        out.contents.append(content)
-        out.times.append(t)
-    if choice.get("finish_reason"):
-        out.finish_reason = choice["finish_reason"]
+    if "error" in chunk:
+        out.problem = out.problem or f"error chunk: {payload[:200].decode(errors='replace')}"
+        return
+    # A usage chunk has no choices; proxies (LiteLLM) send those too.
+    for choice in chunk.get("choices") or ():
+        content = (choice.get("delta") or {}).get("content")
+        if content:
+            out.contents.append(content)
+            out.times.append(t)
+        if choice.get("finish_reason"):
+            out.finish_reason = choice["finish_reason"]

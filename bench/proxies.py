@@ -44,9 +44,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-import orjson
 
-from bench.decode import _Dechunker, _Events
+from bench.decode import decode
 from bench.expected import PROMPT_VARIANTS, RequestSpec
 from bench.load import Capture, Plan, Run
 from bench.procs import ROOT, ServerProcess, cpu_sample, raise_fd_limit
@@ -85,95 +84,6 @@ class Sizes:
     @property
     def stream_s(self) -> float:
         return (self.ttft_ms + self.tokens * self.itl_ms) / 1000
-
-
-# --- decoding: tolerant of LiteLLM's chunk shapes ---------------------------------------------
-# bench/decode.py's `decode` indexes choices[0] of every chunk (a usage chunk with no choices
-# would end the stream as "undecodable") and compares chunk by chunk. This is the same HTTP and
-# SSE handling (its dechunker and event splitter, reused), with the content check on the text.
-
-
-@dataclass(slots=True)
-class Decoded:
-    status: int | None = None
-    headers: dict[str, str] = field(default_factory=dict)
-    contents: list[str] = field(default_factory=list)
-    times: list[float] = field(default_factory=list)
-    done: bool = False
-    problem: str | None = None
-
-
-def decode(cap: Capture) -> Decoded:
-    out = Decoded()
-    head = b""
-    body: list[tuple[float, bytes]] = []
-    for i, (t, data) in enumerate(cap.reads):
-        head += data
-        end = head.find(b"\r\n\r\n")
-        if end >= 0:
-            body = [(t, head[end + 4 :]), *cap.reads[i + 1 :]]
-            head = head[:end]
-            break
-    if not body:
-        out.problem = cap.error or ("no response" if not cap.reads else "incomplete HTTP head")
-        return out
-    lines = head.split(b"\r\n")
-    try:
-        out.status = int(lines[0].split()[1])
-    except (IndexError, ValueError):
-        out.problem = f"bad status line {lines[0][:80]!r}"
-        return out
-    for ln in lines[1:]:
-        name, _, value = ln.partition(b":")
-        out.headers[name.strip().lower().decode("latin-1")] = value.strip().decode("latin-1")
-    if out.status != 200:
-        out.problem = f"HTTP {out.status}"
-        return out
-    dechunk = _Dechunker() if "chunked" in out.headers.get("transfer-encoding", "") else None
-    events = _Events()
-    try:
-        for t, data in body:
-            raw = dechunk.feed(data) if dechunk is not None else data
-            for block in events.feed(raw):
-                _event(out, t, block)
-    except (ValueError, KeyError, IndexError, TypeError) as exc:
-        out.problem = out.problem or f"undecodable stream: {exc!r}"
-    if cap.error and not out.problem and not out.done:
-        out.problem = cap.error
-    return out
-
-
-def _event(out: Decoded, t: float, block: list[bytes]) -> None:
-    data: list[bytes] = []
-    name = b""
-    for line in block:
-        if line.startswith(b":"):
-            continue
-        key, _, value = line.partition(b":")
-        if value.startswith(b" "):
-            value = value[1:]
-        if key == b"data":
-            data.append(value)
-        elif key == b"event":
-            name = value
-    if not data:
-        return
-    payload = b"\n".join(data)
-    if name == b"error":
-        out.problem = out.problem or f"error event: {payload[:200].decode(errors='replace')}"
-        return
-    if payload == b"[DONE]":
-        out.done = True
-        return
-    chunk = orjson.loads(payload)
-    if "error" in chunk:
-        out.problem = out.problem or f"error chunk: {payload[:200].decode(errors='replace')}"
-        return
-    for choice in chunk.get("choices") or ():
-        content = (choice.get("delta") or {}).get("content")
-        if content:
-            out.contents.append(content)
-            out.times.append(t)
 
 
 # --- processes --------------------------------------------------------------------------------
