@@ -8,22 +8,32 @@ import threading
 
 
 class CuttableProxy:
+    """A loopback TCP relay; `cut()` resets live connections, `close()` also refuses new ones
+    until `reopen()`."""
+
     def __init__(self, target_port: int, host: str = "127.0.0.1") -> None:
         self.target = (host, target_port)
-        self.listener = socket.create_server((host, 0))
-        self.port = self.listener.getsockname()[1]
-        self._conns: list[socket.socket] = []
         self._lock = threading.Lock()
-        self._closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._conns: list[socket.socket] = []
+        self._listener = socket.create_server((host, 0))
+        self.port = self._listener.getsockname()[1]
+        self.url = f"http://{host}:{self.port}"
+        self._start()
 
-    def _accept(self) -> None:
-        while not self._closed:
+    def _start(self) -> None:
+        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
+
+    def _accept(self, listener: socket.socket) -> None:
+        while True:
             try:
-                client, _ = self.listener.accept()
+                client, _ = listener.accept()
             except OSError:
                 return
-            upstream = socket.create_connection(self.target)
+            try:
+                upstream = socket.create_connection(self.target)
+            except OSError:
+                client.close()
+                continue
             with self._lock:
                 self._conns += [client, upstream]
             for a, b in ((client, upstream), (upstream, client)):
@@ -57,6 +67,14 @@ class CuttableProxy:
             s.close()
 
     def close(self) -> None:
-        self._closed = True
-        self.listener.close()
+        # shutdown() stops listening now; close() alone waits for the blocked accept().
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
         self.cut()
+
+    def reopen(self) -> None:
+        self._listener = socket.create_server((self.target[0], self.port))
+        self._start()

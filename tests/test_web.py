@@ -8,9 +8,6 @@ can cut (live connections reset) or close (new connections refused).
 from __future__ import annotations
 
 import os
-import socket
-import struct
-import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -22,6 +19,7 @@ import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from firsttoken.sse import EventDecoder
+from tests.proxy import CuttableProxy
 from tests.servers import ROOT, Server, run_server, wait_for
 
 CHROMIUM = Path(os.environ.get("FIRSTTOKEN_CHROMIUM", "/usr/bin/chromium"))
@@ -118,75 +116,6 @@ def artifacts_dir() -> Path:
 
 
 # ---- helpers ----------------------------------------------------------------------------------
-
-
-class CuttableProxy:
-    """A loopback TCP relay to the server; `cut()` resets live connections, `close()` also
-    refuses new ones until `reopen()`."""
-
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
-        self._lock = threading.Lock()
-        self._sockets: list[socket.socket] = []
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port = self._listener.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self._start()
-
-    def _start(self) -> None:
-        threading.Thread(target=self._accept, args=(self._listener,), daemon=True).start()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                client, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self._sockets += [client, upstream]
-            for src, dst in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        for sock in (src, dst):
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-
-    def cut(self) -> None:
-        with self._lock:
-            sockets, self._sockets = self._sockets, []
-        for sock in sockets:
-            # SO_LINGER 0: abort with a RST, like a dropped network path. shutdown() first
-            # wakes the relay thread blocked in recv(), which would otherwise delay the close.
-            try:
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
-            sock.close()
-
-    def close(self) -> None:
-        # shutdown() stops listening now; close() alone waits for the blocked accept().
-        self._listener.shutdown(socket.SHUT_RDWR)
-        self._listener.close()
-        self.cut()
-
-    def reopen(self) -> None:
-        self._listener = socket.create_server(("127.0.0.1", self.port))
-        self._start()
 
 
 def page_url(base: str, **params: int) -> str:
