@@ -26,7 +26,7 @@ from firsttoken.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["AsyncClient", "Client", "StreamError", "StreamInterrupted", "TextStream"]
 
-_DROPS = (httpx.TransportError, httpx.RemoteProtocolError)
+_DROPS = (httpx.TransportError,)  # connect, read and protocol errors alike
 
 
 class StreamError(Exception):

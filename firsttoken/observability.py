@@ -83,7 +83,7 @@ class Metrics:
         self.tokens_sent = 0
         self.active_streams = 0
         self.streams = dict.fromkeys(OUTCOMES, 0)
-        self.shedding = dict.fromkeys(("breaker", "ttft", "memory"), 0)
+        self.shedding = dict.fromkeys(("ttft", "memory"), 0)  # the breaker has its own state
         self.breaker_state = "closed"
         self.memory_rss_bytes = 0
         self.tokens_generated = tokens_generated
@@ -96,52 +96,77 @@ class Metrics:
         yield self.inter_chunk.family(
             "firsttoken_inter_chunk_seconds", "Gap between consecutive content events sent."
         )
-        generated = CounterMetricFamily(
-            "firsttoken_tokens_generated", "Tokens the engine produced."
+        yield _one(
+            CounterMetricFamily,
+            "firsttoken_tokens_generated",
+            "Tokens the engine produced.",
+            self.tokens_generated(),
         )
-        generated.add_metric([], self.tokens_generated())
-        yield generated
+        yield _one(
+            CounterMetricFamily,
+            "firsttoken_tokens_sent",
+            "Tokens written to clients.",
+            self.tokens_sent,
+        )
         for attr, name, doc in (
             ("failovers", "firsttoken_relay_failovers", "Streams moved to another upstream."),
             ("cache_hits", "firsttoken_cache_hits", "Answers served from the prompt cache."),
             ("canned_hits", "firsttoken_canned_answers", "Greetings served canned answers."),
         ):
-            family = CounterMetricFamily(name, doc)
-            family.add_metric([], self.engine_counter(attr))
-            yield family
-        sent = CounterMetricFamily("firsttoken_tokens_sent", "Tokens written to clients.")
-        sent.add_metric([], self.tokens_sent)
-        yield sent
-        streams = CounterMetricFamily(
-            "firsttoken_streams", "Streams by outcome.", labels=["outcome"]
+            yield _one(CounterMetricFamily, name, doc, self.engine_counter(attr))
+        yield _labelled(
+            CounterMetricFamily,
+            "firsttoken_streams",
+            "Streams by outcome.",
+            "outcome",
+            self.streams,
         )
-        for outcome, count in self.streams.items():
-            streams.add_metric([outcome], count)
-        yield streams
-        active = GaugeMetricFamily("firsttoken_active_streams", "Streams generating now.")
-        active.add_metric([], self.active_streams)
-        yield active
-        shedding = GaugeMetricFamily(
-            "firsttoken_shedding", "1 while new streams are refused, by trigger.", labels=["reason"]
+        yield _one(
+            GaugeMetricFamily,
+            "firsttoken_active_streams",
+            "Streams generating now.",
+            self.active_streams,
         )
-        self.shedding["breaker"] = int(self.breaker_state != "closed")
-        for reason, on in self.shedding.items():
-            shedding.add_metric([reason], on)
-        yield shedding
-        breaker = GaugeMetricFamily(
+        shedding = {**self.shedding, "breaker": int(self.breaker_state != "closed")}
+        yield _labelled(
+            GaugeMetricFamily,
+            "firsttoken_shedding",
+            "1 while new streams are refused, by trigger.",
+            "reason",
+            shedding,
+        )
+        states = {s: int(s == self.breaker_state) for s in ("closed", "open", "half_open")}
+        yield _labelled(
+            GaugeMetricFamily,
             "firsttoken_breaker_state",
             "Circuit breaker: 1 for the current state.",
-            labels=["state"],
+            "state",
+            states,
         )
-        for state in ("closed", "open", "half_open"):
-            breaker.add_metric([state], int(state == self.breaker_state))
-        yield breaker
-        rss = GaugeMetricFamily("firsttoken_memory_rss_bytes", "Resident memory of the process.")
-        rss.add_metric([], self.memory_rss_bytes)
-        yield rss
+        yield _one(
+            GaugeMetricFamily,
+            "firsttoken_memory_rss_bytes",
+            "Resident memory of the process.",
+            self.memory_rss_bytes,
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _one(kind: type[Metric], name: str, doc: str, value: float) -> Metric:
+    family = kind(name, doc)
+    family.add_metric([], value)  # type: ignore[attr-defined]
+    return family
+
+
+def _labelled(
+    kind: type[Metric], name: str, doc: str, label: str, values: dict[str, int]
+) -> Metric:
+    family = kind(name, doc, labels=[label])  # type: ignore[call-arg]
+    for key, value in values.items():
+        family.add_metric([key], value)  # type: ignore[attr-defined]
+    return family
 
 
 _logger = logging.getLogger("firsttoken")
