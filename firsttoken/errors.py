@@ -28,8 +28,9 @@ _TYPES = {
 def error_body(
     code: str, message: str, type_: str = "server_error", param: str | None = None
 ) -> bytes:
+    """The error object, before the first byte (HTTP body) and after it (`event: error`)."""
     return orjson.dumps(
-        {"error": {"message": message, "type": type_, "code": code, "param": param}}
+        {"error": {"code": code, "message": message, "type": type_, "param": param}}
     )
 
 

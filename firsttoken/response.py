@@ -16,6 +16,7 @@ import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
 from firsttoken.compression import StreamCompressor
+from firsttoken.errors import error_body
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import Event, ResumeExpired
 from firsttoken.sse import PING, encode_event
@@ -138,8 +139,7 @@ class EventStreamResponse:
                     send,
                     encode_event(
                         log.next_seq,
-                        b'{"error":{"code":"resume_expired","type":"invalid_request_error",'
-                        b'"message":"' + str(exc).encode() + b'"}}',
+                        error_body("resume_expired", str(exc), "invalid_request_error"),
                         "error",
                     ),
                 )

@@ -8,7 +8,7 @@ text on CR, LF or CRLF, so no text can end an event early or forge another one.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 __all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment", "encode_event"]
@@ -16,12 +16,13 @@ __all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment", "encode_event"]
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _FORBIDDEN_IN_FIELD = ("\r", "\n", "\0")
 
-PING = b": ping\n\n"
-
 
 def comment(text: str) -> bytes:
     """A comment block (ignored by parsers): used for heartbeats and send timestamps."""
     return b"".join(b": " + line.encode() + b"\n" for line in _LINE_BREAK.split(text)) + b"\n"
+
+
+PING = comment("ping")
 
 
 @dataclass(slots=True)
@@ -178,10 +179,3 @@ def _utf8_safe_end(raw: bytes) -> int:
             need = 1 if b < 0x80 else 2 if b >> 5 == 0b110 else 3 if b >> 4 == 0b1110 else 4
             return n if back >= need else n - back
     return n
-
-
-def iter_events(chunks: Iterable[bytes]) -> Iterator[ServerSentEvent]:
-    """Decode a whole byte stream (e.g. a capture) into events."""
-    decoder = EventDecoder()
-    for chunk in chunks:
-        yield from decoder.feed(chunk)

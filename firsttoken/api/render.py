@@ -11,14 +11,12 @@ from collections.abc import Sequence
 
 import orjson
 
+from firsttoken.errors import error_body
+
 __all__ = ["ChatRenderer", "CompletionRenderer", "NativeRenderer"]
 
 DONE = b"[DONE]"
 _dumps = orjson.dumps
-
-
-def _error(code: str, message: str) -> bytes:
-    return _dumps({"error": {"code": code, "message": message, "type": "server_error"}})
 
 
 class _OpenAIRenderer:
@@ -52,7 +50,7 @@ class _OpenAIRenderer:
         raise NotImplementedError
 
     def error(self, code: str, message: str) -> bytes:
-        return _error(code, message)
+        return error_body(code, message)
 
 
 class ChatRenderer(_OpenAIRenderer):
@@ -118,4 +116,4 @@ class NativeRenderer:
         return [("meta", _dumps(meta)), (None, DONE)]
 
     def error(self, code: str, message: str) -> bytes:
-        return _error(code, message)
+        return error_body(code, message)

@@ -18,10 +18,10 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
-import orjson
 from anyio.abc import TaskStatus
 from redis.asyncio import Redis
 
+from firsttoken.errors import error_body
 from firsttoken.observability import log_event
 from firsttoken.resume.memory import Event, EventLog
 from firsttoken.resume.store import StreamRecord
@@ -125,7 +125,7 @@ class RedisStore:
             log.append(
                 encode_event(
                     log.next_seq,
-                    _error("resume_expired", f"events up to {first - 1} are no longer kept"),
+                    error_body("resume_expired", f"events up to {first - 1} are no longer kept"),
                     "error",
                 )
             )
@@ -147,7 +147,7 @@ class RedisStore:
                 log.append(
                     encode_event(
                         log.next_seq,
-                        _error("stream_lost", "the instance generating this stream is gone"),
+                        error_body("stream_lost", "the instance generating this stream is gone"),
                         "error",
                     )
                 )
@@ -230,7 +230,3 @@ class RedisStore:
 def _seq(entry_id: bytes | str) -> int:
     text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
     return int(text.split("-", 1)[0])
-
-
-def _error(code: str, message: str) -> bytes:
-    return orjson.dumps({"error": {"code": code, "message": message, "type": "server_error"}})
