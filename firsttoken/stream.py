@@ -391,6 +391,14 @@ class StreamRegistry:
         )
         return True
 
+    def end_all(self, code: str, message: str) -> int:
+        """End every live stream with `event: error` `code` (e.g. a drain that ran out of
+        time); returns how many were ended."""
+        live = [s for s in self._streams.values() if not s.done.is_set()]
+        for stream in live:
+            stream.stop(Outcome.ERROR, EngineError(code, message))
+        return len(live)
+
     def _finish(self, stream: Stream, outcome: Outcome, error: EngineError | None) -> None:
         stream.outcome = outcome
         stream.error_code = error.code if error else None

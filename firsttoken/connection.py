@@ -1,0 +1,68 @@
+"""The HTTP connection: uvicorn's httptools protocol plus what streaming needs of it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from firsttoken.response import ABORT_KEY
+
+__all__ = ["StreamingProtocol"]
+
+
+class StreamingProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol, plus what streaming needs from the connection:
+
+    - TCP_NODELAY: every token is a small write; Nagle's algorithm would hold it back ~40 ms;
+    - a fixed SO_SNDBUF, so what a stalled reader holds in the kernel is bounded;
+    - a header deadline: a slow-loris client trickling headers is cut off;
+    - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
+      close would wait for it to read the buffered data, forever).
+    """
+
+    header_timeout_s = 10.0
+    send_buffer_bytes = 65536
+    _header_timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+                if self.send_buffer_bytes > 0:
+                    # A fixed kernel buffer (no autotuning up to MBs): a stalled reader holds
+                    # a bounded amount, and the stream's backpressure starts soon enough.
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+            except OSError:
+                pass
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
+        self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        super().connection_lost(exc)
+
+    def _arm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+        loop = asyncio.get_running_loop()
+        self._header_timer = loop.call_later(self.header_timeout_s, self._headers_too_slow)
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
