@@ -123,13 +123,40 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
         return 422, "application/json", [json.dumps(TGI_VALIDATION).encode()]
     if name == "http-429":
         return 429, "application/json", [json.dumps(OPENAI_429).encode()]
+    # Faults: what a broken upstream, or a proxy in front of one, puts on the wire.
+    if name == "html-502":  # nginx in front of a dead upstream
+        return 502, "text/html", [NGINX_502]
+    if name == "html-200":  # a captive portal or misrouted proxy: a page, not a stream
+        return 200, "text/html", [b"<html><body><h1>Welcome</h1><p>Sign in</p></body></html>"]
+    if name == "bad-json":
+        return 200, sse, [*before, b'data: {"choices": [{"delta": {"content": "x"\n\n']
+    if name == "bad-shape":  # valid JSON, not a chunk
+        return 200, sse, [*before, _data({"choices": "not a list"}), *done]
+    if name == "bad-type":  # content that is not a string
+        return 200, sse, [*before, _data({"choices": [{"delta": {"content": 5}}]}), *done]
+    if name == "json-array":
+        return 200, sse, [*before, b"data: [1, 2, 3]\n\n", *done]
+    if name == "no-newline":  # an event that never ends: megabytes without a line break
+        return 200, sse, [*before, *([b"x" * 65536] * 80)]
+    if name == "malformed-sse":  # fields without colons or blank lines, then the body ends
+        return 200, sse, [*before, b'dta {"choices": []}\nnonsense\n\x00\xff\xfe\n']
+    if name == "binary":  # bytes that are neither UTF-8 nor SSE, then the end
+        return 200, sse, [bytes(range(256)) * 4]
     raise KeyError(name)
+
+
+NGINX_502 = (
+    b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
+    b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx/1.22.1</center>\r\n"
+    b"</body>\r\n</html>\r\n"
+)
 
 
 SCENARIOS = (
     "ok ok-no-done vllm-error vllm-flat-error tgi-error llamacpp-error llamacpp-data-error "
     "openai-event-error early-error cut cut-chunked hang hang-before "
-    "http-500 http-503 http-400 http-422 http-429"
+    "http-500 http-503 http-400 http-422 http-429 "
+    "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary"
 ).split()
 
 

@@ -33,6 +33,7 @@ _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _MAX_ERROR_BODY = 64 * 1024
+_MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 
 @dataclass(slots=True)
@@ -261,7 +262,9 @@ class RelayEngine:
         chunks = resp.aiter_raw() if identity else resp.aiter_bytes()
         decoder = _UpstreamDecoder()
         finished = False
+        received = 0
         async for chunk in chunks:
+            received += len(chunk)
             for event in decoder.feed(chunk):
                 data = event.data or ""
                 if event.event == "error":
@@ -272,22 +275,12 @@ class RelayEngine:
                 try:
                     obj = orjson.loads(data)
                 except orjson.JSONDecodeError:
-                    raise EngineError(
-                        "upstream_bad_response", f"the upstream sent non-JSON data: {data[:200]}"
-                    ) from None
+                    raise _bad_response(f"non-JSON data: {data[:200]!r}") from None
                 if not isinstance(obj, dict):
-                    continue
+                    raise _bad_response(f"a JSON {type(obj).__name__} where a chunk belongs")
                 if "error" in obj or obj.get("object") == "error":
                     raise normalise_error(data.encode())
-                choices = obj.get("choices")
-                if not choices:
-                    continue  # a usage-only chunk
-                choice = choices[0]
-                if chat:
-                    text = (choice.get("delta") or {}).get("content") or ""
-                else:
-                    text = choice.get("text") or ""
-                finish = choice.get("finish_reason")
+                text, finish = _chunk_fields(obj, chat)
                 if finish:
                     finish = _FINISH.get(finish, finish)
                     finished = True
@@ -295,6 +288,11 @@ class RelayEngine:
                     self.tokens_generated += 1
                 if text or finish:
                     yield Delta(text, finish)
+            if decoder.pending_bytes() > _MAX_EVENT_BYTES:
+                raise _bad_response(f"an event over {_MAX_EVENT_BYTES} bytes (malformed SSE)")
+        if not finished and received and not decoder.saw_event:
+            # 200 and a body, but not a single event: a proxy's page, not an event stream.
+            raise _bad_response(f"no events in a {ctype or 'untyped'!r} body")
         # Older TGI ends after the finish chunk without [DONE]: that is complete.
         if not finished:
             raise EngineError(
@@ -304,13 +302,45 @@ class RelayEngine:
             )
 
 
+def _bad_response(what: str) -> EngineError:
+    # Retryable: before the first token another upstream may answer properly; after it the
+    # relay never retries anyway (no text twice).
+    return EngineError("upstream_bad_response", f"the upstream sent {what}", retryable=True)
+
+
+def _chunk_fields(obj: dict[str, Any], chat: bool) -> tuple[str, str | None]:
+    """(text, finish_reason) of one streamed chunk; a usage-only chunk is ("", None)."""
+    choices = obj.get("choices")
+    if not choices:
+        return "", None
+    try:
+        choice = choices[0]
+        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
+        finish = choice.get("finish_reason")
+    except (AttributeError, IndexError, KeyError, TypeError):
+        raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}") from None
+    if not isinstance(text, str | None) or not isinstance(finish, str | None):
+        raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}")
+    return text or "", finish
+
+
 class _UpstreamDecoder(EventDecoder):
     """SSE, plus llama.cpp server's `error: {json}` line (not an SSE field: it would be lost)."""
+
+    saw_event = False
 
     def _line(self, line: str) -> ServerSentEvent | None:
         if line.startswith("error:"):
             return ServerSentEvent(data=line[6:].strip(), event="error")
-        return super()._line(line)
+        event = super()._line(line)
+        if event is not None:
+            self.saw_event = True
+        return event
+
+    def pending_bytes(self) -> int:
+        """Characters held for an event not yet complete: bounded, or a garbage upstream
+        without newlines (or blank lines) grows it without end."""
+        return len(self._buffer) + sum(len(d) for d in self._data)
 
 
 async def _drain(chunks: AsyncIterator[bytes]) -> None:
@@ -328,6 +358,19 @@ async def _read_bounded(resp: httpx.Response) -> bytes:
         if len(raw) >= _MAX_ERROR_BODY:
             break
     return raw
+
+
+_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+_SPACE = re.compile(r"\s+")
+
+
+def _plain_text(raw: bytes) -> str:
+    """A non-JSON error body as one line: a proxy's HTML page (nginx, an ALB, Cloudflare)
+    loses its tags, so `502 Bad Gateway` reads as that, not as markup."""
+    text = raw.decode("utf-8", "replace")
+    if "<" in text and ">" in text:
+        text = _TAG.sub(" ", text)
+    return _SPACE.sub(" ", text).strip()[:500]
 
 
 def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
@@ -357,7 +400,7 @@ def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
             elif isinstance(code, int | str) and str(code).isdigit():
                 code_num = int(code)
     if message is None:
-        message = raw.decode("utf-8", "replace").strip()[:500] or "the upstream failed"
+        message = _plain_text(raw) or "the upstream failed"
     if code_str and _CODE.match(code_str):
         code = code_str
     elif status is not None or code_num is not None:
