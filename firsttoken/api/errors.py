@@ -47,6 +47,9 @@ async def read_model(
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
-        message = f"{param}: {first['msg']}" if param else first["msg"]
+        # Our own validators' words, without pydantic's "Value error, " in front.
+        error = first.get("ctx", {}).get("error") if first["type"] == "value_error" else None
+        said = str(error) if error is not None else first["msg"]
+        message = f"{param}: {said}" if param else said
         code = "missing_field" if first["type"] == "missing" else "invalid_value"
         raise APIError(400, code, message, param=param) from None

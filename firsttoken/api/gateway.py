@@ -116,8 +116,16 @@ class Gateway:
         if requested is None:
             return self.engine.models[0]
         if requested not in self.engine.models:
+            models = self.engine.models
+            shown = ", ".join(models[:20])
+            if len(models) > 20:
+                shown += f" and {len(models) - 20} more"
             raise APIError(
-                404, "model_not_found", f"the model {requested!r} does not exist", param="model"
+                404,
+                "model_not_found",
+                f"the model {requested!r} does not exist; this server serves: {shown} "
+                "(GET /v1/models lists them)",
+                param="model",
             )
         return requested
 

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
 
 __all__ = [
+    "MAX_STOP",
     "ChatCompletionRequest",
     "ChatMessage",
     "Coalesce",
@@ -64,7 +65,22 @@ class ChatMessage(_Body):
         return "".join(part.text for part in self.content)
 
 
-Stop = str | Annotated[list[str], Field(max_length=4)] | None
+MAX_STOP = 4  # as OpenAI allows
+
+
+def _stop(value: Any) -> Any:
+    # One check with one message: a union would report "stop.str: Input should be a valid
+    # string" for a list that is merely too long.
+    if value is None or isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(v, str) for v in value):
+        if len(value) <= MAX_STOP:
+            return value
+        raise ValueError(f"at most {MAX_STOP} stop strings are allowed, got {len(value)}")
+    raise ValueError(f"must be a string or a list of up to {MAX_STOP} strings")
+
+
+Stop = Annotated[str | list[str] | None, BeforeValidator(_stop)]
 
 
 class _Generation(_Body):

@@ -1,0 +1,156 @@
+"""Before the server binds: what the settings point at must answer — files parse, Redis
+answers PING, some upstream answers GET /models — so a mistake is one line at start, not a
+traceback or a server that fails on its first request.
+
+Settings themselves (ranges, choices, files that exist) are checked in `config`; this module
+is what needs the world.
+"""
+
+from __future__ import annotations
+
+import re
+import tomllib
+from urllib.parse import urlsplit, urlunsplit
+
+from firsttoken.config import Settings
+
+__all__ = ["StartupError", "describe", "preflight", "redact"]
+
+
+class StartupError(Exception):
+    """The server cannot start; `str()` is the line a person reads."""
+
+
+def preflight(settings: Settings) -> None:
+    """Raise StartupError with one line when something the settings name does not work."""
+    if settings.api_keys:
+        _keys(settings.api_keys)
+    if settings.canned_answers:
+        _canned(settings.canned_answers)
+    if settings.redis:
+        _redis(settings.redis)
+    if settings.engine == "openai" and settings.upstream:
+        _upstreams(settings)
+
+
+def _keys(path: str) -> None:
+    from firsttoken.admission.keys import KeyRing
+
+    try:
+        KeyRing.load(path)
+    except (OSError, ValueError) as exc:  # TOMLDecodeError is a ValueError
+        raise StartupError(f"--api-keys {path}: {_file_error(exc, path)}") from exc
+
+
+def _canned(path: str) -> None:
+    from firsttoken.engines.cache import load_canned
+
+    try:
+        load_canned(path)
+    except (OSError, ValueError) as exc:
+        raise StartupError(f"--canned-answers {path}: {_file_error(exc, path)}") from exc
+
+
+def _file_error(exc: Exception, path: str) -> str:
+    if isinstance(exc, OSError):
+        return exc.strerror or str(exc)
+    if isinstance(exc, tomllib.TOMLDecodeError):
+        return f"not valid TOML ({exc})"
+    return str(exc).removeprefix(f"{path}: ")
+
+
+def _redis(url: str) -> None:
+    import redis
+    import redis.exceptions
+
+    shown = redact(url)
+    try:
+        client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
+        try:
+            client.ping()
+            version = str(client.info("server").get("redis_version", "0"))
+        finally:
+            client.close()
+    except ValueError as exc:  # from_url: a URL redis-py cannot use
+        raise StartupError(f"--redis {shown}: {exc}") from exc
+    except redis.exceptions.RedisError as exc:
+        why = _redis_why(exc)
+        raise StartupError(f"--redis {shown}: Redis did not answer PING: {why}") from exc
+    major = int(version.split(".", 1)[0]) if version.split(".", 1)[0].isdigit() else 0
+    if major < 5:
+        # Streams (XADD, XREAD) arrived in Redis 5.
+        raise StartupError(f"--redis {shown}: Redis {version} is too old, 5.0 or later needed")
+
+
+def _redis_why(exc: Exception) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    # redis-py says "Error 111 connecting to host:port. Connection refused."
+    said = re.fullmatch(r"Error -?\d+ connecting to \S+?\. (.*)", text)
+    text = (said.group(1) if said else text).rstrip(".")
+    return text + " (is it a Redis server?)" if "protocol error" in text.lower() else text
+
+
+def _upstreams(settings: Settings) -> None:
+    import httpx
+
+    from firsttoken.engines.relay import upstream_base
+
+    assert settings.upstream is not None
+    headers = {"accept-encoding": "identity"}
+    if settings.upstream_api_key:
+        headers["authorization"] = f"Bearer {settings.upstream_api_key}"
+    timeout = httpx.Timeout(
+        settings.upstream_read_timeout_s, connect=settings.upstream_connect_timeout_s
+    )
+    errors: list[str] = []
+    for url in (u for u in settings.upstream.split(",") if u.strip()):
+        base = upstream_base(url)
+        try:
+            resp = httpx.get(base + "/models", headers=headers, timeout=timeout)
+        except httpx.HTTPError as exc:
+            errors.append(f"{redact(base)}: {_http_why(exc)}")
+            continue
+        if resp.status_code == 200:
+            return  # the relay reads the models itself when it starts
+        errors.append(f"{redact(base)}: HTTP {resp.status_code}")
+    raise StartupError("--upstream: no upstream answered GET /models (" + "; ".join(errors) + ")")
+
+
+def _http_why(exc: Exception) -> str:
+    import httpx
+
+    if isinstance(exc, httpx.ConnectTimeout):
+        return "connect timed out"
+    if isinstance(exc, httpx.TimeoutException):
+        return "timed out"
+    text = re.sub(r"^\[Errno -?\d+\] ", "", str(exc).strip())
+    return text or type(exc).__name__
+
+
+def describe(exc: BaseException) -> str:
+    """One line for an exception: the innermost cause that says something."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    if isinstance(exc, StartupError):
+        return str(exc)
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f" ({exc.filename})" if exc.filename else ""
+        return exc.strerror + where
+    cause = exc.__cause__ or exc.__context__
+    text = str(exc).strip()
+    if not text and cause is not None:
+        return describe(cause)
+    first = text.splitlines()[0] if text else ""
+    return f"{type(exc).__name__}: {first}" if first else type(exc).__name__
+
+
+def redact(url: str) -> str:
+    """The URL without its password, for logs."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.hostname or ""
+    if parts.port is not None:
+        host = f"{host}:{parts.port}"
+    user = f"{parts.username}:***@" if parts.username else ":***@"
+    return urlunsplit(parts._replace(netloc=user + host))
