@@ -49,6 +49,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         max_events=settings.resume_max_events,
     )
     admission = Admission(settings, metrics)
+    for part in (store, admission.limits):  # e.g. Redis: up, replication backlog, fallbacks
+        if hasattr(part, "collect"):
+            metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
         settings=settings, engine=engine, registry=registry, metrics=metrics, admission=admission
     )
@@ -85,7 +88,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
         middleware=[Middleware(GZipMiddleware, minimum_size=settings.compression_min_bytes)],
-        exception_handlers={HTTPException: _http_error},  # type: ignore[dict-item]
+        exception_handlers={
+            HTTPException: _http_error,
+            APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call
+        },  # type: ignore[dict-item]
     )
     app.state.gateway = gw
     return app
@@ -124,7 +130,18 @@ async def _readyz(request: Request) -> Response:
             status_code=503,
             headers={"retry-after": "5"},
         )
-    return JSONResponse({"status": "ready", "active_streams": gw.metrics.active_streams})
+    # Degraded is still ready: local streams need nothing from Redis (docs/reliability.md).
+    parts = (gw.registry.store, gw.admission.limits)
+    degraded = sorted({d for part in parts if (d := getattr(part, "degraded", None))})
+    body: dict[str, object] = {"status": "degraded" if degraded else "ready"}
+    if degraded:
+        body["degraded"] = degraded
+    body["active_streams"] = gw.metrics.active_streams
+    return JSONResponse(body)
+
+
+async def _api_error(request: Request, exc: APIError) -> Response:
+    return exc.response()
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:

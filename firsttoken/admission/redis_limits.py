@@ -2,6 +2,14 @@
 
 Stream slots are leases in a sorted set scored by expiry: holders refresh theirs every
 second, so the slots of a crashed instance free themselves within `lease_s`.
+
+While Redis is unreachable, admission **fails open to this instance's own limits**: the same
+rate bucket, key slots and token budgets, kept in memory (`MemoryLimits`), so each instance
+still enforces them locally and a fleet of N admits at most N times the shared limit. Refusing
+every stream because the limit store is away would turn a Redis restart into an outage of
+the whole service, while the streams themselves need nothing from Redis. Leases taken locally
+stay local until released; leases held in Redis before the outage are written back (plain
+ZADD) at the first refresh after it, since a restarted Redis lost them.
 """
 
 from __future__ import annotations
@@ -9,12 +17,16 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from collections.abc import Iterator
 
 import anyio
+from prometheus_client.core import CounterMetricFamily, Metric
 from redis.asyncio import Redis
+from redis.exceptions import RedisError
 
-from firsttoken.admission.limits import OK, RATE, SLOTS, Lease
+from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits
 from firsttoken.observability import log_event
+from firsttoken.redisclient import redis_client
 
 __all__ = ["RedisLimits"]
 
@@ -46,15 +58,22 @@ end
 return {0, '0'}
 """
 
+# ARGV: lease_ms, mode ('XX': only refresh; '': write back after an outage), lease ids.
 _REFRESH = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-for i = 2, #ARGV do
-  redis.call('ZADD', KEYS[i - 1], 'XX', now + tonumber(ARGV[1]), ARGV[i])
-  redis.call('PEXPIRE', KEYS[i - 1], tonumber(ARGV[1]))
+for i = 3, #ARGV do
+  if ARGV[2] == 'XX' then
+    redis.call('ZADD', KEYS[i - 2], 'XX', now + tonumber(ARGV[1]), ARGV[i])
+  else
+    redis.call('ZADD', KEYS[i - 2], now + tonumber(ARGV[1]), ARGV[i])
+  end
+  redis.call('PEXPIRE', KEYS[i - 2], tonumber(ARGV[1]))
 end
 return 1
 """
+_OP_TIMEOUT_S = 1.0
+_ERRORS = (RedisError, OSError, TimeoutError)
 
 
 def _budget(key: str) -> str:
@@ -68,13 +87,39 @@ def _slots(key: str) -> str:
 
 class RedisLimits:
     def __init__(self, url: str, rate_per_s: float, burst: int, lease_s: float = 5.0) -> None:
-        self.redis: Redis = Redis.from_url(url)
+        self.redis: Redis = redis_client(url)
         self.rate = rate_per_s
         self.burst = max(1, burst)
         self.lease_ms = int(lease_s * 1000)
         self._admit = self.redis.register_script(_ADMIT)
         self._refresh = self.redis.register_script(_REFRESH)
         self._held: dict[str, Lease] = {}
+        self.local = MemoryLimits(rate_per_s, burst)  # the fallback while Redis is away
+        self._local_leases: set[str] = set()
+        self.up = True
+        self.fallbacks = 0  # admission decisions taken locally
+
+    @property
+    def degraded(self) -> str | None:
+        return None if self.up else "redis_limits"
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "firsttoken_redis_limits_fallback",
+            "Admission decisions taken with this instance's own limits: Redis was unreachable.",
+        )
+        family.add_metric([], self.fallbacks)
+        yield family
+
+    def _down(self, exc: BaseException) -> None:
+        if self.up:
+            self.up = False
+            log_event("redis.limits_fallback", logging.ERROR, error=repr(exc))
+
+    def _back(self) -> None:
+        if not self.up:
+            self.up = True
+            log_event("redis.limits_back")
 
     async def run(self) -> None:
         """Refresh this instance's leases until cancelled."""
@@ -82,32 +127,58 @@ class RedisLimits:
             while True:
                 await anyio.sleep(self.lease_ms / 3000)
                 if not self._held:
+                    if not self.up:
+                        await self._probe()
                     continue
                 leases = list(self._held.values())
+                mode = "XX" if self.up else ""
                 try:
-                    await self._refresh(
-                        keys=[_slots(le.key) for le in leases],
-                        args=[self.lease_ms, *(le.id for le in leases)],
-                    )
-                except Exception as exc:
+                    with anyio.fail_after(_OP_TIMEOUT_S):
+                        await self._refresh(
+                            keys=[_slots(le.key) for le in leases],
+                            args=[self.lease_ms, mode, *(le.id for le in leases)],
+                        )
+                except _ERRORS as exc:
+                    self._down(exc)
                     log_event("redis.lease_refresh_failed", logging.WARNING, error=repr(exc))
+                else:
+                    self._back()
         finally:
             with anyio.CancelScope(shield=True):
                 await self.redis.aclose()
 
+    async def _probe(self) -> None:
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self.redis.ping()
+        except _ERRORS:
+            return
+        self._back()
+
     async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
-        """One round trip: the key's slots, then the shared bucket, atomically."""
+        """One round trip: the key's slots, then the shared bucket, atomically; this
+        instance's own limits while Redis is unreachable."""
         lease = Lease(key, uuid.uuid4().hex) if key is not None else None
-        verdict, retry = await self._admit(
-            keys=["ft:bucket:new-streams", _slots(key) if key is not None else "ft:nokey"],
-            args=[
-                self.rate,
-                self.burst,
-                limit if key is not None else 0,
-                self.lease_ms,
-                lease.id if lease else "",
-            ],
-        )
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                verdict, retry = await self._admit(
+                    keys=["ft:bucket:new-streams", _slots(key) if key is not None else "ft:nokey"],
+                    args=[
+                        self.rate,
+                        self.burst,
+                        limit if key is not None else 0,
+                        self.lease_ms,
+                        lease.id if lease else "",
+                    ],
+                )
+        except _ERRORS as exc:
+            self._down(exc)
+            self.fallbacks += 1
+            answer = await self.local.admit(key, limit)
+            if answer[2] is not None:
+                self._local_leases.add(answer[2].id)
+            return answer
+        self._back()
         verdict = int(verdict)
         if verdict == 2:
             return SLOTS, 1.0, None
@@ -118,15 +189,34 @@ class RedisLimits:
         return OK, 0.0, lease
 
     async def tokens_spent(self, key: str) -> int:
-        used = await self.redis.get(_budget(key))
-        return int(used) if used else 0
+        local = await self.local.tokens_spent(key)  # spent while Redis was away
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                used = await self.redis.get(_budget(key))
+        except _ERRORS as exc:
+            self._down(exc)
+            return local
+        return (int(used) if used else 0) + local
 
     async def spend(self, key: str, tokens: int) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.incrby(_budget(key), tokens)
-            pipe.expire(_budget(key), 120)
-            await pipe.execute()
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    pipe.incrby(_budget(key), tokens)
+                    pipe.expire(_budget(key), 120)
+                    await pipe.execute()
+        except _ERRORS as exc:
+            self._down(exc)
+            await self.local.spend(key, tokens)
 
     async def release(self, lease: Lease) -> None:
+        if lease.id in self._local_leases:
+            self._local_leases.discard(lease.id)
+            await self.local.release(lease)
+            return
         self._held.pop(lease.id, None)
-        await self.redis.zrem(_slots(lease.key), lease.id)
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self.redis.zrem(_slots(lease.key), lease.id)
+        except _ERRORS as exc:
+            self._down(exc)  # the lease is no longer refreshed: it frees itself within lease_s

@@ -8,21 +8,37 @@ Keys (the `{id}` hash tag keeps one stream's keys in one Redis Cluster slot):
   ft:instance:<n>  the owner's liveness, refreshed every second
   ft:cancel        pub/sub channel: stream ids to stop, heard by the owner
 Writes from the per-token path are queued and flushed in pipelined batches by one task.
+
+Redis going away never touches a local stream: the per-token path only appends to a
+replica's deque. Each stream this instance owns keeps its events (references to the log's
+own `Event`s, at most `max_events`) until it expires, and `flushed`, the highest seq Redis
+has confirmed. The flusher retries with backoff while Redis is down; when it is back, each
+stream's backlog (events after `flushed`) goes out, and if Redis restarted (its run id
+changed, so it may have lost everything) every kept stream is written again from its first
+kept event. An event that fell off the bound before Redis confirmed it is counted in
+`firsttoken_redis_events_dropped_total`; the stream's older entries are then trimmed in
+Redis, so a resume from before the gap gets `resume_expired` instead of a silent hole.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
 from anyio.abc import TaskStatus
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio import Redis
+from redis.exceptions import RedisError, ResponseError
 
-from firsttoken.errors import error_body
+from firsttoken.errors import APIError, error_body
 from firsttoken.observability import log_event
+from firsttoken.redisclient import redis_client
 from firsttoken.resume.memory import Event, EventLog
 from firsttoken.resume.store import StreamRecord
 from firsttoken.sse import encode_event
@@ -33,6 +49,9 @@ _CANCEL = "ft:cancel"
 _LIVE_EXTRA_S = 3600  # a live stream's keys outlast any sane answer; the TTL applies at the end
 _PRESENCE_MS = 3000
 _INSTANCE_MS = 5000
+_OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
+_RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
+_FLUSH_BATCH = 4096  # commands per pipeline round trip
 
 
 def _meta(stream_id: str) -> str:
@@ -47,18 +66,100 @@ def _readers(stream_id: str) -> str:
     return f"ft:{{{stream_id}}}:readers"
 
 
+def _unavailable(what: str) -> APIError:
+    return APIError(
+        503,
+        "store_unavailable",
+        f"the shared stream store (Redis) is unreachable; {what}",
+        headers={"retry-after": "1"},
+    )
+
+
+@dataclass(slots=True, eq=False)
+class _Replica:
+    """One owned stream as Redis should hold it, and how much of that Redis confirmed."""
+
+    record: StreamRecord
+    ttl_s: float
+    events: deque[Event]
+    flushed: int = 0  # highest seq Redis confirmed
+    trimmed: int = 0  # entries up to this seq were trimmed in Redis after a gap
+    meta_done: bool = False
+    end: tuple[str, int] | None = None  # (outcome, last seq) once the stream finished
+    end_done: bool = False
+    expires_at: float | None = None  # monotonic; set at the end
+    ops: list[tuple[str, int]] = field(default_factory=list)  # in flight: (kind, seq)
+
+    def dirty(self) -> bool:
+        last = self.events[-1].seq if self.events else 0
+        ended = self.end is not None and not self.end_done
+        return not self.meta_done or last > self.flushed or ended
+
+
 class RedisStore:
     replicates = True
 
     def __init__(self, url: str, *, max_events: int) -> None:
-        self.redis: Redis = Redis.from_url(url)
+        self.redis: Redis = redis_client(url)
         self.max_events = max_events
         self.instance = uuid.uuid4().hex
-        self._pending: list[tuple[Any, ...]] = []
+        self.up = True
+        self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
+        self.outages = 0
+        self.resyncs = 0
+        self._replicas: dict[str, _Replica] = {}
+        self._dirty: dict[str, _Replica] = {}
         self._wake = anyio.Event()
+        self._run_id: str | None = None
+
+    # -- health, for /readyz and /metrics -------------------------------------------------
+
+    @property
+    def degraded(self) -> str | None:
+        return None if self.up else "redis"
+
+    def backlog(self) -> int:
+        """Events kept here that Redis has not confirmed (all streams)."""
+        total = 0
+        for rep in self._replicas.values():
+            if rep.events:
+                total += max(0, rep.events[-1].seq - max(rep.flushed, rep.events[0].seq - 1))
+        return total
+
+    def collect(self) -> Iterator[Metric]:
+        up = GaugeMetricFamily("firsttoken_redis_up", "1 while the stream store answers.")
+        up.add_metric([], int(self.up))
+        yield up
+        backlog = GaugeMetricFamily(
+            "firsttoken_redis_backlog_events", "Events waiting to be replicated to Redis."
+        )
+        backlog.add_metric([], self.backlog())
+        yield backlog
+        dropped = CounterMetricFamily(
+            "firsttoken_redis_events_dropped",
+            "Events that never reached Redis: they fell off a stream's backlog bound.",
+        )
+        dropped.add_metric([], self.events_dropped)
+        yield dropped
+        outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
+        outages.add_metric([], self.outages)
+        yield outages
+
+    def _set_up(self, up: bool, error: BaseException | None = None) -> None:
+        if up == self.up:
+            return
+        self.up = up
+        if up:
+            log_event("redis.up", backlog=self.backlog())
+        else:
+            self.outages += 1
+            log_event("redis.down", logging.ERROR, error=repr(error), backlog=self.backlog())
+
+    # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
         await self.redis.ping()  # fail at start, not at the first stream
+        self._run_id = await self._server_run_id()
         await self._heartbeat_once()
         try:
             async with anyio.create_task_group() as tg:
@@ -70,89 +171,284 @@ class RedisStore:
             with anyio.CancelScope(shield=True):
                 await self.redis.aclose()
 
+    # -- the owner's side -----------------------------------------------------------------
+
     async def register(self, record: StreamRecord, ttl_s: float) -> None:
-        ttl = int(ttl_s + _LIVE_EXTRA_S)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.hset(
-                _meta(record.id),
-                mapping={
-                    "kind": record.kind,
-                    "digest": record.token_digest,
-                    "trace": record.trace_id,
-                    "model": record.model,
-                    "owner": self.instance,
-                },
-            )
-            pipe.expire(_meta(record.id), ttl)
-            await pipe.execute()
+        rep = _Replica(record, ttl_s, deque(maxlen=self.max_events))
+        self._replicas[record.id] = rep
+        if self.up:
+            # Written before the stream is announced, so another instance can find it at once.
+            try:
+                with anyio.fail_after(_OP_TIMEOUT_S):
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        self._queue_meta(pipe, rep)
+                        await pipe.execute()
+                rep.meta_done = True
+                return
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._set_up(False, exc)
+        self._mark(rep)  # the flusher writes it when Redis is back
 
     def replicate(self, stream_id: str, event: Event) -> None:
-        self._pending.append(("event", stream_id, event))
-        self._wake.set()
+        rep = self._replicas.get(stream_id)
+        if rep is None:
+            return
+        events = rep.events
+        if len(events) == events.maxlen and events[0].seq > rep.flushed:
+            self.events_dropped += 1  # the bound is reached before Redis took the oldest
+        events.append(event)
+        self._mark(rep)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
-        self._pending.append(("end", stream_id, outcome, last_seq, ttl_s))
+        rep = self._replicas.get(stream_id)
+        if rep is None:
+            return
+        rep.end = (outcome, last_seq)
+        rep.ttl_s = ttl_s
+        rep.expires_at = time.monotonic() + ttl_s
+        self._mark(rep)
+
+    def _mark(self, rep: _Replica) -> None:
+        self._dirty[rep.record.id] = rep
         self._wake.set()
 
+    def _queue_meta(self, pipe: Any, rep: _Replica) -> None:
+        r = rep.record
+        mapping = {
+            "kind": r.kind,
+            "digest": r.token_digest,
+            "trace": r.trace_id,
+            "model": r.model,
+            "owner": self.instance,
+        }
+        if rep.end is not None:
+            mapping["outcome"] = rep.end[0]
+        pipe.hset(_meta(r.id), mapping=mapping)
+        pipe.expire(_meta(r.id), int(rep.ttl_s + _LIVE_EXTRA_S))
+
+    # -- the flusher ----------------------------------------------------------------------
+
+    async def _flush_forever(self) -> None:
+        delay = _RETRY_MIN_S
+        while True:
+            if self.up or not self._dirty:
+                await self._wake.wait()
+            self._wake = anyio.Event()
+            self._expire()
+            try:
+                if not self.up:
+                    await self._recover()
+                while self._dirty:
+                    await self._flush_batch()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._set_up(False, exc)
+                await anyio.sleep(delay)
+                delay = min(_RETRY_MAX_S, delay * 2)
+                continue
+            self._set_up(True)
+            delay = _RETRY_MIN_S
+
+    async def _recover(self) -> None:
+        """Redis answers again: if it restarted, it may hold none of our streams."""
+        run_id = await self._server_run_id()
+        await self._heartbeat_once()
+        if run_id != self._run_id:
+            self._run_id = run_id
+            self.resyncs += 1
+            for rep in self._replicas.values():
+                rep.flushed = rep.trimmed = 0
+                rep.meta_done = rep.end_done = False
+                self._dirty[rep.record.id] = rep
+            log_event("redis.resync", streams=len(self._replicas))
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        gone = [
+            sid
+            for sid, rep in self._replicas.items()
+            if rep.expires_at is not None and rep.expires_at <= now
+        ]
+        for sid in gone:
+            del self._replicas[sid]
+            self._dirty.pop(sid, None)
+
+    async def _flush_batch(self) -> None:
+        batch: list[_Replica] = []
+        commands = 0
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for sid in list(self._dirty):
+                if commands >= _FLUSH_BATCH:
+                    break
+                rep = self._dirty.pop(sid)
+                commands += self._queue(pipe, rep)
+                batch.append(rep)
+            try:
+                results = await pipe.execute(raise_on_error=False)
+            except BaseException:
+                for rep in batch:  # nothing confirmed: all of it goes again
+                    rep.ops.clear()
+                    self._dirty.setdefault(rep.record.id, rep)
+                raise
+        self._confirm(batch, results)
+
+    def _queue(self, pipe: Any, rep: _Replica) -> int:
+        """Queue what Redis lacks of one stream; each command's meaning goes in `rep.ops`."""
+        sid = rep.record.id
+        ops = rep.ops
+        ops.clear()
+        if not rep.meta_done:
+            self._queue_meta(pipe, rep)
+            ops += [("meta", 0), ("meta-ttl", 0)]
+        first = rep.events[0].seq if rep.events else rep.flushed + 1
+        if first > rep.flushed + 1 and rep.trimmed < first - 1:
+            # A gap: what Redis holds before it must not be stitched to what follows.
+            pipe.xtrim(_events(sid), minid=f"{first}-0")
+            ops.append(("trim", first - 1))
+        for event in _unconfirmed(rep):
+            pipe.xadd(
+                _events(sid),
+                {"w": event.wire, "t": event.tokens},
+                id=f"{event.seq}-0",
+                maxlen=self.max_events,
+                approximate=True,
+            )
+            ops.append(("event", event.seq))
+        if rep.end is not None and not rep.end_done:
+            outcome, last_seq = rep.end
+            pipe.xadd(_events(sid), {"end": outcome}, id=f"{last_seq}-1")
+            pipe.hset(_meta(sid), "outcome", outcome)
+            for key in (_events(sid), _meta(sid)):
+                pipe.expire(key, max(1, int(rep.ttl_s)))
+            ops += [("end", last_seq), ("outcome", 0), ("ttl", 0), ("ttl", 0)]
+        else:
+            pipe.expire(_events(sid), int(rep.ttl_s + _LIVE_EXTRA_S))
+            ops.append(("ttl", 0))
+        return len(ops)
+
+    def _confirm(self, batch: list[_Replica], results: list[Any]) -> None:
+        """Mark what Redis took; a stream with a failed command goes round again."""
+        i = 0
+        failed: BaseException | None = None
+        for rep in batch:
+            mine, i = results[i : i + len(rep.ops)], i + len(rep.ops)
+            for (kind, seq), result in zip(rep.ops, mine, strict=True):
+                if isinstance(result, ResponseError) and "equal or smaller" in str(result):
+                    result = None  # already there: written before an interrupted reply
+                if isinstance(result, BaseException):
+                    failed = result
+                    break
+                if kind == "event":
+                    rep.flushed = seq
+                elif kind == "trim":
+                    rep.trimmed = seq
+                elif kind == "meta":
+                    rep.meta_done = True
+                elif kind == "end":
+                    rep.end_done = True
+            rep.ops.clear()
+            if rep.dirty() and rep.record.id in self._replicas:
+                self._dirty.setdefault(rep.record.id, rep)
+        if failed is not None:  # e.g. OOM: Redis answers but takes nothing; back off
+            raise RedisError(f"Redis refused a replication write: {failed!r}")
+
+    # -- another instance's side ------------------------------------------------------------
+
     async def lookup(self, stream_id: str) -> StreamRecord | None:
-        meta = await self.redis.hgetall(_meta(stream_id))
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                meta = await self.redis.hgetall(_meta(stream_id))
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._set_up(False, exc)
+            raise _unavailable("streams of other instances cannot be found now") from None
         if not meta:
             return None
         m = {k.decode(): v.decode() for k, v in meta.items()}
         return StreamRecord(stream_id, m["kind"], m["digest"], m["trace"], m["model"])
 
     async def cancel(self, stream_id: str) -> str | None:
-        await self.redis.publish(_CANCEL, stream_id)
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self.redis.publish(_CANCEL, stream_id)
+        except (RedisError, OSError, TimeoutError) as exc:
+            self._set_up(False, exc)
+            raise _unavailable("the cancel could not reach the stream's instance") from None
         with anyio.move_on_after(5):
             while True:
-                outcome = await self.redis.hget(_meta(stream_id), "outcome")
+                try:
+                    outcome = await self.redis.hget(_meta(stream_id), "outcome")
+                except (RedisError, OSError):
+                    outcome = None
                 if outcome:
                     return outcome.decode()
                 await anyio.sleep(0.02)
         return None
 
     async def has_remote_readers(self, stream_id: str) -> bool:
-        return bool(await self.redis.exists(_readers(stream_id)))
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                return bool(await self.redis.exists(_readers(stream_id)))
+        except (RedisError, OSError, TimeoutError):
+            # Unknown while Redis is away: keep the stream (a reader may be there) rather
+            # than abandon it; the buffer's bound still holds.
+            return True
 
     async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
         """Fill `log` (a mirror on this instance) with the events after `after`, then the live
-        tail, until the owner closes the stream or is gone."""
+        tail, until the owner closes the stream or is gone. Through a Redis outage it waits
+        (the reader keeps its heartbeats) and goes on from where it was."""
         log.last_seq = after
         key = _events(stream_id)
-        entries = await self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
+        entries = await self._retrying(
+            lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
+        )
         if entries and after + 1 < _seq(entries[0][0]):
             first = _seq(entries[0][0])
-            log.append(
-                encode_event(
-                    log.next_seq,
-                    error_body("resume_expired", f"events up to {first - 1} are no longer kept"),
-                    "error",
-                )
-            )
-            log.close()
+            _fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
             return
         last_id = entries[-1][0] if entries else f"{after}-0"
         if self._apply(entries, log):
             return
-        owner = await self.redis.hget(_meta(stream_id), "owner")
+        owner = await self._retrying(lambda: self.redis.hget(_meta(stream_id), "owner"))
+        missing_since: float | None = None
         while True:
-            await self.redis.set(_readers(stream_id), self.instance, px=_PRESENCE_MS)
-            found = await self.redis.xread({key: last_id}, block=1000, count=1000)
+            try:
+                await self.redis.set(_readers(stream_id), self.instance, px=_PRESENCE_MS)
+                found = await self.redis.xread({key: last_id}, block=1000, count=1000)
+                owner_alive = (
+                    bool(found)
+                    or not owner
+                    or bool(await self.redis.exists(f"ft:instance:{owner.decode()}"))
+                )
+            except (RedisError, OSError) as exc:
+                self._set_up(False, exc)
+                missing_since = None
+                await anyio.sleep(_RETRY_MIN_S * 2)
+                continue
             if found:
                 batch = found[0][1]
                 last_id = batch[-1][0]
                 if self._apply(batch, log):
                     return
-            elif owner and not await self.redis.exists(f"ft:instance:{owner.decode()}"):
-                log.append(
-                    encode_event(
-                        log.next_seq,
-                        error_body("stream_lost", "the instance generating this stream is gone"),
-                        "error",
-                    )
-                )
-                log.close()
+            if owner_alive:
+                missing_since = None
+                continue
+            # The owner refreshes its key every second; after a Redis restart it may take
+            # that long to come back, so only a key missing for its whole lifetime counts.
+            now = time.monotonic()
+            missing_since = missing_since or now
+            if now - missing_since >= _INSTANCE_MS / 1000:
+                _fail(log, "stream_lost", "the instance generating this stream is gone")
                 return
+
+    async def _retrying(self, call: Callable[[], Any]) -> Any:
+        delay = _RETRY_MIN_S
+        while True:
+            try:
+                return await call()
+            except (RedisError, OSError) as exc:
+                self._set_up(False, exc)
+                await anyio.sleep(delay)
+                delay = min(_RETRY_MAX_S, delay * 2)
 
     @staticmethod
     def _apply(entries: list[Any], log: EventLog) -> bool:
@@ -164,42 +460,12 @@ class RedisStore:
             log.append(fields[b"w"], int(fields.get(b"t", 0)))
         return False
 
-    async def _flush_forever(self) -> None:
-        while True:
-            await self._wake.wait()
-            self._wake = anyio.Event()
-            pending, self._pending = self._pending, []
-            try:
-                await self._flush(pending)
-            except Exception as exc:  # Redis down: local streams go on; resume elsewhere won't
-                log_event(
-                    "redis.flush_failed", logging.ERROR, error=repr(exc), dropped=len(pending)
-                )
+    # -- liveness and cancels -------------------------------------------------------------
 
-    async def _flush(self, pending: list[tuple[Any, ...]]) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            touched: set[str] = set()
-            for op in pending:
-                if op[0] == "event":
-                    _, stream_id, event = op
-                    pipe.xadd(
-                        _events(stream_id),
-                        {"w": event.wire, "t": event.tokens},
-                        id=f"{event.seq}-0",
-                        maxlen=self.max_events,
-                        approximate=True,
-                    )
-                    touched.add(stream_id)
-                else:
-                    _, stream_id, outcome, last_seq, ttl_s = op
-                    pipe.xadd(_events(stream_id), {"end": outcome}, id=f"{last_seq}-1")
-                    pipe.hset(_meta(stream_id), "outcome", outcome)
-                    for key in (_events(stream_id), _meta(stream_id)):
-                        pipe.expire(key, max(1, int(ttl_s)))
-                    touched.discard(stream_id)
-            for stream_id in touched:
-                pipe.expire(_events(stream_id), _LIVE_EXTRA_S)
-            await pipe.execute()
+    async def _server_run_id(self) -> str | None:
+        info = await self.redis.info("server")
+        run_id = info.get("run_id")
+        return str(run_id) if run_id is not None else None
 
     async def _heartbeat_once(self) -> None:
         await self.redis.set(f"ft:instance:{self.instance}", 1, px=_INSTANCE_MS)
@@ -208,23 +474,52 @@ class RedisStore:
         while True:
             await anyio.sleep(1)
             try:
-                await self._heartbeat_once()
-            except Exception as exc:
-                log_event("redis.heartbeat_failed", logging.WARNING, error=repr(exc))
+                with anyio.fail_after(_OP_TIMEOUT_S * 2):
+                    await self._heartbeat_once()
+            except (RedisError, OSError, TimeoutError) as exc:
+                self._set_up(False, exc)
+                continue
+            if not self.up:
+                self._wake.set()  # the flusher recovers, and says so
 
     async def _listen_cancels(
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
     ) -> None:
-        pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
-        await pubsub.subscribe(_CANCEL)
-        task_status.started()
-        try:
-            async for message in pubsub.listen():
-                if message and message.get("type") == "message":
-                    on_cancel(message["data"].decode())
-        finally:
-            with anyio.CancelScope(shield=True):
-                await pubsub.aclose()
+        started = False
+        while True:
+            pubsub = self.redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(_CANCEL)
+                if not started:
+                    started = True
+                    task_status.started()
+                async for message in pubsub.listen():
+                    if message and message.get("type") == "message":
+                        on_cancel(message["data"].decode())
+            except (RedisError, OSError) as exc:
+                if not started:
+                    raise
+                self._set_up(False, exc)
+                await anyio.sleep(_RETRY_MIN_S * 5)  # then subscribe again
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await pubsub.aclose()
+
+
+def _unconfirmed(rep: _Replica) -> list[Event]:
+    """The kept events after `flushed`, oldest first (walked from the new end: O(new))."""
+    out: list[Event] = []
+    for event in reversed(rep.events):
+        if event.seq <= rep.flushed:
+            break
+        out.append(event)
+    out.reverse()
+    return out
+
+
+def _fail(log: EventLog, code: str, message: str) -> None:
+    log.append(encode_event(log.next_seq, error_body(code, message), "error"))
+    log.close()
 
 
 def _seq(entry_id: bytes | str) -> int:

@@ -1,0 +1,174 @@
+"""A real redis-server stopped and started again under live streams on two instances.
+
+Local streams go on untouched; admission falls back to each instance's own limits (fail open,
+documented in docs/reliability.md); /readyz says `degraded`; replication catches up when Redis
+is back, even though the restart lost every key; resume and cancel across instances work
+again; and a backlog past its bound is counted, never stitched over.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from firsttoken.engines import synthetic_tokens
+from firsttoken.sse import EventDecoder
+from tests.rawhttp import RawStream
+from tests.redis_server import RedisServer, redis_server
+from tests.servers import Server, run_server, wait_for
+
+KEYS = '[[keys]]\nname = "alice"\nkey = "sk-alice"\nmax_streams = 50\n'
+AUTH = {"Authorization": "Bearer sk-alice"}
+DROPPED = "firsttoken_redis_events_dropped_total"
+
+
+def args(url: str, keys: Path, *extra: str) -> tuple[str, ...]:
+    return (
+        "--redis",
+        url,
+        "--api-keys",
+        str(keys),
+        "--synthetic-ttft-ms",
+        "10",
+        "--synthetic-itl-ms",
+        "20",
+        "--resume-grace-s",
+        "10",
+        "--breaker-error-rate",
+        "1",
+        *extra,
+    )
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(KEYS)
+    return path
+
+
+@pytest.fixture(scope="module")
+def cluster(keys: Path) -> Iterator[tuple[RedisServer, Server, Server]]:
+    with redis_server() as redis:
+        with run_server(*args(redis.url, keys)) as a, run_server(*args(redis.url, keys)) as b:
+            yield redis, a, b
+
+
+def create(server: Server, prompt: str, max_tokens: int) -> dict:
+    r = httpx.post(
+        server.v1 + "/streams",
+        json={"prompt": prompt, "max_tokens": max_tokens},
+        headers=AUTH,
+        timeout=10,
+    )
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def tokens_of(body: bytes) -> tuple[list[str], str, bool, dict | None]:
+    """(tokens, last event id, [DONE] seen, error object) of a native event stream body."""
+    decoder = EventDecoder()
+    tokens, done, error = [], False, None
+    for event in decoder.feed(body):
+        if event.data == "[DONE]":
+            done = True
+        elif event.event == "error":
+            error = json.loads(event.data or "")["error"]
+        elif event.event is None:
+            tokens.append(json.loads(event.data or "")["token"])
+    return tokens, decoder.last_event_id, done, error
+
+
+def read(server: Server, created: dict, last_id: str = "0") -> tuple[int, list, bool, dict | None]:
+    r = httpx.get(
+        server.url + created["events_url"], headers={"Last-Event-ID": last_id}, timeout=30
+    )
+    tokens, _, done, error = tokens_of(r.content)
+    return r.status_code, tokens, done, error
+
+
+def ready(server: Server) -> dict:
+    r = httpx.get(server.url + "/readyz", timeout=5)
+    assert r.status_code == 200, r.text  # degraded is still ready: local streams work
+    return r.json()
+
+
+def test_redis_restart_under_live_streams(cluster: tuple[RedisServer, Server, Server]) -> None:
+    redis, a, b = cluster
+    expected = synthetic_tokens("before", None, 150)[0]
+    before = create(a, "before", 150)  # ~3 s at 20 ms a token
+    local = RawStream(a.port, "GET", before["events_url"])
+    while local.body.count(b'{"token":') < 10:
+        local.read_chunk()
+    # A reader on B tails A's stream through Redis across the outage.
+    remote: list[tuple[int, list, bool, dict | None]] = []
+    follower = threading.Thread(target=lambda: remote.append(read(b, before)))
+    follower.start()
+    time.sleep(0.3)
+
+    redis.stop()
+    wait_for(lambda: "redis" in ready(a).get("degraded", []), timeout=5)
+    # Admission falls back to A's own limits: new streams still start, and run.
+    during = create(a, "during", 40)
+    assert a.metric("firsttoken_redis_limits_fallback_total") >= 1
+    assert read(a, during)[1:] == (synthetic_tokens("during", None, 40)[0], True, None)
+    # Another instance cannot look streams up now: a clear 503, not a 500.
+    r = httpx.get(b.url + during["events_url"], timeout=10)
+    assert r.status_code == 503 and r.json()["error"]["code"] == "store_unavailable"
+    time.sleep(0.5)
+    redis.start()  # empty: the restart lost every key
+
+    # The local reader never noticed.
+    body = local.read_all()
+    tokens, _, done, error = tokens_of(body)
+    assert (tokens, done, error) == (expected, True, None)
+    # Replication caught up: the follower on B got every token once, and the rest of A's
+    # streams are resumable from B from their first event.
+    follower.join(30)
+    assert remote and remote[0][1:] == (expected, True, None)
+    wait_for(lambda: ready(a)["status"] == "ready", timeout=10)
+    assert read(b, before)[1:] == (expected, True, None)
+    assert read(b, during)[1:] == (synthetic_tokens("during", None, 40)[0], True, None)
+    assert a.metric(DROPPED) == 0
+    assert a.metric("firsttoken_redis_up") == 1
+    assert any(r["event"] == "redis.resync" for r in a.log_records())
+    # Cancel across instances works again.
+    again = create(a, "again", 500)
+    wait_for(lambda: a.metric("firsttoken_active_streams") >= 1)
+    cancel = httpx.post(
+        f"{b.v1}/streams/{again['id']}/cancel?token={again['resume_token']}", timeout=10
+    )
+    assert cancel.status_code == 200 and cancel.json()["outcome"] == "cancelled"
+    # Nothing crashed on either side.
+    for server in (a, b):
+        assert server.proc.poll() is None
+        assert not [r for r in server.log_records() if r["event"] == "stream.crashed"]
+
+
+def test_a_backlog_past_its_bound_is_counted_not_stitched(keys: Path) -> None:
+    with redis_server() as redis:
+        small = args(redis.url, keys, "--resume-max-events", "40")
+        with run_server(*small) as a, run_server(*small) as b:
+            created = create(a, "bounded", 120)
+            local = RawStream(a.port, "GET", created["events_url"])
+            while local.body.count(b'{"token":') < 5:
+                local.read_chunk()
+            redis.stop()
+            # ~2.3 s of tokens while Redis is away: more than the 40 events a stream keeps.
+            tokens, last_id, done, _ = tokens_of(local.read_all())
+            assert done and tokens == synthetic_tokens("bounded", None, 120)[0]
+            redis.start()
+            wait_for(lambda: a.metric(DROPPED) > 0 and ready(a)["status"] == "ready", timeout=10)
+            # From the start: honestly expired (as on A itself), not a stream with a hole.
+            status, got, done, error = read(b, created)
+            assert status == 200 and error is not None and error["code"] == "resume_expired"
+            # The tail is there, exact.
+            status, got, done, error = read(b, created, str(int(last_id) - 10))
+            assert (status, done, error) == (200, True, None)
+            assert got == tokens[-len(got) :] and got
