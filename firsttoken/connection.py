@@ -4,12 +4,23 @@ from __future__ import annotations
 
 import asyncio
 import socket
+from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.response import ABORT_KEY
+from firsttoken.response import ABORT_KEY, CONNECTION_KEY
 
-__all__ = ["StreamingProtocol"]
+__all__ = ["ConnectionListener", "StreamingProtocol"]
+
+
+class ConnectionListener(Protocol):
+    """What an event-stream writer hears from its connection (see `response.EventWriter`)."""
+
+    def pause_writing(self) -> None: ...
+
+    def resume_writing(self) -> None: ...
+
+    def connection_lost(self) -> None: ...
 
 
 class StreamingProtocol(HttpToolsProtocol):
@@ -19,12 +30,16 @@ class StreamingProtocol(HttpToolsProtocol):
     - a fixed SO_SNDBUF, so what a stalled reader holds in the kernel is bounded;
     - a header deadline: a slow-loris client trickling headers is cut off;
     - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
-      close would wait for it to read the buffered data, forever).
+      close would wait for it to read the buffered data, forever);
+    - `scope["firsttoken.connection"]` and `listener`: an event stream writes to the
+      transport itself and hears pause, resume and loss as callbacks, with no task waiting
+      on `receive()` or on uvicorn's drain.
     """
 
     header_timeout_s = 10.0
     send_buffer_bytes = 65536
     _header_timer: asyncio.TimerHandle | None = None
+    listener: ConnectionListener | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         sock = transport.get_extra_info("socket")
@@ -43,6 +58,7 @@ class StreamingProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
+        self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
         self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
@@ -54,7 +70,20 @@ class StreamingProtocol(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
             self._header_timer.cancel()
+        listener, self.listener = self.listener, None
         super().connection_lost(exc)
+        if listener is not None:
+            listener.connection_lost()
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self.listener is not None:
+            self.listener.pause_writing()
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self.listener is not None:
+            self.listener.resume_writing()
 
     def _arm_header_timer(self) -> None:
         if self._header_timer is not None:

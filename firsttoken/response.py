@@ -1,15 +1,28 @@
 """The streaming ASGI response: one reader of a stream's event log, writing to one socket.
 
-Siblings in one task group: the pump (log → socket, the only task that writes), the idle
-watcher (tells the pump a ping is due; cuts a reader that takes no bytes) and the disconnect
-watcher (cancels the group when the client goes). Whatever ends the group detaches the
-reader, which is what lets the registry stop an abandoned stream's engine.
+The response sends its headers through ASGI, then hands the connection to an `EventWriter`
+and waits for one future. From then on the writer is driven by callbacks, never by a task:
+
+- the log's `deliver` (a new event, inside the engine's step): written at once when the
+  reader is caught up and the socket takes bytes, with the HTTP chunk framing;
+- the protocol's `pause_writing` / `resume_writing`: a paused reader stops writing and falls
+  behind (the stream's window then pauses the engine); on resume it writes what piled up;
+- the protocol's `connection_lost`: the reader detaches at once, so an abandoned stream's
+  engine stops before its next step;
+- the server's shared `Schedule`: heartbeats after `heartbeat_s` without a write, and a cut
+  after `send_timeout_s` of a socket that takes nothing.
+
+The last body message (the terminating chunk) goes back through ASGI, so uvicorn's own
+bookkeeping of the response (keep-alive, completion) stays right.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -19,21 +32,36 @@ from firsttoken.compression import StreamCompressor
 from firsttoken.errors import error_body
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import Event, ResumeExpired
+from firsttoken.schedule import Schedule, ScheduledCall
 from firsttoken.sse import PING, encode_event
 from firsttoken.stream import Stream, StreamRegistry
 
-__all__ = ["ABORT_KEY", "RAW_SEND_KEY", "SSE_HEADERS", "EventStreamResponse", "sse_headers"]
+__all__ = [
+    "ABORT_KEY",
+    "CONNECTION_KEY",
+    "RAW_SEND_KEY",
+    "SSE_HEADERS",
+    "EventStreamResponse",
+    "EventWriter",
+    "sse_headers",
+]
 
 # The scope key under which the app's outermost layer leaves the server's own `send`.
 RAW_SEND_KEY = "firsttoken.raw_send"
 # The scope key of a callable that resets the connection (set by our uvicorn protocol).
 ABORT_KEY = "firsttoken.abort"
+# The scope key of the connection itself (our uvicorn protocol): its transport, and the
+# `listener` slot through which it reports pause/resume/loss to the writer.
+CONNECTION_KEY = "firsttoken.connection"
 
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache, no-transform"),
     (b"x-accel-buffering", b"no"),
 )
+
+_REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
+_MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
 
 
 def sse_headers(stream: Stream, extra: dict[str, str] | None = None) -> list[tuple[bytes, bytes]]:
@@ -45,6 +73,240 @@ def sse_headers(stream: Stream, extra: dict[str, str] | None = None) -> list[tup
     for name, value in (extra or {}).items():
         headers.append((name.lower().encode(), value.encode()))
     return headers
+
+
+class End(Enum):
+    FINISHED = "finished"  # the log closed and everything was written
+    DISCONNECTED = "disconnected"
+    STALLED = "stalled"  # the socket took nothing for send_timeout_s
+
+
+class EventWriter:
+    """Writes one stream's events to one connection's transport; the log's reader."""
+
+    __slots__ = (
+        "_call",
+        "_paused_since",
+        "chunked",
+        "compressor",
+        "cursor",
+        "done",
+        "heartbeat_s",
+        "last_write",
+        "log",
+        "metrics",
+        "paused",
+        "registry",
+        "schedule",
+        "send_timeout_s",
+        "stream",
+        "timestamps",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        registry: StreamRegistry,
+        metrics: Metrics,
+        transport: Any,
+        *,
+        chunked: bool,
+        after: int,
+        heartbeat_s: float,
+        send_timeout_s: float,
+        timestamps: bool,
+        compressor: StreamCompressor | None,
+    ) -> None:
+        self.stream = stream
+        self.log = stream.log
+        self.registry = registry
+        self.metrics = metrics
+        self.transport = transport
+        self.chunked = chunked  # HTTP/1.1 chunk framing (uvicorn's choice for our responses)
+        self.schedule: Schedule = registry.schedule
+        self.cursor = after
+        self.heartbeat_s = heartbeat_s
+        self.send_timeout_s = send_timeout_s
+        self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
+        self.compressor = compressor
+        self.paused = False
+        self._paused_since = 0.0
+        self.last_write = 0.0
+        self.done: asyncio.Future[End] = asyncio.get_running_loop().create_future()
+        self._call: ScheduledCall | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self, preamble: bytes) -> None:
+        """Attach to the stream and its log, write the preamble and any backlog."""
+        self.registry.attach(self.stream)
+        self.log.attach(self)
+        self.last_write = time.perf_counter()
+        if preamble:
+            self._write(preamble)
+        self._arm(self.heartbeat_s)
+        self.catch_up()
+
+    def close(self, end: End) -> None:
+        """Detach (once): the registry may stop an abandoned stream's engine right here."""
+        if self.done.done():
+            return
+        self.done.set_result(end)
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        self.log.detach(self)
+        self.registry.detach(self.stream)
+
+    # -- the log's reader (hot path) -------------------------------------------------------
+
+    def deliver(self, event: Event) -> None:
+        if self.paused:
+            return  # behind: catch_up() writes it when the socket takes bytes again
+        if event.seq != self.cursor + 1:
+            if event.seq > self.cursor + 1:
+                self.catch_up()
+            return
+        self._write(event.wire if not self.timestamps else _stamped((event,)))
+        self.cursor = event.seq
+        if event.tokens and event.seq > self.stream.delivered_seq:
+            self._account_one(event)
+        else:
+            self.last_write = time.perf_counter()
+            if event.seq > self.stream.delivered_seq:
+                self.stream.delivered_seq = event.seq
+
+    def log_closed(self) -> None:
+        if not self.paused and self.cursor >= self.log.last_seq:
+            self.close(End.FINISHED)
+
+    def _write(self, data: bytes) -> None:
+        if self.compressor is not None:
+            data = self.compressor.compress(data)
+        try:
+            if self.chunked:
+                self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                self.transport.write(data)
+        except RuntimeError:  # the transport closed under us; connection_lost is on its way
+            self.close(End.DISCONNECTED)
+
+    def _account_one(self, event: Event) -> None:
+        """Metrics for a first delivery (a replay to a resuming reader is not new)."""
+        stream, metrics = self.stream, self.metrics
+        # perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
+        # inter-chunk histograms with 0.5 ms buckets.
+        now = time.perf_counter()
+        self.last_write = now
+        if stream.first_token_at is None:
+            self._first_token(now)
+        else:
+            metrics.inter_chunk.observe(now - stream.last_content_at)
+        stream.last_content_at = now
+        stream.delivered_seq = event.seq
+        stream.tokens_sent += event.tokens
+        metrics.tokens_sent += event.tokens
+
+    def _first_token(self, now: float) -> None:
+        stream = self.stream
+        stream.first_token_at = now
+        ttft = now - stream.accepted_at
+        self.metrics.ttft.observe(ttft)
+        if stream.ticket is not None:
+            stream.ticket.first_token(ttft)
+        log_event(
+            "stream.first_token",
+            stream=stream.id,
+            trace_id=stream.trace_id,
+            ttft_ms=round(ttft * 1000, 3),
+        )
+
+    # -- behind: replays and paused sockets ------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Write what the reader has not seen, in batches, until caught up or paused."""
+        log = self.log
+        while not self.paused and not self.done.done():
+            try:
+                events = log.after(self.cursor, _REPLAY_BATCH)
+            except ResumeExpired as exc:
+                self._write(
+                    encode_event(
+                        log.next_seq,
+                        error_body("resume_expired", str(exc), "invalid_request_error"),
+                        "error",
+                    )
+                )
+                self.close(End.FINISHED)
+                return
+            if not events:
+                if log.closed:
+                    self.close(End.FINISHED)
+                return
+            if self.timestamps:
+                self._write(_stamped(events))
+            elif len(events) == 1:
+                self._write(events[0].wire)
+            else:
+                self._write(b"".join(e.wire for e in events))
+            self.cursor = events[-1].seq
+            self.last_write = time.perf_counter()
+            self._account(events)
+            log.advanced()
+
+    def _account(self, events: list[Event]) -> None:
+        stream = self.stream
+        if events[-1].seq <= stream.delivered_seq:
+            return
+        for event in events:
+            if event.seq > stream.delivered_seq and event.tokens:
+                self._account_one(event)
+        stream.delivered_seq = max(stream.delivered_seq, events[-1].seq)
+
+    # -- the connection's callbacks --------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        if not self.paused:
+            self.paused = True
+            self._paused_since = time.perf_counter()
+            self._arm(min(self.send_timeout_s, self.heartbeat_s))
+
+    def resume_writing(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.catch_up()
+            # Caught up: the producer may be waiting for room.
+            self.log.advanced()
+
+    def connection_lost(self) -> None:
+        self.close(End.DISCONNECTED)
+
+    # -- heartbeats and the send timeout, from the shared schedule -------------------------
+
+    def _arm(self, delay: float) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self.schedule.call_later(max(delay, _MIN_TICK_S), self._tick)
+
+    def _tick(self) -> None:
+        self._call = None
+        if self.done.done():
+            return
+        now = time.perf_counter()
+        if self.paused:
+            waited = now - self._paused_since
+            if waited >= self.send_timeout_s:
+                self.close(End.STALLED)
+                return
+            self._arm(self.send_timeout_s - waited)
+            return
+        idle = now - self.last_write
+        if idle >= self.heartbeat_s:
+            self._write(PING)
+            self.last_write = now
+            idle = 0.0
+        self._arm(self.heartbeat_s - idle)
 
 
 class EventStreamResponse:
@@ -72,43 +334,62 @@ class EventStreamResponse:
         self.headers = sse_headers(stream, headers)
         self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
         self.send_timeout_s = send_timeout_s
-        self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
+        self.timestamps = timestamps
         self.compressor = compressor
         if compressor is not None:
             self.headers += [
                 (b"content-encoding", compressor.encoding.encode()),
                 (b"vary", b"accept-encoding"),
             ]
-        self.stalled = False
-        self._last_write = 0.0
-        self._sending_since = 0.0
-        self._ping_due = False
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await send({"type": "http.response.start", "status": 200, "headers": self.headers})
-        # Body writes skip the middleware's send wrappers (GZip, error handlers): they only
-        # act on the start message, and each wrapper is a coroutine call per token.
+        # The last body message skips the middleware's send wrappers (GZip, error handlers):
+        # they only act on the start message.
         body_send: Send = scope.get(RAW_SEND_KEY, send)
-        stream, log = self.stream, self.stream.log
-        self.registry.attach(stream)
-        log.track(self, self.after)
-        finished = False
+        connection = _connection(scope)
+        if connection is None:
+            await self._serve_over_asgi(receive, body_send)
+            return
+        writer = self._writer(connection.transport, chunked=bool(connection.cycle.chunked_encoding))
+        connection.listener = writer
         try:
-            if self.start:
-                await self.registry.start(stream)
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(self._watch_disconnect, receive, tg.cancel_scope)
-                tg.start_soon(self._watch_idle, tg.cancel_scope)
-                await self._pump(body_send)
-                finished = True
-                tg.cancel_scope.cancel()
+            if connection.transport.is_closing():
+                writer.close(End.DISCONNECTED)
+            else:
+                await self._run(writer)
+            end = await writer.done
         finally:
-            log.untrack(self)
-            self.registry.detach(stream)
-        if finished:
+            writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
+            connection.listener = None
+        await self._finish(end, writer, scope, body_send)
+
+    def _writer(self, transport: Any, *, chunked: bool) -> EventWriter:
+        return EventWriter(
+            self.stream,
+            self.registry,
+            self.metrics,
+            transport,
+            chunked=chunked,
+            after=self.after,
+            heartbeat_s=self.heartbeat_s,
+            send_timeout_s=self.send_timeout_s,
+            timestamps=self.timestamps,
+            compressor=self.compressor,
+        )
+
+    async def _run(self, writer: EventWriter) -> None:
+        # Attached before the stream starts, so it never runs without a reader.
+        writer.open(self.preamble)
+        if self.start:
+            await self.registry.start(self.stream)
+
+    async def _finish(self, end: End, writer: EventWriter, scope: Scope, send: Send) -> None:
+        stream = self.stream
+        if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
-            await body_send({"type": "http.response.body", "body": tail, "more_body": False})
-        elif self.stalled:
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+        elif end is End.STALLED:
             # The reader takes no bytes: a graceful close would wait on it forever.
             log_event(
                 "stream.reader_stalled",
@@ -122,109 +403,76 @@ class EventStreamResponse:
                 # Let the server see the connection go before we return.
                 await anyio.lowlevel.checkpoint()
 
-    async def _pump(self, send: Send) -> None:
-        stream, log = self.stream, self.stream.log
-        # perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
-        # inter-chunk histograms with 0.5 ms buckets.
-        clock = time.perf_counter
-        seq = self.after
-        self._last_write = clock()
-        if self.preamble:
-            await self._write(send, self.preamble)
-        while True:
+    async def _serve_over_asgi(self, receive: Receive, send: Send) -> None:
+        """Under another ASGI server (no transport to reach): the same writer, with its
+        writes queued for a task that awaits `send`. Slower, and never paused."""
+        outlet = _AsgiOutlet()
+        writer = self._writer(outlet, chunked=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outlet.pump, send)
+            tg.start_soon(_watch_disconnect, receive, writer.connection_lost)
             try:
-                events = log.after(seq)
-            except ResumeExpired as exc:
-                await self._write(
-                    send,
-                    encode_event(
-                        log.next_seq,
-                        error_body("resume_expired", str(exc), "invalid_request_error"),
-                        "error",
-                    ),
-                )
-                return
-            if events:
-                # Everything that piled up while the socket was busy leaves in one write.
-                if self.timestamps:
-                    stamp = b": t=%.6f\n" % time.time()
-                    body = b"".join(stamp + e.wire for e in events)
-                elif len(events) == 1:
-                    body = events[0].wire
-                else:
-                    body = b"".join(e.wire for e in events)
-                self._sending_since = clock()
-                await self._write(send, body)
-                now = clock()
-                self._last_write = now
-                self._sending_since = 0.0
-                seq = events[-1].seq
-                log.advance(self, seq)
-                if seq > stream.delivered_seq and not stream.mirror:
-                    self._account(events, now)
-                continue
-            if log.closed:
-                return
-            if self._ping_due:
-                self._ping_due = False
-                await self._write(send, PING)
-                self._last_write = clock()
-            await log.wait(seq)
+                await self._run(writer)
+                end = await writer.done
+            finally:
+                writer.close(End.DISCONNECTED)
+            await outlet.drained()
+            tg.cancel_scope.cancel()
+        if end is End.FINISHED:
+            tail = self.compressor.finish() if self.compressor is not None else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
 
-    async def _write(self, send: Send, body: bytes) -> None:
-        if self.compressor is not None:
-            body = self.compressor.compress(body)
-        await send({"type": "http.response.body", "body": body, "more_body": True})
 
-    def _account(self, events: list[Event], now: float) -> None:
-        """Metrics for first deliveries only: a replay to a resuming reader is not new."""
-        stream, metrics = self.stream, self.metrics
-        fresh = 0
-        for event in events:
-            if event.seq <= stream.delivered_seq or not event.tokens:
-                continue
-            fresh += event.tokens
-            if stream.first_token_at is None:
-                stream.first_token_at = now
-                metrics.ttft.observe(now - stream.accepted_at)
-                if stream.ticket is not None:
-                    stream.ticket.first_token(now - stream.accepted_at)
-                log_event(
-                    "stream.first_token",
-                    stream=stream.id,
-                    trace_id=stream.trace_id,
-                    ttft_ms=round((now - stream.accepted_at) * 1000, 3),
-                )
-            else:
-                metrics.inter_chunk.observe(now - stream.last_content_at)
-            stream.last_content_at = now
-        stream.delivered_seq = events[-1].seq
-        stream.tokens_sent += fresh
-        metrics.tokens_sent += fresh
+def _connection(scope: Scope) -> Any:
+    connection = scope.get(CONNECTION_KEY)
+    if connection is None:
+        return None
+    cycle = connection.cycle
+    # Only while this request's response is the connection's current one: a pipelined
+    # request behind it would already own `cycle`, with no response started yet.
+    if cycle is None or not cycle.response_started or cycle.response_complete:
+        return None
+    return connection
 
-    async def _watch_idle(self, scope: anyio.CancelScope) -> None:
-        """One timer for two jobs, so an idle stream wakes rarely: mark a ping due after
-        `heartbeat_s` without a write (the pump writes it), and cut a reader whose socket has
-        taken nothing for `send_timeout_s`. Checked every heartbeat or half send timeout."""
-        clock = time.perf_counter
-        tick = min(self.heartbeat_s, self.send_timeout_s / 2)
+
+def _stamped(events: Sequence[Event]) -> bytes:
+    stamp = b": t=%.6f\n" % time.time()
+    return b"".join(stamp + e.wire for e in events)
+
+
+class _AsgiOutlet:
+    """A transport stand-in that feeds ASGI `send` from a task (the fallback path)."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._idle.clear()
+        self._wakeup.set()
+
+    def is_closing(self) -> bool:
+        return False
+
+    async def pump(self, send: Send) -> None:
         while True:
-            now = clock()
-            since = self._sending_since
-            if since and now - since > self.send_timeout_s:
-                self.stalled = True
-                scope.cancel()
-                return
-            idle = now - self._last_write
-            if idle >= self.heartbeat_s and not since:
-                self._ping_due = True
-                self.stream.log.nudge()
-                idle = 0.0
-            await asyncio.sleep(min(tick, self.heartbeat_s - idle))
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            body, self._parts = b"".join(self._parts), []
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            if not self._parts:
+                self._idle.set()
 
-    async def _watch_disconnect(self, receive: Receive, scope: anyio.CancelScope) -> None:
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                scope.cancel()
-                return
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return

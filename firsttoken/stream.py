@@ -1,9 +1,14 @@
-"""One `Stream` per answer, and the registry whose task group runs their producers.
+"""One `Stream` per answer, and the registry that starts, stops and expires them.
 
-A stream's producer (engine → renderer → event log) runs in the registry's task group, under
-its own cancel scope, so it can outlive a dropped connection for the resume grace window and
-stops the moment that scope is cancelled: by the cancel endpoint, or when the last reader
-leaves and the grace runs out.
+A stream is the engine's sink: a step engine calls `push` for each token from inside its
+step, and the stream renders the event, appends it to its log, and the log hands it to the
+caught-up readers, which write it to their sockets, all in that one call. Engines that can
+only be iterated (the relay, llama.cpp, the cache) are pulled by one task per stream instead.
+
+Generation can outlive a dropped connection for the resume grace window, and stops the moment
+the stream is stopped: by the cancel endpoint, or when the last reader leaves and the grace
+runs out. Stopping is synchronous (the engine hears `cancel()` before its next step), and
+ending is one path (`_end`) whatever the outcome.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ import logging
 import secrets
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from enum import StrEnum
 from functools import partial
 from typing import Protocol
@@ -25,8 +30,10 @@ from anyio.abc import TaskGroup, TaskStatus
 
 from firsttoken.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.engines import Engine, EngineError, GenerationRequest
+from firsttoken.engines.base import Generation, delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventLog, EventStore, MemoryStore, StreamRecord, token_digest
+from firsttoken.schedule import Schedule
 from firsttoken.sse import encode_event
 
 __all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "StreamRegistry"]
@@ -40,10 +47,11 @@ class Outcome(StrEnum):
 
 
 class Renderer(Protocol):
-    """Turns engine output into framed wire events for one API's format.
+    """Turns engine output into the data payloads of one API's events.
 
     Each method returns the data payloads (bytes) and the event name (None for `data:` only);
-    the registry frames them with their sequence id and appends them to the log.
+    the stream frames them with their sequence id and appends them to the log. `token` is the
+    hot path: a precomputed prefix + the JSON-escaped text + a suffix.
     """
 
     def opening(self) -> Sequence[tuple[str | None, bytes]]: ...
@@ -68,6 +76,8 @@ class AdmissionTicket(Protocol):
 
 
 class Stream:
+    """A generation and its event log; the engine's sink for this request."""
+
     def __init__(
         self,
         request: GenerationRequest,
@@ -102,16 +112,26 @@ class Stream:
         self.outcome: Outcome | None = None
         self.error_code: str | None = None
         self.logged_finish = False
-        self.done = anyio.Event()
         self.ticket: AdmissionTicket | None = None
         self.coalesce: CoalescePolicy | None = None  # None: one event per token
         self.meta_interval_s: float | None = None  # None: no progress events
         self.last_meta_at = 0.0
         self.first_generated_at: float | None = None
-        self._scope: anyio.CancelScope | None = None
-        self._stop_reason: Outcome | None = None
-        self._stop_error: EngineError | None = None
+        self.generation: Generation | None = None
+        self.on_end: Callable[[Stream], None] | None = None  # the registry's bookkeeping
+        self._coalescer: Coalescer | None = None
+        self._flush_timer: asyncio.TimerHandle | None = None
+        self._ended = asyncio.Event()
+        # Per-token framing, bound once: prefix + JSON text + suffix inside one `data:` line.
+        self._token_event = renderer.token_event if renderer is not None else None
         self._abandon_epoch = 0
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None or (self.mirror and self.log.closed)
+
+    async def wait_ended(self) -> None:
+        await self._ended.wait()
 
     def check_token(self, token: str | None) -> bool:
         if token is None:
@@ -123,16 +143,206 @@ class Stream:
             self.id, self.kind, self.token_digest, self.trace_id, self.request.model
         )
 
+    # -- the engine's sink -----------------------------------------------------------------
+
+    def begin(self) -> None:
+        """Append the opening events; called once, before the engine starts."""
+        assert self.renderer is not None
+        if self.coalesce is not None:
+            self._coalescer = Coalescer(self.coalesce)
+        for name, data in self.renderer.opening():
+            self._append(name, data)
+
+    def push(self, text: str, finish: str | None = None) -> bool:
+        """One token from the engine (the last one with its finish reason). Returns False
+        when the readers are a window behind: the engine pauses this request until the log
+        calls `generation.resume()`."""
+        if self.outcome is not None:
+            return False
+        if finish is not None:
+            # The last token and the closing events leave in one write.
+            self.log.cork()
+            try:
+                self.push(text)
+                self.finish(finish)
+            finally:
+                self.log.uncork()
+            return False
+        self.tokens_generated += 1
+        if self._coalescer is None:
+            self._emit(text, 1)
+        else:
+            self._coalesce(text)
+        log = self.log
+        if log.has_room():
+            return True
+        generation = self.generation
+        if generation is not None:
+            log.on_room = generation.resume
+        return False
+
+    def finish(self, reason: str) -> None:
+        if self.outcome is not None:
+            return
+        self._flush_pending()
+        assert self.renderer is not None
+        usage = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.tokens_generated,
+            "total_tokens": self.prompt_tokens + self.tokens_generated,
+        }
+        for name, data in self.renderer.closing(reason, usage):
+            self._append(name, data)
+        self._end(Outcome.COMPLETED, None)
+
+    def fail(self, error: EngineError) -> None:
+        if self.outcome is not None:
+            return
+        self._flush_pending()  # keep what arrived, even before an error
+        self._end(Outcome.ERROR, error)
+
     def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
-        """Stop generation now (no-op once the producer has finished)."""
-        if self._scope is not None and not self.done.is_set():
-            if self._stop_reason is None:
-                self._stop_reason, self._stop_error = reason, error
-            self._scope.cancel()
+        """Stop generation now; readers still attached learn why (no-op once ended)."""
+        if self.mirror:
+            if self.generation is not None:
+                self.generation.cancel()
+            return
+        if self.outcome is not None:
+            return
+        if self.generation is not None:
+            self.generation.cancel()
+        self._flush_pending()
+        self._end(reason, error or EngineError(*_STOPPED.get(reason, _STOPPED_ANY)))
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _end(self, outcome: Outcome, error: EngineError | None) -> None:
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self.outcome = outcome
+        if error is not None:
+            assert self.renderer is not None
+            self._append("error", self.renderer.error(error.code, error.message))
+            self.error_code = error.code
+        self.log.on_room = None
+        self.log.close()
+        self._ended.set()
+        if self.on_end is not None:
+            self.on_end(self)
+
+    def _append(self, name: str | None, data: bytes, tokens: int = 0) -> None:
+        log = self.log
+        log.append(encode_event(log.last_seq + 1, data, name), tokens)
+
+    def _emit(self, text: str, tokens: int) -> None:
+        log = self.log
+        assert self.renderer is not None
+        data = self.renderer.token(text)
+        if self._token_event is None:
+            # JSON has no raw line breaks: the one-line frame needs no checks.
+            log.append(b"id: %d\ndata: %s\n\n" % (log.last_seq + 1, data), tokens)
+        else:
+            log.append(encode_event(log.last_seq + 1, data, self._token_event), tokens)
+        if self.meta_interval_s is not None:
+            self._maybe_meta()
+
+    def _maybe_meta(self) -> None:
+        now = time.perf_counter()
+        if self.first_generated_at is None:
+            self.first_generated_at = now
+        elif self.meta_interval_s is not None and now - self.last_meta_at >= self.meta_interval_s:
+            self.last_meta_at = now
+            self._append("meta", _progress(self, now))
+
+    def _coalesce(self, text: str) -> None:
+        """Tokens go through the coalescer as they come; a pending chunk's deadline is a loop
+        timer (one per chunk, not per token) that flushes it if no boundary comes first."""
+        coalescer = self._coalescer
+        assert coalescer is not None
+        self._emit_chunks(coalescer.push(text, time.perf_counter()))
+        deadline = coalescer.deadline
+        timer = self._flush_timer
+        if deadline is None and timer is not None:
+            timer.cancel()
+            self._flush_timer = None
+        elif deadline is not None and timer is None:
+            loop = asyncio.get_running_loop()
+            delay = max(0.0, deadline - time.perf_counter())
+            self._flush_timer = loop.call_later(delay, self._flush_due)
+
+    def _flush_due(self) -> None:
+        self._flush_timer = None
+        if self._coalescer is not None and self.outcome is None:
+            self._emit_chunks(self._coalescer.due(time.perf_counter()))
+
+    def _flush_pending(self) -> None:
+        if self._coalescer is not None:
+            self._emit_chunks(self._coalescer.flush())
+
+    def _emit_chunks(self, chunks: list[Chunk]) -> None:
+        for chunk in chunks:
+            self._emit(chunk.text, chunk.tokens)
+
+
+class _Pulled:
+    """An iterator engine's request, pulled by a task of the registry's group: the one place
+    with a task per stream, for engines that have one anyway (a relay's socket read)."""
+
+    def __init__(self, engine: Engine, stream: Stream) -> None:
+        self.engine = engine
+        self.stream = stream
+        self.scope = anyio.CancelScope()
+        self._room: asyncio.Future[None] | None = None
+
+    async def run(self) -> None:
+        stream = self.stream
+        with self.scope:
+            try:
+                finish = "stop"
+                async for delta in self.engine.generate(stream.request):
+                    if delta.text:
+                        if not stream.push(delta.text, delta.finish_reason):
+                            if stream.outcome is not None:
+                                return
+                            self._room = asyncio.get_running_loop().create_future()
+                            await self._room
+                    elif delta.finish_reason:
+                        finish = delta.finish_reason
+                stream.finish(finish)
+            except EngineError as exc:
+                stream.fail(exc)
+            except Exception as exc:  # a bug must still end the stream with an error event
+                log_event("stream.crashed", logging.ERROR, stream=stream.id, error=repr(exc))
+                stream.fail(EngineError("internal_error", "internal error"))
+        if self.scope.cancelled_caught:
+            with anyio.CancelScope(shield=True):
+                await self.engine.abort(stream.id)
+
+    def resume(self) -> None:
+        room, self._room = self._room, None
+        if room is not None and not room.done():
+            room.set_result(None)
+
+    def cancel(self) -> None:
+        self.scope.cancel()
+
+
+class _Tailed:
+    """A mirror's producer: a task tailing the store (another instance generates)."""
+
+    def __init__(self) -> None:
+        self.scope = anyio.CancelScope()
+
+    def resume(self) -> None:
+        return None
+
+    def cancel(self) -> None:
+        self.scope.cancel()
 
 
 class StreamRegistry:
-    """Live and recently finished streams by id; runs each stream's producer."""
+    """Live and recently finished streams by id; starts, stops and expires them."""
 
     def __init__(
         self,
@@ -148,18 +358,27 @@ class StreamRegistry:
         self.ttl_s = ttl_s
         self.store: EventStore = store or MemoryStore()
         self.max_events = max_events
+        self.schedule = Schedule()  # heartbeats, send timeouts and grace periods
+        self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
         self._tg: TaskGroup | None = None
+        # Work that callbacks (engine steps, the schedule) hand to the task group.
+        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...]]] = deque()
+        self._spawn_wakeup: asyncio.Future[None] | None = None
 
     async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Own the producers' task group until cancelled (the app's lifespan)."""
-        async with anyio.create_task_group() as tg:
-            self._tg = tg
-            tg.start_soon(self._sweep)
-            await tg.start(self.store.run, self._on_remote_cancel)
-            task_status.started()
-            await anyio.sleep_forever()
+        """Own the registry's task group until cancelled (the app's lifespan)."""
+        try:
+            async with anyio.create_task_group() as tg:
+                self._tg = tg
+                tg.start_soon(self._sweep)
+                tg.start_soon(self._spawner)
+                await tg.start(self.store.run, self._on_remote_cancel)
+                task_status.started()
+                await anyio.sleep_forever()
+        finally:
+            self.schedule.close()
 
     async def find(self, stream_id: str) -> Stream | None:
         """This instance's stream, or a mirror of one that another instance generates."""
@@ -187,22 +406,23 @@ class StreamRegistry:
     async def tail(self, mirror: Stream, after: int) -> None:
         """Start filling a mirror from the store; it stops when its reader leaves."""
         assert self._tg is not None and mirror.mirror
-        await self._tg.start(self._tail, mirror, after)
+        tailed = _Tailed()
+        mirror.generation = tailed
+        self._tg.start_soon(self._tail, mirror, tailed, after)
 
-    async def _tail(self, mirror: Stream, after: int, task_status: TaskStatus[None]) -> None:
-        with anyio.CancelScope() as scope:
-            mirror._scope = scope
-            task_status.started()
+    async def _tail(self, mirror: Stream, tailed: _Tailed, after: int) -> None:
+        with tailed.scope:
             await self.store.tail(mirror.id, after, mirror.log)
-        mirror.log.close()
-        mirror.done.set()
+        if not mirror.log.closed:
+            mirror.log.close()
 
     async def cancel(self, stream: Stream) -> str:
         if stream.mirror:
             return await self.store.cancel(stream.id) or "cancelling"
         stream.stop(Outcome.CANCELLED)
-        with anyio.move_on_after(5):
-            await stream.done.wait()
+        if stream.outcome is None:
+            with anyio.move_on_after(5):
+                await stream.wait_ended()
         return stream.outcome.value if stream.outcome else "cancelling"
 
     def _on_remote_cancel(self, stream_id: str) -> None:
@@ -216,7 +436,8 @@ class StreamRegistry:
         if self.store.replicates:
             await self.store.register(stream.record(), self.ttl_s)
             stream.log.replica = partial(self.store.replicate, stream.id)
-        await self._tg.start(self._produce, stream)
+        self.metrics.active_streams += 1
+        stream.on_end = self._ended
         log_event(
             "stream.accepted",
             stream=stream.id,
@@ -224,7 +445,14 @@ class StreamRegistry:
             model=stream.request.model,
             max_tokens=stream.request.max_tokens,
         )
-        if stream.readers == 0:
+        stream.begin()
+        if self._steps:
+            stream.generation = self.engine.open(stream.request, stream)  # type: ignore[attr-defined]
+        else:
+            pulled = _Pulled(self.engine, stream)
+            stream.generation = pulled
+            self._tg.start_soon(pulled.run)
+        if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
     def attach(self, stream: Stream) -> None:
@@ -236,7 +464,7 @@ class StreamRegistry:
         if stream.readers == 0:
             if stream.mirror:
                 stream.stop(Outcome.DISCONNECTED)
-            elif stream.done.is_set():
+            elif stream.outcome is not None:
                 self._log_finished(stream)
             else:
                 self._schedule_abandon(stream)
@@ -246,140 +474,30 @@ class StreamRegistry:
             stream.stop(Outcome.DISCONNECTED)
             return
         stream._abandon_epoch += 1
-        assert self._tg is not None
-        self._tg.start_soon(self._abandon_after_grace, stream, stream._abandon_epoch)
+        epoch = stream._abandon_epoch
+        self.schedule.call_later(stream.grace_s, lambda: self._grace_over(stream, epoch))
 
-    async def _abandon_after_grace(self, stream: Stream, epoch: int) -> None:
-        while not stream.done.is_set():
-            with anyio.move_on_after(stream.grace_s):
-                await stream.done.wait()
-            if stream.readers or stream._abandon_epoch != epoch:
-                return
-            # A reader on another instance keeps the stream alive too.
-            if not await self.store.has_remote_readers(stream.id):
-                stream.stop(Outcome.DISCONNECTED)
-                return
+    def _grace_over(self, stream: Stream, epoch: int) -> None:
+        if stream.outcome is not None or stream.readers or stream._abandon_epoch != epoch:
+            return
+        if not self.store.replicates:
+            stream.stop(Outcome.DISCONNECTED)
+            return
+        self._spawn(self._abandon_unless_read_elsewhere, stream, epoch)
 
-    async def _produce(self, stream: Stream, task_status: TaskStatus[None]) -> None:
-        self.metrics.active_streams += 1
-        outcome = Outcome.COMPLETED
-        error: EngineError | None = None
-        with anyio.CancelScope() as scope:
-            stream._scope = scope
-            task_status.started()
-            try:
-                await self._generate(stream)
-            except EngineError as exc:
-                outcome, error = Outcome.ERROR, exc
-            except Exception as exc:  # a bug must still end the stream with an error event
-                log_event("stream.crashed", logging.ERROR, stream=stream.id, error=repr(exc))
-                outcome, error = Outcome.ERROR, EngineError("internal_error", "internal error")
-        if scope.cancelled_caught:
-            outcome = stream._stop_reason or Outcome.CANCELLED
-            with anyio.CancelScope(shield=True):
-                await self.engine.abort(stream.id)
-            # A reader still attached, or one resuming later, learns why the stream ended.
-            error = stream._stop_error or EngineError(*_STOPPED.get(outcome, _STOPPED_ANY))
-        if error is not None:
-            assert stream.renderer is not None
-            stream.log.append(
-                _frame(stream, "error", stream.renderer.error(error.code, error.message))
-            )
-        self._finish(stream, outcome, error)
-        if stream.ticket is not None:
-            with anyio.CancelScope(shield=True):
-                await stream.ticket.release(outcome, stream.tokens_generated)
-
-    async def _generate(self, stream: Stream) -> None:
-        log, renderer = stream.log, stream.renderer
-        assert renderer is not None
-        for name, data in renderer.opening():
-            log.append(_frame(stream, name, data))
-        if stream.coalesce is None:
-            finish = "stop"
-            async for delta in self.engine.generate(stream.request):
-                if not log.has_room():
-                    await self._wait_for_readers(stream)
-                if delta.text:
-                    stream.tokens_generated += 1
-                    self._emit(stream, delta.text, 1)
-                if delta.finish_reason:
-                    finish = delta.finish_reason
-        else:
-            finish = await self._generate_coalesced(stream, stream.coalesce)
-        usage = {
-            "prompt_tokens": stream.prompt_tokens,
-            "completion_tokens": stream.tokens_generated,
-            "total_tokens": stream.prompt_tokens + stream.tokens_generated,
-        }
-        for name, data in renderer.closing(finish, usage):
-            log.append(_frame(stream, name, data))
-
-    async def _generate_coalesced(self, stream: Stream, policy: CoalescePolicy) -> str:
-        """Tokens go through the coalescer as they come; a pending chunk's deadline is a
-        loop timer (one per chunk, not per token) that flushes it if no boundary comes first."""
-        coalescer = Coalescer(policy)
-        clock = time.perf_counter
-        loop = asyncio.get_running_loop()
-        timer: asyncio.TimerHandle | None = None
-        finish = "stop"
-
-        def emit(chunks: list[Chunk]) -> None:
-            for chunk in chunks:
-                self._emit(stream, chunk.text, chunk.tokens)
-
-        def flush_due() -> None:
-            nonlocal timer
-            timer = None
-            emit(coalescer.due(clock()))
-
-        try:
-            async for delta in self.engine.generate(stream.request):
-                if not stream.log.has_room():
-                    await self._wait_for_readers(stream)
-                finish = delta.finish_reason or finish
-                if not delta.text:
-                    continue
-                stream.tokens_generated += 1
-                emit(coalescer.push(delta.text, clock()))
-                deadline = coalescer.deadline
-                if deadline is None and timer is not None:
-                    timer.cancel()
-                    timer = None
-                elif deadline is not None and timer is None:
-                    timer = loop.call_later(max(0.0, deadline - clock()), flush_due)
-        finally:
-            if timer is not None:
-                timer.cancel()
-            emit(coalescer.flush())  # keep what arrived, even before an error
-        return finish
-
-    def _emit(self, stream: Stream, text: str, tokens: int) -> None:
-        renderer = stream.renderer
-        assert renderer is not None
-        stream.log.append(_frame(stream, renderer.token_event, renderer.token(text)), tokens)
-        interval = stream.meta_interval_s
-        if interval is not None:
-            now = time.perf_counter()
-            if stream.first_generated_at is None:
-                stream.first_generated_at = now
-            elif now - stream.last_meta_at >= interval:
-                stream.last_meta_at = now
-                stream.log.append(_frame(stream, "meta", _progress(stream, now)))
-
-    async def _wait_for_readers(self, stream: Stream) -> None:
-        """Backpressure: the engine request pauses while readers are a window behind."""
-        log = stream.log
-        while not log.has_room():
-            # A reader on another instance reads from Redis, which holds the backlog for it.
-            if stream.readers == 0 and await self.store.has_remote_readers(stream.id):
-                return
-            with anyio.move_on_after(1.0):
-                await log.room()
+    async def _abandon_unless_read_elsewhere(self, stream: Stream, epoch: int) -> None:
+        # A reader on another instance keeps the stream alive too.
+        if await self.store.has_remote_readers(stream.id):
+            if stream._abandon_epoch == epoch:
+                stream.log.release_floor()  # that reader reads the backlog from Redis
+                self.schedule.call_later(stream.grace_s, lambda: self._grace_over(stream, epoch))
+            return
+        if stream._abandon_epoch == epoch and not stream.readers:
+            stream.stop(Outcome.DISCONNECTED)
 
     def end_oldest(self) -> bool:
         """End the oldest live stream with `overloaded` (memory shedding); False if none."""
-        live = [s for s in self._streams.values() if not s.done.is_set()]
+        live = [s for s in self._streams.values() if s.outcome is None]
         if not live:
             return False
         oldest = min(live, key=lambda s: s.accepted_at)
@@ -394,22 +512,38 @@ class StreamRegistry:
     def end_all(self, code: str, message: str) -> int:
         """End every live stream with `event: error` `code` (e.g. a drain that ran out of
         time); returns how many were ended."""
-        live = [s for s in self._streams.values() if not s.done.is_set()]
+        live = [s for s in self._streams.values() if s.outcome is None]
         for stream in live:
             stream.stop(Outcome.ERROR, EngineError(code, message))
         return len(live)
 
-    def _finish(self, stream: Stream, outcome: Outcome, error: EngineError | None) -> None:
-        stream.outcome = outcome
-        stream.error_code = error.code if error else None
-        stream.log.close()
-        stream.done.set()
+    def _ended(self, stream: Stream) -> None:
+        outcome = stream.outcome
+        assert outcome is not None
         self.metrics.active_streams -= 1
         self.metrics.streams[outcome.value] += 1
         self._expiry.append((time.monotonic() + self.ttl_s, stream.id))
         self.store.finish(stream.id, outcome.value, stream.log.last_seq, self.ttl_s)
         if stream.readers == 0:
             self._log_finished(stream)
+        if stream.ticket is not None:
+            self._spawn(stream.ticket.release, outcome, stream.tokens_generated)
+
+    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
+        """Run `fn(*args)` in the registry's task group; callable from plain callbacks."""
+        self._spawns.append((fn, args))
+        wakeup = self._spawn_wakeup
+        if wakeup is not None and not wakeup.done():
+            wakeup.set_result(None)
+
+    async def _spawner(self) -> None:
+        assert self._tg is not None
+        while True:
+            while self._spawns:
+                fn, args = self._spawns.popleft()
+                self._tg.start_soon(fn, *args)
+            self._spawn_wakeup = asyncio.get_running_loop().create_future()
+            await self._spawn_wakeup
 
     def _log_finished(self, stream: Stream) -> None:
         # Logged once generation is over and no reader is writing, so `tokens_sent` is final.
@@ -457,7 +591,3 @@ def _progress(stream: Stream, now: float) -> bytes:
             "elapsed_ms": round((now - stream.accepted_at) * 1000, 1),
         }
     )
-
-
-def _frame(stream: Stream, name: str | None, data: bytes) -> bytes:
-    return encode_event(stream.log.next_seq, data, name)

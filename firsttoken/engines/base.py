@@ -6,7 +6,16 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-__all__ = ["Delta", "Engine", "EngineError", "GenerationRequest"]
+__all__ = [
+    "Delta",
+    "Engine",
+    "EngineError",
+    "Generation",
+    "GenerationRequest",
+    "Sink",
+    "StepEngine",
+    "delivers_steps",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,3 +67,43 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+
+class Sink(Protocol):
+    """Where a step engine delivers one request's output: a stream.
+
+    Called synchronously from the engine's step (no await, no task wakeup per token).
+    """
+
+    def push(self, text: str, finish: str | None = None) -> bool:
+        """One token; the last one carries the finish reason (and ends the request). False
+        asks the engine to pause this request until `resume()`."""
+        ...
+
+    def finish(self, reason: str) -> None: ...
+
+    def fail(self, error: EngineError) -> None: ...
+
+
+class Generation(Protocol):
+    """A step engine's handle on one running request."""
+
+    def resume(self) -> None:
+        """Go on after `Sink.push` returned False."""
+        ...
+
+    def cancel(self) -> None:
+        """Stop now: the sink hears nothing more, and the request's slot is free."""
+        ...
+
+
+class StepEngine(Engine, Protocol):
+    """An engine that runs its requests in steps and writes each step's tokens into the
+    requests' sinks itself (the synthetic engine on one shared clock, the batching scheduler).
+    Engines that only offer `generate()` are pulled by a task per request instead."""
+
+    def open(self, request: GenerationRequest, sink: Sink) -> Generation: ...
+
+
+def delivers_steps(engine: Engine) -> bool:
+    return callable(getattr(engine, "open", None))

@@ -18,17 +18,16 @@ mysteriously drops" incident: abandoned streams used to hold their slots until t
 
 from __future__ import annotations
 
-import math
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
+from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
     SyntheticEngine,
@@ -39,18 +38,24 @@ from firsttoken.engines.synthetic import (
 
 __all__ = ["BatchingEngine"]
 
-_Item = Delta | EngineError
-
-
 @dataclass(eq=False, slots=True)
 class _Seq:
+    engine: BatchingEngine
     request_id: str
     tokens: list[str]
     finish: str
     fail_after: int | None
     error_code: str | None
-    send: MemoryObjectSendStream[_Item]
+    sink: Sink
     pos: int = 0
+
+    def resume(self) -> None:
+        # A batched sequence never pauses for a slow reader (a GPU batch doesn't either);
+        # what piles up in its stream's log is bounded by the answer's length.
+        return None
+
+    def cancel(self) -> None:
+        self.engine._leave(self)
 
 
 class BatchingEngine:
@@ -83,8 +88,6 @@ class BatchingEngine:
         self._exit = stack
 
     async def close(self) -> None:
-        for seq in [*self._waiting.values(), *self._running.values()]:
-            seq.send.close()
         self._waiting.clear()
         self._running.clear()
         if self._exit is not None:
@@ -112,9 +115,8 @@ class BatchingEngine:
         seq = self._waiting.get(request_id) or self._running.get(request_id)
         if seq is not None:
             self._leave(seq)
-            seq.send.close()  # the consumer's loop ends
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         opts = request.options.get("synthetic")
         if not isinstance(opts, SyntheticOptions):
             opts = SyntheticOptions.from_mapping(opts)
@@ -124,28 +126,21 @@ class BatchingEngine:
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
+        seq = _Seq(
+            self, request.request_id, tokens, finish, opts.fail_after, opts.error_code, sink
+        )
         if not tokens:
-            yield Delta("", finish)
-            return
+            sink.finish(finish)
+            return seq
         if self._exit is None:
-            raise EngineError("engine_unavailable", "the batching engine is not running")
-        # Unbounded: a batched sequence does not pause for a slow reader (a GPU batch doesn't
-        # either); what piles up is bounded by the answer's length.
-        send: MemoryObjectSendStream[_Item]
-        receive: MemoryObjectReceiveStream[_Item]
-        send, receive = anyio.create_memory_object_stream(math.inf)
-        seq = _Seq(request.request_id, tokens, finish, opts.fail_after, opts.error_code, send)
+            sink.fail(EngineError("engine_unavailable", "the batching engine is not running"))
+            return seq
         self._waiting[seq.request_id] = seq
         self._notify()
-        try:
-            with receive:
-                async for item in receive:
-                    if isinstance(item, EngineError):
-                        raise item
-                    yield item
-        finally:
-            # Cancelled, closed early, or done: either way the slot is free for the next step.
-            self._leave(seq)
+        return seq
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        return pull(self, request)
 
     # -- the scheduler ---------------------------------------------------------------------
 
@@ -187,27 +182,22 @@ class BatchingEngine:
         """Emit one token for every sequence still in the batch (no awaits: atomic)."""
         self.steps += 1
         for seq in list(self._running.values()):
+            if seq.request_id not in self._running:
+                continue  # left during this step (its stream was cut by a write)
             if seq.fail_after is not None and seq.pos >= seq.fail_after:
-                seq.send.send_nowait(
+                self._leave(seq)
+                seq.sink.fail(
                     EngineError(
                         seq.error_code or "engine_error",
                         f"synthetic engine failure after {seq.pos} tokens",
                     )
                 )
-                self._finish(seq)
                 continue
             text = seq.tokens[seq.pos]
             seq.pos += 1
-            last = seq.pos == len(seq.tokens)
-            try:
-                seq.send.send_nowait(Delta(text, seq.finish if last else None))
-            except (anyio.BrokenResourceError, anyio.ClosedResourceError):
-                self._finish(seq)  # its reader is gone; don't wait for the generator's close
-                continue
             self.tokens_generated += 1
-            if last:
-                self._finish(seq)
-
-    def _finish(self, seq: _Seq) -> None:
-        self._running.pop(seq.request_id, None)
-        seq.send.close()
+            if seq.pos == len(seq.tokens):
+                self._leave(seq)
+                seq.sink.push(text, seq.finish)
+            else:
+                seq.sink.push(text)

@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import math
 import random
 import re
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
+from enum import Enum
 from functools import lru_cache
 from typing import Any
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
+from firsttoken.engines.steps import pull
 
 __all__ = ["SyntheticEngine", "SyntheticOptions", "synthetic_tokens"]
 
@@ -150,7 +153,12 @@ _WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 
 
 class SyntheticEngine:
-    """Paces the synthetic answer: TTFT, then one token every ITL."""
+    """Paces the synthetic answer: TTFT, then one token every ITL, for every request on one
+    shared clock.
+
+    Like a decode step, one loop timer per millisecond tick serves every request due then, and
+    writes each one's token into its sink: no task and no wakeup per request per token.
+    """
 
     models = (MODEL_ID,)
 
@@ -158,25 +166,26 @@ class SyntheticEngine:
         self.ttft_ms = ttft_ms
         self.itl_ms = itl_ms
         self.tokens_generated = 0
-        self._aborted: set[str] = set()
-        self._running: set[str] = set()
+        self.steps = 0  # ticks run (for the per-token cost table)
+        self._ticks: dict[int, list[_Run]] = {}
+        self._running: dict[str, _Run] = {}
 
     async def start(self) -> None:
         return None
 
     async def close(self) -> None:
-        return None
+        for run in list(self._running.values()):
+            run.cancel()
 
     def prompt_tokens(self, prompt: str) -> int:
         return len(_WORD_RE.findall(prompt))
 
     async def abort(self, request_id: str) -> None:
-        # Cancelling the consumer already stops the generator at its next await; this covers
-        # an abort that arrives from elsewhere (another task, another instance).
-        if request_id in self._running:
-            self._aborted.add(request_id)
+        run = self._running.get(request_id)
+        if run is not None:
+            run.cancel()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         opts = request.options.get("synthetic")
         if not isinstance(opts, SyntheticOptions):
             opts = SyntheticOptions.from_mapping(opts)
@@ -188,34 +197,126 @@ class SyntheticEngine:
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
-        rid = request.request_id
-        self._running.add(rid)
-        try:
-            # asyncio directly on the per-token path: anyio.sleep/current_time look the async
-            # library up (sniffio, current_task) on every call, ~10% of a token's cost.
-            clock = asyncio.get_running_loop().time
-            sleep = asyncio.sleep
-            due = clock() + ttft
-            last = len(tokens) - 1
-            for i, text in enumerate(tokens):
-                if opts.fail_after is not None and i >= opts.fail_after:
-                    await sleep(max(0.0, due - clock()))
-                    raise EngineError(
-                        opts.error_code or "engine_error",
-                        f"synthetic engine failure after {i} tokens",
-                    )
-                delay = due - clock()
-                if delay > 0:
-                    await sleep(delay)
-                elif delay < -itl:
-                    due = clock()  # fell behind (paused reader): don't burst to catch up
-                if rid in self._aborted:
-                    return
-                self.tokens_generated += 1
-                yield Delta(text, finish if i == last else None)
-                due += itl
-            if not tokens:
-                yield Delta("", finish)
-        finally:
-            self._running.discard(rid)
-            self._aborted.discard(rid)
+        loop = asyncio.get_running_loop()
+        run = _Run(self, request.request_id, tokens, finish, itl, opts, sink, loop.time() + ttft)
+        self._running[run.request_id] = run
+        self._at(run.due, run)
+        return run
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        return pull(self, request)
+
+    def _at(self, when: float, run: _Run) -> None:
+        # Ticks on a 1 ms grid (uvloop's timer resolution): streams due in the same
+        # millisecond share one timer and one step.
+        tick = math.ceil(when * 1000)
+        bucket = self._ticks.get(tick)
+        if bucket is None:
+            self._ticks[tick] = [run]
+            asyncio.get_running_loop().call_at(tick / 1000, self._step, tick)
+        else:
+            bucket.append(run)
+
+    def _step(self, tick: int) -> None:
+        runs = self._ticks.pop(tick, ())
+        self.steps += 1
+        now = asyncio.get_running_loop().time()
+        for run in runs:
+            if run.state is _State.RUNNING:
+                try:
+                    run.step(now)
+                except Exception as exc:  # a bug in one sink must not stall the others
+                    run.cancel()
+                    run.sink.fail(EngineError("internal_error", f"internal error: {exc!r}"))
+
+
+class _State(Enum):
+    RUNNING = "running"
+    PAUSED = "paused"  # the sink asked for a pause (its readers are a window behind)
+    ENDED = "ended"
+
+
+class _Run:
+    """One request on the engine's clock."""
+
+    __slots__ = (
+        "due",
+        "engine",
+        "finish",
+        "itl",
+        "opts",
+        "pos",
+        "request_id",
+        "sink",
+        "state",
+        "tokens",
+    )
+
+    def __init__(
+        self,
+        engine: SyntheticEngine,
+        request_id: str,
+        tokens: list[str],
+        finish: str,
+        itl: float,
+        opts: SyntheticOptions,
+        sink: Sink,
+        due: float,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.tokens = tokens
+        self.finish = finish
+        self.itl = itl
+        self.opts = opts
+        self.sink = sink
+        self.due = due
+        self.pos = 0
+        self.state = _State.RUNNING
+
+    def step(self, now: float) -> None:
+        pos, tokens = self.pos, self.tokens
+        fail_after = self.opts.fail_after
+        if fail_after is not None and pos >= fail_after:
+            self._end()
+            self.sink.fail(
+                EngineError(
+                    self.opts.error_code or "engine_error",
+                    f"synthetic engine failure after {pos} tokens",
+                )
+            )
+            return
+        if pos >= len(tokens):  # an empty answer
+            self._end()
+            self.sink.finish(self.finish)
+            return
+        self.pos = pos + 1
+        self.engine.tokens_generated += 1
+        if self.pos == len(tokens):
+            self._end()
+            self.sink.push(tokens[pos], self.finish)
+            return
+        room = self.sink.push(tokens[pos])
+        if self.state is not _State.RUNNING:
+            return  # the push ended the stream (e.g. its last reader was cut)
+        due = self.due + self.itl
+        if due < now - self.itl:
+            due = now  # fell behind (paused reader, busy loop): don't burst to catch up
+        self.due = due
+        if room:
+            self.engine._at(due, self)
+        else:
+            self.state = _State.PAUSED
+
+    def resume(self) -> None:
+        if self.state is _State.PAUSED:
+            self.state = _State.RUNNING
+            self.engine._at(self.due, self)
+
+    def cancel(self) -> None:
+        self._end()
+
+    def _end(self) -> None:
+        # A cancelled run may still sit in a tick's bucket; the step skips it there.
+        self.state = _State.ENDED
+        self.engine._running.pop(self.request_id, None)

@@ -1,11 +1,12 @@
 """The resume buffer: every event of a stream, kept for readers that come back."""
 
-from firsttoken.resume.memory import Event, EventLog, ResumeExpired
+from firsttoken.resume.memory import Event, EventLog, LogReader, ResumeExpired
 from firsttoken.resume.store import EventStore, MemoryStore, StreamRecord, token_digest
 
 __all__ = [
     "Event",
     "EventLog",
+    "LogReader",
     "EventStore",
     "MemoryStore",
     "ResumeExpired",

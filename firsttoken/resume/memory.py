@@ -1,4 +1,10 @@
-"""In-memory event log: one per stream, appended by the producer, tailed by readers."""
+"""In-memory event log: one per stream, appended by the producer, read by its readers.
+
+Readers are told of each event as it is appended (`LogReader.deliver`), in the producer's
+own call: a caught-up reader writes it to its socket right there, so a token costs no task
+wakeup. A reader that is behind (a resume replay, a paused socket) ignores the news and reads
+`after(cursor)` when it can write again.
+"""
 
 from __future__ import annotations
 
@@ -6,8 +12,9 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
-__all__ = ["Event", "EventLog", "ResumeExpired"]
+__all__ = ["Event", "EventLog", "LogReader", "ResumeExpired"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,21 +28,32 @@ class ResumeExpired(Exception):
     """The reader asked for events the log no longer holds."""
 
 
+class LogReader(Protocol):
+    cursor: int  # the last seq this reader has written
+
+    def deliver(self, event: Event) -> None: ...
+
+    def log_closed(self) -> None: ...
+
+    def catch_up(self) -> None: ...
+
+
 class EventLog:
     """Events numbered 1, 2, 3...; the oldest are dropped past `max_events`."""
 
     def __init__(self, max_events: int = 8192, window: int | None = None) -> None:
         self._events: deque[Event] = deque(maxlen=max_events)
-        self._waiters: list[asyncio.Future[None]] = []
+        self.readers: list[LogReader] = []
         # Backpressure: the producer may run at most `window` events ahead of the slowest
         # attached reader; with none attached, until the buffer holds `max_events` unread.
         self.capacity = max_events
         self.window = min(window or max_events, max_events)
-        self._cursors: dict[object, int] = {}
         self._floor = 0
-        self._room: asyncio.Future[None] | None = None
+        self.on_room: Callable[[], None] | None = None  # the producer, paused for room
+        self._waiters: list[asyncio.Future[None]] = []
         self.last_seq = 0
         self.closed = False
+        self._corked = False
         self.replica: Callable[[Event], None] | None = None  # e.g. the Redis store's queue
 
     @property
@@ -46,19 +64,37 @@ class EventLog:
     def first_seq(self) -> int:
         return self._events[0].seq if self._events else self.last_seq + 1
 
-    def append(self, wire: bytes, tokens: int = 0) -> None:
-        self.last_seq += 1
-        event = Event(self.last_seq, wire, tokens)
+    def append(self, wire: bytes, tokens: int = 0) -> Event:
+        self.last_seq = seq = self.last_seq + 1
+        event = Event(seq, wire, tokens)
         self._events.append(event)
         if self.replica is not None:
             self.replica(event)
-        self._wake()
+        if not self._corked:
+            for reader in self.readers:
+                reader.deliver(event)
+        if self._waiters:
+            self._wake()
+        return event
 
     def close(self) -> None:
         self.closed = True
+        if not self._corked:
+            for reader in list(self.readers):
+                reader.log_closed()
         self._wake()
 
-    def after(self, seq: int) -> list[Event]:
+    def cork(self) -> None:
+        """Hold deliveries back, so what is appended next leaves in one write per reader
+        (the last token with the closing events)."""
+        self._corked = True
+
+    def uncork(self) -> None:
+        self._corked = False
+        for reader in list(self.readers):
+            reader.catch_up()
+
+    def after(self, seq: int, limit: int | None = None) -> list[Event]:
         """Events with a sequence number above `seq` (none if the reader is caught up)."""
         if seq >= self.last_seq:
             return []
@@ -66,56 +102,53 @@ class EventLog:
         if seq + 1 < first:
             raise ResumeExpired(f"events up to {first - 1} are no longer kept")
         start = seq + 1 - first
-        if start == 0:
+        stop = len(self._events) if limit is None else min(len(self._events), start + limit)
+        if start == 0 and stop == len(self._events):
             return list(self._events)
-        return [self._events[i] for i in range(start, len(self._events))]
+        return [self._events[i] for i in range(start, stop)]
+
+    # -- readers and backpressure ----------------------------------------------------------
+
+    def attach(self, reader: LogReader) -> None:
+        self.readers.append(reader)
+
+    def detach(self, reader: LogReader) -> None:
+        if reader in self.readers:
+            self.readers.remove(reader)
+            self._floor = max(self._floor, reader.cursor)
+            self.advanced()
+
+    def advanced(self) -> None:
+        """A reader moved its cursor: let a producer paused for room go on."""
+        if self.on_room is not None and self.has_room():
+            resume, self.on_room = self.on_room, None
+            resume()
+
+    def has_room(self) -> bool:
+        readers = self.readers
+        if readers:
+            low = readers[0].cursor if len(readers) == 1 else min(r.cursor for r in readers)
+            return self.last_seq - low < self.window
+        # Nobody reading (the grace window): generate into the buffer until it is full.
+        return self.last_seq - self._floor < self.capacity
+
+    def release_floor(self) -> None:
+        """Count everything so far as read (a reader elsewhere reads it from Redis)."""
+        self._floor = self.last_seq
+        self.advanced()
+
+    # -- waiting (mirrors, and handlers that need to know whether anything is there) -------
 
     async def wait(self, seq: int) -> None:
-        """Return once there is an event after `seq`, the log closes, or `nudge()` is called."""
+        """Return once there is an event after `seq` or the log closes."""
         if seq < self.last_seq or self.closed:
             return
         waiter = asyncio.get_running_loop().create_future()
         self._waiters.append(waiter)
         await waiter
 
-    def track(self, reader: object, seq: int) -> None:
-        self._cursors[reader] = seq
-
-    def advance(self, reader: object, seq: int) -> None:
-        self._cursors[reader] = seq
-        if self._room is not None and self.has_room():
-            self._release_room()
-
-    def untrack(self, reader: object) -> None:
-        seq = self._cursors.pop(reader, 0)
-        self._floor = max(self._floor, seq)
-        if self._room is not None and self.has_room():
-            self._release_room()
-
-    def has_room(self) -> bool:
-        if self._cursors:
-            return self.last_seq - min(self._cursors.values()) < self.window
-        # Nobody reading (the grace window): generate into the buffer until it is full.
-        return self.last_seq - self._floor < self.capacity
-
-    async def room(self) -> None:
-        """Wait until the readers have caught up enough for the producer to go on."""
-        while not self.has_room():
-            self._room = asyncio.get_running_loop().create_future()
-            await self._room
-
-    def _release_room(self) -> None:
-        room, self._room = self._room, None
-        if room is not None and not room.done():
-            room.set_result(None)
-
-    def nudge(self) -> None:
-        """Wake the readers (e.g. a heartbeat is due)."""
-        self._wake()
-
     def _wake(self) -> None:
-        if self._waiters:
-            waiters, self._waiters = self._waiters, []
-            for waiter in waiters:
-                if not waiter.done():
-                    waiter.set_result(None)
+        waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
