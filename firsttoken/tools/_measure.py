@@ -9,6 +9,8 @@ from __future__ import annotations
 import itertools
 import json
 import re
+import socket
+import ssl
 import time
 import zlib
 from dataclasses import dataclass, field
@@ -37,6 +39,8 @@ __all__ = [
 _SERVER_T = re.compile(r"^t=(\d+(?:\.\d+)?)$")
 _LINE = re.compile(rb"[^\r\n]*(?:\r\n|\r|\n)")
 _ERROR_BODY_LIMIT = 65536
+# Error codes of answers that were not event streams (the HTTP status, or this one).
+NOT_STREAMS = ("not_a_stream",)
 
 
 class Kind(StrEnum):
@@ -188,6 +192,22 @@ class StreamResult:
     @property
     def ok(self) -> bool:
         return self.error is None and self.status == 200 and self.done
+
+    @property
+    def is_stream(self) -> bool:
+        """An answer whose body was read as events (200 and an event-stream, or untyped)."""
+        return self.status == 200 and (self.error or {}).get("code") not in NOT_STREAMS
+
+    def problem(self) -> str | None:
+        """One line when there was nothing to measure: no answer, or not an event stream."""
+        err = self.error or {}
+        if self.status is None and err:
+            return f"no answer from {self.url}: {err['message']}"
+        if self.is_stream:
+            return None
+        ctype = self.headers.get("content-type") or "no content type"
+        said = f": {err['message']}" if err.get("message") else ""
+        return f"{self.url} answered {self.status} ({ctype}), not an event stream{said}"
 
 
 def classify(ev: Event) -> None:
@@ -356,6 +376,35 @@ def _error_of(body: str, default_code: str) -> dict[str, str]:
     return {"code": default_code, "message": body[:300]}
 
 
+def _answer_error(body: str, code: str) -> dict[str, str]:
+    """An answer that is not a stream: `code` (the status), and the body's own words."""
+    said = _error_of(body, default_code="")
+    message = f"{said['code']}: {said['message']}" if said["code"] else said["message"]
+    return {"code": code, "message": " ".join(message.split())[:300]}
+
+
+def _network_why(exc: httpx.HTTPError) -> str:
+    """Why nothing answered, in words: refused, unknown host, TLS, …"""
+    text = str(exc)
+    cause: BaseException | None = exc
+    while cause is not None:  # the OS's reason is at the bottom of httpcore's chain
+        if isinstance(cause, ssl.SSLError):
+            return f"TLS failed: {cause.reason or cause}"
+        if isinstance(cause, socket.gaierror):
+            return f"unknown host ({cause.strerror})"
+        if isinstance(cause, OSError) and cause.strerror:
+            text = cause.strerror
+        cause = cause.__cause__ or cause.__context__
+    lowered = text.lower()
+    if "connection refused" in lowered or "connect call failed" in lowered:
+        return "connection refused (is the server running, on this port?)"
+    if "name or service not known" in lowered or "nodename nor servname" in lowered:
+        return "unknown host"
+    if "certificate" in lowered or "ssl" in lowered:
+        return f"TLS failed: {text[:200]}"
+    return f"{type(exc).__name__}: {text[:200]}" if text else type(exc).__name__
+
+
 def _with_query(url: str, name: str, value: str) -> str:
     parts = urlsplit(url)
     query = "&".join(q for q in (parts.query, f"{name}={value}") if q)
@@ -401,8 +450,8 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
             _note_sent(result, first)
             if created.status_code not in (200, 201):
                 result.status = created.status_code
-                result.error = _error_of(created.text, default_code=str(created.status_code))
-                result.error["code"] = str(created.status_code)
+                result.headers = {k.lower(): v for k, v in created.headers.items()}
+                result.error = _answer_error(created.text, str(created.status_code))
                 return result
             info = created.json()
             method, url, body = "GET", urljoin(str(created.url), info["events_url"]), None
@@ -419,10 +468,11 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
             result.status = resp.status_code
             result.http_version = resp.http_version
             result.headers = {k.lower(): v for k, v in resp.headers.items()}
-            if resp.status_code != 200:
+            ctype = resp.headers.get("content-type", "")
+            if resp.status_code != 200 or (ctype and "text/event-stream" not in ctype.lower()):
                 raw = (await resp.aread())[:_ERROR_BODY_LIMIT]
-                result.error = _error_of(raw.decode("utf-8", "replace"), str(resp.status_code))
-                result.error["code"] = str(resp.status_code)
+                code = str(resp.status_code) if resp.status_code != 200 else "not_a_stream"
+                result.error = _answer_error(raw.decode("utf-8", "replace"), code)
                 return result
             decoder = _Body(resp.headers.get("content-encoding", ""), result)
             async for raw in resp.aiter_raw():
@@ -432,7 +482,9 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
                 result.reads.append(Read(t=t, done_t=rel(), wire=len(raw), decoded=len(data)))
     except httpx.TimeoutException as exc:
         result.error = {"code": "timeout", "message": f"{type(exc).__name__}: {exc}"}
-    except (httpx.HTTPError, zlib.error, KeyError, ValueError) as exc:
+    except httpx.HTTPError as exc:
+        result.error = {"code": type(exc).__name__, "message": _network_why(exc)}
+    except (zlib.error, KeyError, ValueError) as exc:
         result.error = {"code": type(exc).__name__, "message": str(exc)[:300]}
     finally:
         result.end_t = rel()

@@ -154,7 +154,9 @@ def single_json(result: StreamResult, verdict: Verdict) -> dict[str, Any]:
         "ids": _ids(result),
         "heartbeats": _heartbeats(result),
         "headers": {k: result.headers[k] for k in _SHOWN_HEADERS if k in result.headers},
-        "header_checks": header_checks(result.headers),
+        # Anti-buffering headers mean something only on an event stream.
+        "header_checks": header_checks(result.headers) if result.is_stream else [],
+        "problem": result.problem(),
         "buffered": verdict.buffered,
         "verdict": verdict.label,
         "reason": verdict.reason,

@@ -68,8 +68,8 @@ def bursts(result: StreamResult, events: list[Event]) -> list[Burst]:
 def judge(result: StreamResult) -> Verdict:
     content = result.content
     n = len(content)
-    if result.status != 200:
-        return Verdict(None, "inconclusive", f"HTTP {result.status}: nothing to judge")
+    if not result.is_stream:
+        return Verdict(None, "inconclusive", "not an event stream: nothing to judge")
     if n < MIN_EVENTS:
         return Verdict(None, "inconclusive", f"only {n} content events: too few to judge")
     bs = bursts(result, content)
@@ -89,7 +89,7 @@ def _judge_arrivals(result: StreamResult, content: list[Event], bs: list[Burst])
         return Verdict(True, "buffered", shape, bs)
     coalesced = sum(b.events for b in bs if b.events > 1)
     note = "" if not coalesced else f" ({coalesced} of {n} events shared a read: ordinary jitter)"
-    return Verdict(False, "clean", "clean: events arrived one by one as sent" + note, bs)
+    return Verdict(False, "clean", "events arrived one by one as sent" + note, bs)
 
 
 def _all_at_end_reason(result: StreamResult, content: list[Event]) -> str:
@@ -179,7 +179,7 @@ def _judge_stamped(result: StreamResult, stamped: list[Event], bs: list[Burst]) 
     return Verdict(
         False,
         "clean",
-        f"clean: added delay p90 {p90 * 1000:.1f} ms over the server's send timestamps{note}",
+        f"added delay p90 {p90 * 1000:.1f} ms over the server's send timestamps{note}",
         bs,
         stats,
     )

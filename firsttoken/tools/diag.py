@@ -18,6 +18,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from firsttoken.cli import Parser
 from firsttoken.tools._capture import CaptureWriter
 from firsttoken.tools._load import LoadRun, make_client, run_load
 from firsttoken.tools._measure import Kind, RequestSpec, StreamResult, detect_kind
@@ -28,8 +29,8 @@ __all__ = ["main"]
 DEFAULT_PROMPT = "Tell me a long story about a lighthouse keeper."
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+def build_parser() -> Parser:
+    p = Parser(
         prog="firsttoken diag",
         description="Measure an SSE endpoint (OpenAI-compatible or native): TTFT, inter-chunk "
         "times, [DONE], id gaps, heartbeats, anti-buffering headers, and a buffering verdict.",
@@ -197,8 +198,12 @@ async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
 
         plot(run.results, args.plot, spec.url)
     data = load_json(run) if load_mode else single_json(run.results[0], run.verdicts[0])
+    problems = [r.problem() for r in run.results]
     if args.json:
         print(json.dumps(data), flush=True)
+    elif all(problems):
+        # Nothing was measured: one line that says why, not a table of dashes.
+        print(f"firsttoken diag: {problems[0]}", file=sys.stderr)
     elif load_mode:
         render_load(Console(), data)
     else:

@@ -8,7 +8,6 @@ request arrives.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import signal
@@ -17,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
+from firsttoken.cli import Parser
 from firsttoken.sse import ServerSentEvent, comment
 from firsttoken.tools._capture import Recorded, load_capture
 from firsttoken.tools._measure import Event, classify
@@ -34,8 +34,8 @@ _STREAM_HEADERS = (
 )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="firsttoken replay", description=__doc__.splitlines()[0])
+def build_parser() -> Parser:
+    p = Parser(prog="firsttoken replay", description=__doc__.splitlines()[0])
     p.add_argument("file", help="a capture written by `firsttoken diag --capture`")
     p.add_argument(
         "--speed", type=float, default=1.0, help="divide the original timing by this (default: 1.0)"

@@ -1,0 +1,200 @@
+"""Startup as a newcomer meets it: each failure is one JSON log line and exit status 1, the
+server warns when it is open to the network, and every refused request leaves a log line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.servers import ROOT, run_server, wait_for
+
+
+def serve(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FIRSTTOKEN_")}
+    return subprocess.run(
+        [sys.executable, "-m", "firsttoken", "serve", "--port", "0", *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def one_failure_line(proc: subprocess.CompletedProcess[str]) -> str:
+    """The run failed with exactly one `startup.failed` line and no traceback; its error."""
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert proc.stderr == ""
+    lines = proc.stdout.splitlines()
+    assert len(lines) == 1, proc.stdout
+    record = json.loads(lines[0])
+    assert record["event"] == "startup.failed" and record["level"] == "error"
+    return str(record["error"])
+
+
+@contextmanager
+def listener() -> Iterator[socket.socket]:
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def closed_port() -> int:
+    with listener() as sock:
+        return int(sock.getsockname()[1])
+
+
+@contextmanager
+def not_redis() -> Iterator[int]:
+    """A TCP server that answers like a web server: a Redis URL pointing at the wrong thing."""
+    with listener() as sock:
+
+        def answer() -> None:
+            while True:
+                try:
+                    conn, _ = sock.accept()
+                except OSError:
+                    return
+                with conn:
+                    conn.recv(1024)
+                    conn.sendall(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+
+        threading.Thread(target=answer, daemon=True).start()
+        yield int(sock.getsockname()[1])
+
+
+def test_port_in_use() -> None:
+    with listener() as taken:
+        port = taken.getsockname()[1]
+        proc = subprocess.run(
+            [sys.executable, "-m", "firsttoken", "serve", "--port", str(port)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    error = one_failure_line(proc)
+    assert error.startswith(f"cannot listen on 127.0.0.1:{port}: the address is already in use")
+
+
+def test_keys_file_that_is_not_toml(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text("[[keys]]\nname = \n")
+    error = one_failure_line(serve("--api-keys", str(keys)))
+    assert error.startswith(f"--api-keys {keys}: not valid TOML")
+
+
+def test_keys_file_without_keys(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text("# nothing yet\n")
+    error = one_failure_line(serve("--api-keys", str(keys)))
+    assert error == f"--api-keys {keys}: no [[keys]] entries"
+
+
+def test_redis_unreachable() -> None:
+    port = closed_port()
+    error = one_failure_line(serve("--redis", f"redis://127.0.0.1:{port}"))
+    assert error == f"--redis redis://127.0.0.1:{port}: Redis did not answer PING: " + (
+        "Connection refused"
+    )
+
+
+def test_redis_url_pointing_at_something_else() -> None:
+    with not_redis() as port:
+        error = one_failure_line(serve("--redis", f"redis://:secret@127.0.0.1:{port}/0"))
+    assert error.startswith(f"--redis redis://:***@127.0.0.1:{port}/0: Redis did not answer")
+    assert "is it a Redis server?" in error and "secret" not in error
+
+
+def test_upstream_unreachable() -> None:
+    port = closed_port()
+    error = one_failure_line(serve("--engine", "openai", "--upstream", f"http://127.0.0.1:{port}"))
+    assert error == (
+        f"--upstream: no upstream answered GET /models (http://127.0.0.1:{port}/v1: "
+        "Connection refused)"
+    )
+
+
+def test_model_file_that_is_not_a_model(tmp_path: Path) -> None:
+    model = tmp_path / "empty.gguf"
+    model.write_bytes(b"")
+    error = one_failure_line(serve("--engine", "llamacpp", "--model", str(model)))
+    assert str(model) in error
+
+
+def test_debug_shows_the_traceback() -> None:
+    port = closed_port()
+    proc = serve("--redis", f"redis://127.0.0.1:{port}", "--log-level", "debug")
+    assert proc.returncode == 1
+    assert '"startup.failed"' in proc.stdout
+    assert "Traceback" in proc.stderr
+
+
+def test_warns_when_open_beyond_loopback(tmp_path: Path) -> None:
+    def warnings(*args: str) -> list[dict]:
+        with run_server(*args) as server:
+            return [r for r in server.log_records() if r["event"] == "open_to_the_network"]
+
+    assert warnings() == []  # loopback: no warning
+    [warning] = warnings("--host", "0.0.0.0")
+    assert warning["level"] == "warning" and "--api-keys" in warning["note"]
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nname = "a"\nkey = "sk-a"\n')
+    assert warnings("--host", "0.0.0.0", "--api-keys", str(keys)) == []
+
+
+# ---- refused requests: a message a person can act on, and a log line ------------------------
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text('[[keys]]\nname = "alice"\nkey = "sk-alice"\n')
+    with run_server("--api-keys", str(keys), "--synthetic-ttft-ms", "1") as server:
+        yield server
+
+
+def refusals(server, code: str) -> list[dict]:  # type: ignore[no-untyped-def]
+    return [
+        r for r in server.log_records() if r["event"] == "request.refused" and r["code"] == code
+    ]
+
+
+def test_refusals_say_what_is_allowed_and_are_logged(keyed) -> None:  # type: ignore[no-untyped-def]
+    auth = {"authorization": "Bearer sk-alice"}
+    chat = keyed.v1 + "/chat/completions"
+    hi = [{"role": "user", "content": "hi"}]
+
+    r = httpx.post(chat, json={"messages": hi})
+    assert r.status_code == 401
+    r = httpx.post(chat, json={"model": "gpt-4", "messages": hi}, headers=auth)
+    assert r.status_code == 404
+    message = r.json()["error"]["message"]
+    assert "'gpt-4' does not exist" in message and "serves: synthetic" in message
+    r = httpx.post(chat, json={"messages": hi, "stop": list("abcde")}, headers=auth)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == "stop: at most 4 stop strings are allowed, got 5"
+    assert r.json()["error"]["param"] == "stop"
+    r = httpx.post(chat, json={"messages": hi, "stop": ["a", "b"]}, headers=auth)
+    assert r.status_code == 200
+
+    wait_for(lambda: refusals(keyed, "invalid_value"))
+    assert len(refusals(keyed, "invalid_api_key")) == 1
+    [missing] = refusals(keyed, "model_not_found")
+    assert missing["status"] == 404 and missing["trace_id"]
+    assert "sk-alice" not in "\n".join(keyed.log)
