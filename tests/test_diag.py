@@ -8,6 +8,7 @@ import importlib.util
 import io
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -20,7 +21,15 @@ import httpx
 import pytest
 
 from firsttoken.tools import diag
-from firsttoken.tools._measure import Event, Kind, Read, StreamResult, _Body, detect_kind
+from firsttoken.tools._measure import (
+    Event,
+    Kind,
+    Read,
+    StreamResult,
+    _Body,
+    _network_why,
+    detect_kind,
+)
 from firsttoken.tools._verdict import judge
 from tests.servers import ROOT, Server, run_server
 
@@ -478,3 +487,82 @@ def test_body_decoding_split_anywhere() -> None:
                 ("done", None, "", None),
             ], (encoding, cut)
             assert [c.text for c in r.comments] == ["ping", "t=1700000000.250000"]
+
+
+# --- nothing to measure: one line, no buffering verdict ---------------------------------------
+
+
+def run_diag_text(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
+    rc = diag.main([*args, "--progress", "off"])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def closed_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def test_nothing_answers(capsys: pytest.CaptureFixture[str]) -> None:
+    url = f"http://127.0.0.1:{closed_port()}/v1/chat/completions"
+    rc, out, err = run_diag_text(capsys, url)
+    assert rc == 1 and out == ""
+    assert err.splitlines() == [
+        f"firsttoken diag: no answer from {url}: connection refused "
+        "(is the server running, on this port?)"
+    ]
+    rc, d = run_diag(url)
+    assert rc == 1 and d["status"] is None and d["buffered"] is None
+    assert d["problem"].startswith("no answer from") and d["header_checks"] == []
+
+
+def test_tls_to_a_plain_http_port(capsys: pytest.CaptureFixture[str], fast_server: Server) -> None:
+    url = fast_server.url.replace("http://", "https://") + "/v1/streams"
+    rc, out, err = run_diag_text(capsys, url)
+    assert rc == 1 and out == ""
+    assert len(err.splitlines()) == 1 and ": TLS failed: " in err, err
+
+
+def test_unknown_host_words() -> None:
+    exc = httpx.ConnectError("[Errno -2] Name or service not known")
+    exc.__cause__ = socket.gaierror(-2, "Name or service not known")
+    assert _network_why(exc) == "unknown host (Name or service not known)"
+
+
+def test_error_status_is_not_judged(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nname = "a"\nkey = "sk-a"\n')
+    with run_server("--api-keys", str(keys)) as server:
+        url = server.v1 + "/chat/completions"
+        rc, out, err = run_diag_text(capsys, url, "--model", "synthetic")
+        assert rc == 1 and out == ""
+        assert err.splitlines() == [
+            f"firsttoken diag: {url} answered 401 (application/json), not an event stream: "
+            "invalid_api_key: missing or unknown API key (send Authorization: Bearer <key>)"
+        ]
+        assert "x-accel-buffering" not in err
+        rc, d = run_diag(url, "--model", "synthetic")
+        assert d["status"] == 401 and d["buffered"] is None and d["header_checks"] == []
+        # The same for the native API's POST.
+        rc, out, err = run_diag_text(capsys, server.v1 + "/streams")
+        assert rc == 1 and "answered 401 (application/json)" in err and len(err.splitlines()) == 1
+
+
+def test_a_200_that_is_not_a_stream(
+    capsys: pytest.CaptureFixture[str], fast_server: Server
+) -> None:
+    url = fast_server.v1 + "/models"
+    rc, out, err = run_diag_text(capsys, url)
+    assert rc == 1 and out == ""
+    assert err.startswith(f"firsttoken diag: {url} answered 200 (application/json), not an event")
+    rc, d = run_diag(url)
+    assert d["error"]["code"] == "not_a_stream" and d["buffered"] is None
+    assert d["verdict"] == "inconclusive"
+
+
+def test_clean_verdict_reads_once(capsys: pytest.CaptureFixture[str], fast_server: Server) -> None:
+    rc, out, _ = run_diag_text(capsys, fast_server.v1 + "/chat/completions", "--max-tokens", "20")
+    verdict = [line for line in out.splitlines() if line.startswith("verdict:")]
+    assert rc == 0 and len(verdict) == 1, out
+    assert verdict[0].startswith("verdict: clean — ") and "— clean:" not in verdict[0]
