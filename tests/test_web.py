@@ -321,3 +321,54 @@ def test_phone_screen_keyboard_only_and_scroll_following(
     page.keyboard.press("Enter")
     wait_for_state(page, "stopped")
     assert page.evaluate("() => document.activeElement.id") == "prompt"
+
+
+def test_asks_for_an_api_key_and_keeps_it_for_the_tab(
+    open_page: Callable[..., Page], tmp_path: Path
+) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nname = "web"\nkey = "sk-web"\n')
+    args = ("--api-keys", str(keys), "--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "2")
+    stored = "() => sessionStorage.getItem('firsttoken.apiKey')"
+    with run_server(*args) as server:
+        page = open_page(page_url(server.url, max_tokens=20))
+        send(page)
+        wait_for_state(page, "needs-key")
+        notice = page.locator(".turn:last-child .notice")
+        assert "This server needs an API key." in notice.inner_text()
+        assert notice.get_attribute("role") == "alert"
+        box = notice.get_by_label("API key")
+        assert box.get_attribute("type") == "password"
+        assert page.evaluate("() => document.activeElement.getAttribute('aria-label')") == (
+            "API key"
+        )
+        page.screenshot(path=ARTIFACTS / "web-api-key.png")
+
+        box.fill("sk-wrong")
+        box.press("Enter")
+        page.wait_for_function(
+            "() => document.querySelector('.turn:last-child .notice')"
+            ".textContent.includes('not accepted')"
+        )
+        assert page.evaluate(stored) is None  # a refused key is not kept
+
+        notice.get_by_label("API key").fill("sk-web")
+        notice.get_by_role("button", name="Use key").click()
+        wait_for_state(page, "done")
+        assert len(answer(page)) > 0 and notice.is_hidden()
+        assert page.evaluate(stored) == "sk-web"
+        assert page.evaluate("() => localStorage.length") == 0
+
+        send(page, "and again")  # the tab remembers the key: no second prompt
+        wait_for_state(page, "done")
+        assert page.locator(".turn").count() == 2
+
+        refused = [
+            r
+            for r in server.log_records()
+            if r["event"] == "request.refused" and r["code"] == "invalid_api_key"
+        ]
+        assert len(refused) == 2  # the first try without a key, and the wrong key
+
+        other_tab = open_page(page_url(server.url, max_tokens=5))
+        assert other_tab.evaluate(stored) is None  # another tab (context) asks again

@@ -3,6 +3,9 @@
 // text node, so the cost per frame is the new text only, never the whole answer.
 
 const GIVE_UP_MS = 5000; // without a working connection this long, the answer is interrupted
+// The API key, when the server wants one: sessionStorage keeps it for this tab only, gone
+// when the tab closes, never shared with other tabs or written to disk like localStorage.
+const KEY_STORAGE = "firsttoken.apiKey";
 
 const $ = (id) => document.getElementById(id);
 const log = $("log");
@@ -35,6 +38,23 @@ function readExtras(params) {
   if (params.get("error_code")) synthetic.error_code = params.get("error_code");
   if (Object.keys(synthetic).length) extras.synthetic = synthetic;
   return extras;
+}
+
+function apiKey() {
+  try {
+    return sessionStorage.getItem(KEY_STORAGE) || "";
+  } catch {
+    return ""; // storage disabled: the key lives only as long as the prompt's answer
+  }
+}
+
+function setApiKey(key) {
+  try {
+    if (key) sessionStorage.setItem(KEY_STORAGE, key);
+    else sessionStorage.removeItem(KEY_STORAGE);
+  } catch {
+    // storage disabled: nothing kept
+  }
 }
 
 // ---- conversation turns -------------------------------------------------------------------
@@ -83,6 +103,41 @@ function showNotice(turn, kind, message) {
   notice.hidden = false;
 }
 
+// The server answered 401: ask for a key in the turn itself, then send the prompt again.
+function showKeyPrompt(turn, message) {
+  const { notice } = turn;
+  notice.replaceChildren();
+  notice.className = "notice auth";
+  notice.setAttribute("role", "alert");
+  const text = document.createElement("span");
+  text.className = "notice-text";
+  text.textContent = message;
+  const keyForm = document.createElement("form");
+  keyForm.className = "key-form";
+  const input = document.createElement("input");
+  input.type = "password";
+  input.name = "api-key";
+  input.autocomplete = "off";
+  input.required = true;
+  input.placeholder = "API key";
+  input.setAttribute("aria-label", "API key");
+  const use = document.createElement("button");
+  use.type = "submit";
+  use.textContent = "Use key";
+  keyForm.append(input, use);
+  keyForm.addEventListener("submit", (e) => {
+    e.preventDefault();
+    const key = input.value.trim();
+    if (!key) return;
+    setApiKey(key);
+    if (active) stop(active);
+    start(turn);
+  });
+  notice.append(text, keyForm);
+  notice.hidden = false;
+  input.focus();
+}
+
 // ---- scrolling: follow the text only while the reader is at the bottom ------------------
 
 function atBottom() {
@@ -126,13 +181,21 @@ async function start(turn) {
 
   let created;
   try {
+    const headers = { "Content-Type": "application/json" };
+    const key = apiKey();
+    if (key) headers.Authorization = `Bearer ${key}`;
     const response = await fetch("v1/streams", {
       method: "POST",
-      headers: { "Content-Type": "application/json" },
+      headers,
       body: JSON.stringify({ prompt: turn.prompt, ...requestExtras }),
       signal: s.controller.signal,
     });
     const body = await response.json().catch(() => ({}));
+    if (response.status === 401) {
+      setApiKey(""); // a refused key is not kept
+      const why = key ? "That API key was not accepted; enter another." : "";
+      return needKey(s, why || "This server needs an API key.");
+    }
     if (!response.ok) {
       const message = body?.error?.message || `${response.status} ${response.statusText}`;
       return fail(s, message);
@@ -299,6 +362,12 @@ function fail(s, message) {
   end(s, "error");
   showNotice(s.turn, "error", `Error: ${message}`);
   setState("error", "Error");
+}
+
+function needKey(s, message) {
+  end(s, "needs-key");
+  showKeyPrompt(s.turn, message);
+  setState("needs-key", "API key needed");
 }
 
 function interrupt(s) {
