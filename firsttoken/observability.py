@@ -3,15 +3,25 @@
 Per-token metrics are plain integer arithmetic (no locks, no label lookups): the event loop is
 single-threaded, and prometheus-client's own Histogram walks its buckets linearly under a lock.
 The exposition format still comes from prometheus-client, at scrape time.
+
+Under `--workers N` each worker shares what its registry collects through a directory
+(`share_across_workers`, `WorkerShare`) and the worker a scrape lands on merges every worker's:
+one scrape is the whole server. That is a snapshot of the same ints taken at scrape time (and
+once a second), never work per token.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
+import socket
 import sys
+import threading
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -23,7 +33,16 @@ from prometheus_client.core import (
     Metric,
 )
 
-__all__ = ["OUTCOMES", "Histogram", "Metrics", "configure_logging", "log_event"]
+__all__ = [
+    "OUTCOMES",
+    "Histogram",
+    "Metrics",
+    "WorkerShare",
+    "configure_logging",
+    "fold_worker",
+    "log_event",
+    "share_across_workers",
+]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
 
@@ -90,6 +109,7 @@ class Metrics:
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)  # type: ignore[arg-type]
+        self.share = WorkerShare(*_share_as, self.registry) if _share_as is not None else None
 
     def collect(self) -> Iterator[Metric]:
         yield self.ttft.family("firsttoken_ttft_seconds", "Request accepted to first token sent.")
@@ -151,6 +171,8 @@ class Metrics:
         )
 
     def render(self) -> bytes:
+        if self.share is not None:
+            return self.share.render()
         return generate_latest(self.registry)
 
 
@@ -167,6 +189,197 @@ def _labelled(
     for key, value in values.items():
         family.add_metric([key], value)  # type: ignore[attr-defined]
     return family
+
+
+_share_as: tuple[Path, str] | None = None
+_log_fields: dict[str, Any] = {}
+
+SHARE_INTERVAL_S = 1.0
+ASK_TIMEOUT_S = 0.25
+RETIRED = "retired.json"
+CUMULATIVE = ("counter", "histogram", "summary")  # summed over every worker that ever ran
+
+# A family as JSON: [name, type, help, [[sample name, labels, value], ...]].
+Family = list[Any]
+
+
+def share_across_workers(directory: Path, name: str) -> None:
+    """In a worker process, before the app is built: the Metrics made afterwards share
+    `directory` under `name`, and every log line carries this worker's pid."""
+    global _share_as
+    _share_as = (directory, name)
+    _log_fields["pid"] = os.getpid()
+
+
+class WorkerShare:
+    """One worker's side of the shared metrics directory.
+
+    Each worker answers snapshot requests on DIR/NAME.sock from a thread of its own (a busy event
+    loop doesn't hold up a scrape) and keeps its latest snapshot in DIR/NAME.json, written once
+    a second and before every answer: whatever a scrape ever saw of a worker outlives it, so a
+    merged counter never goes back (Prometheus would read that as a reset). When a worker dies
+    the supervisor folds its counters into DIR/retired.json (`fold_worker`). The worker a scrape
+    lands on merges itself, the live siblings (asked now), the dead ones not yet folded (their
+    file, counters only) and the retired total. Counters and histograms add up over every worker
+    that ever ran, gauges over the live ones (`firsttoken_shedding` and
+    `firsttoken_breaker_state` then count workers). Every collector on the registry is shared.
+    """
+
+    def __init__(self, directory: Path, name: str, registry: CollectorRegistry) -> None:
+        self.directory = directory
+        self.name = name
+        self.registry = registry
+        self.snapshot()  # siblings find a worker by its file
+        self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        path = directory / f"{name}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        self._listener.bind(str(path))
+        self._listener.listen(16)
+        self._listener.settimeout(SHARE_INTERVAL_S)
+        threading.Thread(target=self._serve, name="metrics-share", daemon=True).start()
+
+    def snapshot(self) -> list[Family]:
+        """This worker's families, saved before anyone sees them."""
+        families = [
+            [f.name, f.type, f.documentation, [[s.name, s.labels, s.value] for s in f.samples]]
+            for f in self.registry.collect()
+        ]
+        _write_json(self.directory / f"{self.name}.json", families)
+        return families
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                self.snapshot()
+                continue
+            except OSError:
+                return
+            with conn, contextlib.suppress(OSError):
+                conn.sendall(orjson.dumps(self.snapshot()))
+
+    def merged(self) -> list[Family]:
+        parts: list[tuple[list[Family], bool]] = [(self.snapshot(), True)]
+        # Worker files before retired.json: a worker folded in between is then in both, and
+        # retired's "folded" list drops it from the first (read the other way round, it would
+        # be in neither).
+        names: list[str] = []
+        for path in sorted(self.directory.glob("w*.json")):
+            if path.stem == self.name:
+                continue
+            families, alive = _ask(self.directory / f"{path.stem}.sock")
+            if families is None:
+                families = _read_json(path)
+            if families is not None:
+                names.append(path.stem)
+                parts.append((families, alive))
+        retired = _read_json(self.directory / RETIRED) or {"families": [], "folded": []}
+        folded = set(retired["folded"])
+        parts = [parts[0], *(p for n, p in zip(names, parts[1:], strict=True) if n not in folded)]
+        parts.append((retired["families"], False))
+        return merge_families(parts)
+
+    def render(self) -> bytes:
+        return generate_latest(_Fixed(self.merged()))  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        """Stop answering (siblings then read this worker as dead)."""
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread's accept
+        self._listener.close()
+
+
+class _Fixed:
+    def __init__(self, families: list[Family]) -> None:
+        self.families = families
+
+    def collect(self) -> Iterator[Metric]:
+        for name, kind, doc, samples in self.families:
+            family = Metric(name, doc, kind)
+            for sample_name, labels, value in samples:
+                family.add_sample(sample_name, labels, value)
+            yield family
+
+
+def merge_families(parts: Iterable[tuple[list[Family], bool]]) -> list[Family]:
+    """Add up families sample by sample, in first-seen order; (families, alive) pairs: a dead
+    worker's gauges don't count. `_created` samples keep the first value."""
+    merged: dict[str, Family] = {}
+    index: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[Any]] = {}
+    for families, alive in parts:
+        for name, kind, doc, samples in families:
+            if not alive and kind not in CUMULATIVE:
+                continue
+            family = merged.setdefault(name, [name, kind, doc, []])
+            for sample_name, labels, value in samples:
+                key = (name, sample_name, tuple(sorted(labels.items())))
+                sample = index.get(key)
+                if sample is None:
+                    index[key] = sample = [sample_name, labels, value]
+                    family[3].append(sample)
+                elif kind in (*CUMULATIVE, "gauge") and not sample_name.endswith("_created"):
+                    sample[2] += value
+    return list(merged.values())
+
+
+def fold_worker(directory: Path, name: str, *, restarted: bool) -> None:
+    """Supervisor side: a dead worker's counters join retired.json and its files go. Called
+    once with no worker (`name=""`) to start the restart counter at 0."""
+    retired = _read_json(directory / RETIRED) or {"families": [], "folded": []}
+    parts = [(retired["families"], False)]
+    last = _read_json(directory / f"{name}.json") if name else None
+    if last is not None:
+        parts.append((last, False))
+    restarts = [
+        "firsttoken_worker_restarts",
+        "counter",
+        "Worker processes that died and were replaced (--workers).",
+        [["firsttoken_worker_restarts_total", {}, int(restarted)]],
+    ]
+    parts.append(([restarts], False))
+    retired["families"] = merge_families(parts)
+    if name:
+        retired["folded"] = [*retired["folded"][-63:], name]
+    _write_json(directory / RETIRED, retired)
+    for path in (directory / f"{name}.json", directory / f"{name}.sock") if name else ():
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def _ask(path: Path) -> tuple[list[Family] | None, bool]:
+    """A sibling's families now; (None, False) when nobody listens (it died), (None, True)
+    when it didn't answer in time (alive but stuck: its file stands in)."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(ASK_TIMEOUT_S)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError):
+            return None, False
+        except OSError:
+            return None, True
+        chunks: list[bytes] = []
+        try:
+            while chunk := sock.recv(65536):
+                chunks.append(chunk)
+            return orjson.loads(b"".join(chunks)), True
+        except (OSError, orjson.JSONDecodeError):
+            return None, True
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return orjson.loads(path.read_bytes())
+    except (FileNotFoundError, orjson.JSONDecodeError):
+        return None
+
+
+def _write_json(path: Path, value: Any) -> None:
+    """Atomically (a reader sees the old file or the new one), from any thread."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    tmp.write_bytes(orjson.dumps(value))
+    os.replace(tmp, path)
 
 
 _logger = logging.getLogger("firsttoken")
@@ -187,6 +400,7 @@ def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
             "ts": round(time.time(), 6),
             "level": logging.getLevelName(level).lower(),
             "event": event,
+            **_log_fields,
             **fields,
         }
         _logger.log(level, orjson.dumps(record, default=str).decode())

@@ -2,12 +2,9 @@
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import ipaddress
 import logging
-import os
-import signal
 import socket
 import sys
 import traceback
@@ -20,6 +17,7 @@ from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 from firsttoken.connection import StreamingProtocol
 from firsttoken.observability import configure_logging, log_event
+from firsttoken.workers import Supervisor
 from firsttoken.preflight import StartupError, describe, preflight
 
 __all__ = ["serve"]
@@ -178,27 +176,8 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
 
 def _prefork(settings: Settings, sock: socket.socket, url: str) -> None:
     """N processes accept on one listening socket (the kernel spreads connections): the way
-    past one core's worth of Python per process."""
-    children: list[int] = []
-    for _ in range(settings.workers):
-        pid = os.fork()
-        if pid == 0:
-            code = 0
-            try:
-                _run(settings, sock, url)
-            except BaseException:
-                code = 1
-            finally:
-                os._exit(code)
-        children.append(pid)
-
-    def forward(signum: int, _frame: object) -> None:
-        for child in children:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(child, signum)
-
-    signal.signal(signal.SIGTERM, forward)
-    signal.signal(signal.SIGINT, forward)
-    for child in children:
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(child, 0)
+    past one core's worth of Python per process. A supervisor replaces the ones that die and
+    `/metrics` on any of them is the sum of all (`firsttoken.workers`)."""
+    code = Supervisor(settings.workers, lambda: _run(settings, sock, url)).run()
+    if code:
+        raise SystemExit(code)
