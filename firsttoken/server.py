@@ -17,8 +17,8 @@ from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 from firsttoken.connection import StreamingProtocol
 from firsttoken.observability import configure_logging, log_event
-from firsttoken.workers import Supervisor
 from firsttoken.preflight import StartupError, describe, preflight
+from firsttoken.workers import Supervisor
 
 __all__ = ["serve"]
 
