@@ -24,6 +24,7 @@ from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
 from firsttoken.errors import APIError
 from firsttoken.observability import Metrics
+from firsttoken.requestlimits import oversized
 from firsttoken.response import RAW_SEND_KEY
 from firsttoken.resume import open_store
 from firsttoken.stream import StreamRegistry
@@ -106,6 +107,10 @@ class RawSendApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
+            refusal = oversized(scope)
+            if refusal is not None:
+                await refusal.response()(scope, receive, send)
+                return
             scope[RAW_SEND_KEY] = send
         await self.app(scope, receive, send)
 

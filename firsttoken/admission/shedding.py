@@ -41,9 +41,16 @@ def memory_limit_bytes(spec: str) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+_statm: tuple[int, int] | None = None  # (pid, descriptor)
+
+
 def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    # One descriptor per process, re-read: at the open-file limit a fresh open would fail
+    # (and a worker forked after the open must not read its parent's figure).
+    global _statm
+    if _statm is None or _statm[0] != os.getpid():
+        _statm = (os.getpid(), os.open("/proc/self/statm", os.O_RDONLY | os.O_CLOEXEC))
+    return int(os.pread(_statm[1], 256, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
 class LoadShedder:
@@ -115,7 +122,10 @@ class LoadShedder:
         """Refuse new streams and end the oldest ones while RSS is over the threshold."""
         threshold = self.memory_limit * self.s.memory_shed_fraction
         while True:
-            rss = rss_bytes()
+            try:
+                rss = rss_bytes()
+            except OSError:  # e.g. out of file descriptors: keep the last reading
+                rss = self.metrics.memory_rss_bytes
             self.metrics.memory_rss_bytes = rss
             over = rss > threshold
             self._set_reason("memory", over, rss_bytes=rss, threshold_bytes=int(threshold))
