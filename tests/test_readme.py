@@ -1,0 +1,101 @@
+"""The README's examples, run as written against a real server, so they stay true."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.servers import ROOT, Server, run_server
+
+README = (ROOT / "README.md").read_text()
+
+# Stands in for jq where it is not installed: `jq -r .FIELD FILE`, all the README uses.
+JQ_SHIM = """#!{python}
+import json, sys
+assert sys.argv[1] == "-r" and sys.argv[2].startswith(".")
+print(json.load(open(sys.argv[3]))[sys.argv[2][1:]])
+"""
+
+
+def section(title: str) -> str:
+    start = README.index(f"\n## {title}\n")
+    end = README.find("\n## ", start + 1)
+    return README[start : end if end != -1 else None]
+
+
+def blocks(text: str, lang: str) -> list[str]:
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    # Fast timing: the commands are the README's; only the server is quicker than the default.
+    with run_server("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1") as s:
+        yield s
+
+
+def local(code: str, server: Server) -> str:
+    return code.replace("localhost:8000", f"127.0.0.1:{server.port}").replace(
+        "http://127.0.0.1:8000", server.url
+    )
+
+
+def test_quick_tour_shell(server: Server, tmp_path: Path) -> None:
+    [script] = blocks(section("Quick tour"), "sh")
+    env = dict(os.environ)
+    if shutil.which("jq") is None:
+        shim = tmp_path / "bin" / "jq"
+        shim.parent.mkdir()
+        shim.write_text(JQ_SHIM.format(python=sys.executable))
+        shim.chmod(0o755)
+        env["PATH"] = f"{shim.parent}{os.pathsep}{env['PATH']}"
+    proc = subprocess.run(
+        ["bash", "-eu", "-o", "pipefail", "-c", local(script, server)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    # The chat stream and the native stream both ran to [DONE] ...
+    assert out.count("data: [DONE]") == 2, out[-2000:]
+    assert '"object":"chat.completion.chunk"' in out
+    created = json.loads((tmp_path / "stream.json").read_text())
+    assert set(created) >= {"id", "resume_token", "events_url", "cancel_url"}
+    assert out.count('data: {"token":') == 50
+    # ... and the long one was cancelled.
+    long = json.loads((tmp_path / "long.json").read_text())
+    assert json.loads(out.strip().splitlines()[-1]) == {"id": long["id"], "outcome": "cancelled"}
+
+
+@pytest.mark.parametrize(
+    "where", ["Quick tour", "Resume, the Python client, and several instances"]
+)
+def test_python_examples(server: Server, where: str) -> None:
+    for code in blocks(section(where), "python"):
+        proc = subprocess.run(
+            [sys.executable, "-c", local(code, server)],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert len(proc.stdout) > 20, proc.stdout
+
+
+def test_readme_stands_alone() -> None:
+    # Links stay inside the repository, and the files they name exist.
+    assert "../" not in README
+    for path in re.findall(r"`((?:docs|bench|deploy|tests)/[\w./-]+)`", README):
+        assert (ROOT / path).exists(), path
