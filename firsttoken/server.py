@@ -114,7 +114,7 @@ def serve(settings: Settings) -> None:
             "workers.without_redis",
             logging.WARNING,
             workers=settings.workers,
-            note="each worker keeps its own streams, limits and /metrics: a resume or "
+            note="each worker keeps its own streams and limits: a resume or "
             "cancel that lands on another worker gets 404; use --redis",
         )
     _prefork(settings, sock, url)
