@@ -299,12 +299,13 @@ class Settings:
         parser.add_argument("--version", action="version", version=f"firsttoken {__version__}")
         for f in fields(cls):
             choices = f.metadata["choices"]
+            rule = "" if _kind(f) is str else f"; {f.metadata['range'].describe()}"
             parser.add_argument(
                 flag(f.name),
                 dest=f.name,
                 default=argparse.SUPPRESS,
                 metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
-                help=f"{f.metadata['help']} (env {env_var(f.name)}; default {f.default})",
+                help=f"{f.metadata['help']} (env {env_var(f.name)}; default {f.default}{rule})",
             )
         return parser
 
