@@ -302,13 +302,14 @@ class _Pulled:
                 finish = "stop"
                 async for delta in self.engine.generate(stream.request):
                     if delta.text:
-                        if not stream.push(delta.text, delta.finish_reason):
-                            if stream.outcome is not None:
-                                return
+                        room = stream.push(delta.text, delta.finish_reason)
+                        if not room and stream.outcome is None:
                             self._room = asyncio.get_running_loop().create_future()
                             await self._room
                     elif delta.finish_reason:
                         finish = delta.finish_reason
+                # Iterated to its end even after the last token: an engine may work after
+                # it (the cache stores the answer).
                 stream.finish(finish)
             except EngineError as exc:
                 stream.fail(exc)
