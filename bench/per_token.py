@@ -76,6 +76,14 @@ def _drain(listener: socket.socket) -> None:
             pass
 
 
+async def _drained(transport: asyncio.Transport) -> None:
+    """Let the peer drain what a stage left buffered (a transport has no drained event)."""
+    for _ in range(500):
+        if not transport.get_write_buffer_size():
+            return
+        await asyncio.sleep(0.01)
+
+
 def _time(batch: Callable[[], int], rounds: int) -> float:
     """Median µs per token over `rounds` batches; `batch` returns the tokens it handled."""
     per: list[float] = []
@@ -192,8 +200,7 @@ async def _measure(tokens_per_batch: int, rounds: int) -> dict[str, float]:
     for name, fn in stages:
         fn()  # warm up
         out[name] = _time(fn, rounds)
-        while transport.get_write_buffer_size():
-            await asyncio.sleep(0.01)  # let the peer drain what the stage left buffered
+        await _drained(transport)
     transport.close()
     draining.join(timeout=5)
     listener.close()

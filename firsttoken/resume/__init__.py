@@ -6,8 +6,8 @@ from firsttoken.resume.store import EventStore, MemoryStore, StreamRecord, token
 __all__ = [
     "Event",
     "EventLog",
-    "LogReader",
     "EventStore",
+    "LogReader",
     "MemoryStore",
     "ResumeExpired",
     "StreamRecord",
