@@ -245,7 +245,8 @@ class WorkerShare:
             [f.name, f.type, f.documentation, [[s.name, s.labels, s.value] for s in f.samples]]
             for f in self.registry.collect()
         ]
-        _write_json(self.directory / f"{self.name}.json", families)
+        with contextlib.suppress(OSError):  # the directory went away: still answer
+            _write_json(self.directory / f"{self.name}.json", families)
         return families
 
     def _serve(self) -> None:

@@ -78,7 +78,9 @@ def test_killed_worker_is_replaced_logged_and_counted() -> None:
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(timeout=15) == 0
         assert not any(_alive(pid) for pid in (first[1], new))
-        assert {r["pid"] for r in _events(server, "worker.exit")} == {victim, first[1], new}
+        wait_for(
+            lambda: {r["pid"] for r in _events(server, "worker.exit")} == {victim, first[1], new}
+        )
 
 
 def test_one_scrape_counts_every_worker_and_keeps_the_dead() -> None:
