@@ -12,7 +12,13 @@ from bench.stats import Samples
 
 __all__ = ["draw"]
 
-COLORS = {"firsttoken": "#d62728", "raw_floor": "#7f7f7f", "tutorial": "#1f77b4"}
+COLORS = {
+    "firsttoken": "#d62728",
+    "firsttoken_v1": "#ff9896",
+    "firsttoken_w2": "#9467bd",
+    "raw_floor": "#7f7f7f",
+    "tutorial": "#1f77b4",
+}
 
 
 def _ecdf(ax: Any, values: np.ndarray, label: str, color: str) -> None:

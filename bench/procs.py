@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
+import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass
@@ -15,7 +18,7 @@ import psutil
 
 from bench.servers import ServerSpec
 
-__all__ = ["CpuSample", "ServerProcess", "cpu_sample", "raise_fd_limit"]
+__all__ = ["CpuSample", "ServerProcess", "check_out", "cpu_sample", "raise_fd_limit"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -34,12 +37,14 @@ class ServerProcess:
     def launch(
         cls, spec: ServerSpec, log: Path, *, ttft_ms: float, itl_ms: float, heartbeat_s: float
     ) -> ServerProcess:
+        if spec.rev and spec.cwd is None:
+            raise RuntimeError(f"{spec.name}: run check_out() first (firsttoken at {spec.rev})")
         log.parent.mkdir(parents=True, exist_ok=True)
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         with log.open("wb") as sink:
             proc = subprocess.Popen(
                 spec.command(ttft_ms, itl_ms, heartbeat_s),
-                cwd=ROOT,
+                cwd=spec.cwd or ROOT,
                 env=env,
                 stdout=sink,
                 stderr=subprocess.STDOUT,
@@ -117,6 +122,44 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+def check_out(spec: ServerSpec, out: Path) -> ServerSpec:
+    """Extract `firsttoken/` as of `spec.rev` into OUT/baseline-REV/; the spec then runs there.
+
+    `python -m firsttoken` started with that folder as cwd imports the old package: the cwd
+    comes first on sys.path, before the editable install's finder (checked here, once).
+    """
+    if not spec.rev:
+        return spec
+    dest = (out / f"baseline-{spec.rev}").resolve()
+    if dest.exists():
+        shutil.rmtree(dest)
+    dest.mkdir(parents=True)
+    archive = subprocess.Popen(
+        ["git", "archive", spec.rev, "firsttoken"],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    assert archive.stdout is not None
+    untar = subprocess.run(
+        ["tar", "-x", "-C", str(dest)], stdin=archive.stdout, capture_output=True
+    )
+    archive.stdout.close()
+    err = archive.stderr.read().decode(errors="replace") if archive.stderr else ""
+    if archive.wait() != 0 or untar.returncode != 0:
+        why = (err or untar.stderr.decode(errors="replace")).strip()
+        raise RuntimeError(f"cannot extract firsttoken at {spec.rev!r}: {why}")
+    found = subprocess.run(
+        [sys.executable, "-c", "import firsttoken; print(firsttoken.__file__)"],
+        cwd=dest,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    if not found.startswith(str(dest)):
+        raise RuntimeError(f"{spec.name}: `import firsttoken` in {dest} found {found!r}")
+    return dataclasses.replace(spec, cwd=dest)
 
 
 @dataclass(frozen=True, slots=True)

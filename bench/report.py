@@ -1,7 +1,8 @@
 """Turn the figures into ratios, targets and a printed table.
 
 Absolute times on a shared 2-core machine are noise-prone; every absolute figure is printed
-beside its ratio to the raw floor and to the tutorial stack, measured minutes apart in one run.
+beside its ratio to firsttoken before the rewrite (`firsttoken_v1`), to the raw floor and to
+the tutorial stack, measured minutes apart in one run. The targets are issue 12's.
 """
 
 from __future__ import annotations
@@ -9,10 +10,31 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["compute_ratios", "compute_targets", "render", "saturation_point", "within_itl"]
+from bench.servers import BASELINE, SUBJECT, WORKERS2
 
-SUBJECT, FLOOR, TUTORIAL = "firsttoken", "raw_floor", "tutorial"
-GIB_MIB = 1024.0
+__all__ = [
+    "compute_ratios",
+    "compute_targets",
+    "highest_within_itl",
+    "kept_pace",
+    "render",
+    "saturation_point",
+    "within_itl",
+]
+
+FLOOR, TUTORIAL = "raw_floor", "tutorial"
+OTHERS = (BASELINE, FLOOR, TUTORIAL)  # firsttoken ÷ each of these
+
+# Issue 12's targets (the stream counts come from the sizes: 500, 100 and 1,000 at full size).
+CPU_VS_FLOOR_MIN = 0.7  # tokens per server CPU-second ÷ raw floor
+CPU_VS_TUTORIAL_MIN = 3.0  # ... ÷ tutorial
+TTFT_P99_VS_FLOOR_MAX = 1.3  # added TTFT p99 at the target step ÷ the floor's
+BURST_P50_VS_FLOOR_MAX = 2.0  # added TTFT p50, a burst requested at once ÷ the floor's
+W2_TTFT_P99_MAX_MS = 300.0  # TTFT p99 (absolute), 1,000 streams over 1 s, --workers 2
+IDLE_KIB_MAX = 12.0  # RSS per waiting stream, heartbeats on
+ABANDON_EXCESS_MAX = 0.5  # tokens generated after disconnect, per stream
+WORKERS_SPEEDUP_MIN = 1.7  # --workers 2 ÷ --workers 1, delivered tokens/s at saturation
+KEEPS_PACE = 0.9  # a saturation step counts as kept up if ≥ 90% of the engine's pace arrived
 
 Row = dict[str, Any]
 _RATIO_KEYS = ("added_ttft_ms_p50", "added_ttft_ms_p99", "gap_ms_p99", "gap_ms_max")
@@ -26,7 +48,7 @@ def _find(rows: Sequence[Row], server: str, concurrency: int) -> Row | None:
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
-    if a is None or b is None or b == 0:
+    if a is None or b is None or b <= 0:
         return None
     return a / b
 
@@ -34,6 +56,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 def _fmt(x: float | None, digits: int = 2) -> str:
     if x is None:
         return "—"
+    if isinstance(x, int):
+        return f"{x:,}"
     if abs(x) >= 1000:
         return f"{x:,.0f}"
     return f"{x:.{digits}f}"
@@ -52,106 +76,286 @@ def saturation_point(rows: Sequence[Row], server: str, itl_ms: float) -> Row | N
     return min(mine, key=lambda r: r["concurrency"]) if mine else None
 
 
+def highest_within_itl(rows: Sequence[Row], server: str, itl_ms: float) -> int | None:
+    """Streams at the highest step within 2×ITL; 0 if none was; None if the server never ran."""
+    mine = [r for r in rows if r["server"] == server]
+    if not mine:
+        return None
+    return max((r["concurrency"] for r in mine if within_itl(r, itl_ms)), default=0)
+
+
 def within_itl(row: Row, itl_ms: float) -> bool:
     p99 = row.get("gap_ms_p99")
     return p99 is not None and p99 <= 2 * itl_ms and row["exact"] == row["streams"]
 
 
-def common_step(rows: Sequence[Row], servers: Sequence[str]) -> int | None:
-    """The highest saturation step every server ran (same offered load for the ratio)."""
-    steps = [{r["concurrency"] for r in rows if r["server"] == s} for s in servers]
-    shared = set.intersection(*steps) if steps else set()
+def kept_pace(row: Row) -> bool:
+    return row["delivery"] >= KEEPS_PACE and row["exact"] == row["streams"]
+
+
+def pair_step(rows: Sequence[Row], a: str, b: str, wanted: int) -> int | None:
+    """`wanted` if both servers ran that step, else the highest step both ran."""
+    steps = [{r["concurrency"] for r in rows if r["server"] == s} for s in (a, b)]
+    shared = steps[0] & steps[1]
+    if wanted in shared:
+        return wanted
     return max(shared) if shared else None
 
 
+def _vs(me: Row | None, them: Row | None, keys: Sequence[str]) -> dict[str, float | None] | None:
+    if me is None or them is None:
+        return None
+    return {k: _ratio(me[k], them[k]) for k in keys}
+
+
+def _cpu_ratio(sat: Sequence[Row], me: str, other: str, wanted: int) -> dict[str, Any] | None:
+    step = pair_step(sat, me, other, wanted)
+    if step is None:
+        return None
+    a, b = _find(sat, me, step), _find(sat, other, step)
+    assert a is not None and b is not None
+    return {
+        "at_streams": step,
+        "tokens_per_cpu_s": _ratio(a["tokens_per_cpu_s"], b["tokens_per_cpu_s"]),
+        "tokens_per_s": _ratio(a["tokens_per_s"], b["tokens_per_s"]),
+    }
+
+
+def _workers(sat: Sequence[Row]) -> dict[str, Any] | None:
+    """--workers 2 ÷ --workers 1 delivered tokens/s at the highest step --workers 2 kept pace."""
+    kept = [r for r in sat if r["server"] == WORKERS2 and kept_pace(r)]
+    w2 = max(kept, key=lambda r: r["concurrency"], default=None)
+    ran = [r for r in sat if r["server"] == WORKERS2]
+    if w2 is None:  # it never kept pace: compare where it did best
+        w2 = max(ran, key=lambda r: r["tokens_per_s"], default=None)
+    if w2 is None:
+        return None
+    w1 = _find(sat, SUBJECT, w2["concurrency"])
+    mine = [r for r in sat if r["server"] == SUBJECT]
+    if w1 is None and mine:  # firsttoken stopped below that step: its last one (saturated)
+        w1 = max(mine, key=lambda r: r["concurrency"])
+    if w1 is None:
+        return None
+    return {
+        "at_streams": w2["concurrency"],
+        "w1_at_streams": w1["concurrency"],
+        "w2_kept_pace": kept_pace(w2),
+        "w2_tokens_per_s": w2["tokens_per_s"],
+        "w1_tokens_per_s": w1["tokens_per_s"],
+        "tokens_per_s": _ratio(w2["tokens_per_s"], w1["tokens_per_s"]),
+    }
+
+
 def compute_ratios(res: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {"overhead": {}, "saturation": {}, "idle": {}}
-    itl = res["meta"]["sizes"]["itl_ms"]
-    for level in res["meta"]["sizes"]["levels"]:
+    out: dict[str, Any] = {"overhead": {}, "burst": {}, "saturation": {}, "idle": {}}
+    sizes = res["meta"]["sizes"]
+    itl = sizes["itl_ms"]
+    for level in sizes["levels"]:
         me = _find(res["overhead"], SUBJECT, level)
         entry: dict[str, Any] = {}
-        for other in (FLOOR, TUTORIAL):
-            them = _find(res["overhead"], other, level)
-            if me and them:
-                entry[f"vs_{other}"] = {k: _ratio(me[k], them[k]) for k in _RATIO_KEYS}
+        for other in OTHERS:
+            vs = _vs(me, _find(res["overhead"], other, level), _RATIO_KEYS)
+            if vs:
+                entry[f"vs_{other}"] = vs
         out["overhead"][str(level)] = entry
+    burst = res.get("burst", [])
+    me = _find(burst, SUBJECT, sizes["burst_streams"])
+    for other in OTHERS:
+        vs = _vs(me, _find(burst, other, sizes["burst_streams"]), _RATIO_KEYS)
+        if vs:
+            out["burst"][f"vs_{other}"] = vs
     sat = res["saturation"]
-    servers = sorted({r["server"] for r in sat})
-    step = common_step(sat, servers)
-    if step is not None:
-        me = _find(sat, SUBJECT, step)
-        for other in (FLOOR, TUTORIAL):
-            them = _find(sat, other, step)
-            if me and them:
-                out["saturation"][f"vs_{other}"] = {
-                    "at_streams": step,
-                    "tokens_per_cpu_s": _ratio(me["tokens_per_cpu_s"], them["tokens_per_cpu_s"]),
-                    "tokens_per_s": _ratio(me["tokens_per_s"], them["tokens_per_s"]),
-                }
+    for other in OTHERS:
+        entry = _cpu_ratio(sat, SUBJECT, other, sizes["target_streams"])
+        if entry:
+            out["saturation"][f"vs_{other}"] = entry
+    servers = list(dict.fromkeys(r["server"] for r in sat))
     points = {s: saturation_point(sat, s, itl) for s in servers}
     out["saturation"]["points"] = {
         s: None
-        if p is None
+        if p is None or not within_itl(p, itl)
         else {k: p[k] for k in ("concurrency", "tokens_per_s", "tokens_per_cpu_s")}
         for s, p in points.items()
     }
+    out["saturation"]["workers"] = _workers(sat)
     idle = {r["server"]: r for r in res["idle"]}
     if SUBJECT in idle:
-        for other in (FLOOR, TUTORIAL):
+        for other in OTHERS:
             if other in idle:
                 out["idle"][f"vs_{other}"] = _ratio(
                     idle[SUBJECT]["kib_per_stream"], idle[other]["kib_per_stream"]
                 )
+    ab = res["abandonment"]
+    if SUBJECT in ab and BASELINE in ab:
+        out["abandonment"] = {
+            f"vs_{BASELINE}": _ratio(
+                ab[SUBJECT]["excess_per_stream"], ab[BASELINE]["excess_per_stream"]
+            )
+        }
     return out
 
 
 def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 12's targets, each for firsttoken and (where it applies) for the baseline."""
     targets: list[dict[str, Any]] = []
-
-    def add(name: str, value: float | None, limit: str, ok: bool | None, note: str = "") -> None:
-        targets.append({"target": name, "value": value, "limit": limit, "passed": ok, "note": note})
-
     sizes = res["meta"]["sizes"]
+    itl, n = sizes["itl_ms"], sizes["target_streams"]
+    sat, over, burst = res["saturation"], res["overhead"], res.get("burst", [])
+
+    def add(
+        name: str,
+        value: float | None,
+        baseline: float | None,
+        op: str,
+        limit: float,
+        note: str = "",
+    ) -> None:
+        ok = None
+        if value is not None:
+            ok = {"≥": value >= limit, "≤": value <= limit, "<": value < limit}[op]
+        targets.append(
+            {
+                "target": name,
+                "value": value,
+                "baseline": baseline,
+                "limit": f"{op} {limit:g}",
+                "passed": ok,
+                "note": note,
+            }
+        )
+
+    # Tokens per server CPU-second at the target step (else the highest step both ran).
+    for other, limit in ((FLOOR, CPU_VS_FLOOR_MIN), (TUTORIAL, CPU_VS_TUTORIAL_MIN)):
+        mine = _cpu_ratio(sat, SUBJECT, other, n)
+        base = _cpu_ratio(sat, BASELINE, other, n)
+        note = "not measured"
+        if mine:
+            note = f"at {mine['at_streams']} streams"
+            if mine["at_streams"] != n:
+                stopped = [s for s in (SUBJECT, other) if _find(sat, s, n) is None and _ran(sat, s)]
+                note += f" ({', '.join(stopped) or 'a server'} stopped climbing before {n})"
+        add(
+            f"tokens per server CPU-second ÷ {other}, {n} streams",
+            mine["tokens_per_cpu_s"] if mine else None,
+            base["tokens_per_cpu_s"] if base else None,
+            "≥",
+            limit,
+            note,
+        )
+    # Capacity: the highest saturation step within 2×ITL.
+    for server, label, limit in ((SUBJECT, "one process", n), (WORKERS2, "--workers 2", 2 * n)):
+        value = highest_within_itl(sat, server, itl)
+        if value is None:
+            continue
+        last = max(r["concurrency"] for r in sat if r["server"] == server)
+        note = f"p99 inter-chunk ≤ {2 * itl:g} ms; climbed to {last}"
+        if value == last:
+            note += " (never exceeded it)"
+        base = highest_within_itl(sat, BASELINE, itl) if server == SUBJECT else None
+        add(f"highest step within 2×ITL, {label} (streams)", value, base, "≥", limit, note)
+    # Added TTFT p99 at the target step ÷ the floor's.
+    floor = _find(over, FLOOR, n)
+
+    def vs_floor(server: str, rows: Sequence[Row], at: int, key: str) -> float | None:
+        me, them = _find(rows, server, at), _find(rows, FLOOR, at)
+        return _ratio(me[key], them[key]) if me and them else None
+
+    me = _find(over, SUBJECT, n)
+    note = "not measured"
+    if me and floor:
+        note = f"{_fmt(me['added_ttft_ms_p99'], 1)} vs {_fmt(floor['added_ttft_ms_p99'], 1)} ms"
+    add(
+        f"added TTFT p99, {n} streams ÷ {FLOOR}'s",
+        vs_floor(SUBJECT, over, n, "added_ttft_ms_p99"),
+        vs_floor(BASELINE, over, n, "added_ttft_ms_p99"),
+        "≤",
+        TTFT_P99_VS_FLOOR_MAX,
+        note,
+    )
+    # Burst: streams requested at the same instant.
+    b = sizes["burst_streams"]
+    me, floor = _find(burst, SUBJECT, b), _find(burst, FLOOR, b)
+    note = "not measured"
+    if me and floor:
+        note = f"{_fmt(me['added_ttft_ms_p50'], 1)} vs {_fmt(floor['added_ttft_ms_p50'], 1)} ms"
+    add(
+        f"burst: added TTFT p50, {b} streams at once ÷ {FLOOR}'s",
+        vs_floor(SUBJECT, burst, b, "added_ttft_ms_p50"),
+        vs_floor(BASELINE, burst, b, "added_ttft_ms_p50"),
+        "≤",
+        BURST_P50_VS_FLOOR_MAX,
+        note,
+    )
+    # The service level with two workers: TTFT p99 (absolute) at the top overhead level.
     top = max(sizes["levels"])
-    me = _find(res["overhead"], SUBJECT, top)
-    p50 = me["added_ttft_ms_p50"] if me else None
-    p99 = me["added_ttft_ms_p99"] if me else None
-    add(f"added TTFT p50 at {top} streams (ms)", p50, "≤ 1", None if p50 is None else p50 <= 1)
-    add(f"added TTFT p99 at {top} streams (ms)", p99, "≤ 10", None if p99 is None else p99 <= 10)
-    sat = res["ratios"]["saturation"]
-    for other, limit in ((TUTORIAL, 3.0), (FLOOR, 0.6)):
-        entry = sat.get(f"vs_{other}")
-        value = entry["tokens_per_cpu_s"] if entry else None
-        note = f"at {entry['at_streams']} streams" if entry else "not measured"
+    w2 = _find(over, WORKERS2, top)
+    if w2 is not None:
+        one = _find(over, SUBJECT, top)
+
+        def ttft_p99(r: Row | None) -> float | None:
+            p99 = r["added_ttft_ms_p99"] if r else None
+            return None if p99 is None else p99 + sizes["ttft_ms"]
+
         add(
-            f"tokens per server CPU-second ÷ {other}",
-            value,
-            f"≥ {limit}",
-            None if value is None else value >= limit,
-            note,
+            f"TTFT p99, {top} streams over {sizes['ramp_s']:g} s, --workers 2 (ms)",
+            ttft_p99(w2),
+            None,
+            "<",
+            W2_TTFT_P99_MAX_MS,
+            f"one process: {_fmt(ttft_p99(one), 0)} ms" if one else "",
         )
-    idle = next((r for r in res["idle"] if r["server"] == SUBJECT), None)
-    if idle is not None:
+    # Memory per waiting stream.
+    idle = {r["server"]: r for r in res["idle"]}
+    if SUBJECT in idle:
         nominal = res["meta"]["idle_nominal"]
-        value = idle["projected_mib"]
-        note = "measured" if idle["opened"] >= nominal else f"projected from {idle['opened']}"
+        r = idle[SUBJECT]
+        note = "measured" if r["opened"] >= nominal else f"measured at {r['opened']} open"
+        base = idle.get(BASELINE)
         add(
-            f"RSS with {nominal:,} waiting streams (MiB)",
-            value,
-            f"< {GIB_MIB:.0f}",
-            None if value is None else value < GIB_MIB,
+            f"RSS per waiting stream, {nominal:,} streams, heartbeats on (KiB)",
+            r["kib_per_stream"],
+            base["kib_per_stream"] if base else None,
+            "≤",
+            IDLE_KIB_MAX,
             note,
         )
-    ab = res["abandonment"].get(SUBJECT)
-    if ab is not None:
+    # Abandonment.
+    ab = res["abandonment"]
+    if SUBJECT in ab:
+        a = ab[SUBJECT]
+        base = ab.get(BASELINE)
         add(
-            "tokens generated after disconnect, per stream",
-            ab["excess_per_stream"],
-            "≤ 1",
-            ab["passed"],
-            f"{ab['excess_tokens']:.0f} over {ab['streams']} streams",
+            f"tokens generated after disconnect, {a['streams']} streams, per stream",
+            a["excess_per_stream"],
+            base["excess_per_stream"] if base else None,
+            "≤",
+            ABANDON_EXCESS_MAX,
+            f"{a['excess_tokens']:.0f} over {a['streams']} streams",
+        )
+    # Workers: delivered tokens/s at saturation.
+    w = res["ratios"]["saturation"].get("workers")
+    if w:
+        note = (
+            f"at {w['at_streams']} streams: {_fmt(w['w2_tokens_per_s'], 0)} vs "
+            f"{_fmt(w['w1_tokens_per_s'], 0)} tokens/s"
+        )
+        if w["w1_at_streams"] != w["at_streams"]:
+            note += f" (firsttoken's at {w['w1_at_streams']}, where it stopped)"
+        if not w["w2_kept_pace"]:
+            note += " (--workers 2 kept pace at no step)"
+        add(
+            "--workers 2 ÷ --workers 1, delivered tokens/s at saturation",
+            w["tokens_per_s"],
+            None,
+            "≥",
+            WORKERS_SPEEDUP_MIN,
+            note,
         )
     return targets
+
+
+def _ran(rows: Sequence[Row], server: str) -> bool:
+    return any(r["server"] == server for r in rows)
 
 
 # ---------------------------------------------------------------- rendering
@@ -174,10 +378,25 @@ def _pct(x: float) -> str:
     return f"{100 * x:.0f}%"
 
 
-def _overhead(res: dict[str, Any]) -> str:
-    s = res["meta"]["sizes"]
+_RUN_HEADERS = [
+    "streams",
+    "server",
+    "+TTFT p50",
+    "+TTFT p99",
+    "gap p50",
+    "gap p99",
+    "gap max",
+    "exact",
+    "srv CPU",
+    "client CPU",
+    "client lag",
+    "others(cores)",
+]
+
+
+def _runs(rows_in: Sequence[Row]) -> str:
     rows = []
-    for r in res["overhead"]:
+    for r in rows_in:
         rows.append(
             [
                 str(r["concurrency"]),
@@ -194,41 +413,50 @@ def _overhead(res: dict[str, Any]) -> str:
                 f"{r['others_cpu_share']:.2f}",
             ]
         )
-    out = [
-        f"OVERHEAD — engine TTFT {s['ttft_ms']:.0f} ms, ITL {s['itl_ms']:.0f} ms, "
-        f"{s['tokens']} tokens; added TTFT = measured − {s['ttft_ms']:.0f} ms",
-        _table(
-            [
-                "streams",
-                "server",
-                "+TTFT p50",
-                "+TTFT p99",
-                "gap p50",
-                "gap p99",
-                "gap max",
-                "exact",
-                "srv CPU",
-                "client CPU",
-                "client lag",
-                "others(cores)",
-            ],
-            rows,
-        ),
-        "",
-        "ratios, firsttoken ÷ other (lower is better):",
-    ]
+    return _table(_RUN_HEADERS, rows)
+
+
+def _ratio_table(entries: dict[str, dict[str, Any]]) -> str:
     ratio_rows = []
-    for level, entry in res["ratios"]["overhead"].items():
+    for level, entry in entries.items():
         for key, vals in entry.items():
             ratio_rows.append([level, key.removeprefix("vs_")] + [_x(vals[k]) for k in _RATIO_KEYS])
-    out.append(
-        _table(["streams", "vs", "+TTFT p50", "+TTFT p99", "gap p99", "gap max"], ratio_rows)
-    )
+    return _table(["streams", "vs", "+TTFT p50", "+TTFT p99", "gap p99", "gap max"], ratio_rows)
+
+
+def _overhead(res: dict[str, Any]) -> str:
+    s = res["meta"]["sizes"]
+    out = [
+        f"OVERHEAD — engine TTFT {s['ttft_ms']:.0f} ms, ITL {s['itl_ms']:.0f} ms, "
+        f"{s['tokens']} tokens, streams started over {s['ramp_s']:g} s; added TTFT = measured − "
+        f"{s['ttft_ms']:.0f} ms; {WORKERS2} runs the top level only",
+        _runs(res["overhead"]),
+        "",
+        "ratios, firsttoken ÷ other (lower is better):",
+        _ratio_table(res["ratios"]["overhead"]),
+    ]
     return "\n".join(out)
+
+
+def _burst(res: dict[str, Any]) -> str:
+    s = res["meta"]["sizes"]
+    rounds = s["burst_rounds"]
+    return "\n".join(
+        [
+            f"BURST — {s['burst_streams']} streams requested at the same instant (no ramp: every "
+            f"connect and request at once), {s['burst_tokens']} tokens, "
+            f"{rounds} burst{'s' if rounds != 1 else ''} in a row per server",
+            _runs(res["burst"]),
+            "",
+            "ratios, firsttoken ÷ other (lower is better):",
+            _ratio_table({str(s["burst_streams"]): res["ratios"].get("burst", {})}),
+        ]
+    )
 
 
 def _saturation(res: dict[str, Any]) -> str:
     itl = res["meta"]["sizes"]["itl_ms"]
+    target = res["meta"]["sizes"]["target_streams"]
     rows = []
     for r in res["saturation"]:
         rows.append(
@@ -250,7 +478,8 @@ def _saturation(res: dict[str, Any]) -> str:
     out = [
         f"SATURATION — concurrency doubles; the saturation point is the last step with p99 "
         f"inter-chunk ≤ 2×ITL ({2 * itl:.0f} ms); a server climbs until it delivers < 90% "
-        "of the engine's pace or fails a stream",
+        f"of the engine's pace or fails a stream, but at least to {target} streams (the "
+        f"targets' step); firsttoken climbs as long as {WORKERS2} does",
         _table(
             [
                 "streams",
@@ -271,19 +500,29 @@ def _saturation(res: dict[str, Any]) -> str:
         "",
     ]
     sat = res["ratios"]["saturation"]
-    for other in (TUTORIAL, FLOOR):
+    for other in OTHERS:
         e = sat.get(f"vs_{other}")
         if e:
             out.append(
                 f"firsttoken ÷ {other} at {e['at_streams']} streams: tokens per CPU-second "
                 f"{_x(e['tokens_per_cpu_s'])}, delivered tokens/s {_x(e['tokens_per_s'])}"
             )
+    w = sat.get("workers")
+    if w:
+        out.append(
+            f"{WORKERS2} ÷ firsttoken, delivered tokens/s: {_x(w['tokens_per_s'])} "
+            f"({WORKERS2} at {w['at_streams']} streams, the highest step it kept pace"
+            f"{'' if w['w2_kept_pace'] else ' — it kept pace at none: its best step'}; "
+            f"firsttoken at {w['w1_at_streams']})"
+        )
     for server, p in sat.get("points", {}).items():
         if p:
             out.append(
                 f"{server}: highest step within 2×ITL = {p['concurrency']} streams, "
                 f"{_fmt(p['tokens_per_s'], 0)} tokens/s, {_fmt(p['tokens_per_cpu_s'], 0)} per CPU-s"
             )
+        else:
+            out.append(f"{server}: no step within 2×ITL")
     return "\n".join(out)
 
 
@@ -348,9 +587,14 @@ def _abandonment(res: dict[str, Any]) -> str:
         )
     if not runs:
         out.append("(not run)")
+    for key, val in res["ratios"].get("abandonment", {}).items():
+        out.append(
+            f"firsttoken ÷ {key.removeprefix('vs_')}: tokens generated after disconnect "
+            f"per stream {_x(val)}"
+        )
     out.append(
         f"the target is judged at {res['meta']['sizes']['abandon_streams']} streams; "
-        "raw floor and tutorial: not measured (they have no /metrics token counter)"
+        "raw floor, tutorial and --workers 2: not measured (no single /metrics token counter)"
     )
     return "\n".join(out)
 
@@ -359,8 +603,15 @@ def _targets(res: dict[str, Any]) -> str:
     rows = []
     for t in res["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
-        rows.append([t["target"], _fmt(t["value"]), t["limit"], verdict, t["note"]])
-    return "TARGETS\n" + _table(["target", "value", "limit", "result", "note"], rows)
+        rows.append(
+            [t["target"], _fmt(t["value"]), _fmt(t["baseline"]), t["limit"], verdict, t["note"]]
+        )
+    rev = res["meta"].get("baseline_rev")
+    base = f"{BASELINE} ({rev})" if rev else BASELINE
+    return (
+        "TARGETS (issue 12) — firsttoken's value judged; the baseline's shown for before/after\n"
+        + _table(["target", "firsttoken", base, "limit", "result", "note"], rows)
+    )
 
 
 def render(res: dict[str, Any]) -> str:
@@ -372,6 +623,7 @@ def render(res: dict[str, Any]) -> str:
     parts: list[str] = [head, ""]
     sections: list[tuple[str, Callable[[dict[str, Any]], str]]] = [
         ("overhead", _overhead),
+        ("burst", _burst),
         ("saturation", _saturation),
         ("idle", _idle),
         ("abandonment", _abandonment),

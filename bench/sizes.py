@@ -12,10 +12,16 @@ class Sizes:
     ttft_ms: float = 200.0
     itl_ms: float = 20.0
     tokens: int = 300
-    levels: tuple[int, ...] = (1, 100, 1000)  # overhead: concurrent streams
+    levels: tuple[int, ...] = (1, 100, 500, 1000)  # overhead: concurrent streams
     single_stream_rounds: int = 3  # at 1 stream, run a few in a row for more TTFT samples
     ramp_s: float = 1.0  # streams start evenly over this (no accept-queue stampede)
     saturation: tuple[int, ...] = (250, 500, 1000, 2000)
+    # Where issue 12's targets are judged: CPU ratios (saturation) and added TTFT p99 (overhead)
+    # at this many streams; every server climbs the saturation steps at least this far.
+    target_streams: int = 500
+    burst_streams: int = 100  # requested at the same instant (no ramp)
+    burst_tokens: int = 50  # only the TTFT counts; short streams keep the rounds cheap
+    burst_rounds: int = 3
     idle_streams: int = 10_000
     idle_heartbeat_s: float = 2.0
     idle_ttft_ms: float = 120_000.0  # long enough that no idle stream ever starts its answer
@@ -33,6 +39,10 @@ class Sizes:
             single_stream_rounds=1,
             ramp_s=0.1,
             saturation=(20, 40),
+            target_streams=20,
+            burst_streams=20,
+            burst_tokens=10,
+            burst_rounds=1,
             idle_streams=100,
             idle_heartbeat_s=0.3,
             idle_hold_s=0.5,

@@ -1,7 +1,8 @@
 """The benchmark harness must not rot: a tiny run of every workload against every server.
 
 Not a performance test: nothing here checks a figure against a target, only that the harness
-starts each server, drives it, verifies the text, and writes its table, JSON and chart.
+starts each server (the baseline from its own git revision), drives it, verifies the text, and
+writes its table, JSON and chart.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from bench.decode import decode
 from bench.expected import RequestSpec
 from bench.load import Capture
 from bench.profile import top_frames
+from bench.servers import BASELINE_REV
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,24 +31,68 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TARGETS" in proc.stdout and "ratios" in proc.stdout
+    assert "firsttoken ÷ firsttoken_v1" in proc.stdout
     res = json.loads((tmp_path / "results.json").read_text())
-    servers = {"firsttoken", "raw_floor", "tutorial"}
-    for workload in ("overhead", "saturation"):
+    # The baseline ran from its own extracted package, not the working tree's.
+    assert res["meta"]["baseline_rev"] == BASELINE_REV
+    assert (tmp_path / f"baseline-{BASELINE_REV}" / "firsttoken" / "__main__.py").is_file()
+    one = {"firsttoken", "firsttoken_v1", "raw_floor", "tutorial"}  # one process each
+    top = max(r["concurrency"] for r in res["overhead"])
+    for workload, servers in (
+        ("overhead", one | {"firsttoken_w2"}),
+        ("burst", one),
+        ("saturation", one | {"firsttoken_w2"}),
+    ):
         rows = res[workload]
-        assert {r["server"] for r in rows} == servers
+        assert {r["server"] for r in rows} == servers, workload
         for r in rows:
             assert r["exact"] == r["streams"], r  # every stream token-exact
             assert r["tokens"] > 0 and r["added_ttft_ms_p50"] is not None
-    assert {r["server"] for r in res["idle"]} == servers
+    assert {r["concurrency"] for r in res["overhead"] if r["server"] == "firsttoken_w2"} == {top}
+    assert {r["server"] for r in res["idle"]} == one
     assert all(r["opened"] == r["streams"] and r["kib_per_stream"] is not None for r in res["idle"])
     for key in ("abandonment", "abandonment_light"):
-        abandoned = res[key]["firsttoken"]
-        assert abandoned["tokens_generated"] >= abandoned["tokens_received"] > 0
-    assert {t["target"].split(" (")[0] for t in res["targets"]} >= {
+        assert set(res[key]) == {"firsttoken", "firsttoken_v1"}
+        for abandoned in res[key].values():
+            assert abandoned["tokens_generated"] >= abandoned["tokens_received"] > 0
+    targets = {t["target"].split(",")[0]: t for t in res["targets"]}
+    assert set(targets) == {
+        "tokens per server CPU-second ÷ raw_floor",
         "tokens per server CPU-second ÷ tutorial",
-        "tokens generated after disconnect, per stream",
+        "highest step within 2×ITL",
+        "added TTFT p99",
+        "burst: added TTFT p50",
+        "TTFT p99",
+        "RSS per waiting stream",
+        "tokens generated after disconnect",
+        "--workers 2 ÷ --workers 1",
     }
+    assert sum(t["target"].startswith("highest step") for t in res["targets"]) == 2
+    # (A ratio to the floor's added TTFT is left blank if the floor's is ≤ 0 at tiny sizes.)
+    judged = [t for t in res["targets"] if "raw_floor's" not in t["target"]]
+    assert all(t["value"] is not None and t["passed"] is not None for t in judged)
+    assert targets["added TTFT p99"]["baseline"] is not None  # before/after in one run
     assert (tmp_path / "chart.png").stat().st_size > 10_000
+
+
+def test_unknown_baseline_rev_is_refused(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench",
+            "--quick",
+            "--baseline-rev",
+            "0" * 12,
+            "--out",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "--baseline-rev none" in proc.stderr, proc.stderr
 
 
 def _capture(spec: RequestSpec, reads: list[bytes]) -> Capture:

@@ -8,8 +8,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
-__all__ = ["SERVERS", "ServerSpec"]
+__all__ = ["BASELINE", "BASELINE_REV", "SERVERS", "SUBJECT", "WORKERS2", "ServerSpec"]
+
+# The firsttoken server as of the last commit before the data-plane rewrite (issue 12): run side
+# by side with the working tree's, so "before" and "after" come from one run (`--baseline-rev`).
+BASELINE_REV = "a7a7677"
+SUBJECT, BASELINE, WORKERS2 = "firsttoken", "firsttoken_v1", "firsttoken_w2"
 
 
 @dataclass(frozen=True, slots=True)
@@ -19,6 +25,9 @@ class ServerSpec:
     module: str  # run as `python -m MODULE serve --port 0 ...`
     has_metrics: bool  # serves firsttoken's /metrics (needed by the abandonment workload)
     extra: tuple[str, ...] = ()  # further `serve` options
+    rev: str | None = None  # run the `firsttoken/` package of this git commit, not the tree's
+    cwd: Path | None = None  # where that package was extracted (set per run; see procs.py)
+    workers: int = 1
 
     def command(self, ttft_ms: float, itl_ms: float, heartbeat_s: float) -> list[str]:
         return [
@@ -42,24 +51,29 @@ def _num(x: float) -> str:
     return str(int(x)) if float(x).is_integer() else str(x)
 
 
+# Admission control would turn the load away (429/503) instead of streaming it: the bench
+# measures the streaming path, so the rate limit and TTFT-SLO shedding are off.
+OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0")
+
 SERVERS: dict[str, ServerSpec] = {
     spec.name: spec
     for spec in (
+        ServerSpec(SUBJECT, "firsttoken", "firsttoken", has_metrics=True, extra=OPEN),
         ServerSpec(
-            "firsttoken",
-            "firsttoken",
+            BASELINE,
+            f"firsttoken at {BASELINE_REV}",
             "firsttoken",
             has_metrics=True,
-            # Admission control would turn the load away (429/503) instead of streaming it: the
-            # bench measures the streaming path, so the rate limit and TTFT-SLO shedding are off.
-            extra=("--rate-limit-per-s", "0", "--ttft-slo-ms", "0"),
+            extra=OPEN,
+            rev=BASELINE_REV,
         ),
         ServerSpec(
-            "firsttoken_w2",
+            WORKERS2,
             "firsttoken --workers 2",
             "firsttoken",
             has_metrics=False,  # each worker has its own /metrics
-            extra=("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--workers", "2"),
+            extra=(*OPEN, "--workers", "2"),
+            workers=2,
         ),
         ServerSpec("raw_floor", "raw asyncio floor", "bench.servers.raw_floor", has_metrics=False),
         ServerSpec(
