@@ -19,7 +19,7 @@ from pathlib import Path
 import uvloop
 
 from bench import workloads
-from bench.procs import ServerProcess, raise_fd_limit
+from bench.procs import ServerProcess, check_out, raise_fd_limit
 from bench.servers import SERVERS
 from bench.sizes import Sizes
 
@@ -93,7 +93,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"profile-{args.server}.txt"
     server = ServerProcess.launch(
-        SERVERS[args.server],
+        check_out(SERVERS[args.server], args.out),  # firsttoken_v1: its own package
         args.out / "logs" / f"{args.server}-profile.log",
         ttft_ms=sizes.ttft_ms,
         itl_ms=sizes.itl_ms,
