@@ -8,6 +8,7 @@ before anything starts. Settings built in code are checked the same way (`__post
 from __future__ import annotations
 
 import argparse
+import difflib
 import math
 import os
 import re
@@ -20,7 +21,7 @@ from urllib.parse import urlsplit
 from firsttoken import __version__
 from firsttoken.cli import Parser
 
-__all__ = ["Range", "SettingError", "Settings"]
+__all__ = ["Range", "SettingError", "Settings", "env_var", "flag", "unknown_variables"]
 
 
 class SettingError(ValueError):
@@ -308,6 +309,24 @@ class Settings:
                 help=f"{f.metadata['help']} (env {env_var(f.name)}; default {f.default}{rule})",
             )
         return parser
+
+
+def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+    """FIRSTTOKEN_* variables no setting reads (a typo is otherwise silently ignored), each
+    with the closest known name."""
+    env = os.environ if env is None else env
+    known = [f.name.upper() for f in fields(Settings)]
+    out: dict[str, str | None] = {}
+    for name in sorted(env):
+        rest = name.removeprefix("FIRSTTOKEN_")
+        if rest == name or rest in known or name in _NOT_SETTINGS:
+            continue
+        close = difflib.get_close_matches(rest, known, n=1)  # without the shared prefix
+        out[name] = "FIRSTTOKEN_" + close[0] if close else None
+    return out
+
+
+_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM"}  # read by the tests, not the server
 
 
 def flag(name: str) -> str:

@@ -14,7 +14,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.app import RawSendApp, create_app
-from firsttoken.config import Settings
+from firsttoken.config import Settings, unknown_variables
 from firsttoken.connection import StreamingProtocol
 from firsttoken.observability import configure_logging, log_event
 from firsttoken.preflight import StartupError, describe, preflight
@@ -97,6 +97,13 @@ def serve(settings: Settings) -> None:
     """Run until stopped. A server that cannot start logs one `startup.failed` line and
     exits with status 1 (with the traceback on stderr only at --log-level debug)."""
     configure_logging(settings.log_level)
+    for name, close in unknown_variables().items():
+        log_event(
+            "config.unknown_variable",
+            logging.WARNING,
+            variable=name,
+            note=f"no setting reads it{f'; did you mean {close}?' if close else ''}",
+        )
     try:
         preflight(settings)
         sock = bind(settings.host, settings.port)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from firsttoken import __version__
-from firsttoken.config import Range, SettingError, Settings, env_var, flag
+from firsttoken.config import Range, SettingError, Settings, env_var, flag, unknown_variables
 from tests.servers import ROOT
 
 
@@ -175,3 +175,11 @@ def test_version() -> None:
         assert proc.stdout.strip() == f"firsttoken {__version__}"
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{__version__}"' in pyproject
+
+
+def test_unknown_variables_are_named_with_the_closest_setting() -> None:
+    env = {"FIRSTTOKEN_HEARTBEAT": "5", "FIRSTTOKEN_PORT": "1", "FIRSTTOKEN_ZZZ": "", "HOME": "/"}
+    assert unknown_variables(env) == {
+        "FIRSTTOKEN_HEARTBEAT": "FIRSTTOKEN_HEARTBEAT_S",
+        "FIRSTTOKEN_ZZZ": None,
+    }

@@ -158,6 +158,13 @@ def test_warns_when_open_beyond_loopback(tmp_path: Path) -> None:
     assert warnings("--host", "0.0.0.0", "--api-keys", str(keys)) == []
 
 
+def test_warns_about_a_variable_no_setting_reads() -> None:
+    with run_server(env={"FIRSTTOKEN_HEARTBEAT": "5"}) as server:
+        [warning] = [r for r in server.log_records() if r["event"] == "config.unknown_variable"]
+    assert warning["variable"] == "FIRSTTOKEN_HEARTBEAT"
+    assert "did you mean FIRSTTOKEN_HEARTBEAT_S?" in warning["note"]
+
+
 # ---- refused requests: a message a person can act on, and a log line ------------------------
 
 
