@@ -143,8 +143,9 @@ def test_ttft_alert_pending_when_slow_and_cleared_when_not(tmp_path: Path) -> No
                     },
                 )
 
+    # Two workers: Prometheus reads the merged exposition, as it would in production.
     with (
-        run_server() as server,
+        run_server("--workers", "2") as server,
         run_prometheus(tmp_path, f"127.0.0.1:{server.port}", rules) as prom,
     ):
         threads = [threading.Thread(target=traffic, args=(server.url,)) for _ in range(3)]
@@ -160,3 +161,6 @@ def test_ttft_alert_pending_when_slow_and_cleared_when_not(tmp_path: Path) -> No
                 t.join(timeout=15)
         assert _alert_state(prom, "FirsttokenInterTokenSlow") is None
         assert _alert_state(prom, "FirsttokenStreamCompletionLow") is None
+        query = 'firsttoken_breaker_state{state="closed"}'
+        result = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=5).json()
+        assert result["data"]["result"][0]["value"][1] == "2"  # both workers in one scrape
