@@ -130,10 +130,10 @@ def _workers(sat: Sequence[Row]) -> dict[str, Any] | None:
         w2 = max(ran, key=lambda r: r["tokens_per_s"], default=None)
     if w2 is None:
         return None
-    w1 = _find(sat, SUBJECT, w2["concurrency"])
-    mine = [r for r in sat if r["server"] == SUBJECT]
-    if w1 is None and mine:  # firsttoken stopped below that step: its last one (saturated)
-        w1 = max(mine, key=lambda r: r["concurrency"])
+    # firsttoken at that step; if it stopped climbing below it, its last step at or under it
+    # (it had fallen behind there, so that is its saturated throughput).
+    mine = [r for r in sat if r["server"] == SUBJECT and r["concurrency"] <= w2["concurrency"]]
+    w1 = max(mine, key=lambda r: r["concurrency"], default=None)
     if w1 is None:
         return None
     return {
@@ -340,7 +340,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             f"{_fmt(w['w1_tokens_per_s'], 0)} tokens/s"
         )
         if w["w1_at_streams"] != w["at_streams"]:
-            note += f" (firsttoken's at {w['w1_at_streams']}, where it stopped)"
+            note += f" (firsttoken's at {w['w1_at_streams']}: it stopped climbing there)"
         if not w["w2_kept_pace"]:
             note += " (--workers 2 kept pace at no step)"
         add(
