@@ -108,6 +108,9 @@ class Supervisor:
     def _child(self, name: str) -> NoReturn:
         code = 0
         try:
+            # A group of its own: a terminal's Ctrl-C (sent to the foreground group) reaches
+            # the worker once, through the parent, not twice (which uvicorn reads as "cut now").
+            os.setpgid(0, 0)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
             signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
