@@ -55,13 +55,17 @@ class Range:
 
     def describe(self) -> str:
         if self.low is not None and self.high is not None and not self.above:
-            return f"from {self.low:g} to {self.high:g}"
+            return f"from {_number(self.low)} to {_number(self.high)}"
         parts = []
         if self.low is not None:
-            parts.append(f"{'>' if self.above else '>='} {self.low:g}")
+            parts.append(f"{'>' if self.above else '>='} {_number(self.low)}")
         if self.high is not None:
-            parts.append(f"<= {self.high:g}")
+            parts.append(f"<= {_number(self.high)}")
         return " and ".join(parts)
+
+
+def _number(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else f"{x:g}"
 
 
 POSITIVE = Range(0, above=True)

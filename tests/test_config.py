@@ -114,6 +114,8 @@ def test_range_words() -> None:
     assert Range(0, above=True).describe() == "> 0"
     assert Range(0, 1, above=True).describe() == "> 0 and <= 1"
     assert Range(1).describe() == ">= 1"
+    assert Range(4, 1_048_576).describe() == "from 4 to 1048576"
+    assert Range(0.01).describe() == ">= 0.01"
     assert Range(0, 1, above=True).allows(1) and not Range(0, 1, above=True).allows(0)
 
 
