@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from firsttoken.preflight import StartupError, describe, redact
 from tests.servers import ROOT, run_server, wait_for
 
 
@@ -205,3 +206,12 @@ def test_refusals_say_what_is_allowed_and_are_logged(keyed) -> None:  # type: ig
     [missing] = refusals(keyed, "model_not_found")
     assert missing["status"] == 404 and missing["trace_id"]
     assert "sk-alice" not in "\n".join(keyed.log)
+
+
+def test_one_line_words() -> None:
+    assert redact("redis://user:pw@h:6379/0") == "redis://user:***@h:6379/0"
+    assert redact("redis://h:6379") == "redis://h:6379"
+    group = ExceptionGroup("unhandled errors in a TaskGroup", [ConnectionError(111, "refused")])
+    assert describe(group) == "refused"
+    assert describe(StartupError("--redis x: down")) == "--redis x: down"
+    assert describe(ValueError("bad\nsecond line")) == "ValueError: bad"
