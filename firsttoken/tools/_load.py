@@ -32,13 +32,24 @@ class LoadRun:
         return Counter(v.label for v in self.verdicts)
 
 
-def make_client(timeout_s: float, connections: int, verify: bool = True) -> httpx.AsyncClient:
+def make_client(
+    timeout_s: float,
+    connections: int,
+    verify: bool = True,
+    transport: httpx.AsyncBaseTransport | None = None,
+) -> httpx.AsyncClient:
+    """`transport` replaces the default one (e.g. `diag --packet-loss` watching its sockets)."""
     return httpx.AsyncClient(
         timeout=httpx.Timeout(connect=10.0, read=timeout_s, write=10.0, pool=None),
-        limits=httpx.Limits(max_connections=connections, max_keepalive_connections=connections),
+        limits=limits(connections),
         verify=verify,
         follow_redirects=True,
+        transport=transport,
     )
+
+
+def limits(connections: int) -> httpx.Limits:
+    return httpx.Limits(max_connections=connections, max_keepalive_connections=connections)
 
 
 async def run_load(
@@ -48,6 +59,7 @@ async def run_load(
     timeout_s: float,
     verify: bool = True,
     on_result: Callable[[int, StreamResult], None] | None = None,
+    transport: httpx.AsyncBaseTransport | None = None,
 ) -> LoadRun:
     run = LoadRun(url=spec.url, concurrency=concurrency)
     slots: list[tuple[StreamResult, Verdict] | None] = [None] * requests
@@ -67,7 +79,7 @@ async def run_load(
                 on_result(i, result)
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
-    async with make_client(timeout_s, concurrency, verify) as client:
+    async with make_client(timeout_s, concurrency, verify, transport) as client:
         await asyncio.gather(*(worker(client) for _ in range(min(concurrency, requests))))
     run.wall_s = time.perf_counter() - wall0
     run.cpu_s = time.process_time() - cpu0

@@ -20,9 +20,11 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from firsttoken.cli import Parser
 from firsttoken.tools._capture import CaptureWriter
-from firsttoken.tools._load import LoadRun, make_client, run_load
+from firsttoken.tools._load import LoadRun, limits, make_client, run_load
 from firsttoken.tools._measure import Kind, RequestSpec, StreamResult, detect_kind
 from firsttoken.tools._report import load_json, render_load, render_single, single_json
+from firsttoken.tools._tcpinfo import TcpWatch, watched_transport
+from firsttoken.tools._tcpinfo import describe as describe_tcp
 
 __all__ = ["main"]
 
@@ -84,6 +86,12 @@ def build_parser() -> Parser:
         help="seconds to wait for the next byte (default: 60)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument(
+        "--packet-loss",
+        action="store_true",
+        help="read the client socket's TCP_INFO over the stream: retransmissions, loss, RTT, "
+        'and how much of the inter-chunk tail they explain (--json: "tcp")',
+    )
     p.add_argument(
         "--capture",
         default=None,
@@ -185,10 +193,14 @@ async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
             writer.stream(i, result)
         progress.advance(task)
 
+    watch = TcpWatch() if args.packet_loss else None
+    transport = None
+    if watch is not None:
+        transport = watched_transport(watch, limits(args.concurrency), verify)
     try:
         with progress:
             run: LoadRun = await run_load(
-                spec, args.concurrency, requests, args.timeout, verify, on_result
+                spec, args.concurrency, requests, args.timeout, verify, on_result, transport
             )
     finally:
         if writer is not None:
@@ -198,6 +210,8 @@ async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
 
         plot(run.results, args.plot, spec.url)
     data = load_json(run) if load_mode else single_json(run.results[0], run.verdicts[0])
+    if watch is not None:
+        data["tcp"] = watch.summary()
     problems = [r.problem() for r in run.results]
     if args.json:
         print(json.dumps(data), flush=True)
@@ -208,6 +222,8 @@ async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
         render_load(Console(), data)
     else:
         render_single(Console(), data)
+    if watch is not None and not args.json:
+        print(describe_tcp(data["tcp"]))
     return 0 if all(r.ok for r in run.results) else 1
 
 
