@@ -27,6 +27,7 @@ from firsttoken.observability import Metrics
 from firsttoken.requestlimits import oversized
 from firsttoken.response import RAW_SEND_KEY
 from firsttoken.resume import open_store
+from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.stream import StreamRegistry
 
 __all__ = ["RawSendApp", "create_app"]
@@ -50,7 +51,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         max_events=settings.resume_max_events,
     )
     admission = Admission(settings, metrics)
-    for part in (store, admission.limits):  # e.g. Redis: up, replication backlog, fallbacks
+    # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
+    for part in (store, admission.limits, RuntimeCollector()):
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
