@@ -60,6 +60,9 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"x-accel-buffering", b"no"),
 )
 
+# perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
+# inter-chunk histograms with 0.5 ms buckets.
+_clock = time.perf_counter
 _REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
 _MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
 
@@ -96,6 +99,7 @@ class EventWriter:
         "log",
         "metrics",
         "paused",
+        "plain",
         "registry",
         "schedule",
         "send_timeout_s",
@@ -130,6 +134,8 @@ class EventWriter:
         self.send_timeout_s = send_timeout_s
         self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
         self.compressor = compressor
+        # Nothing between the event and the socket but the chunk framing: the hot path.
+        self.plain = chunked and compressor is None and not timestamps
         self.paused = False
         self._paused_since = 0.0
         self.last_write = 0.0
@@ -142,7 +148,7 @@ class EventWriter:
         """Attach to the stream and its log, write the preamble and any backlog."""
         self.registry.attach(self.stream)
         self.log.attach(self)
-        self.last_write = time.perf_counter()
+        self.last_write = _clock()
         if preamble:
             self._write(preamble)
         self._arm(self.heartbeat_s)
@@ -162,20 +168,27 @@ class EventWriter:
     # -- the log's reader (hot path) -------------------------------------------------------
 
     def deliver(self, event: Event) -> None:
-        if self.paused:
-            return  # behind: catch_up() writes it when the socket takes bytes again
-        if event.seq != self.cursor + 1:
-            if event.seq > self.cursor + 1:
+        seq, wire, tokens = event
+        if self.paused or seq != self.cursor + 1:
+            if not self.paused and seq > self.cursor + 1:
                 self.catch_up()
-            return
-        self._write(event.wire if not self.timestamps else _stamped((event,)))
-        self.cursor = event.seq
-        if event.tokens and event.seq > self.stream.delivered_seq:
-            self._account_one(event)
+            return  # behind: catch_up() writes it when the socket takes bytes again
+        if self.plain:
+            try:
+                self.transport.write(b"%x\r\n%b\r\n" % (len(wire), wire))
+            except RuntimeError:  # the transport closed under us; connection_lost follows
+                self.close(End.DISCONNECTED)
+                return
         else:
-            self.last_write = time.perf_counter()
-            if event.seq > self.stream.delivered_seq:
-                self.stream.delivered_seq = event.seq
+            self._write(wire if not self.timestamps else _stamped((event,)))
+        self.cursor = seq
+        stream = self.stream
+        now = _clock()
+        self.last_write = now
+        if seq > stream.delivered_seq:
+            stream.delivered_seq = seq
+            if tokens:
+                self._account_tokens(stream, tokens, now)
 
     def log_closed(self) -> None:
         if not self.paused and self.cursor >= self.log.last_seq:
@@ -192,21 +205,16 @@ class EventWriter:
         except RuntimeError:  # the transport closed under us; connection_lost is on its way
             self.close(End.DISCONNECTED)
 
-    def _account_one(self, event: Event) -> None:
+    def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
         """Metrics for a first delivery (a replay to a resuming reader is not new)."""
-        stream, metrics = self.stream, self.metrics
-        # perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
-        # inter-chunk histograms with 0.5 ms buckets.
-        now = time.perf_counter()
-        self.last_write = now
+        metrics = self.metrics
         if stream.first_token_at is None:
             self._first_token(now)
         else:
             metrics.inter_chunk.observe(now - stream.last_content_at)
         stream.last_content_at = now
-        stream.delivered_seq = event.seq
-        stream.tokens_sent += event.tokens
-        metrics.tokens_sent += event.tokens
+        stream.tokens_sent += tokens
+        metrics.tokens_sent += tokens
 
     def _first_token(self, now: float) -> None:
         stream = self.stream
@@ -251,7 +259,7 @@ class EventWriter:
             else:
                 self._write(b"".join(e.wire for e in events))
             self.cursor = events[-1].seq
-            self.last_write = time.perf_counter()
+            self.last_write = _clock()
             self._account(events)
             log.advanced()
 
@@ -259,17 +267,18 @@ class EventWriter:
         stream = self.stream
         if events[-1].seq <= stream.delivered_seq:
             return
+        now = _clock()
         for event in events:
             if event.seq > stream.delivered_seq and event.tokens:
-                self._account_one(event)
-        stream.delivered_seq = max(stream.delivered_seq, events[-1].seq)
+                self._account_tokens(stream, event.tokens, now)
+        stream.delivered_seq = events[-1].seq
 
     # -- the connection's callbacks --------------------------------------------------------
 
     def pause_writing(self) -> None:
         if not self.paused:
             self.paused = True
-            self._paused_since = time.perf_counter()
+            self._paused_since = _clock()
             self._arm(min(self.send_timeout_s, self.heartbeat_s))
 
     def resume_writing(self) -> None:
@@ -293,7 +302,7 @@ class EventWriter:
         self._call = None
         if self.done.done():
             return
-        now = time.perf_counter()
+        now = _clock()
         if self.paused:
             waited = now - self._paused_since
             if waited >= self.send_timeout_s:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import gc
 import ipaddress
 import logging
 import socket
@@ -172,6 +173,7 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=64 * 1024,
     )
+    _tune_gc()
     try:
         _Server(config, url).run(sockets=[sock])
     except SystemExit:
@@ -188,3 +190,13 @@ def _prefork(settings: Settings, sock: socket.socket, url: str) -> None:
     code = Supervisor(settings.workers, lambda: _run(settings, sock, url)).run()
     if code:
         raise SystemExit(code)
+
+
+def _tune_gc() -> None:
+    """The cyclic collector cost ~9% of the CPU under load (measured with gc.callbacks at
+    500 streams): every full pass walked every live stream's objects. Objects made so far
+    (modules, the app) leave its books for good, and young passes run every 50,000
+    allocations instead of 700, so a full pass is rare."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)

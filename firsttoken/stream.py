@@ -122,8 +122,9 @@ class Stream:
         self._coalescer: Coalescer | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._ended = asyncio.Event()
-        # Per-token framing, bound once: prefix + JSON text + suffix inside one `data:` line.
         self._token_event = renderer.token_event if renderer is not None else None
+        self._render = renderer.token if renderer is not None else str.encode
+        self._plain = False  # one plain `data:` event per token: the hot path (see begin())
         self._abandon_epoch = 0
 
     @property
@@ -150,6 +151,9 @@ class Stream:
         assert self.renderer is not None
         if self.coalesce is not None:
             self._coalescer = Coalescer(self.coalesce)
+        self._plain = (
+            self._coalescer is None and self.meta_interval_s is None and self._token_event is None
+        )
         for name, data in self.renderer.opening():
             self._append(name, data)
 
@@ -157,6 +161,16 @@ class Stream:
         """One token from the engine (the last one with its finish reason). Returns False
         when the readers are a window behind: the engine pauses this request until the log
         calls `generation.resume()`."""
+        if self._plain and finish is None and self.outcome is None:
+            # The hot path: render by template, append (the log hands it to the writers).
+            self.tokens_generated += 1
+            log = self.log
+            log.append(b"id: %d\ndata: %s\n\n" % (log.last_seq + 1, self._render(text)), 1)
+            if log.has_room():
+                return True
+            if self.generation is not None:
+                log.on_room = self.generation.resume
+            return False
         if self.outcome is not None:
             return False
         if finish is not None:

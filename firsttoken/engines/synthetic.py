@@ -169,6 +169,7 @@ class SyntheticEngine:
         self.steps = 0  # ticks run (for the per-token cost table)
         self._ticks: dict[int, list[_Run]] = {}
         self._running: dict[str, _Run] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last open()
 
     async def start(self) -> None:
         return None
@@ -197,7 +198,7 @@ class SyntheticEngine:
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
-        loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
         run = _Run(self, request.request_id, tokens, finish, itl, opts, sink, loop.time() + ttft)
         self._running[run.request_id] = run
         self._at(run.due, run)
@@ -213,14 +214,14 @@ class SyntheticEngine:
         bucket = self._ticks.get(tick)
         if bucket is None:
             self._ticks[tick] = [run]
-            asyncio.get_running_loop().call_at(tick / 1000, self._step, tick)
+            self._loop.call_at(tick / 1000, self._step, tick)
         else:
             bucket.append(run)
 
     def _step(self, tick: int) -> None:
         runs = self._ticks.pop(tick, ())
         self.steps += 1
-        now = asyncio.get_running_loop().time()
+        now = self._loop.time()  # type: ignore[union-attr]
         for run in runs:
             if run.state is _State.RUNNING:
                 try:
@@ -242,6 +243,7 @@ class _Run:
     __slots__ = (
         "due",
         "engine",
+        "fail_at",
         "finish",
         "itl",
         "opts",
@@ -273,11 +275,11 @@ class _Run:
         self.due = due
         self.pos = 0
         self.state = _State.RUNNING
+        self.fail_at = len(tokens) + 1 if opts.fail_after is None else opts.fail_after
 
     def step(self, now: float) -> None:
         pos, tokens = self.pos, self.tokens
-        fail_after = self.opts.fail_after
-        if fail_after is not None and pos >= fail_after:
+        if pos >= self.fail_at:
             self._end()
             self.sink.fail(
                 EngineError(
@@ -286,27 +288,37 @@ class _Run:
                 )
             )
             return
-        if pos >= len(tokens):  # an empty answer
+        last = len(tokens) - 1
+        if pos >= last:
             self._end()
-            self.sink.finish(self.finish)
+            if pos == last:
+                self.engine.tokens_generated += 1
+                self.sink.push(tokens[pos], self.finish)
+            else:  # an empty answer
+                self.sink.finish(self.finish)
             return
         self.pos = pos + 1
-        self.engine.tokens_generated += 1
-        if self.pos == len(tokens):
-            self._end()
-            self.sink.push(tokens[pos], self.finish)
-            return
+        engine = self.engine
+        engine.tokens_generated += 1
         room = self.sink.push(tokens[pos])
         if self.state is not _State.RUNNING:
             return  # the push ended the stream (e.g. its last reader was cut)
-        due = self.due + self.itl
-        if due < now - self.itl:
+        itl = self.itl
+        due = self.due + itl
+        if due < now - itl:
             due = now  # fell behind (paused reader, busy loop): don't burst to catch up
         self.due = due
-        if room:
-            self.engine._at(due, self)
-        else:
+        if not room:
             self.state = _State.PAUSED
+            return
+        # engine._at, inlined: this runs once per token per stream.
+        tick = math.ceil(due * 1000)
+        bucket = engine._ticks.get(tick)
+        if bucket is None:
+            engine._ticks[tick] = [self]
+            engine._loop.call_at(tick / 1000, engine._step, tick)
+        else:
+            bucket.append(self)
 
     def resume(self) -> None:
         if self.state is _State.PAUSED:

@@ -11,17 +11,21 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from functools import partial
+from typing import NamedTuple, Protocol
 
 __all__ = ["Event", "EventLog", "LogReader", "ResumeExpired"]
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
+class Event(NamedTuple):
     seq: int
     wire: bytes  # the framed SSE event, ready for the socket
     tokens: int  # content tokens it carries (0 for role/finish/meta/error/[DONE])
+
+
+# Built as a plain tuple (no Python-level __new__): one per token. Tuples of atoms also
+# leave the cyclic collector's books, which a dataclass instance never does.
+_event = partial(tuple.__new__, Event)
 
 
 class ResumeExpired(Exception):
@@ -66,7 +70,7 @@ class EventLog:
 
     def append(self, wire: bytes, tokens: int = 0) -> Event:
         self.last_seq = seq = self.last_seq + 1
-        event = Event(seq, wire, tokens)
+        event: Event = _event((seq, wire, tokens))
         self._events.append(event)
         if self.replica is not None:
             self.replica(event)
@@ -126,9 +130,10 @@ class EventLog:
 
     def has_room(self) -> bool:
         readers = self.readers
+        if len(readers) == 1:
+            return self.last_seq - readers[0].cursor < self.window
         if readers:
-            low = readers[0].cursor if len(readers) == 1 else min(r.cursor for r in readers)
-            return self.last_seq - low < self.window
+            return self.last_seq - min(r.cursor for r in readers) < self.window
         # Nobody reading (the grace window): generate into the buffer until it is full.
         return self.last_seq - self._floor < self.capacity
 

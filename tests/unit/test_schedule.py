@@ -1,0 +1,53 @@
+from __future__ import annotations
+
+from firsttoken.schedule import Schedule
+from tests.unit.clock import FakeClock
+
+
+def make() -> tuple[Schedule, FakeClock]:
+    clock = FakeClock()
+    return Schedule(clock=clock, call_at=clock.call_at), clock
+
+
+def test_callbacks_run_at_their_deadlines_in_order() -> None:
+    schedule, clock = make()
+    fired: list[str] = []
+    schedule.call_later(2.0, lambda: fired.append("b"))
+    schedule.call_later(1.0, lambda: fired.append("a"))
+    clock.advance(0.5)
+    assert fired == []
+    clock.advance(0.6)
+    assert fired == ["a"]
+    clock.advance(1.0)
+    assert fired == ["a", "b"]
+    assert len(schedule) == 0
+
+
+def test_cancelled_call_never_runs() -> None:
+    schedule, clock = make()
+    fired: list[int] = []
+    call = schedule.call_later(1.0, lambda: fired.append(1))
+    call.cancel()
+    clock.advance(5)
+    assert fired == []
+
+
+def test_a_callback_that_reschedules_itself_runs_once_per_deadline() -> None:
+    schedule, clock = make()
+    times: list[float] = []
+
+    def tick() -> None:
+        times.append(clock.now)
+        schedule.call_later(1.0, tick)
+
+    schedule.call_later(1.0, tick)
+    clock.advance(3.5)
+    assert times == [1001.0, 1002.0, 1003.0]
+
+
+def test_many_deadlines_share_one_armed_timer_at_a_time() -> None:
+    schedule, clock = make()
+    for i in range(100):
+        schedule.call_later(10.0 + i, lambda: None)
+    # Only the earliest deadline arms the loop timer (later ones don't re-arm it).
+    assert len(clock.timers) == 1
