@@ -252,11 +252,12 @@ class RedisStore:
         """Redis answers again: if it restarted, it may hold none of our streams."""
         run_id = await self._server_run_id()
         await self._heartbeat_once()
-        if run_id != self._run_id:
+        if run_id is None or run_id != self._run_id:  # None: INFO refused, so assume so
             self._run_id = run_id
             self.resyncs += 1
             for rep in self._replicas.values():
-                rep.flushed = rep.trimmed = 0
+                # Redis holds nothing of it: everything kept goes again, from the first kept.
+                rep.flushed = rep.trimmed = rep.events[0].seq - 1 if rep.events else 0
                 rep.meta_done = rep.end_done = False
                 self._dirty[rep.record.id] = rep
             log_event("redis.resync", streams=len(self._replicas))
@@ -463,7 +464,11 @@ class RedisStore:
     # -- liveness and cancels -------------------------------------------------------------
 
     async def _server_run_id(self) -> str | None:
-        info = await self.redis.info("server")
+        """Redis's `run_id`, new at every start; None where INFO is not allowed."""
+        try:
+            info = await self.redis.info("server")
+        except ResponseError:  # e.g. a managed Redis that renamed INFO
+            return None
         run_id = info.get("run_id")
         return str(run_id) if run_id is not None else None
 
