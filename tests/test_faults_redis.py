@@ -23,8 +23,12 @@ from tests.rawhttp import RawStream
 from tests.redis_server import RedisServer, redis_server
 from tests.servers import Server, run_server, wait_for
 
-KEYS = '[[keys]]\nname = "alice"\nkey = "sk-alice"\nmax_streams = 50\n'
+KEYS = (
+    '[[keys]]\nname = "alice"\nkey = "sk-alice"\nmax_streams = 50\n'
+    '[[keys]]\nname = "bob"\nkey = "sk-bob"\nmax_streams = 1\n'
+)
 AUTH = {"Authorization": "Bearer sk-alice"}
+BOB = {"Authorization": "Bearer sk-bob"}
 DROPPED = "firsttoken_redis_events_dropped_total"
 
 
@@ -117,6 +121,13 @@ def test_redis_restart_under_live_streams(cluster: tuple[RedisServer, Server, Se
     # Admission falls back to A's own limits: new streams still start, and run.
     during = create(a, "during", 40)
     assert a.metric("firsttoken_redis_limits_fallback_total") >= 1
+    # Open to A's own limits, not to none: bob's one slot holds on A.
+    held = httpx.post(a.v1 + "/streams", json={"prompt": "held"}, headers=BOB, timeout=10)
+    again = httpx.post(a.v1 + "/streams", json={"prompt": "again"}, headers=BOB, timeout=10)
+    assert (held.status_code, again.status_code) == (201, 429)
+    assert again.json()["error"]["code"] == "concurrency_limit_exceeded"
+    cancel_url = f"/v1/streams/{held.json()['id']}/cancel?token={held.json()['resume_token']}"
+    assert httpx.post(a.url + cancel_url, timeout=10).status_code == 200
     assert read(a, during)[1:] == (synthetic_tokens("during", None, 40)[0], True, None)
     # Another instance cannot look streams up now: a clear 503, not a 500.
     r = httpx.get(b.url + during["events_url"], timeout=10)
