@@ -59,7 +59,8 @@ class StreamingProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
         self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
-        self._arm_header_timer()
+        if self._header_timer is None:  # still armed from connection_made on a first request
+            self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         if self._header_timer is not None:

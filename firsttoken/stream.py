@@ -379,7 +379,9 @@ class StreamRegistry:
         self._expiry: deque[tuple[float, str]] = deque()
         self._tg: TaskGroup | None = None
         # Work that callbacks (engine steps, the schedule) hand to the task group.
-        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...]]] = deque()
+        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...], bool]] = (
+            deque()
+        )
         self._spawn_wakeup: asyncio.Future[None] | None = None
 
     async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
@@ -542,11 +544,16 @@ class StreamRegistry:
         if stream.readers == 0:
             self._log_finished(stream)
         if stream.ticket is not None:
-            self._spawn(stream.ticket.release, outcome, stream.tokens_generated)
+            # Awaited in turn by one task, not a task each: in memory a release never
+            # suspends, and with Redis it is one short round trip.
+            self._spawn(stream.ticket.release, outcome, stream.tokens_generated, inline=True)
 
-    def _spawn(self, fn: Callable[..., Awaitable[None]], *args: object) -> None:
-        """Run `fn(*args)` in the registry's task group; callable from plain callbacks."""
-        self._spawns.append((fn, args))
+    def _spawn(
+        self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
+    ) -> None:
+        """Run `fn(*args)` in the registry's task group (inline: awaited by the spawner
+        task itself, in order); callable from plain callbacks."""
+        self._spawns.append((fn, args, inline))
         wakeup = self._spawn_wakeup
         if wakeup is not None and not wakeup.done():
             wakeup.set_result(None)
@@ -555,8 +562,14 @@ class StreamRegistry:
         assert self._tg is not None
         while True:
             while self._spawns:
-                fn, args = self._spawns.popleft()
-                self._tg.start_soon(fn, *args)
+                fn, args, inline = self._spawns.popleft()
+                if not inline:
+                    self._tg.start_soon(fn, *args)
+                    continue
+                try:
+                    await fn(*args)
+                except Exception as exc:  # one failed release must not stop the rest
+                    log_event("stream.release_failed", logging.ERROR, error=repr(exc))
             self._spawn_wakeup = asyncio.get_running_loop().create_future()
             await self._spawn_wakeup
 

@@ -64,6 +64,7 @@ class LoadShedder:
         self._opened_at = 0.0
         self._probes = 0
         self._outcomes: deque[tuple[float, bool]] = deque()  # (when, failed)
+        self._failures = 0  # failed outcomes in the window, kept as they come and go
         self._ttfts: deque[tuple[float, float]] = deque()
         self._ttft_checked = 0.0
         self.reasons: set[str] = set()
@@ -77,13 +78,14 @@ class LoadShedder:
             self._set_breaker(self.OPEN if failed else self.CLOSED, now)
             if not failed:
                 self._outcomes.clear()
+                self._failures = 0
             return
         self._outcomes.append((now, failed))
-        self._trim(self._outcomes, now)
+        self._failures += failed
+        self._trim_outcomes(now)
         total = len(self._outcomes)
         if self.breaker == self.CLOSED and total >= self.s.breaker_min_streams:
-            failures = sum(1 for _, f in self._outcomes if f)
-            if failures / total > self.s.breaker_error_rate:
+            if self._failures / total > self.s.breaker_error_rate:
                 self._set_breaker(self.OPEN, now)
 
     def record_ttft(self, seconds: float) -> None:
@@ -147,6 +149,12 @@ class LoadShedder:
             p99 = values[min(len(values) - 1, int(len(values) * 0.99))]
             over = p99 * 1000 > self.s.ttft_slo_ms
         self._set_reason("ttft", over)
+
+    def _trim_outcomes(self, now: float) -> None:
+        horizon = now - self.s.breaker_window_s
+        outcomes = self._outcomes
+        while outcomes and outcomes[0][0] < horizon:
+            self._failures -= outcomes.popleft()[1]
 
     def _trim(self, window: deque, now: float) -> None:  # type: ignore[type-arg]
         horizon = now - self.s.breaker_window_s

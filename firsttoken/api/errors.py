@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import TypeVar
 
-import anyio
 import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
@@ -26,7 +26,9 @@ async def read_model(
     chunks: list[bytes] = []
     size = 0
     try:
-        with anyio.fail_after(timeout_s):  # a slow-loris body must not hold the handler
+        # A slow-loris body must not hold the handler. asyncio's timeout, not anyio's: this
+        # runs once per request, and anyio's looks up task state in a weak dict on the way.
+        async with asyncio.timeout(timeout_s):
             async for chunk in request.stream():
                 size += len(chunk)
                 if size > max_bytes:
