@@ -37,7 +37,7 @@ from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import SyntheticEngine, SyntheticOptions, _Run
 from firsttoken.observability import Metrics
 from firsttoken.response import EventWriter
-from firsttoken.resume import Event, EventLog
+from firsttoken.resume import EventLog
 from firsttoken.stream import Stream, StreamRegistry
 
 __all__ = ["main"]
@@ -69,8 +69,8 @@ class _NoTimers:
 class _NullReader:
     cursor = 0
 
-    def deliver(self, event: Event) -> None:
-        self.cursor = event.seq
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        self.cursor = seq
 
     def log_closed(self) -> None:
         return None

@@ -10,7 +10,6 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
-from starlette.middleware.gzip import GZipMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
@@ -20,6 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from firsttoken.admission import Admission
 from firsttoken.api import native, openai
 from firsttoken.api.gateway import Gateway, gateway
+from firsttoken.compression import GZipResponses
 from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
 from firsttoken.errors import APIError
@@ -90,7 +90,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         routes=routes,
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
-        middleware=[Middleware(GZipMiddleware, minimum_size=settings.compression_min_bytes)],
+        middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
         exception_handlers={
             HTTPException: _http_error,
             APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call

@@ -167,8 +167,7 @@ class EventWriter:
 
     # -- the log's reader (hot path) -------------------------------------------------------
 
-    def deliver(self, event: Event) -> None:
-        seq, wire, tokens = event
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
         if self.paused or seq != self.cursor + 1:
             if not self.paused and seq > self.cursor + 1:
                 self.catch_up()
@@ -180,7 +179,7 @@ class EventWriter:
                 self.close(End.DISCONNECTED)
                 return
         else:
-            self._write(wire if not self.timestamps else _stamped((event,)))
+            self._write(wire if not self.timestamps else _stamped((Event(seq, wire, tokens),)))
         self.cursor = seq
         stream = self.stream
         now = _clock()
