@@ -110,6 +110,7 @@ class RedisStore:
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
         self._wake = anyio.Event()
+        self._answering = anyio.Event()  # set by the heartbeat when Redis is back
         self._run_id: str | None = None
 
     # -- health, for /readyz and /metrics -------------------------------------------------
@@ -242,7 +243,10 @@ class RedisStore:
                     await self._flush_batch()
             except (RedisError, OSError, TimeoutError) as exc:
                 self._set_up(False, exc)
-                await anyio.sleep(delay)
+                # Back off, but go at once when the heartbeat finds Redis answering again.
+                with anyio.move_on_after(delay):
+                    await self._answering.wait()
+                self._answering = anyio.Event()
                 delay = min(_RETRY_MAX_S, delay * 2)
                 continue
             self._set_up(True)
@@ -486,6 +490,7 @@ class RedisStore:
                 continue
             if not self.up:
                 self._wake.set()  # the flusher recovers, and says so
+                self._answering.set()
 
     async def _listen_cancels(
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
