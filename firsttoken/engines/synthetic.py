@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import math
 import random
 import re
 from collections.abc import AsyncIterator, Mapping
@@ -198,7 +197,9 @@ class SyntheticEngine:
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
-        self._loop = loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = asyncio.get_running_loop()
+        loop = self._loop
         run = _Run(self, request.request_id, tokens, finish, itl, opts, sink, loop.time() + ttft)
         self._running[run.request_id] = run
         self._at(run.due, run)
@@ -209,8 +210,9 @@ class SyntheticEngine:
 
     def _at(self, when: float, run: _Run) -> None:
         # Ticks on a 1 ms grid (uvloop's timer resolution): streams due in the same
-        # millisecond share one timer and one step.
-        tick = math.ceil(when * 1000)
+        # millisecond share one timer and one step. Rounded down, as uvloop rounds a timer's
+        # delay: a token leaves within the millisecond it is due, never a tick late.
+        tick = int(when * 1000)
         bucket = self._ticks.get(tick)
         if bucket is None:
             self._ticks[tick] = [run]
@@ -312,7 +314,7 @@ class _Run:
             self.state = _State.PAUSED
             return
         # engine._at, inlined: this runs once per token per stream.
-        tick = math.ceil(due * 1000)
+        tick = int(due * 1000)
         bucket = engine._ticks.get(tick)
         if bucket is None:
             engine._ticks[tick] = [self]
@@ -323,6 +325,8 @@ class _Run:
     def resume(self) -> None:
         if self.state is _State.PAUSED:
             self.state = _State.RUNNING
+            # A paused request goes on from now, paced: it does not burst to catch up.
+            self.due = max(self.due, self.engine._loop.time())  # type: ignore[union-attr]
             self.engine._at(self.due, self)
 
     def cancel(self) -> None:

@@ -13,8 +13,11 @@ class FakeClock:
     def __call__(self) -> float:
         return self.now
 
-    def call_at(self, when: float, callback: Callable[[], None]) -> None:
-        self.timers.append((when, callback))
+    def call_at(self, when: float, callback: Callable[..., None], *args: object) -> None:
+        self.timers.append((when, lambda: callback(*args)))
+
+    def time(self) -> float:  # the loop's clock, for code that asks the loop
+        return self.now
 
     def advance(self, seconds: float) -> None:
         """Move time on, firing each armed timer that comes due, in order."""

@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import pytest
+
+from firsttoken.resume import Event, EventLog, ResumeExpired
+
+
+class Reader:
+    def __init__(self, cursor: int = 0) -> None:
+        self.cursor = cursor
+        self.seen: list[int] = []
+        self.closed = False
+        self.catch_ups = 0
+        self.keep_up = True
+
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        self.seen.append(seq)
+        if self.keep_up:
+            self.cursor = seq
+
+    def log_closed(self) -> None:
+        self.closed = True
+
+    def catch_up(self) -> None:
+        self.catch_ups += 1
+
+
+def test_events_are_numbered_and_replayed_after_a_cursor() -> None:
+    log = EventLog(max_events=10)
+    for i in range(5):
+        assert log.append(b"e%d" % i, 1) == i + 1
+    assert log.after(3) == [Event(4, b"e3", 1), Event(5, b"e4", 1)]
+    assert log.after(5) == []
+    assert [e.seq for e in log.after(0, limit=2)] == [1, 2]
+
+
+def test_a_cursor_older_than_the_buffer_is_expired() -> None:
+    log = EventLog(max_events=3)
+    for _ in range(5):
+        log.append(b"x")
+    assert log.first_seq == 3
+    with pytest.raises(ResumeExpired):
+        log.after(1)
+    assert [e.seq for e in log.after(2)] == [3, 4, 5]
+
+
+def test_appends_are_handed_to_every_reader_in_the_call() -> None:
+    log = EventLog()
+    a, b = Reader(), Reader()
+    log.attach(a)
+    log.attach(b)
+    log.append(b"x", 1)
+    assert a.seen == b.seen == [1]
+    log.close()
+    assert a.closed and b.closed
+
+
+def test_the_window_is_measured_from_the_slowest_reader() -> None:
+    log = EventLog(max_events=100, window=3)
+    fast, slow = Reader(), Reader()
+    slow.keep_up = False
+    log.attach(fast)
+    log.attach(slow)
+    log.append(b"1")
+    log.append(b"2")
+    assert log.has_room()
+    log.append(b"3")
+    assert not log.has_room()  # the slow reader is 3 behind
+    resumed: list[bool] = []
+    log.on_room = lambda: resumed.append(True)
+    slow.cursor = 2
+    log.advanced()
+    assert resumed == [True] and log.on_room is None
+
+
+def test_without_readers_the_producer_fills_the_buffer_then_pauses() -> None:
+    log = EventLog(max_events=4, window=2)
+    for _ in range(3):
+        log.append(b"x")
+    assert log.has_room()
+    log.append(b"x")
+    assert not log.has_room()
+    log.release_floor()  # a reader elsewhere (Redis) has it all
+    assert log.has_room()
+
+
+def test_a_detached_reader_raises_the_floor() -> None:
+    log = EventLog(max_events=4, window=2)
+    reader = Reader()
+    log.attach(reader)
+    for _ in range(3):
+        log.append(b"x")
+    log.detach(reader)
+    assert log.readers == [] and log.has_room()
+
+
+def test_corked_appends_reach_readers_in_one_catch_up() -> None:
+    log = EventLog()
+    reader = Reader()
+    log.attach(reader)
+    log.cork()
+    log.append(b"last token", 1)
+    log.append(b"finish")
+    log.close()
+    assert reader.seen == [] and not reader.closed
+    log.uncork()
+    assert reader.catch_ups == 1

@@ -1,0 +1,179 @@
+"""The event-stream writer on a fake clock and a fake transport: what reaches the socket."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from firsttoken import response
+from firsttoken.api.render import NativeRenderer
+from firsttoken.engines import GenerationRequest, SyntheticEngine
+from firsttoken.observability import Metrics
+from firsttoken.response import End, EventWriter
+from firsttoken.schedule import Schedule
+from firsttoken.stream import Outcome, Stream, StreamRegistry
+from tests.unit.clock import FakeClock
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(data)
+
+    def is_closing(self) -> bool:
+        return False
+
+
+def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
+    asyncio.run(body())
+
+
+def setup(
+    monkeypatch: pytest.MonkeyPatch, *, grace_s: float = 0.0, window: int = 4
+) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventWriter]:
+    clock = FakeClock()
+    monkeypatch.setattr(response, "_clock", clock)
+    registry = StreamRegistry(SyntheticEngine(), Metrics(), ttl_s=10)
+    registry.schedule = Schedule(clock=clock, call_at=clock.call_at)
+    stream = Stream(
+        GenerationRequest("s1", "hi", "synthetic"),
+        NativeRenderer(),
+        kind="native",
+        trace_id="t",
+        grace_s=grace_s,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=clock.now,
+        window=window,
+    )
+    transport = Transport()
+    writer = EventWriter(
+        stream,
+        registry,
+        registry.metrics,
+        transport,
+        chunked=True,
+        after=0,
+        heartbeat_s=5.0,
+        send_timeout_s=30.0,
+        timestamps=False,
+        compressor=None,
+    )
+    return clock, stream, registry, transport, writer
+
+
+def body_of(writes: list[bytes]) -> bytes:
+    """Undo the HTTP chunk framing."""
+    out = b""
+    for w in writes:
+        size, _, rest = w.partition(b"\r\n")
+        assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\r\n")
+        out += rest[:-2]
+    return out
+
+
+def test_a_caught_up_writer_writes_each_token_as_it_is_pushed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch)
+        writer.open(b"retry: 1000\n\n")
+        stream.begin()
+        stream.push("Hello")
+        stream.push(" world")
+        assert body_of(transport.writes) == (
+            b'retry: 1000\n\nid: 1\ndata: {"token":"Hello"}\n\n'
+            b'id: 2\ndata: {"token":" world"}\n\n'
+        )
+        assert len(transport.writes) == 3  # one write per token
+        stream.push("!", "stop")  # the last token and the closing events: one write
+        assert len(transport.writes) == 4
+        assert body_of(transport.writes[-1:]).endswith(b"data: [DONE]\n\n")
+        assert writer.done.result() is End.FINISHED
+
+    run(body)
+
+
+def test_a_paused_socket_falls_behind_and_catches_up_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch, window=3)
+        writer.open(b"")
+        stream.begin()
+        writer.pause_writing()
+        assert stream.push("a") and stream.push("b")
+        assert not stream.push("c")  # three behind: the engine is told to pause
+        assert transport.writes == []
+        writer.resume_writing()
+        assert body_of(transport.writes).count(b"id: ") == 3 and len(transport.writes) == 1
+
+    run(body)
+
+
+def test_heartbeat_after_idle_and_cut_after_send_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        clock, stream, _, transport, writer = setup(monkeypatch)
+        writer.open(b"")
+        clock.advance(4.9)
+        assert transport.writes == []
+        clock.advance(0.2)
+        assert body_of(transport.writes) == b": ping\n\n"
+        writer.pause_writing()
+        clock.advance(29.0)
+        assert not writer.done.done()
+        clock.advance(2.0)
+        assert writer.done.result() is End.STALLED
+        assert stream.outcome is Outcome.DISCONNECTED  # grace 0: its engine stopped
+
+    run(body)
+
+
+def test_a_lost_connection_stops_a_stream_without_grace_at_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        _, stream, _registry, _, writer = setup(monkeypatch)
+        writer.open(b"")
+        stream.begin()
+        stream.push("a")
+        writer.connection_lost()
+        assert writer.done.result() is End.DISCONNECTED
+        assert stream.outcome is Outcome.DISCONNECTED
+        assert not stream.push("b")  # generation is over: nothing more is taken
+
+    run(body)
+
+
+def test_a_replay_is_not_counted_as_sent_twice(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def body() -> None:
+        _, stream, registry, _transport, writer = setup(monkeypatch, grace_s=10)
+        writer.open(b"")
+        stream.begin()
+        for t in "abc":
+            stream.push(t)
+        writer.close(End.DISCONNECTED)
+        again = EventWriter(
+            stream,
+            registry,
+            registry.metrics,
+            Transport(),
+            chunked=True,
+            after=1,
+            heartbeat_s=5,
+            send_timeout_s=30,
+            timestamps=False,
+            compressor=None,
+        )
+        again.open(b"")
+        assert body_of(again.transport.writes).count(b"id: ") == 2
+        assert stream.tokens_sent == 3 and registry.metrics.tokens_sent == 3
+
+    run(body)
