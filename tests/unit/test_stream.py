@@ -1,0 +1,99 @@
+"""A stream as the engine's sink, and the registry's grace, on a fake clock."""
+
+from __future__ import annotations
+
+import asyncio
+
+import orjson
+
+from firsttoken.api.render import NativeRenderer
+from firsttoken.chunking import CoalescePolicy
+from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
+from firsttoken.observability import Metrics
+from firsttoken.schedule import Schedule
+from firsttoken.stream import Outcome, Stream, StreamRegistry
+from tests.unit.clock import FakeClock
+
+
+def make(grace_s: float = 0.0) -> Stream:
+    stream = Stream(
+        GenerationRequest("s1", "hi", "synthetic", max_tokens=10),
+        NativeRenderer(),
+        kind="native",
+        trace_id="t",
+        grace_s=grace_s,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=0.0,
+        window=4,
+    )
+    return stream
+
+
+def events(stream: Stream) -> list[tuple[str | None, object]]:
+    out: list[tuple[str | None, object]] = []
+    for e in stream.log.after(0):
+        lines = e.wire.decode().strip().split("\n")
+        name = next((x[7:] for x in lines if x.startswith("event: ")), None)
+        data = next(x[6:] for x in lines if x.startswith("data: "))
+        out.append((name, data if data == "[DONE]" else orjson.loads(data)))
+    return out
+
+
+def test_tokens_then_the_closing_events() -> None:
+    stream = make()
+    stream.begin()
+    assert stream.push("a") and stream.push("b")
+    stream.push("c", "length")
+    got = events(stream)
+    assert [d for _, d in got[:3]] == [{"token": "a"}, {"token": "b"}, {"token": "c"}]
+    assert got[3][0] == "meta" and got[3][1]["finish_reason"] == "length"  # type: ignore[index]
+    assert got[-1] == (None, "[DONE]")
+    assert stream.outcome is Outcome.COMPLETED and stream.log.closed
+    assert not stream.push("late")  # nothing after the end
+
+
+def test_stop_ends_with_the_reason_and_no_done() -> None:
+    stream = make()
+    stream.begin()
+    stream.push("a")
+    stream.stop(Outcome.CANCELLED)
+    name, data = events(stream)[-1]
+    assert name == "error" and data["error"]["code"] == "cancelled"  # type: ignore[index]
+    assert stream.outcome is Outcome.CANCELLED
+
+
+def test_an_engine_error_keeps_the_coalesced_text_before_it() -> None:
+    async def body() -> None:
+        stream = make()
+        stream.coalesce = CoalescePolicy(max_wait_s=10.0, max_bytes=1024)
+        stream.begin()
+        for t in ("Hello", " there", " friend"):  # no boundary: pending in the coalescer
+            stream.push(t)
+        stream.fail(EngineError("boom", "engine failed"))
+        got = events(stream)
+        texts = "".join(d["token"] for n, d in got if n is None and isinstance(d, dict))
+        assert texts == "Hello there friend"
+        assert got[-1][0] == "error" and stream.outcome is Outcome.ERROR
+
+    asyncio.run(body())
+
+
+def test_an_abandoned_stream_stops_after_its_grace() -> None:
+    async def body() -> None:
+        clock = FakeClock()
+        registry = StreamRegistry(SyntheticEngine(), Metrics(), ttl_s=10)
+        registry.schedule = Schedule(clock=clock, call_at=clock.call_at)
+        stream = make(grace_s=5.0)
+        registry.attach(stream)
+        registry.detach(stream)  # the last reader left
+        clock.advance(4.9)
+        assert stream.outcome is None
+        registry.attach(stream)  # a reader came back: the grace timer no longer counts
+        clock.advance(1.0)
+        assert stream.outcome is None
+        registry.detach(stream)
+        clock.advance(5.1)
+        assert stream.outcome is Outcome.DISCONNECTED
+
+    asyncio.run(body())
