@@ -6,7 +6,9 @@ segments, ACKs and SYNs of both directions. The rule sits on the *input* hook on
 packet dropped on output never left, the sender's TCP is told at once (a local send failure)
 and sends it again with its next write, with no retransmission counted anywhere; dropped on
 input, it was sent and is lost, as on a real network (RACK, TLP and RTO repair it).
-Processes run inside with `Netns.cmd([...])`.
+Processes run inside with `Netns.cmd([...])`; the server and the clients are pinned to one
+CPU: loopback queues packets per CPU, so a sender that moves between CPUs can reorder its
+own segments, which the receiver counts as it counts a loss (`tcpi_rcv_ooopack`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ def require_tools() -> None:
     missing = [tool for tool in ("ip", "nft") if shutil.which(tool) is None]
     if missing:
         raise RuntimeError(f"missing {', '.join(missing)}: apt-get install iproute2 nftables")
+
+
+def _one_cpu() -> None:
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
 
 
 class Netns:
@@ -81,6 +87,7 @@ class Netns:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
+            preexec_fn=_one_cpu,
         )
         found: list[str] = []
         ready = threading.Event()
@@ -116,6 +123,7 @@ class Netns:
             capture_output=True,
             text=True,
             timeout=timeout,
+            preexec_fn=_one_cpu,
         )
 
 

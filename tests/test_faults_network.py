@@ -54,7 +54,7 @@ def test_clean_path_has_no_retransmits(ns: tuple[Netns, str]) -> None:
     space, url = ns
     space.set_loss(0)
     data = diag(space, url, "--max-tokens", "100")
-    assert data["done"] and data["tcp"]["retransmits"] == 0
+    assert data["done"] and data["tcp"]["retransmits"] == 0, data["tcp"]
     assert data["tcp"]["lost"] == 0 and data["tcp"]["tail_cause"] == "not retransmissions"
     assert data["tcp"]["rtt_ms"] < 5
 
@@ -79,7 +79,7 @@ def test_diag_names_retransmissions_and_the_cost_is_measured(ns: tuple[Netns, st
     tcp = lossy["tcp"]
     assert tcp["retransmits"] > 0 and tcp["lost"] > 0
     assert tcp["retransmit_gaps"] > 0
-    assert clean["tcp"]["retransmits"] == 0
+    assert clean["tcp"]["retransmits"] == 0, clean["tcp"]
     print(
         f"\n{LOSS}% loss: TTFT p99 {clean['ttft_ms_pct']['p99']} -> {lossy['ttft_ms_pct']['p99']}"
         f" ms, inter-chunk p99 {clean['itl_ms']['p99']} -> {lossy['itl_ms']['p99']} ms; "
