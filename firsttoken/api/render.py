@@ -20,6 +20,7 @@ _dumps = orjson.dumps
 
 
 class _OpenAIRenderer:
+    __slots__ = ("_prefix", "_suffix", "head", "include_usage")
     object: str
     token_event: str | None = None
 
@@ -54,6 +55,7 @@ class _OpenAIRenderer:
 
 
 class ChatRenderer(_OpenAIRenderer):
+    __slots__ = ()
     object = "chat.completion.chunk"
 
     def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
@@ -76,6 +78,7 @@ class ChatRenderer(_OpenAIRenderer):
 
 
 class CompletionRenderer(_OpenAIRenderer):
+    __slots__ = ()
     object = "text_completion"
 
     def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:

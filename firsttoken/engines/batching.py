@@ -18,7 +18,7 @@ mysteriously drops" incident: abandoned streams used to hold their slots until t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
 
@@ -42,7 +42,7 @@ __all__ = ["BatchingEngine"]
 class _Seq:
     engine: BatchingEngine
     request_id: str
-    tokens: list[str]
+    tokens: Sequence[str]
     finish: str
     fail_after: int | None
     error_code: str | None

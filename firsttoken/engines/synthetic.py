@@ -10,7 +10,7 @@ import asyncio
 import hashlib
 import random
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -18,6 +18,7 @@ from typing import Any
 
 from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
 from firsttoken.engines.steps import pull
+from firsttoken.schedule import Schedule
 
 __all__ = ["SyntheticEngine", "SyntheticOptions", "synthetic_tokens"]
 
@@ -74,13 +75,21 @@ def synthetic_tokens(
     answer_tokens: int | None = None,
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
+    tokens, finish = _answer(prompt, seed, max_tokens, answer_tokens)
+    return list(tokens), finish
+
+
+def _answer(
+    prompt: str, seed: int | None, max_tokens: int | None, answer_tokens: int | None
+) -> tuple[Sequence[str], str]:
+    # The cached tuple itself when it is whole: a waiting stream holds no copy of its answer.
     natural = _natural_answer(prompt, seed or 0, answer_tokens)
     if max_tokens is not None and max_tokens < len(natural):
-        return list(natural[:max_tokens]), "length"
-    return list(natural), "stop"
+        return natural[:max_tokens], "length"
+    return natural, "stop"
 
 
-def apply_stop(tokens: list[str], stop: tuple[str, ...]) -> tuple[list[str], bool]:
+def apply_stop(tokens: Sequence[str], stop: tuple[str, ...]) -> tuple[Sequence[str], bool]:
     """Cut the answer before the first stop string; the cut token keeps its prefix."""
     if not stop:
         return tokens, False
@@ -149,6 +158,7 @@ def _sentence(rng: random.Random) -> list[str]:
 
 
 _WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
+_FAR_S = 0.1  # deadlines further than this wait in the engine's heap
 
 
 class SyntheticEngine:
@@ -169,6 +179,7 @@ class SyntheticEngine:
         self._ticks: dict[int, list[_Run]] = {}
         self._running: dict[str, _Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last open()
+        self._later = Schedule(clock=self._time, call_at=self._call_at)
 
     async def start(self) -> None:
         return None
@@ -191,7 +202,7 @@ class SyntheticEngine:
             opts = SyntheticOptions.from_mapping(opts)
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
-        tokens, finish = synthetic_tokens(
+        tokens, finish = _answer(
             request.prompt, request.seed, request.max_tokens, opts.answer_tokens
         )
         tokens, stopped = apply_stop(tokens, request.stop)
@@ -208,7 +219,21 @@ class SyntheticEngine:
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         return pull(self, request)
 
+    def _time(self) -> float:
+        assert self._loop is not None
+        return self._loop.time()
+
+    def _call_at(self, when: float, callback: Callable[[], None]) -> None:
+        assert self._loop is not None
+        self._loop.call_at(when, callback)
+
     def _at(self, when: float, run: _Run) -> None:
+        loop = self._loop
+        assert loop is not None
+        if when - loop.time() > _FAR_S:
+            # A long wait (a slow TTFT) waits in the heap, not in a loop timer of its own.
+            self._later.call_at(when - _FAR_S / 2, lambda: self._at(when, run))
+            return
         # Ticks on a 1 ms grid (uvloop's timer resolution): streams due in the same
         # millisecond share one timer and one step. Rounded down, as uvloop rounds a timer's
         # delay: a token leaves within the millisecond it is due, never a tick late.
@@ -260,7 +285,7 @@ class _Run:
         self,
         engine: SyntheticEngine,
         request_id: str,
-        tokens: list[str],
+        tokens: Sequence[str],
         finish: str,
         itl: float,
         opts: SyntheticOptions,

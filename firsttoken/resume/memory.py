@@ -9,7 +9,6 @@ wakeup. A reader that is behind (a resume replay, a paused socket) ignores the n
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -39,11 +38,31 @@ class LogReader(Protocol):
 class EventLog:
     """Events numbered 1, 2, 3...; the oldest are dropped past `max_events`."""
 
+    __slots__ = (
+        "_corked",
+        "_counts",
+        "_floor",
+        "_waiters",
+        "_wires",
+        "_wires_seq",
+        "capacity",
+        "closed",
+        "last_seq",
+        "on_room",
+        "readers",
+        "replica",
+        "window",
+    )
+
     def __init__(self, max_events: int = 8192, window: int | None = None) -> None:
-        # Two deques of atoms, not a deque of objects: a token allocates nothing the cyclic
+        # Framed bytes only, not an object per event: a token allocates nothing the cyclic
         # garbage collector has to track (at 500 streams its passes cost ~9% of the CPU).
-        self._wires: deque[bytes] = deque(maxlen=max_events)
-        self._tokens: deque[int] = deque(maxlen=max_events)
+        # Token counts are 1 for almost every event; only the others are written down.
+        # A list, trimmed in slices, rather than a deque: a deque's first block costs ~600
+        # bytes, which ten thousand waiting streams would each pay for one or two events.
+        self._wires: list[bytes] = []
+        self._wires_seq = 1  # the seq of _wires[0]
+        self._counts: dict[int, int] = {}
         self.readers: list[LogReader] = []
         # Backpressure: the producer may run at most `window` events ahead of the slowest
         # attached reader; with none attached, until the buffer holds `max_events` unread.
@@ -63,12 +82,16 @@ class EventLog:
 
     @property
     def first_seq(self) -> int:
-        return self.last_seq - len(self._wires) + 1
+        return max(self._wires_seq, self.last_seq - self.capacity + 1)
 
     def append(self, wire: bytes, tokens: int = 0) -> int:
         self.last_seq = seq = self.last_seq + 1
-        self._wires.append(wire)
-        self._tokens.append(tokens)
+        wires = self._wires
+        wires.append(wire)
+        if len(wires) > self.capacity + (self.capacity >> 3):
+            self._trim()
+        if tokens != 1:
+            self._counts[seq] = tokens
         if self.replica is not None:
             self.replica(Event(seq, wire, tokens))
         if not self._corked:
@@ -103,10 +126,22 @@ class EventLog:
         if seq + 1 < first:
             raise ResumeExpired(f"events up to {first - 1} are no longer kept")
         start = seq + 1 - first
-        count = len(self._wires)
+        offset = first - self._wires_seq  # events kept past the bound until the next trim
+        count = self.last_seq - first + 1
         stop = count if limit is None else min(count, start + limit)
-        wires, tokens = self._wires, self._tokens
-        return [Event(first + i, wires[i], tokens[i]) for i in range(start, stop)]
+        wires, counts = self._wires, self._counts
+        return [
+            Event(first + i, wires[offset + i], counts.get(first + i, 1))
+            for i in range(start, stop)
+        ]
+
+    def _trim(self) -> None:
+        """Drop what is past `capacity`, an eighth of it at a time (amortised O(1))."""
+        drop = len(self._wires) - self.capacity
+        del self._wires[:drop]
+        self._wires_seq += drop
+        if self._counts:
+            self._counts = {k: v for k, v in self._counts.items() if k >= self._wires_seq}
 
     # -- readers and backpressure ----------------------------------------------------------
 

@@ -105,3 +105,18 @@ def test_corked_appends_reach_readers_in_one_catch_up() -> None:
     assert reader.seen == [] and not reader.closed
     log.uncork()
     assert reader.catch_ups == 1
+
+
+def test_the_bound_holds_exactly_while_trimming_in_slices() -> None:
+    log = EventLog(max_events=16)
+    for i in range(100):
+        log.append(b"%d" % (i + 1), 1 if i % 3 else 0)
+        first = log.first_seq
+        kept = log.after(first - 1)
+        assert [e.seq for e in kept] == list(range(first, log.last_seq + 1))
+        assert len(kept) == min(i + 1, 16)
+        assert all(e.wire == b"%d" % e.seq for e in kept)
+        assert all(e.tokens == (1 if (e.seq - 1) % 3 else 0) for e in kept)
+        if first > 1:
+            with pytest.raises(ResumeExpired):
+                log.after(first - 2)
