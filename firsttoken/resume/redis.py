@@ -10,8 +10,10 @@ Keys (the `{id}` hash tag keeps one stream's keys in one Redis Cluster slot):
 Writes from the per-token path are queued and flushed in pipelined batches by one task.
 
 Redis going away never touches a local stream: the per-token path only appends to a
-replica's deque. Each stream this instance owns keeps its events (references to the log's
-own `Event`s, at most `max_events`) until it expires, and `flushed`, the highest seq Redis
+replica's deque. Each stream this instance owns keeps its events (`(seq, wire, tokens)`
+tuples sharing the log's bytes, at most `max_events`; tuples of ints and bytes are dropped
+from the cyclic GC's view, so a kept event costs its passes nothing) until it expires, and
+`flushed`, the highest seq Redis
 has confirmed. The flusher retries with backoff while Redis is down; when it is back, each
 stream's backlog (events after `flushed`) goes out, and if Redis restarted (its run id
 changed, so it may have lost everything) every kept stream is written again from its first
@@ -75,13 +77,17 @@ def _unavailable(what: str) -> APIError:
     )
 
 
+_Kept = tuple[int, bytes, int]  # (seq, framed wire, tokens)
+_SEQ = 0
+
+
 @dataclass(slots=True, eq=False)
 class _Replica:
     """One owned stream as Redis should hold it, and how much of that Redis confirmed."""
 
     record: StreamRecord
     ttl_s: float
-    events: deque[Event]
+    events: deque[_Kept]
     flushed: int = 0  # highest seq Redis confirmed
     trimmed: int = 0  # entries up to this seq were trimmed in Redis after a gap
     meta_done: bool = False
@@ -91,7 +97,7 @@ class _Replica:
     ops: list[tuple[str, int]] = field(default_factory=list)  # in flight: (kind, seq)
 
     def dirty(self) -> bool:
-        last = self.events[-1].seq if self.events else 0
+        last = self.events[-1][_SEQ] if self.events else 0
         ended = self.end is not None and not self.end_done
         return not self.meta_done or last > self.flushed or ended
 
@@ -124,7 +130,8 @@ class RedisStore:
         total = 0
         for rep in self._replicas.values():
             if rep.events:
-                total += max(0, rep.events[-1].seq - max(rep.flushed, rep.events[0].seq - 1))
+                last, first = rep.events[-1][_SEQ], rep.events[0][_SEQ]
+                total += max(0, last - max(rep.flushed, first - 1))
         return total
 
     def collect(self) -> Iterator[Metric]:
@@ -195,9 +202,9 @@ class RedisStore:
         if rep is None:
             return
         events = rep.events
-        if len(events) == events.maxlen and events[0].seq > rep.flushed:
+        if len(events) == events.maxlen and events[0][_SEQ] > rep.flushed:
             self.events_dropped += 1  # the bound is reached before Redis took the oldest
-        events.append(event)
+        events.append((event.seq, event.wire, event.tokens))
         self._mark(rep)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
@@ -261,7 +268,7 @@ class RedisStore:
             self.resyncs += 1
             for rep in self._replicas.values():
                 # Redis holds nothing of it: everything kept goes again, from the first kept.
-                rep.flushed = rep.trimmed = rep.events[0].seq - 1 if rep.events else 0
+                rep.flushed = rep.trimmed = rep.events[0][_SEQ] - 1 if rep.events else 0
                 rep.meta_done = rep.end_done = False
                 self._dirty[rep.record.id] = rep
             log_event("redis.resync", streams=len(self._replicas))
@@ -304,20 +311,20 @@ class RedisStore:
         if not rep.meta_done:
             self._queue_meta(pipe, rep)
             ops += [("meta", 0), ("meta-ttl", 0)]
-        first = rep.events[0].seq if rep.events else rep.flushed + 1
+        first = rep.events[0][_SEQ] if rep.events else rep.flushed + 1
         if first > rep.flushed + 1 and rep.trimmed < first - 1:
             # A gap: what Redis holds before it must not be stitched to what follows.
             pipe.xtrim(_events(sid), minid=f"{first}-0")
             ops.append(("trim", first - 1))
-        for event in _unconfirmed(rep):
+        for seq, wire, tokens in _unconfirmed(rep):
             pipe.xadd(
                 _events(sid),
-                {"w": event.wire, "t": event.tokens},
-                id=f"{event.seq}-0",
+                {"w": wire, "t": tokens},
+                id=f"{seq}-0",
                 maxlen=self.max_events,
                 approximate=True,
             )
-            ops.append(("event", event.seq))
+            ops.append(("event", seq))
         if rep.end is not None and not rep.end_done:
             outcome, last_seq = rep.end
             pipe.xadd(_events(sid), {"end": outcome}, id=f"{last_seq}-1")
@@ -516,11 +523,11 @@ class RedisStore:
                     await pubsub.aclose()
 
 
-def _unconfirmed(rep: _Replica) -> list[Event]:
+def _unconfirmed(rep: _Replica) -> list[_Kept]:
     """The kept events after `flushed`, oldest first (walked from the new end: O(new))."""
-    out: list[Event] = []
+    out: list[_Kept] = []
     for event in reversed(rep.events):
-        if event.seq <= rep.flushed:
+        if event[_SEQ] <= rep.flushed:
             break
         out.append(event)
     out.reverse()
