@@ -17,7 +17,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench import workloads
+from bench import per_token, workloads
 from bench.chart import draw
 from bench.procs import ServerProcess, check_out, raise_fd_limit
 from bench.report import compute_ratios, compute_targets, kept_pace, render, within_itl
@@ -107,6 +107,8 @@ class Bench:
         finally:
             for p in perf + idle:
                 p.stop()
+        # In this process, once the servers are gone: µs per token, stage by stage.
+        self.res["per_token"] = await per_token.stages(*self.sizes.per_token)
         self.res["meta"]["loadavg_end"] = _loadavg()
 
     async def _overhead(self, procs: Sequence[ServerProcess]) -> None:

@@ -40,7 +40,7 @@ from firsttoken.response import EventWriter
 from firsttoken.resume import EventLog
 from firsttoken.stream import Stream, StreamRegistry
 
-__all__ = ["main"]
+__all__ = ["main", "measure", "render_table", "stages"]
 
 _PROMPT = "per-token cost"
 
@@ -104,7 +104,7 @@ def _time(batch: Callable[[], int], rounds: int) -> float:
     return statistics.median(per)
 
 
-async def _measure(tokens_per_batch: int, rounds: int) -> dict[str, float]:
+async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
     loop = asyncio.get_running_loop()
     # The peer drains from a thread, so writes reach the kernel as they would to a reader
     # that keeps up (a peer in this loop would only read between batches).
@@ -232,7 +232,7 @@ def render_table(costs: dict[str, Any]) -> str:
 
 
 def measure(tokens_per_batch: int = 2000, rounds: int = 15) -> dict[str, float]:
-    return uvloop.run(_measure(tokens_per_batch, rounds))
+    return uvloop.run(stages(tokens_per_batch, rounds))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -614,6 +614,12 @@ def _targets(res: dict[str, Any]) -> str:
     )
 
 
+def _per_token(res: dict[str, Any]) -> str:
+    from bench.per_token import render_table
+
+    return render_table(res["per_token"])
+
+
 def render(res: dict[str, Any]) -> str:
     m = res["meta"]
     head = (
@@ -627,6 +633,7 @@ def render(res: dict[str, Any]) -> str:
         ("saturation", _saturation),
         ("idle", _idle),
         ("abandonment", _abandonment),
+        ("per_token", _per_token),
     ]
     for key, fn in sections:
         if res.get(key):

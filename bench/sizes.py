@@ -28,6 +28,7 @@ class Sizes:
     idle_hold_s: float = 4.0  # streams held open (after all have pinged) to time heartbeat CPU
     abandon_streams: int = 1000
     abandon_light_streams: int = 100  # also at a load every server keeps pace with (diagnosis)
+    per_token: tuple[int, int] = (2000, 15)  # per-token cost table: tokens per batch, batches
 
     @classmethod
     def quick(cls) -> Sizes:
@@ -48,6 +49,7 @@ class Sizes:
             idle_hold_s=0.5,
             abandon_streams=30,
             abandon_light_streams=10,
+            per_token=(200, 3),
         )
 
     def scaled_idle(self, streams: int) -> Sizes:
