@@ -83,6 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--server", default="firsttoken", choices=list(SERVERS))
     parser.add_argument("--streams", type=int, default=500)
     parser.add_argument("--rate", type=int, default=250, help="py-spy samples per second")
+    parser.add_argument("--native", action="store_true", help="C frames too (py-spy --native)")
     parser.add_argument("--top", type=int, default=25)
     parser.add_argument("--lines", action="store_true", help="per source line, not function")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
@@ -104,7 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         spy = subprocess.Popen(
             [
                 *(_py_spy(), "record", "--pid", str(server.proc.pid), "--format", "raw"),
-                *("--rate", str(args.rate), "--nonblocking", "-o", str(raw)),
+                *("--rate", str(args.rate), "-o", str(raw)),
+                # --native needs the process paused per sample; without it, don't pause it.
+                *(("--native",) if args.native else ("--nonblocking",)),
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

@@ -186,8 +186,14 @@ class EventWriter:
         self.last_write = now
         if seq > stream.delivered_seq:
             stream.delivered_seq = seq
-            if tokens:
-                self._account_tokens(stream, tokens, now)
+            if tokens:  # first delivery of content (a replay is not counted again)
+                if stream.first_token_at is None:
+                    self._first_token(now)
+                else:
+                    self.metrics.inter_chunk.observe(now - stream.last_content_at)
+                stream.last_content_at = now
+                stream.tokens_sent += tokens
+                self.metrics.tokens_sent += tokens
 
     def log_closed(self) -> None:
         if not self.paused and self.cursor >= self.log.last_seq:

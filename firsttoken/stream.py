@@ -38,6 +38,8 @@ from firsttoken.sse import encode_event
 
 __all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "StreamRegistry"]
 
+_dumps = orjson.dumps
+
 
 class Outcome(StrEnum):
     COMPLETED = "completed"
@@ -84,8 +86,7 @@ class Stream:
         "_coalescer",
         "_digest",
         "_flush_timer",
-        "_plain",
-        "_render",
+        "_frame",
         "_token_event",
         "accepted_at",
         "coalesce",
@@ -160,8 +161,7 @@ class Stream:
         self._coalescer: Coalescer | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._token_event = renderer.token_event if renderer is not None else None
-        self._render = renderer.token if renderer is not None else str.encode
-        self._plain = False  # one plain `data:` event per token: the hot path (see begin())
+        self._frame: bytes | None = None  # the hot path's per-token template (see begin())
         self._abandon_epoch = 0
 
     @property
@@ -197,9 +197,19 @@ class Stream:
         assert self.renderer is not None
         if self.coalesce is not None:
             self._coalescer = Coalescer(self.coalesce)
-        self._plain = (
-            self._coalescer is None and self.meta_interval_s is None and self._token_event is None
-        )
+        template = getattr(self.renderer, "token_template", None)
+        if (
+            template is not None
+            and self._coalescer is None
+            and self.meta_interval_s is None
+            and self._token_event is None
+        ):
+            # `id: <seq>\ndata: <prefix><JSON text><suffix>\n\n`, as one %-format per token.
+            prefix, suffix = template()
+            self._frame = (
+                b"id: %d\ndata: " + prefix.replace(b"%", b"%%") + b"%s"
+                + suffix.replace(b"%", b"%%") + b"\n\n"
+            )
         for name, data in self.renderer.opening():
             self._append(name, data)
 
@@ -207,11 +217,12 @@ class Stream:
         """One token from the engine (the last one with its finish reason). Returns False
         when the readers are a window behind: the engine pauses this request until the log
         calls `generation.resume()`."""
-        if self._plain and finish is None and self.outcome is None:
-            # The hot path: render by template, append (the log hands it to the writers).
+        frame = self._frame
+        if frame is not None and finish is None and self.outcome is None:
+            # The hot path: one template, one append (the log hands it to the writers).
             self.tokens_generated += 1
             log = self.log
-            log.append(b"id: %d\ndata: %s\n\n" % (log.last_seq + 1, self._render(text)), 1)
+            log.append(frame % (log.last_seq + 1, _dumps(text)), 1)
             if log.has_room():
                 return True
             if self.generation is not None:

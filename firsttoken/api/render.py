@@ -36,6 +36,10 @@ class _OpenAIRenderer:
     def token(self, text: str) -> bytes:
         return self._prefix + _dumps(text) + self._suffix
 
+    def token_template(self) -> tuple[bytes, bytes]:
+        """The bytes around a token's JSON string (the stream frames them once)."""
+        return self._prefix, self._suffix
+
     def closing(
         self, finish_reason: str, usage: dict[str, int]
     ) -> Sequence[tuple[str | None, bytes]]:
@@ -106,6 +110,9 @@ class NativeRenderer:
         if self.binary:
             return base64.b64encode(text.encode())
         return b'{"token":' + _dumps(text) + b"}"
+
+    def token_template(self) -> tuple[bytes, bytes]:
+        return b'{"token":', b"}"
 
     def closing(
         self, finish_reason: str, usage: dict[str, int]

@@ -264,6 +264,9 @@ class _State(Enum):
     ENDED = "ended"
 
 
+_RUNNING = _State.RUNNING
+
+
 class _Run:
     """One request on the engine's clock."""
 
@@ -278,6 +281,7 @@ class _Run:
         "request_id",
         "sink",
         "state",
+        "stop_at",
         "tokens",
     )
 
@@ -303,9 +307,39 @@ class _Run:
         self.pos = 0
         self.state = _State.RUNNING
         self.fail_at = len(tokens) + 1 if opts.fail_after is None else opts.fail_after
+        self.stop_at = min(self.fail_at, len(tokens) - 1)  # steps before this are plain
 
     def step(self, now: float) -> None:
         pos, tokens = self.pos, self.tokens
+        if pos >= self.stop_at:
+            self._last_step(pos)
+            return
+        self.pos = pos + 1
+        engine = self.engine
+        engine.tokens_generated += 1
+        room = self.sink.push(tokens[pos])
+        if self.state is not _RUNNING:
+            return  # the push ended the stream (e.g. its last reader was cut)
+        itl = self.itl
+        due = self.due + itl
+        if due < now - itl:
+            due = now  # fell behind (paused reader, busy loop): don't burst to catch up
+        self.due = due
+        if not room:
+            self.state = _State.PAUSED
+            return
+        # engine._at, inlined: this runs once per token per stream.
+        tick = int(due * 1000)
+        bucket = engine._ticks.get(tick)
+        if bucket is None:
+            engine._ticks[tick] = [self]
+            engine._loop.call_at(tick / 1000, engine._step, tick)  # type: ignore[union-attr]
+        else:
+            bucket.append(self)
+
+    def _last_step(self, pos: int) -> None:
+        """The step that ends the run: an injected fault, the last token, or no answer."""
+        tokens = self.tokens
         if pos >= self.fail_at:
             self._end()
             self.sink.fail(
@@ -323,29 +357,6 @@ class _Run:
                 self.sink.push(tokens[pos], self.finish)
             else:  # an empty answer
                 self.sink.finish(self.finish)
-            return
-        self.pos = pos + 1
-        engine = self.engine
-        engine.tokens_generated += 1
-        room = self.sink.push(tokens[pos])
-        if self.state is not _State.RUNNING:
-            return  # the push ended the stream (e.g. its last reader was cut)
-        itl = self.itl
-        due = self.due + itl
-        if due < now - itl:
-            due = now  # fell behind (paused reader, busy loop): don't burst to catch up
-        self.due = due
-        if not room:
-            self.state = _State.PAUSED
-            return
-        # engine._at, inlined: this runs once per token per stream.
-        tick = int(due * 1000)
-        bucket = engine._ticks.get(tick)
-        if bucket is None:
-            engine._ticks[tick] = [self]
-            engine._loop.call_at(tick / 1000, engine._step, tick)
-        else:
-            bucket.append(self)
 
     def resume(self) -> None:
         if self.state is _State.PAUSED:
