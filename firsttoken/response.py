@@ -376,6 +376,8 @@ class EventStreamResponse:
         finally:
             writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
             connection.listener = None
+            if self.start:
+                self.registry.discard(self.stream)  # never started: give back its ticket
         await self._finish(end, writer, scope, body_send)
 
     def _writer(self, transport: Any, *, chunked: bool) -> EventWriter:
@@ -430,6 +432,8 @@ class EventStreamResponse:
                 end = await writer.done
             finally:
                 writer.close(End.DISCONNECTED)
+                if self.start:
+                    self.registry.discard(self.stream)
             await outlet.drained()
             tg.cancel_scope.cancel()
         if end is End.FINISHED:

@@ -525,6 +525,16 @@ class StreamRegistry:
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
+    def discard(self, stream: Stream) -> None:
+        """A stream admitted but never started (its client left first): what it took from
+        admission goes back, and it counts as `disconnected`."""
+        if stream.generation is not None or stream.outcome is not None:
+            return
+        stream.outcome = Outcome.DISCONNECTED
+        self.metrics.streams[Outcome.DISCONNECTED.value] += 1
+        if stream.ticket is not None:
+            self._spawn(stream.ticket.release, Outcome.DISCONNECTED, 0, inline=True)
+
     def attach(self, stream: Stream) -> None:
         stream.readers += 1
         stream._abandon_epoch += 1

@@ -33,10 +33,13 @@ _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, 
 class Ticket:
     """An admitted stream's hold on its slot; the stream reports back through it."""
 
-    def __init__(self, admission: Admission, key: ApiKey, lease: Lease | None) -> None:
+    def __init__(
+        self, admission: Admission, key: ApiKey, lease: Lease | None, probe: bool = False
+    ) -> None:
         self.admission = admission
         self.key = key
         self.lease = lease
+        self.probe = probe  # the half-open breaker's probe: its outcome decides
         self.released = False
 
     def first_token(self, ttft_s: float) -> None:
@@ -48,8 +51,12 @@ class Ticket:
         self.released = True
         if self.key.tokens_per_minute and tokens:
             await self.admission.limits.spend(self.key.name, tokens)
-        if outcome in (Outcome.COMPLETED, Outcome.ERROR):
-            self.admission.shedder.record_outcome(failed=outcome is Outcome.ERROR)
+        ran = outcome in (Outcome.COMPLETED, Outcome.ERROR)
+        failed = outcome is Outcome.ERROR
+        if self.probe:
+            self.admission.shedder.probe_done(ran, failed)
+        elif ran:
+            self.admission.shedder.record_outcome(failed=failed)
         if self.lease is not None:
             await self.admission.limits.release(self.lease)
 
@@ -126,7 +133,23 @@ class Admission:
                 f"key {key.name!r} already has {limit} streams open (max_streams_per_key={limit})",
                 headers=_retry_after(wait),
             )
-        return Ticket(self, key, lease)
+        probe = False
+        if self.shedder.breaker != LoadShedder.CLOSED:
+            # Decided only now, once nothing else can refuse this stream: the breaker may have
+            # changed while the limits were asked, and a probe taken earlier would be lost.
+            refusal = self.shedder.refusal()
+            probe = refusal is None and self.shedder.take_probe()
+            if not probe:
+                if lease is not None:
+                    await self.limits.release(lease)
+                code, message, retry = refusal or (
+                    "engine_unavailable",
+                    "the breaker is probing the engine",
+                    1.0,
+                )
+                self._rejected()
+                raise APIError(503, code, message, headers=_retry_after(retry))
+        return Ticket(self, key, lease, probe)
 
     def _rejected(self) -> None:
         self.metrics.streams["rejected"] += 1

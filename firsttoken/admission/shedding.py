@@ -62,7 +62,7 @@ class LoadShedder:
         self.memory_limit = memory_limit_bytes(settings.memory_limit)
         self.breaker = self.CLOSED
         self._opened_at = 0.0
-        self._probes = 0
+        self._probing = False  # half-open: one admitted stream is the probe
         self._outcomes: deque[tuple[float, bool]] = deque()  # (when, failed)
         self._failures = 0  # failed outcomes in the window, kept as they come and go
         self._ttfts: deque[tuple[float, float]] = deque()
@@ -72,13 +72,10 @@ class LoadShedder:
     # Signals from streams.
 
     def record_outcome(self, failed: bool) -> None:
+        """A stream that ran ended (completed or engine error). While the breaker is open or
+        probing, only the probe's outcome counts (`probe_done`)."""
         now = time.monotonic()
-        if self.breaker == self.HALF_OPEN:
-            self._probes -= 1
-            self._set_breaker(self.OPEN if failed else self.CLOSED, now)
-            if not failed:
-                self._outcomes.clear()
-                self._failures = 0
+        if self.breaker != self.CLOSED:
             return
         self._outcomes.append((now, failed))
         self._failures += failed
@@ -87,6 +84,25 @@ class LoadShedder:
         if self.breaker == self.CLOSED and total >= self.s.breaker_min_streams:
             if self._failures / total > self.s.breaker_error_rate:
                 self._set_breaker(self.OPEN, now)
+
+    def take_probe(self) -> bool:
+        """Half-open: the stream admitted now becomes the probe (True), unless one is out."""
+        if self.breaker != self.HALF_OPEN or self._probing:
+            return False
+        self._probing = True
+        return True
+
+    def probe_done(self, ran: bool, failed: bool) -> None:
+        """The probe ended. If it ran to an outcome, that decides the breaker; if it never
+        did (refused later, its client left, cancelled), the slot goes back for another."""
+        self._probing = False
+        if self.breaker != self.HALF_OPEN or not ran:
+            return
+        now = time.monotonic()
+        self._set_breaker(self.OPEN if failed else self.CLOSED, now)
+        if not failed:
+            self._outcomes.clear()
+            self._failures = 0
 
     def record_ttft(self, seconds: float) -> None:
         now = time.monotonic()
@@ -100,14 +116,12 @@ class LoadShedder:
         now = time.monotonic()
         if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
             self._set_breaker(self.HALF_OPEN, now)
-            self._probes = 0
+            self._probing = False
         if self.breaker == self.OPEN:
             wait = self.s.breaker_open_s - (now - self._opened_at)
             return "engine_unavailable", "the engine is failing; the breaker is open", wait
-        if self.breaker == self.HALF_OPEN:
-            if self._probes >= 1:  # one probe at a time decides
-                return "engine_unavailable", "the breaker is probing the engine", 1.0
-            self._probes += 1
+        if self.breaker == self.HALF_OPEN and self._probing:  # one probe at a time decides
+            return "engine_unavailable", "the breaker is probing the engine", 1.0
         self._update_ttft(now)
         if "ttft" in self.reasons:
             return "overloaded", f"TTFT p99 is over {self.s.ttft_slo_ms:.0f} ms", 5.0

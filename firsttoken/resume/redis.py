@@ -149,6 +149,11 @@ class RedisStore:
         )
         dropped.add_metric([], self.events_dropped)
         yield dropped
+        kept = GaugeMetricFamily(
+            "firsttoken_redis_kept_streams", "Streams whose events are kept for replication."
+        )
+        kept.add_metric([], len(self._replicas))
+        yield kept
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages

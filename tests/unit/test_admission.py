@@ -1,0 +1,82 @@
+"""Admission and the breaker on a fake clock: every path that admits and then does not run
+gives back what it took (the half-open probe above all)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from firsttoken.admission import Admission, ApiKey, shedding
+from firsttoken.admission.shedding import LoadShedder
+from firsttoken.config import Settings
+from firsttoken.errors import APIError
+from firsttoken.observability import Metrics
+from firsttoken.stream import Outcome
+from tests.unit.clock import FakeClock
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> FakeClock:
+    fake = FakeClock()
+    monkeypatch.setattr(shedding.time, "monotonic", fake)
+    return fake
+
+
+ANYONE = ApiKey(name="")  # no keys file: everyone is one anonymous caller
+
+
+def admission() -> Admission:
+    settings = Settings(
+        breaker_min_streams=2,
+        breaker_error_rate=0.5,
+        breaker_open_s=10.0,
+        ttft_slo_ms=0,
+        rate_limit_per_s=0,
+    )
+    return Admission(settings, Metrics())
+
+
+async def open_breaker(adm: Admission) -> None:
+    for _ in range(2):
+        ticket = await adm.admit(ANYONE)
+        await ticket.release(Outcome.ERROR)
+    assert adm.shedder.breaker == LoadShedder.OPEN
+
+
+def test_a_probe_whose_client_leaves_gives_the_probe_back(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = admission()
+        await open_breaker(adm)
+        with pytest.raises(APIError) as refused:
+            await adm.admit(ANYONE)
+        assert refused.value.status == 503
+        clock.advance(10.0)
+        probe = await adm.admit(ANYONE)
+        assert probe.probe
+        with pytest.raises(APIError):  # one probe at a time
+            await adm.admit(ANYONE)
+        await probe.release(Outcome.DISCONNECTED)  # left before its first token
+        again = await adm.admit(ANYONE)  # not wedged: a new probe
+        assert again.probe
+        await again.release(Outcome.COMPLETED)
+        assert adm.shedder.breaker == LoadShedder.CLOSED
+        healthy = await adm.admit(ANYONE)
+        assert not healthy.probe
+
+    asyncio.run(body())
+
+
+def test_a_failed_probe_reopens_and_an_old_stream_changes_nothing(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = admission()
+        old = await adm.admit(ANYONE)  # admitted while closed
+        await open_breaker(adm)
+        clock.advance(10.0)
+        probe = await adm.admit(ANYONE)
+        await old.release(Outcome.COMPLETED)  # ends during half-open: not the probe
+        assert adm.shedder.breaker == LoadShedder.HALF_OPEN
+        await probe.release(Outcome.ERROR)
+        assert adm.shedder.breaker == LoadShedder.OPEN
+
+    asyncio.run(body())
