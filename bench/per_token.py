@@ -198,7 +198,6 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
             compressor=None,
         )
         stream.log.attach(writer)
-        stream.first_token_at = time.perf_counter()  # steady state: not the first token
         run = _Run(engine, "s", tokens, "stop", 0.02, SyntheticOptions(), stream, 0.0)
         for _ in range(len(tokens) - 1):
             run.step(0.0)

@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.response import ABORT_KEY, CONNECTION_KEY
+from firsttoken.response import ABORT_KEY, ARRIVED_KEY, CONNECTION_KEY
 
 __all__ = ["ConnectionListener", "StreamingProtocol"]
 
@@ -59,6 +60,8 @@ class StreamingProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
         self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
+        # The request's first byte: where TTFT starts (an outside client's clock starts there).
+        self.scope[ARRIVED_KEY] = time.perf_counter()  # type: ignore[literal-required]
         if self._header_timer is None:  # still armed from connection_made on a first request
             self._arm_header_timer()
 

@@ -38,6 +38,7 @@ from firsttoken.stream import Stream, StreamRegistry
 
 __all__ = [
     "ABORT_KEY",
+    "ARRIVED_KEY",
     "CONNECTION_KEY",
     "RAW_SEND_KEY",
     "SSE_HEADERS",
@@ -50,6 +51,8 @@ __all__ = [
 RAW_SEND_KEY = "firsttoken.raw_send"
 # The scope key of a callable that resets the connection (set by our uvicorn protocol).
 ABORT_KEY = "firsttoken.abort"
+# The scope key of when the request's first byte arrived (perf_counter): TTFT starts there.
+ARRIVED_KEY = "firsttoken.arrived"
 # The scope key of the connection itself (our uvicorn protocol): its transport, and the
 # `listener` slot through which it reports pause/resume/loss to the writer.
 CONNECTION_KEY = "firsttoken.connection"
@@ -187,9 +190,7 @@ class EventWriter:
         if seq > stream.delivered_seq:
             stream.delivered_seq = seq
             if tokens:  # first delivery of content (a replay is not counted again)
-                if stream.first_token_at is None:
-                    self._first_token(now)
-                else:
+                if stream.last_content_at:
                     self.metrics.inter_chunk.observe(now - stream.last_content_at)
                 stream.last_content_at = now
                 stream.tokens_sent += tokens
@@ -213,27 +214,11 @@ class EventWriter:
     def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
         """Metrics for a first delivery (a replay to a resuming reader is not new)."""
         metrics = self.metrics
-        if stream.first_token_at is None:
-            self._first_token(now)
-        else:
+        if stream.last_content_at:
             metrics.inter_chunk.observe(now - stream.last_content_at)
         stream.last_content_at = now
         stream.tokens_sent += tokens
         metrics.tokens_sent += tokens
-
-    def _first_token(self, now: float) -> None:
-        stream = self.stream
-        stream.first_token_at = now
-        ttft = now - stream.accepted_at
-        self.metrics.ttft.observe(ttft)
-        if stream.ticket is not None:
-            stream.ticket.first_token(ttft)
-        log_event(
-            "stream.first_token",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            ttft_ms=round(ttft * 1000, 3),
-        )
 
     # -- behind: replays and paused sockets ------------------------------------------------
 

@@ -87,6 +87,7 @@ class Stream:
         "_digest",
         "_flush_timer",
         "_frame",
+        "_template",
         "_token_event",
         "accepted_at",
         "coalesce",
@@ -105,6 +106,7 @@ class Stream:
         "meta_interval_s",
         "mirror",
         "on_end",
+        "on_first_token",
         "outcome",
         "prompt_tokens",
         "readers",
@@ -158,6 +160,8 @@ class Stream:
         self.first_generated_at: float | None = None
         self.generation: Generation | None = None
         self.on_end: Callable[[Stream], None] | None = None  # the registry's bookkeeping
+        self.on_first_token: Callable[[Stream, float], None] | None = None
+        self._template: bytes | None = None  # the hot path's, armed by the first token
         self._coalescer: Coalescer | None = None
         self._flush_timer: asyncio.TimerHandle | None = None
         self._token_event = renderer.token_event if renderer is not None else None
@@ -206,7 +210,7 @@ class Stream:
         ):
             # `id: <seq>\ndata: <prefix><JSON text><suffix>\n\n`, as one %-format per token.
             prefix, suffix = template()
-            self._frame = (
+            self._template = (
                 b"id: %d\ndata: " + prefix.replace(b"%", b"%%") + b"%s"
                 + suffix.replace(b"%", b"%%") + b"\n\n"
             )
@@ -230,6 +234,8 @@ class Stream:
             return False
         if self.outcome is not None:
             return False
+        if self.first_token_at is None:
+            self._first_token()
         if finish is not None:
             # The last token and the closing events leave in one write.
             self.log.cork()
@@ -286,6 +292,15 @@ class Stream:
         self._end(reason, error or EngineError(*_STOPPED.get(reason, _STOPPED_ANY)))
 
     # -- internals -------------------------------------------------------------------------
+
+    def _first_token(self) -> None:
+        """TTFT is the engine's: from the request's first byte to its first token, whenever
+        (or whether) a reader is there to take it."""
+        now = time.perf_counter()
+        self.first_token_at = now
+        self._frame = self._template  # from now on, tokens take the hot path
+        if self.on_first_token is not None:
+            self.on_first_token(self, now - self.accepted_at)
 
     def _end(self, outcome: Outcome, error: EngineError | None) -> None:
         if self._flush_timer is not None:
@@ -508,6 +523,7 @@ class StreamRegistry:
             stream.log.replica = partial(self.store.replicate, stream.id)
         self.metrics.active_streams += 1
         stream.on_end = self._ended
+        stream.on_first_token = self._first_token
         log_event(
             "stream.accepted",
             stream=stream.id,
@@ -596,6 +612,17 @@ class StreamRegistry:
         for stream in live:
             stream.stop(Outcome.ERROR, EngineError(code, message))
         return len(live)
+
+    def _first_token(self, stream: Stream, ttft_s: float) -> None:
+        self.metrics.ttft.observe(ttft_s)
+        if stream.ticket is not None:
+            stream.ticket.first_token(ttft_s)
+        log_event(
+            "stream.first_token",
+            stream=stream.id,
+            trace_id=stream.trace_id,
+            ttft_ms=round(ttft_s * 1000, 3),
+        )
 
     def _ended(self, stream: Stream) -> None:
         outcome = stream.outcome

@@ -13,6 +13,7 @@ from firsttoken.api.gateway import gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.api.render import NativeRenderer
 from firsttoken.engines import GenerationRequest
+from firsttoken.response import ARRIVED_KEY
 from firsttoken.stream import Stream
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
@@ -22,7 +23,8 @@ _PREAMBLE = b"retry: 1000\n\n"
 
 
 async def create_stream(request: Request) -> Response:
-    accepted_at = time.perf_counter()  # the clock of every latency metric
+    # The clock of every latency metric: the request's first byte, as a client counts it.
+    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
     gw = gateway(request)
     trace = trace_id(request)
     try:

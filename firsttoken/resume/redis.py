@@ -494,6 +494,7 @@ class RedisStore:
     async def _heartbeat(self) -> None:
         while True:
             await anyio.sleep(1)
+            self._expire()  # also when no stream is writing
             try:
                 with anyio.fail_after(_OP_TIMEOUT_S * 2):
                     await self._heartbeat_once()

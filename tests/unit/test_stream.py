@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 
 import orjson
+import pytest
 
+from firsttoken import stream as stream_module
 from firsttoken.api.render import NativeRenderer
 from firsttoken.chunking import CoalescePolicy
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
@@ -97,3 +99,18 @@ def test_an_abandoned_stream_stops_after_its_grace() -> None:
         assert stream.outcome is Outcome.DISCONNECTED
 
     asyncio.run(body())
+
+
+def test_ttft_is_the_engines_not_a_late_readers(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock(start=100.0)
+    monkeypatch.setattr(stream_module.time, "perf_counter", clock)
+    stream = make()
+    stream.accepted_at = 100.0  # the request's first byte
+    seen: list[float] = []
+    stream.on_first_token = lambda s, ttft: seen.append(ttft)
+    stream.begin()
+    clock.advance(0.2)
+    stream.push("first")  # nobody reads yet
+    clock.advance(6.0)  # a reader attaches much later and replays it: TTFT stays 0.2 s
+    stream.push("second")
+    assert seen == [pytest.approx(0.2)]
