@@ -14,8 +14,8 @@ import pytest
 from tests.netns import Netns, netns
 
 LOSS = 5
-# The TTFT guard is off: a native stream's TTFT runs until its reader's GET arrives, and a lost
-# SYN delays that by a second (the guard would shed load the network, not the server, caused).
+# The TTFT guard is off: a lost SYN or request costs the client a second, and the streams here
+# are measured by the client, not shed by the server.
 SERVER = (
     "--synthetic-ttft-ms",
     "20",
