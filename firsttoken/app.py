@@ -171,6 +171,12 @@ async def _healthz(request: Request) -> Response:
 async def _readyz(request: Request) -> Response:
     gw: Gateway = gateway(request)
     shedder = gw.admission.shedder
+    if shedder.draining:
+        return JSONResponse(
+            {"status": "draining", "active_streams": gw.metrics.active_streams},
+            status_code=503,
+            headers={"retry-after": "5"},
+        )
     if shedder.shedding:
         reasons = sorted(shedder.reasons) + ([] if shedder.breaker == "closed" else ["breaker"])
         return JSONResponse(

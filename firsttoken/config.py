@@ -235,6 +235,11 @@ class Settings:
     send_timeout_s: float = _knob(
         30.0, "disconnect a reader that takes no bytes for this long", range=POSITIVE
     )
+    drain_timeout_s: float = _knob(
+        60.0,
+        "on SIGTERM, how long running streams may finish before they end with server_shutdown",
+        range=Range(0),
+    )
     socket_send_buffer: int = _knob(
         65536, "SO_SNDBUF per connection, bytes (0: the OS autotunes, up to MBs per stalled reader)"
     )

@@ -6,14 +6,18 @@ import errno
 import gc
 import ipaddress
 import logging
+import signal
 import socket
 import sys
+import time
 import traceback
+from types import FrameType
 from typing import NoReturn
 
 import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from firsttoken.api.gateway import Gateway
 from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings, unknown_variables
 from firsttoken.connection import StreamingProtocol
@@ -25,14 +29,65 @@ __all__ = ["serve"]
 
 
 class _Server(uvicorn.Server):
-    def __init__(self, config: uvicorn.Config, url: str) -> None:
+    """uvicorn's server, with a drain before its shutdown.
+
+    The first SIGTERM/SIGINT starts the drain: `/readyz` and new streams answer 503 at once,
+    running streams go on for up to `drain_timeout_s`; what still runs then ends with
+    `event: error` `server_shutdown` (never a bare close), and uvicorn's own shutdown follows.
+    A second signal cuts the drain short.
+    """
+
+    def __init__(
+        self, config: uvicorn.Config, url: str, gateway: Gateway | None, drain_timeout_s: float
+    ) -> None:
         super().__init__(config)
         self.url = url
+        self.gateway = gateway
+        self.drain_timeout_s = drain_timeout_s
+        self._drain_deadline: float | None = None
+        self._ending = False
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
         if not self.should_exit:
             log_event("listening", url=self.url)
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        gw = self.gateway
+        if gw is None or self.should_exit or self.drain_timeout_s <= 0:
+            self._end_streams()
+            super().handle_exit(sig, frame)
+            return
+        if self._drain_deadline is not None:  # a second signal: cut now
+            log_event("drain.cut", signal=signal.Signals(sig).name)
+            self._drain_deadline = 0.0
+            return
+        self._drain_deadline = time.monotonic() + self.drain_timeout_s
+        gw.admission.shedder.draining = True
+        log_event(
+            "drain.start",
+            signal=signal.Signals(sig).name,
+            active_streams=gw.metrics.active_streams,
+            drain_timeout_s=self.drain_timeout_s,
+        )
+
+    async def on_tick(self, counter: int) -> bool:
+        deadline = self._drain_deadline
+        if deadline is not None and self.gateway is not None:
+            if self._ending:
+                self.should_exit = True  # the ended streams had a tick to write their end
+            elif self.gateway.metrics.active_streams == 0 or time.monotonic() >= deadline:
+                self._end_streams()
+        return await super().on_tick(counter)
+
+    def _end_streams(self) -> None:
+        if self.gateway is None or self._ending:
+            return
+        self._ending = True
+        ended = self.gateway.registry.end_all(
+            "server_shutdown", "the server is shutting down; retry (the answer may resume)"
+        )
+        log_event("drain.end", streams_ended=ended)
 
 
 class _WatchStartup:
@@ -155,7 +210,8 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     StreamingProtocol.header_timeout_s = settings.header_timeout_s
     StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     try:
-        app = _WatchStartup(RawSendApp(create_app(settings)))
+        starlette = create_app(settings)
+        app = _WatchStartup(RawSendApp(starlette))
     except Exception as exc:
         _startup_failed(settings, exc)
     uvicorn_log = logging.getLogger("uvicorn")
@@ -169,13 +225,16 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         access_log=False,
         log_config=None,  # uvicorn's lines go through _UvicornLog
         log_level="warning",
-        # Streams can run for minutes; on shutdown give them a moment, then cut them.
+        # The drain (`_Server`) has ended every stream by the time uvicorn shuts down: this
+        # only bounds the wait for their last bytes.
         timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=64 * 1024,
     )
     _tune_gc()
     try:
-        _Server(config, url).run(sockets=[sock])
+        _Server(config, url, starlette.state.gateway, settings.drain_timeout_s).run(
+            sockets=[sock]
+        )
     except SystemExit:
         if app.failure is None:
             raise

@@ -121,8 +121,12 @@ def run_server(
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=2)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+                proc.send_signal(signal.SIGTERM)  # a second signal cuts the drain short
+                try:
+                    proc.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
         reader.join(timeout=5)

@@ -68,6 +68,7 @@ class LoadShedder:
         self._ttfts: deque[tuple[float, float]] = deque()
         self._ttft_checked = 0.0
         self.reasons: set[str] = set()
+        self.draining = False  # SIGTERM: new streams go elsewhere, running ones finish
 
     # Signals from streams.
 
@@ -114,6 +115,8 @@ class LoadShedder:
     def refusal(self) -> tuple[str, str, float] | None:
         """(code, message, retry_after_s) while new streams must be refused, else None."""
         now = time.monotonic()
+        if self.draining:
+            return "server_draining", "the server is shutting down; retry on another instance", 5.0
         if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
             self._set_breaker(self.HALF_OPEN, now)
             self._probing = False
@@ -132,7 +135,7 @@ class LoadShedder:
     @property
     def shedding(self) -> bool:
         self._update_ttft(time.monotonic())
-        return bool(self.reasons) or self.breaker != self.CLOSED
+        return bool(self.reasons) or self.breaker != self.CLOSED or self.draining
 
     async def watch_memory(self, end_oldest: Callable[[], bool], interval_s: float = 0.25) -> None:
         """Refuse new streams and end the oldest ones while RSS is over the threshold."""

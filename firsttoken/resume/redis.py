@@ -182,6 +182,14 @@ class RedisStore:
                 task_status.started()
         finally:
             with anyio.CancelScope(shield=True):
+                # A drain's last events (server_shutdown) reach Redis before we go, so an
+                # instance that stays can still serve the resume.
+                with anyio.move_on_after(2.0):
+                    try:
+                        while self._dirty and self.up:
+                            await self._flush_batch()
+                    except (RedisError, OSError, TimeoutError) as exc:
+                        log_event("redis.final_flush_failed", logging.WARNING, error=repr(exc))
                 await self.redis.aclose()
 
     # -- the owner's side -----------------------------------------------------------------
