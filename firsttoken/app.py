@@ -24,6 +24,7 @@ from firsttoken.config import Settings
 from firsttoken.engines import Engine, build_engine
 from firsttoken.errors import APIError
 from firsttoken.observability import Metrics
+from firsttoken.pacing import Pacer
 from firsttoken.requestlimits import oversized
 from firsttoken.response import RAW_SEND_KEY
 from firsttoken.resume import open_store
@@ -50,9 +51,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         store=store,
         max_events=settings.resume_max_events,
     )
+    if settings.max_stream_bytes_per_s > 0:
+        registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     admission = Admission(settings, metrics)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
-    for part in (store, admission.limits, RuntimeCollector()):
+    for part in (store, admission.limits, RuntimeCollector(), registry.pacer):
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(

@@ -235,6 +235,11 @@ class Settings:
     send_timeout_s: float = _knob(
         30.0, "disconnect a reader that takes no bytes for this long", range=POSITIVE
     )
+    max_stream_bytes_per_s: float = _knob(
+        0.0,
+        "server-wide budget for event-stream bodies, paced (never dropped); 0: off",
+        range=Range(0),
+    )
     drain_timeout_s: float = _knob(
         60.0,
         "on SIGTERM, how long running streams may finish before they end with server_shutdown",

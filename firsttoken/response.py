@@ -101,12 +101,14 @@ class EventWriter:
         "last_write",
         "log",
         "metrics",
+        "pacer",
         "paused",
         "plain",
         "registry",
         "schedule",
         "send_timeout_s",
         "stream",
+        "throttled",
         "timestamps",
         "transport",
     )
@@ -137,8 +139,10 @@ class EventWriter:
         self.send_timeout_s = send_timeout_s
         self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
         self.compressor = compressor
+        self.pacer = registry.pacer  # --max-stream-bytes-per-s, or None
+        self.throttled = False  # waiting for its turn in the pacer's line
         # Nothing between the event and the socket but the chunk framing: the hot path.
-        self.plain = chunked and compressor is None and not timestamps
+        self.plain = chunked and compressor is None and not timestamps and self.pacer is None
         self.paused = False
         self._paused_since = 0.0
         self.last_write = 0.0
@@ -165,6 +169,8 @@ class EventWriter:
         if self._call is not None:
             self._call.cancel()
             self._call = None
+        if self.pacer is not None:
+            self.pacer.forget(self)
         self.log.detach(self)
         self.registry.detach(self.stream)
 
@@ -182,7 +188,10 @@ class EventWriter:
                 self.close(End.DISCONNECTED)
                 return
         else:
-            self._write(wire if not self.timestamps else _stamped((Event(seq, wire, tokens),)))
+            data = wire if not self.timestamps else _stamped((Event(seq, wire, tokens),))
+            if not self._paced(len(data)):
+                return  # behind until its turn: resume_paced() catches up
+            self._write(data)
         self.cursor = seq
         stream = self.stream
         now = _clock()
@@ -225,7 +234,7 @@ class EventWriter:
     def catch_up(self) -> None:
         """Write what the reader has not seen, in batches, until caught up or paused."""
         log = self.log
-        while not self.paused and not self.done.done():
+        while not self.paused and not self.throttled and not self.done.done():
             try:
                 events = log.after(self.cursor, _REPLAY_BATCH)
             except ResumeExpired as exc:
@@ -243,11 +252,14 @@ class EventWriter:
                     self.close(End.FINISHED)
                 return
             if self.timestamps:
-                self._write(_stamped(events))
+                data = _stamped(events)
             elif len(events) == 1:
-                self._write(events[0].wire)
+                data = events[0].wire
             else:
-                self._write(b"".join(e.wire for e in events))
+                data = b"".join(e.wire for e in events)
+            if not self._paced(len(data)):
+                return
+            self._write(data)
             self.cursor = events[-1].seq
             self.last_write = _clock()
             self._account(events)
@@ -262,6 +274,21 @@ class EventWriter:
             if event.seq > stream.delivered_seq and event.tokens:
                 self._account_tokens(stream, event.tokens, now)
         stream.delivered_seq = events[-1].seq
+
+    # -- pacing (--max-stream-bytes-per-s) -------------------------------------------------
+
+    def _paced(self, size: int) -> bool:
+        pacer = self.pacer
+        if pacer is None or pacer.take(size):
+            return True
+        self.throttled = True
+        pacer.wait(self)
+        return False
+
+    def resume_paced(self) -> None:
+        self.throttled = False
+        self.catch_up()
+        self.log.advanced()
 
     # -- the connection's callbacks --------------------------------------------------------
 

@@ -32,6 +32,7 @@ from firsttoken.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.engines.base import Generation, delivers_steps
 from firsttoken.observability import Metrics, log_event
+from firsttoken.pacing import Pacer
 from firsttoken.resume import EventLog, EventStore, MemoryStore, StreamRecord, token_digest
 from firsttoken.schedule import Schedule
 from firsttoken.sse import encode_event
@@ -445,6 +446,7 @@ class StreamRegistry:
         self.store: EventStore = store or MemoryStore()
         self.max_events = max_events
         self.schedule = Schedule()  # heartbeats, send timeouts and grace periods
+        self.pacer: Pacer | None = None  # --max-stream-bytes-per-s: every writer's budget
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
