@@ -316,6 +316,9 @@ class Stream:
         self.log.close()
         if self.on_end is not None:
             self.on_end(self)
+        # The generation holds the stream as its sink: without this cycle a finished stream
+        # goes with its last reference, not at the next full garbage collection.
+        self.generation = None
 
     def _append(self, name: str | None, data: bytes, tokens: int = 0) -> None:
         log = self.log
