@@ -67,7 +67,7 @@ class Renderer(Protocol):
         self, finish_reason: str, usage: dict[str, int]
     ) -> Sequence[tuple[str | None, bytes]]: ...
 
-    def error(self, code: str, message: str) -> bytes: ...
+    def error(self, code: str, message: str, type_: str = "server_error") -> bytes: ...
 
 
 class AdmissionTicket(Protocol):
@@ -290,7 +290,10 @@ class Stream:
         if self.generation is not None:
             self.generation.cancel()
         self._flush_pending()
-        self._end(reason, error or EngineError(*_STOPPED.get(reason, _STOPPED_ANY)))
+        if error is None:
+            code, message, type_ = _STOPPED.get(reason, _STOPPED_ANY)
+            error = EngineError(code, message, type_=type_)
+        self._end(reason, error)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -310,7 +313,7 @@ class Stream:
         self.outcome = outcome
         if error is not None:
             assert self.renderer is not None
-            self._append("error", self.renderer.error(error.code, error.message))
+            self._append("error", self.renderer.error(error.code, error.message, error.type))
             self.error_code = error.code
         self.log.on_room = None
         self.log.close()
@@ -694,10 +697,15 @@ class StreamRegistry:
                 self._streams.pop(stream_id, None)
 
 
-_STOPPED_ANY = ("stopped", "the stream was stopped")
+# A stream stopped by its reader's doing is not a server error: the type says whose it was.
+_STOPPED_ANY = ("stopped", "the stream was stopped", "server_error")
 _STOPPED = {
-    Outcome.CANCELLED: ("cancelled", "the stream was cancelled"),
-    Outcome.DISCONNECTED: ("stream_abandoned", "no reader came back within the grace window"),
+    Outcome.CANCELLED: ("cancelled", "the stream was cancelled", "cancelled"),
+    Outcome.DISCONNECTED: (
+        "stream_abandoned",
+        "no reader came back within the grace window",
+        "abandoned",
+    ),
 }
 
 

@@ -54,8 +54,8 @@ class _OpenAIRenderer:
     def _final(self, finish_reason: str) -> dict[str, object]:
         raise NotImplementedError
 
-    def error(self, code: str, message: str) -> bytes:
-        return error_body(code, message)
+    def error(self, code: str, message: str, type_: str = "server_error") -> bytes:
+        return error_body(code, message, type_)
 
 
 class ChatRenderer(_OpenAIRenderer):
@@ -125,5 +125,5 @@ class NativeRenderer:
         }
         return [("meta", _dumps(meta)), (None, DONE)]
 
-    def error(self, code: str, message: str) -> bytes:
-        return error_body(code, message)
+    def error(self, code: str, message: str, type_: str = "server_error") -> bytes:
+        return error_body(code, message, type_)

@@ -45,11 +45,14 @@ class Delta:
 class EngineError(Exception):
     """Generation failed; `code` and `message` go to the client as they are."""
 
-    def __init__(self, code: str, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self, code: str, message: str, *, retryable: bool = False, type_: str = "server_error"
+    ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
+        self.type = type_  # the error object's "type": whose doing it was
 
 
 class Engine(Protocol):

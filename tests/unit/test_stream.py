@@ -114,3 +114,15 @@ def test_ttft_is_the_engines_not_a_late_readers(monkeypatch: pytest.MonkeyPatch)
     clock.advance(6.0)  # a reader attaches much later and replays it: TTFT stays 0.2 s
     stream.push("second")
     assert seen == [pytest.approx(0.2)]
+
+
+def test_a_cancel_is_not_reported_as_a_server_error() -> None:
+    for reason, code, type_ in (
+        (Outcome.CANCELLED, "cancelled", "cancelled"),
+        (Outcome.DISCONNECTED, "stream_abandoned", "abandoned"),
+    ):
+        stream = make()
+        stream.begin()
+        stream.stop(reason)
+        _, data = events(stream)[-1]
+        assert data["error"]["code"] == code and data["error"]["type"] == type_  # type: ignore[index]
