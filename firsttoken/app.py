@@ -198,9 +198,11 @@ async def _readyz(request: Request) -> Response:
 
 
 async def _api_error(request: Request, exc: APIError) -> Response:
-    return exc.response()
+    return exc.response(trace_id(request))
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response()
+    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response(
+        trace_id(request)
+    )
