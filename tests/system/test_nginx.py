@@ -18,7 +18,7 @@ from tests.nginx import (
     run_nginx,
 )
 from tests.servers import Server, run_server
-from tests.test_diag import run_diag
+from tests.system.test_diag import run_diag
 
 # No skip when nginx is missing: ./scripts/test installs it, and CI must fail without it.
 

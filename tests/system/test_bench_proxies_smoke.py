@@ -15,7 +15,7 @@ from bench.expected import RequestSpec
 from bench.load import Capture
 from bench.proxies import decode
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_relay_vs_direct(tmp_path: Path) -> None:

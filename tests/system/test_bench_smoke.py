@@ -18,7 +18,7 @@ from bench.load import Capture
 from bench.profile import top_frames
 from bench.servers import BASELINE_REV
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:

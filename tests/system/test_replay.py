@@ -18,7 +18,7 @@ import pytest
 from firsttoken.sse import EventDecoder
 from firsttoken.tools import replay
 from tests.servers import ROOT, Server, run_server
-from tests.test_diag import BackgroundLoop, port_of, run_diag, start_batching_proxy
+from tests.system.test_diag import BackgroundLoop, port_of, run_diag, start_batching_proxy
 
 CHAT = "/v1/chat/completions"
 
