@@ -4,19 +4,18 @@ from __future__ import annotations
 
 import time
 
-import anyio
 import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from firsttoken.admission import Ticket
 from firsttoken.api.errors import APIError
 from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.render import ChatRenderer, CompletionRenderer
-from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.collect import Collector
+from firsttoken.engines import GenerationRequest
 from firsttoken.response import ARRIVED_KEY
-from firsttoken.stream import Outcome
+from firsttoken.stream import Stream
 
 __all__ = ["chat_completions", "completions", "models"]
 
@@ -71,12 +70,25 @@ async def _serve(
     )
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
     created = int(time.time())
-    if not body.stream:
-        return await _complete(gw, request, generation, ticket, chunk_id, created, chat, trace)
-    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    # Usage always, for the non-streaming answer to carry it.
+    include_usage = not body.stream or bool(
+        body.stream_options and body.stream_options.include_usage
+    )
     renderer = (ChatRenderer if chat else CompletionRenderer)(
         chunk_id, model, created, include_usage
     )
+    if not body.stream:
+        stream = gw.open_stream(
+            generation,
+            renderer,
+            kind="openai",
+            trace=trace,
+            accepted_at=accepted_at,
+            ticket=ticket,
+            coalesce="off",
+            meta=False,
+        )
+        return await _complete(gw, request, stream, chunk_id, created, chat, trace)
     options = body.stream_options
     stream = gw.open_stream(
         generation,
@@ -100,58 +112,32 @@ async def _serve(
 async def _complete(
     gw: Gateway,
     request: Request,
-    generation: GenerationRequest,
-    ticket: Ticket,
+    stream: Stream,
     chunk_id: str,
     created: int,
     chat: bool,
     trace: str,
 ) -> Response:
-    """A non-streaming answer: generate it all, still stopping if the client goes away."""
-    parts: list[str] = []
-    finish: str | None = None
-    error: EngineError | None = None
-    metrics = gw.metrics
-    metrics.active_streams += 1
-    try:
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(_cancel_on_disconnect, request, tg.cancel_scope)
-            try:
-                async for delta in gw.engine.generate(generation):
-                    if delta.text:
-                        parts.append(delta.text)
-                    if delta.finish_reason:
-                        finish = delta.finish_reason
-                finish = finish or "stop"
-            except EngineError as exc:
-                error = exc
-            tg.cancel_scope.cancel()
-    finally:
-        metrics.active_streams -= 1
-        if error is not None:
-            outcome = Outcome.ERROR
-        elif finish is None:
-            outcome = Outcome.DISCONNECTED
-            with anyio.CancelScope(shield=True):
-                await gw.engine.abort(generation.request_id)
-        else:
-            outcome = Outcome.COMPLETED
-        metrics.streams[outcome.value] += 1
-        with anyio.CancelScope(shield=True):
-            await ticket.release(outcome, len(parts))
-    if error is not None:
-        return APIError(500, error.code, error.message).response(trace)
-    if finish is None:
+    """A non-streaming answer: the same lifecycle, read by a collector into one body."""
+    collector = Collector(stream)
+    if not await collector.run(gw.registry, request):
         return Response(status_code=499)  # nobody is left to read it
-    completion_tokens = len(parts)
-    metrics.tokens_sent += completion_tokens
-    prompt_tokens = gw.engine.prompt_tokens(generation.prompt)
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "completion_tokens": completion_tokens,
-        "total_tokens": prompt_tokens + completion_tokens,
-    }
-    text = "".join(parts)
+    error = collector.error()
+    if error is not None:
+        return APIError(500, error["code"], error["message"]).response(trace)
+    texts: list[str] = []
+    finish = "stop"
+    usage: dict[str, int] = {}
+    for chunk in collector.chunks():
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for choice in chunk.get("choices", ()):
+            piece = choice["delta"].get("content") if chat else choice.get("text")
+            if piece:
+                texts.append(piece)
+            finish = choice.get("finish_reason") or finish
+    gw.metrics.tokens_sent += collector.tokens
+    text = "".join(texts)
     if chat:
         choice: dict[str, object] = {
             "index": 0,
@@ -167,20 +153,12 @@ async def _complete(
         "id": chunk_id,
         "object": obj,
         "created": created,
-        "model": generation.model,
+        "model": stream.request.model,
         "choices": [choice],
         "usage": usage,
     }
     return Response(
         orjson.dumps(body),
         media_type="application/json",
-        headers={"x-request-id": trace, "x-stream-id": generation.request_id},
+        headers={"x-request-id": trace, "x-stream-id": stream.id},
     )
-
-
-async def _cancel_on_disconnect(request: Request, scope: anyio.CancelScope) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            scope.cancel()
-            return

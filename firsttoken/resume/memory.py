@@ -117,6 +117,8 @@ class EventLog:
         self._corked = False
         for reader in list(self.readers):
             reader.catch_up()
+            if self.closed:
+                reader.log_closed()
 
     def after(self, seq: int, limit: int | None = None) -> list[Event]:
         """Events with a sequence number above `seq` (none if the reader is caught up)."""

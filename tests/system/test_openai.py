@@ -158,3 +158,19 @@ def test_non_streaming_engine_error_is_an_http_error(server: Server) -> None:
     )
     assert r.status_code == 500
     assert r.json()["error"]["code"] == "engine_error"
+
+
+def test_non_streaming_answers_live_the_same_lifecycle(server: Server) -> None:
+    # TTFT, outcome and tokens come from the one stream lifecycle, as for a streaming answer.
+    before = server.metrics()
+    r = httpx.post(
+        server.v1 + "/chat/completions",
+        json={"messages": [{"role": "user", "content": "whole"}], "max_tokens": 7},
+        timeout=10,
+    )
+    after = server.metrics()
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7
+    delta = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+    assert delta["firsttoken_ttft_seconds_count"] == 1
+    assert delta['firsttoken_streams_total{outcome="completed"}'] == 1
+    assert delta["firsttoken_tokens_sent_total"] == 7
