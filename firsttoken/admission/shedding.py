@@ -12,6 +12,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
+from enum import StrEnum
 from pathlib import Path
 
 import anyio
@@ -19,7 +20,7 @@ import anyio
 from firsttoken.config import Settings
 from firsttoken.observability import Metrics, log_event
 
-__all__ = ["LoadShedder", "memory_limit_bytes", "rss_bytes"]
+__all__ = ["BreakerState", "LoadShedder", "memory_limit_bytes", "rss_bytes"]
 
 _UNITS = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
 
@@ -53,8 +54,14 @@ def rss_bytes() -> int:
     return int(os.pread(_statm[1], 256, 0).split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+class BreakerState(StrEnum):
+    CLOSED = "closed"
+    OPEN = "open"
+    HALF_OPEN = "half_open"  # one probe stream decides
+
+
 class LoadShedder:
-    CLOSED, OPEN, HALF_OPEN = "closed", "open", "half_open"
+    CLOSED, OPEN, HALF_OPEN = BreakerState.CLOSED, BreakerState.OPEN, BreakerState.HALF_OPEN
 
     def __init__(self, settings: Settings, metrics: Metrics) -> None:
         self.s = settings
@@ -178,13 +185,13 @@ class LoadShedder:
         while window and window[0][0] < horizon:
             window.popleft()
 
-    def _set_breaker(self, state: str, now: float) -> None:
+    def _set_breaker(self, state: BreakerState, now: float) -> None:
         if state == self.breaker:
             return
         self.breaker = state
         if state == self.OPEN:
             self._opened_at = now
-        self.metrics.breaker_state = state
+        self.metrics.breaker_state = state.value
         log_event("shed.breaker", logging.WARNING, state=state)
 
     def _set_reason(self, reason: str, on: bool, **fields: object) -> None:

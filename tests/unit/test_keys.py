@@ -1,0 +1,35 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from firsttoken.admission.keys import ApiKey, KeyRing
+
+
+def test_keys_are_found_by_secret(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[[keys]]\nname = "alice"\nkey = "sk-a"\nmax_streams = 2\n\n'
+        '[[keys]]\nname = "bob"\nkey = "sk-b"\ntokens_per_minute = 100\n'
+    )
+    ring = KeyRing.load(path)
+    assert ring.find("sk-a") == ApiKey(name="alice", max_streams=2)
+    assert ring.find("sk-b") == ApiKey(name="bob", tokens_per_minute=100)
+    assert ring.find("sk-c") is None and ring.find("") is None
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        "",
+        '[[keys]]\nname = "x"\n',
+        '[[keys]]\nname = "x"\nkey = "k"\nmax_streams = 0\n',
+        '[[keys]]\nname = "x"\nkey = "k"\ntokens_per_minute = "lots"\n',
+    ],
+)
+def test_a_bad_keys_file_names_what_is_wrong(tmp_path: Path, body: str) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(body)
+    with pytest.raises(ValueError, match="keys"):
+        KeyRing.load(path)

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from firsttoken.engines.synthetic import apply_stop, synthetic_tokens
+
+
+def test_the_answer_is_cut_before_the_first_stop_string() -> None:
+    tokens = [" Hello", " wor", "ld", ". More", " text"]
+    cut, stopped = apply_stop(tokens, ("ld.", "xyz"))
+    assert stopped and "".join(cut) == " Hello wor"
+    assert cut == [" Hello", " wor"]
+
+
+def test_a_stop_inside_a_token_keeps_its_prefix() -> None:
+    cut, stopped = apply_stop([" alpha", " beta gamma"], (" gamma",))
+    assert stopped and cut == [" alpha", " beta"]
+
+
+def test_no_stop_string_leaves_the_answer_whole() -> None:
+    tokens, _ = synthetic_tokens("hi", 1, 30)
+    assert apply_stop(tokens, ()) == (tokens, False)
+    assert apply_stop(tokens, ("\x00never",)) == (tokens, False)
+
+
+def test_synthetic_answers_are_a_pure_function_of_the_request() -> None:
+    assert synthetic_tokens("same", 3, 40) == synthetic_tokens("same", 3, 40)
+    assert synthetic_tokens("same", 3, 40) != synthetic_tokens("same", 4, 40)
+    tokens, finish = synthetic_tokens("same", 3, 5)
+    assert len(tokens) == 5 and finish == "length"
