@@ -1,7 +1,8 @@
 """The same limits shared by every instance on one Redis, atomic through Lua scripts.
 
-Stream slots are leases in a sorted set scored by expiry: holders refresh theirs every
-second, so the slots of a crashed instance free themselves within `lease_s`.
+Stream slots are leases in a sorted set scored by expiry: holders refresh theirs every third
+of `lease_s` (1.67 s by default), so the slots of a crashed instance free themselves within
+`lease_s`.
 
 While Redis is unreachable, admission **fails open to this instance's own limits**: the same
 rate bucket, key slots and token budgets, kept in memory (`MemoryLimits`), so each instance
