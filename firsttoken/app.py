@@ -41,7 +41,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     engine = engine or build_engine(settings)
     metrics = Metrics(
         tokens_generated=lambda: engine.tokens_generated,
-        engine_counter=lambda name: int(getattr(engine, name, 0)),
+        engine_counter=lambda name: engine.counters().get(name, 0),
     )
     store = open_store(settings.redis, max_events=settings.resume_max_events)
     registry = StreamRegistry(

@@ -96,6 +96,9 @@ class BatchingEngine:
 
     # -- the Engine interface --------------------------------------------------------------
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
     def prompt_tokens(self, prompt: str) -> int:
         return self._words.prompt_tokens(prompt)
 

@@ -99,6 +99,13 @@ class CachedEngine:
     def tokens_generated(self) -> int:
         return self.inner.tokens_generated
 
+    def counters(self) -> dict[str, int]:
+        return {
+            **self.inner.counters(),
+            "cache_hits": self.cache_hits,
+            "canned_hits": self.canned_hits,
+        }
+
     def prompt_tokens(self, prompt: str) -> int:
         return self.inner.prompt_tokens(prompt)
 

@@ -246,6 +246,9 @@ class LlamaCppEngine:
 
     # -- the Engine interface --------------------------------------------------------------
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
     def prompt_tokens(self, prompt: str) -> int:
         if self._llm is None:
             return len(prompt.split())

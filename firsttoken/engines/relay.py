@@ -126,6 +126,9 @@ class RelayEngine:
 
     # -- the Engine protocol ---------------------------------------------------------------
 
+    def counters(self) -> dict[str, int]:
+        return {"failovers": self.failovers}
+
     def prompt_tokens(self, prompt: str) -> int:
         # Words and punctuation: near enough to a BPE count for usage and limits.
         return len(_WORD_RE.findall(prompt))

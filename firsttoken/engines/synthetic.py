@@ -188,6 +188,9 @@ class SyntheticEngine:
         for run in list(self._running.values()):
             run.cancel()
 
+    def counters(self) -> dict[str, int]:
+        return {}
+
     def prompt_tokens(self, prompt: str) -> int:
         return len(_WORD_RE.findall(prompt))
 
