@@ -77,19 +77,9 @@ async def _serve(
     renderer = (ChatRenderer if chat else CompletionRenderer)(
         chunk_id, model, created, include_usage
     )
-    if not body.stream:
-        stream = gw.open_stream(
-            generation,
-            renderer,
-            kind="openai",
-            trace=trace,
-            accepted_at=accepted_at,
-            ticket=ticket,
-            coalesce="off",
-            meta=False,
-        )
-        return await _complete(gw, request, stream, chunk_id, created, chat, trace)
-    options = body.stream_options
+    options = body.stream_options if body.stream else None
+    # A whole answer is read at once: chunking and progress events would be wasted on it.
+    coalesce = (options.coalesce if options else None) if body.stream else "off"
     stream = gw.open_stream(
         generation,
         renderer,
@@ -97,9 +87,11 @@ async def _serve(
         trace=trace,
         accepted_at=accepted_at,
         ticket=ticket,
-        coalesce=options.coalesce if options else None,
+        coalesce=coalesce,
         meta=bool(options and options.meta),
     )
+    if not body.stream:
+        return await _complete(gw, request, stream, chunk_id, created, chat, trace)
     return gw.reader(
         stream,
         request,
