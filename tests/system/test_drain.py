@@ -27,15 +27,19 @@ def read_stream(url: str, body: dict, out: dict) -> None:
     out["done"] = any(e.data == "[DONE]" for e in events)
 
 
+def start_reading(url: str, max_tokens: int) -> tuple[threading.Thread, dict]:
+    """A stream (20 ms a token) read by a thread, once its first events have come."""
+    out: dict = {}
+    body = {**BODY, "synthetic": {"itl_ms": 20}, "max_tokens": max_tokens}
+    reader = threading.Thread(target=read_stream, args=(url, body, out))
+    reader.start()
+    wait_for(lambda: out.get("events", 0) > 2)
+    return reader, out
+
+
 def test_sigterm_drains_then_ends_what_still_runs_with_server_shutdown() -> None:
     with run_server("--drain-timeout-s", "1.5", "--synthetic-ttft-ms", "10") as s:
-        long: dict = {}
-        reader = threading.Thread(
-            target=read_stream,
-            args=(s.url, {**BODY, "synthetic": {"itl_ms": 20}, "max_tokens": 1000}, long),
-        )
-        reader.start()
-        wait_for(lambda: long.get("events", 0) > 5)
+        reader, long = start_reading(s.url, 1000)
         s.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(s.url + "/readyz").status_code == 503)
         assert httpx.get(s.url + "/readyz").json()["status"] == "draining"
@@ -54,13 +58,7 @@ def test_sigterm_drains_then_ends_what_still_runs_with_server_shutdown() -> None
 
 def test_a_drain_ends_as_soon_as_the_running_streams_finish() -> None:
     with run_server("--drain-timeout-s", "30", "--synthetic-ttft-ms", "10") as s:
-        short: dict = {}
-        reader = threading.Thread(
-            target=read_stream,
-            args=(s.url, {**BODY, "synthetic": {"itl_ms": 20}, "max_tokens": 40}, short),
-        )
-        reader.start()
-        wait_for(lambda: short.get("events", 0) > 2)
+        reader, short = start_reading(s.url, 40)
         started = time.monotonic()
         s.proc.send_signal(signal.SIGTERM)
         reader.join(timeout=10)
@@ -71,13 +69,7 @@ def test_a_drain_ends_as_soon_as_the_running_streams_finish() -> None:
 
 def test_a_second_signal_cuts_the_drain_short() -> None:
     with run_server("--drain-timeout-s", "60", "--synthetic-ttft-ms", "10") as s:
-        long: dict = {}
-        reader = threading.Thread(
-            target=read_stream,
-            args=(s.url, {**BODY, "synthetic": {"itl_ms": 20}, "max_tokens": 1000}, long),
-        )
-        reader.start()
-        wait_for(lambda: long.get("events", 0) > 5)
+        reader, long = start_reading(s.url, 1000)
         s.proc.send_signal(signal.SIGTERM)
         wait_for(lambda: httpx.get(s.url + "/readyz").status_code == 503)
         s.proc.send_signal(signal.SIGTERM)
