@@ -203,13 +203,9 @@ class Stream:
         if self.coalesce is not None:
             self._coalescer = Coalescer(self.coalesce)
         template = getattr(self.renderer, "token_template", None)
-        if (
-            template is not None
-            and self._coalescer is None
-            and self.meta_interval_s is None
-            and self._token_event is None
-        ):
-            # `id: <seq>\ndata: <prefix><JSON text><suffix>\n\n`, as one %-format per token.
+        if template is not None and self._token_event is None:
+            # `id: <seq>\ndata: <prefix><JSON text><suffix>\n\n`, as one %-format per token
+            # (or per coalesced chunk).
             prefix, suffix = template()
             self._template = (
                 b"id: %d\ndata: " + prefix.replace(b"%", b"%%") + b"%s"
@@ -302,7 +298,8 @@ class Stream:
         (or whether) a reader is there to take it."""
         now = time.perf_counter()
         self.first_token_at = now
-        self._frame = self._template  # from now on, tokens take the hot path
+        if self._coalescer is None and self.meta_interval_s is None:
+            self._frame = self._template  # from now on, tokens take the hot path
         if self.on_first_token is not None:
             self.on_first_token(self, now - self.accepted_at)
 
@@ -329,6 +326,11 @@ class Stream:
 
     def _emit(self, text: str, tokens: int) -> None:
         log = self.log
+        if self._template is not None:
+            log.append(self._template % (log.last_seq + 1, _dumps(text)), tokens)
+            if self.meta_interval_s is not None:
+                self._maybe_meta()
+            return
         assert self.renderer is not None
         data = self.renderer.token(text)
         if self._token_event is None:
@@ -348,25 +350,31 @@ class Stream:
             self._append("meta", _progress(self, now))
 
     def _coalesce(self, text: str) -> None:
-        """Tokens go through the coalescer as they come; a pending chunk's deadline is a loop
-        timer (one per chunk, not per token) that flushes it if no boundary comes first."""
+        """Tokens go through the coalescer as they come. A pending chunk's deadline is one
+        loop timer per stream, armed when a chunk opens and not cancelled when a boundary
+        flushes it first: when it fires it flushes what is due or re-arms for what is pending."""
         coalescer = self._coalescer
         assert coalescer is not None
-        self._emit_chunks(coalescer.push(text, time.perf_counter()))
+        now = time.perf_counter()
+        chunks = coalescer.push(text, now)
+        if chunks:
+            self._emit_chunks(chunks)
         deadline = coalescer.deadline
-        timer = self._flush_timer
-        if deadline is None and timer is not None:
-            timer.cancel()
-            self._flush_timer = None
-        elif deadline is not None and timer is None:
+        if deadline is not None and self._flush_timer is None:
             loop = asyncio.get_running_loop()
-            delay = max(0.0, deadline - time.perf_counter())
-            self._flush_timer = loop.call_later(delay, self._flush_due)
+            self._flush_timer = loop.call_later(max(0.0, deadline - now), self._flush_due)
 
     def _flush_due(self) -> None:
         self._flush_timer = None
-        if self._coalescer is not None and self.outcome is None:
-            self._emit_chunks(self._coalescer.due(time.perf_counter()))
+        coalescer = self._coalescer
+        if coalescer is None or self.outcome is not None:
+            return
+        now = time.perf_counter()
+        self._emit_chunks(coalescer.due(now))
+        deadline = coalescer.deadline
+        if deadline is not None:  # a newer chunk opened after the one this timer was for
+            loop = asyncio.get_running_loop()
+            self._flush_timer = loop.call_later(max(0.0, deadline - now), self._flush_due)
 
     def _flush_pending(self) -> None:
         if self._coalescer is not None:
