@@ -253,38 +253,40 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             note += " (never exceeded it)"
         base = highest_within_itl(sat, BASELINE, itl) if server == SUBJECT else None
         add(f"highest step within 2×ITL, {label} (streams)", value, base, "≥", limit, note)
-    # Added TTFT p99 at the target step ÷ the floor's.
-    floor = _find(over, FLOOR, n)
+    # Added TTFT p99 at the target step, and a burst's p50, ÷ the floor's.
 
     def vs_floor(server: str, rows: Sequence[Row], at: int, key: str) -> float | None:
         me, them = _find(rows, server, at), _find(rows, FLOOR, at)
         return _ratio(me[key], them[key]) if me and them else None
 
-    me = _find(over, SUBJECT, n)
-    note = "not measured"
-    if me and floor:
-        note = f"{_fmt(me['added_ttft_ms_p99'], 1)} vs {_fmt(floor['added_ttft_ms_p99'], 1)} ms"
-    add(
+    def floor_row(title: str, rows: Sequence[Row], at: int, key: str, limit: float) -> None:
+        """firsttoken's figure ÷ the floor's, both builds, with the two figures as the note."""
+        me, them = _find(rows, SUBJECT, at), _find(rows, FLOOR, at)
+        note = f"{_fmt(me[key], 1)} vs {_fmt(them[key], 1)} ms" if me and them else "not measured"
+        add(
+            title,
+            vs_floor(SUBJECT, rows, at, key),
+            vs_floor(BASELINE, rows, at, key),
+            "≤",
+            limit,
+            note,
+        )
+
+    floor_row(
         f"added TTFT p99, {n} streams ÷ {FLOOR}'s",
-        vs_floor(SUBJECT, over, n, "added_ttft_ms_p99"),
-        vs_floor(BASELINE, over, n, "added_ttft_ms_p99"),
-        "≤",
+        over,
+        n,
+        "added_ttft_ms_p99",
         TTFT_P99_VS_FLOOR_MAX,
-        note,
     )
     # Burst: streams requested at the same instant.
     b = sizes["burst_streams"]
-    me, floor = _find(burst, SUBJECT, b), _find(burst, FLOOR, b)
-    note = "not measured"
-    if me and floor:
-        note = f"{_fmt(me['added_ttft_ms_p50'], 1)} vs {_fmt(floor['added_ttft_ms_p50'], 1)} ms"
-    add(
+    floor_row(
         f"burst: added TTFT p50, {b} streams at once ÷ {FLOOR}'s",
-        vs_floor(SUBJECT, burst, b, "added_ttft_ms_p50"),
-        vs_floor(BASELINE, burst, b, "added_ttft_ms_p50"),
-        "≤",
+        burst,
+        b,
+        "added_ttft_ms_p50",
         BURST_P50_VS_FLOOR_MAX,
-        note,
     )
     # The service level with two workers: TTFT p99 (absolute) at the top overhead level.
     top = max(sizes["levels"])

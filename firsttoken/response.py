@@ -221,7 +221,8 @@ class EventWriter:
             self.close(End.DISCONNECTED)
 
     def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
-        """Metrics for a first delivery (a replay to a resuming reader is not new)."""
+        """Metrics for a first delivery (a replay to a resuming reader is not new). `deliver`
+        does the same inline: it runs once per token."""
         metrics = self.metrics
         if stream.last_content_at:
             metrics.inter_chunk.observe(now - stream.last_content_at)
