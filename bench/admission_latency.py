@@ -17,8 +17,8 @@ from pathlib import Path
 
 from firsttoken.admission import Admission
 from firsttoken.config import Settings
+from firsttoken.core.stream import Outcome
 from firsttoken.observability import Metrics
-from firsttoken.stream import Outcome
 
 N = 2000
 

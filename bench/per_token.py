@@ -33,13 +33,14 @@ from typing import Any
 
 import uvloop
 
-from firsttoken.api.render import ChatRenderer
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import SyntheticEngine, SyntheticOptions, _Run
 from firsttoken.observability import Metrics
-from firsttoken.response import EventWriter
 from firsttoken.resume import EventLog
-from firsttoken.stream import Stream, StreamRegistry
+from firsttoken.wire.render import ChatRenderer
+from firsttoken.wire.response import EventWriter
 
 __all__ = ["main", "measure", "render_table", "stages"]
 

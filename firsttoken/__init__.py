@@ -29,15 +29,15 @@ _WHERE = {
     "EngineError": "firsttoken.engines",
     "GenerationRequest": "firsttoken.engines",
     "SyntheticEngine": "firsttoken.engines",
-    "EventDecoder": "firsttoken.sse",
-    "ServerSentEvent": "firsttoken.sse",
+    "EventDecoder": "firsttoken.wire.sse",
+    "ServerSentEvent": "firsttoken.wire.sse",
 }
 
 if TYPE_CHECKING:
     from firsttoken.app import create_app
     from firsttoken.config import Settings
     from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest, SyntheticEngine
-    from firsttoken.sse import EventDecoder, ServerSentEvent
+    from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 
 def __getattr__(name: str) -> Any:

@@ -19,17 +19,17 @@ from starlette.types import Receive, Scope, Send
 from firsttoken.admission import Admission
 from firsttoken.api import native, openai
 from firsttoken.api.gateway import Gateway, gateway, trace_id
-from firsttoken.compression import GZipResponses
 from firsttoken.config import Settings
+from firsttoken.core.pacing import Pacer
+from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine, build_engine
-from firsttoken.errors import APIError
 from firsttoken.observability import Metrics
-from firsttoken.pacing import Pacer
 from firsttoken.requestlimits import oversized
-from firsttoken.response import RAW_SEND_KEY
 from firsttoken.resume import open_store
 from firsttoken.runtime_metrics import RuntimeCollector
-from firsttoken.stream import StreamRegistry
+from firsttoken.wire.compression import GZipResponses
+from firsttoken.wire.errors import APIError
+from firsttoken.wire.response import RAW_SEND_KEY
 
 __all__ = ["RawSendApp", "create_app"]
 
@@ -130,9 +130,7 @@ class RawSendApp:
                 return
         await self.app(scope, receive, send)
 
-    async def _serve(
-        self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send
-    ) -> None:
+    async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app
         request = Request(scope, receive)
         try:

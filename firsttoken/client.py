@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from firsttoken.sse import EventDecoder, ServerSentEvent
+from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["AsyncClient", "Client", "StreamError", "StreamInterrupted", "TextStream"]
 

@@ -184,6 +184,11 @@ class Settings:
     synthetic_itl_ms: float = _knob(
         20.0, "synthetic engine: time per further token, ms", range=Range(0, 60_000)
     )
+    synthetic_style: str = _knob(
+        "prose",
+        "synthetic engine: how answers are written when a request does not say",
+        choices=("prose", "markdown", "hostile"),
+    )
     resume_grace_s: float = _knob(
         10.0,
         "native streams: keep generating this long after the last reader left "

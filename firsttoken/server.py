@@ -20,9 +20,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.gateway import Gateway
 from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings, unknown_variables
-from firsttoken.connection import StreamingProtocol
 from firsttoken.observability import configure_logging, log_event
 from firsttoken.preflight import StartupError, describe, preflight
+from firsttoken.wire.connection import StreamingProtocol
 from firsttoken.workers import Supervisor
 
 __all__ = ["serve"]
@@ -232,9 +232,7 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     )
     _tune_gc()
     try:
-        _Server(config, url, starlette.state.gateway, settings.drain_timeout_s).run(
-            sockets=[sock]
-        )
+        _Server(config, url, starlette.state.gateway, settings.drain_timeout_s).run(sockets=[sock])
     except SystemExit:
         if app.failure is None:
             raise

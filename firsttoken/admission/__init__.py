@@ -21,9 +21,10 @@ from firsttoken.admission.limits import (
 )
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
-from firsttoken.errors import APIError
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.stream import Outcome
 from firsttoken.observability import Metrics
-from firsttoken.stream import Outcome, StreamRegistry
+from firsttoken.wire.errors import APIError
 
 __all__ = ["Admission", "ApiKey", "KeyRing", "LoadShedder", "Ticket"]
 

@@ -12,15 +12,16 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from firsttoken.admission import Admission, Ticket
-from firsttoken.api.errors import APIError, read_model
+from firsttoken.api.bodies import APIError, read_model
 from firsttoken.api.protocol import Coalesce, CoalesceOptions
-from firsttoken.chunking import CoalescePolicy
-from firsttoken.compression import StreamCompressor, negotiate
 from firsttoken.config import Settings
+from firsttoken.core.chunking import CoalescePolicy
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import Engine, GenerationRequest
 from firsttoken.observability import Metrics
-from firsttoken.response import EventStreamResponse
-from firsttoken.stream import Renderer, Stream, StreamRegistry
+from firsttoken.wire.compression import StreamCompressor, negotiate
+from firsttoken.wire.response import EventStreamResponse
 
 __all__ = ["Gateway", "gateway", "new_stream_id", "trace_id"]
 

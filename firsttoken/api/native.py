@@ -8,13 +8,13 @@ import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from firsttoken.api.errors import APIError
+from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
-from firsttoken.api.render import NativeRenderer
+from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
-from firsttoken.response import ARRIVED_KEY
-from firsttoken.stream import Stream
+from firsttoken.wire.render import NativeRenderer
+from firsttoken.wire.response import ARRIVED_KEY
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
 

@@ -8,14 +8,14 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from firsttoken.api.errors import APIError
+from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
-from firsttoken.api.render import ChatRenderer, CompletionRenderer
-from firsttoken.collect import Collector
+from firsttoken.core.collect import Collector
+from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
-from firsttoken.response import ARRIVED_KEY
-from firsttoken.stream import Stream
+from firsttoken.wire.render import ChatRenderer, CompletionRenderer
+from firsttoken.wire.response import ARRIVED_KEY
 
 __all__ = ["chat_completions", "completions", "models"]
 

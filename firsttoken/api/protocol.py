@@ -16,6 +16,7 @@ __all__ = [
     "NativeStreamRequest",
     "StreamOptions",
     "SyntheticKnobs",
+    "SyntheticToolCall",
 ]
 
 
@@ -24,12 +25,20 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
 
+class SyntheticToolCall(_Body):
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,64}$")]
+    arguments: dict[str, Any] = Field(default_factory=dict)
+
+
 class SyntheticKnobs(_Body):
     ttft_ms: Annotated[float, Field(ge=0, le=600_000)] | None = None
     itl_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
     fail_after: Annotated[int, Field(ge=0)] | None = None
     error_code: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")] | None = None
     answer_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    reasoning_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    tool_call: SyntheticToolCall | None = None
+    style: Literal["prose", "markdown", "hostile"] | None = None
 
 
 class CoalesceOptions(_Body):

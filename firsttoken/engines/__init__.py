@@ -25,7 +25,9 @@ def build_engine(settings: Settings) -> Engine:
         engine = BatchingEngine(settings)
     elif settings.engine == "synthetic":
         engine = SyntheticEngine(
-            ttft_ms=settings.synthetic_ttft_ms, itl_ms=settings.synthetic_itl_ms
+            ttft_ms=settings.synthetic_ttft_ms,
+            itl_ms=settings.synthetic_itl_ms,
+            style=settings.synthetic_style,
         )
     elif settings.engine == "openai":
         from firsttoken.engines.relay import RelayEngine

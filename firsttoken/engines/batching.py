@@ -32,11 +32,12 @@ from firsttoken.engines.synthetic import (
     MODEL_ID,
     SyntheticEngine,
     SyntheticOptions,
-    apply_stop,
     synthetic_tokens,
 )
+from firsttoken.engines.text import apply_stop
 
 __all__ = ["BatchingEngine"]
+
 
 @dataclass(eq=False, slots=True)
 class _Seq:
@@ -129,9 +130,7 @@ class BatchingEngine:
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:
             finish = "stop"
-        seq = _Seq(
-            self, request.request_id, tokens, finish, opts.fail_after, opts.error_code, sink
-        )
+        seq = _Seq(self, request.request_id, tokens, finish, opts.fail_after, opts.error_code, sink)
         if not tokens:
             sink.finish(finish)
             return seq

@@ -19,7 +19,6 @@ Neither counts toward `tokens_generated` ("tokens the engine produced"); `cache_
 
 from __future__ import annotations
 
-import re
 import time
 import tomllib
 import unicodedata
@@ -36,7 +35,7 @@ import orjson
 
 from firsttoken.config import Settings
 from firsttoken.engines.base import Delta, Engine, GenerationRequest
-from firsttoken.engines.synthetic import apply_stop
+from firsttoken.engines.text import apply_stop, split_words
 
 __all__ = ["CachedEngine", "load_canned"]
 
@@ -71,9 +70,6 @@ def load_canned(path: str | Path) -> dict[str, str]:
     ):
         raise ValueError(f"{path}: [answers] must map prompt strings to answer strings")
     return {_greeting(k): v for k, v in answers.items()}
-
-
-_WORD = re.compile(r"\s*\S+")
 
 
 class CachedEngine:
@@ -200,7 +196,7 @@ class CachedEngine:
         answer = self.canned.get(_greeting(prompt))
         if answer is None:
             return None
-        tokens, finish = _WORD.findall(answer), "stop"
+        tokens, finish = split_words(answer), "stop"
         if request.max_tokens is not None and request.max_tokens < len(tokens):
             tokens, finish = tokens[: request.max_tokens], "length"
         tokens, stopped = apply_stop(tokens, request.stop)

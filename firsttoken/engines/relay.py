@@ -21,8 +21,9 @@ import orjson
 
 from firsttoken.config import Settings
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.text import count_words
 from firsttoken.observability import log_event
-from firsttoken.sse import EventDecoder, ServerSentEvent
+from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["RelayEngine", "Upstream", "normalise_error", "upstream_base"]
 
@@ -31,7 +32,6 @@ COOLDOWN_S = 5.0
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _MAX_ERROR_BODY = 64 * 1024
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 
@@ -130,8 +130,7 @@ class RelayEngine:
         return {"failovers": self.failovers}
 
     def prompt_tokens(self, prompt: str) -> int:
-        # Words and punctuation: near enough to a BPE count for usage and limits.
-        return len(_WORD_RE.findall(prompt))
+        return count_words(prompt)
 
     async def abort(self, request_id: str) -> None:
         # The consumer's cancellation already closed the upstream response when it was

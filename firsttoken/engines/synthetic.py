@@ -9,16 +9,17 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-import re
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
 from typing import Any
 
+from firsttoken.core.schedule import Schedule
 from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
 from firsttoken.engines.steps import pull
-from firsttoken.schedule import Schedule
+from firsttoken.engines.styles import styled_answer
+from firsttoken.engines.text import apply_stop, count_words
 
 __all__ = ["SyntheticEngine", "SyntheticOptions", "synthetic_tokens"]
 
@@ -54,6 +55,9 @@ class SyntheticOptions:
     fail_after: int | None = None
     error_code: str | None = None
     answer_tokens: int | None = None  # length of the natural answer (default ~300, by seed)
+    reasoning_tokens: int | None = None  # tokens of reasoning before the answer
+    tool_call: Mapping[str, Any] | None = None  # {"name", "arguments"}: the answer is a call
+    style: str | None = None  # "prose" | "markdown" | "hostile" (None: the server's)
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SyntheticOptions:
@@ -65,6 +69,9 @@ class SyntheticOptions:
             fail_after=raw.get("fail_after"),
             error_code=raw.get("error_code"),
             answer_tokens=raw.get("answer_tokens"),
+            reasoning_tokens=raw.get("reasoning_tokens"),
+            tool_call=raw.get("tool_call"),
+            style=raw.get("style"),
         )
 
 
@@ -73,51 +80,38 @@ def synthetic_tokens(
     seed: int | None = None,
     max_tokens: int | None = None,
     answer_tokens: int | None = None,
+    style: str = "prose",
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
-    tokens, finish = _answer(prompt, seed, max_tokens, answer_tokens)
+    tokens, finish = _answer(prompt, seed, max_tokens, answer_tokens, style)
     return list(tokens), finish
 
 
 def _answer(
-    prompt: str, seed: int | None, max_tokens: int | None, answer_tokens: int | None
+    prompt: str,
+    seed: int | None,
+    max_tokens: int | None,
+    answer_tokens: int | None,
+    style: str = "prose",
 ) -> tuple[Sequence[str], str]:
     # The cached tuple itself when it is whole: a waiting stream holds no copy of its answer.
-    natural = _natural_answer(prompt, seed or 0, answer_tokens)
+    natural = _natural_answer(prompt, seed or 0, answer_tokens, style)
     if max_tokens is not None and max_tokens < len(natural):
         return natural[:max_tokens], "length"
     return natural, "stop"
 
 
-def apply_stop(tokens: Sequence[str], stop: tuple[str, ...]) -> tuple[Sequence[str], bool]:
-    """Cut the answer before the first stop string; the cut token keeps its prefix."""
-    if not stop:
-        return tokens, False
-    text = "".join(tokens)
-    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
-    if not hits:
-        return tokens, False
-    end = min(hits)
-    out: list[str] = []
-    pos = 0
-    for token in tokens:
-        if pos + len(token) <= end:
-            out.append(token)
-            pos += len(token)
-            continue
-        if end > pos:
-            out.append(token[: end - pos])
-        break
-    return out, True
-
-
 @lru_cache(maxsize=1024)
-def _natural_answer(prompt: str, seed: int, length: int | None) -> tuple[str, ...]:
+def _natural_answer(
+    prompt: str, seed: int, length: int | None, style: str = "prose"
+) -> tuple[str, ...]:
     digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     target = rng.randint(270, 330)
     if length is not None:  # drawn anyway, so a longer answer starts with the default one
         target = length
+    if style != "prose":
+        return styled_answer(style, rng, target)
     tokens: list[str] = []
     sentences_in_paragraph = 0
     paragraph_len = rng.randint(3, 5)
@@ -157,7 +151,6 @@ def _sentence(rng: random.Random) -> list[str]:
     return tokens
 
 
-_WORD_RE = re.compile(r"\w+|[^\w\s]", re.UNICODE)
 _FAR_S = 0.1  # deadlines further than this wait in the engine's heap
 
 
@@ -171,9 +164,12 @@ class SyntheticEngine:
 
     models = (MODEL_ID,)
 
-    def __init__(self, *, ttft_ms: float = 200.0, itl_ms: float = 20.0) -> None:
+    def __init__(
+        self, *, ttft_ms: float = 200.0, itl_ms: float = 20.0, style: str = "prose"
+    ) -> None:
         self.ttft_ms = ttft_ms
         self.itl_ms = itl_ms
+        self.style = style
         self.tokens_generated = 0
         self.steps = 0  # ticks run (for the per-token cost table)
         self._ticks: dict[int, list[_Run]] = {}
@@ -192,7 +188,7 @@ class SyntheticEngine:
         return {}
 
     def prompt_tokens(self, prompt: str) -> int:
-        return len(_WORD_RE.findall(prompt))
+        return count_words(prompt)
 
     async def abort(self, request_id: str) -> None:
         run = self._running.get(request_id)
@@ -206,7 +202,11 @@ class SyntheticEngine:
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
         tokens, finish = _answer(
-            request.prompt, request.seed, request.max_tokens, opts.answer_tokens
+            request.prompt,
+            request.seed,
+            request.max_tokens,
+            opts.answer_tokens,
+            opts.style or self.style,
         )
         tokens, stopped = apply_stop(tokens, request.stop)
         if stopped:

@@ -38,12 +38,12 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from redis.asyncio import Redis
 from redis.exceptions import RedisError, ResponseError
 
-from firsttoken.errors import APIError, error_body
+from firsttoken.core.eventlog import Event, EventLog
 from firsttoken.observability import log_event
 from firsttoken.redisclient import redis_client
-from firsttoken.resume.memory import Event, EventLog
 from firsttoken.resume.store import StreamRecord
-from firsttoken.sse import encode_event
+from firsttoken.wire.errors import APIError, error_body
+from firsttoken.wire.sse import encode_event
 
 __all__ = ["RedisStore"]
 

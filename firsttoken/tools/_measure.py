@@ -21,7 +21,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpcore._backends.anyio  # noqa: F401  (see below)
 import httpx
 
-from firsttoken.sse import EventDecoder, ServerSentEvent
+from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = [
     "Comment",

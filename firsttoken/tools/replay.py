@@ -17,9 +17,9 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from firsttoken.cli import Parser
-from firsttoken.sse import ServerSentEvent, comment
 from firsttoken.tools._capture import Recorded, load_capture
 from firsttoken.tools._measure import Event, classify
+from firsttoken.wire.sse import ServerSentEvent, comment
 
 __all__ = ["main"]
 

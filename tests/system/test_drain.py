@@ -8,7 +8,7 @@ import time
 
 import httpx
 
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.redis_server import run_redis
 from tests.servers import run_server, wait_for
 

@@ -17,7 +17,7 @@ import pytest
 
 from firsttoken.engines import synthetic_tokens
 from firsttoken.requestlimits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server, wait_for
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.redis_server import RedisServer, redis_server
 from tests.servers import Server, run_server, wait_for

@@ -9,9 +9,9 @@ import time
 
 import httpx
 
+from firsttoken.core.pacing import Pacer
 from firsttoken.engines import synthetic_tokens
-from firsttoken.pacing import Pacer
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.servers import run_server
 from tests.unit.clock import FakeClock
 
@@ -54,8 +54,7 @@ def test_a_low_cap_paces_every_stream_fairly_and_loses_nothing() -> None:
         results: list[dict[str, object]] = [{} for _ in range(3)]
         started = time.monotonic()
         readers = [
-            threading.Thread(target=read, args=(s.url, f"paced {i}", results[i]))
-            for i in range(3)
+            threading.Thread(target=read, args=(s.url, f"paced {i}", results[i])) for i in range(3)
         ]
         for t in readers:
             t.start()

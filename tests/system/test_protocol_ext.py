@@ -13,9 +13,9 @@ import openai
 import pytest
 import zstandard
 
-from firsttoken.chunking import BOUNDARIES
+from firsttoken.core.chunking import BOUNDARIES
 from firsttoken.engines import synthetic_tokens
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 

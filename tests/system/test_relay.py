@@ -17,8 +17,8 @@ import pytest
 
 from firsttoken.engines import synthetic_tokens
 from firsttoken.engines.relay import upstream_base
-from firsttoken.engines.synthetic import apply_stop
-from firsttoken.sse import EventDecoder
+from firsttoken.engines.text import apply_stop
+from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import ROOT, Server, run_server, wait_for
 from tests.upstreams import (

@@ -7,7 +7,7 @@ import json
 import httpx
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.sse import EventDecoder
+from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 

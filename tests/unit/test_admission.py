@@ -10,9 +10,9 @@ import pytest
 from firsttoken.admission import Admission, ApiKey, shedding
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
-from firsttoken.errors import APIError
+from firsttoken.core.stream import Outcome
 from firsttoken.observability import Metrics
-from firsttoken.stream import Outcome
+from firsttoken.wire.errors import APIError
 from tests.unit.clock import FakeClock
 
 

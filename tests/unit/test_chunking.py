@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firsttoken.chunking import Chunk, CoalescePolicy, Coalescer
+from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
 
 tokens = st.lists(
     st.one_of(

@@ -5,7 +5,7 @@ import zlib
 import pytest
 import zstandard
 
-from firsttoken.compression import StreamCompressor, negotiate
+from firsttoken.wire.compression import StreamCompressor, negotiate
 
 
 @pytest.mark.parametrize(

@@ -8,13 +8,14 @@ from typing import Any
 
 import pytest
 
-from firsttoken import response
-from firsttoken.api.render import NativeRenderer
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.schedule import Schedule
+from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.observability import Metrics
-from firsttoken.response import End, EventWriter
-from firsttoken.schedule import Schedule
-from firsttoken.stream import Outcome, Stream, StreamRegistry
+from firsttoken.wire import response
+from firsttoken.wire.render import NativeRenderer
+from firsttoken.wire.response import End, EventWriter
 from tests.unit.clock import FakeClock
 
 
@@ -87,8 +88,7 @@ def test_a_caught_up_writer_writes_each_token_as_it_is_pushed(
         stream.push("Hello")
         stream.push(" world")
         assert body_of(transport.writes) == (
-            b'retry: 1000\n\nid: 1\ndata: {"token":"Hello"}\n\n'
-            b'id: 2\ndata: {"token":" world"}\n\n'
+            b'retry: 1000\n\nid: 1\ndata: {"token":"Hello"}\n\nid: 2\ndata: {"token":" world"}\n\n'
         )
         assert len(transport.writes) == 3  # one write per token
         stream.push("!", "stop")  # the last token and the closing events: one write

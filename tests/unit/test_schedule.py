@@ -1,6 +1,6 @@
 from __future__ import annotations
 
-from firsttoken.schedule import Schedule
+from firsttoken.core.schedule import Schedule
 from tests.unit.clock import FakeClock
 
 

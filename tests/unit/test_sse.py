@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firsttoken.sse import EventDecoder, ServerSentEvent, comment, encode_event
+from firsttoken.wire.sse import EventDecoder, ServerSentEvent, comment, encode_event
 
 
 def reference_parse(stream: str) -> list[dict[str, str | None]]:

@@ -7,13 +7,14 @@ import asyncio
 import orjson
 import pytest
 
-from firsttoken import stream as stream_module
-from firsttoken.api.render import NativeRenderer
-from firsttoken.chunking import CoalescePolicy
+from firsttoken.core import stream as stream_module
+from firsttoken.core.chunking import CoalescePolicy
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.schedule import Schedule
+from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
 from firsttoken.observability import Metrics
-from firsttoken.schedule import Schedule
-from firsttoken.stream import Outcome, Stream, StreamRegistry
+from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
 
 

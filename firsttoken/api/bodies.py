@@ -9,7 +9,7 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
-from firsttoken.errors import APIError, error_body
+from firsttoken.wire.errors import APIError, error_body
 
 __all__ = ["APIError", "error_body", "read_model"]
 

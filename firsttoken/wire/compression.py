@@ -129,9 +129,7 @@ class _GZipSend:
                 return
             self._compressor = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
             headers = [
-                (k, v)
-                for k, v in start.get("headers", [])
-                if k not in (b"content-length", b"vary")
+                (k, v) for k, v in start.get("headers", []) if k not in (b"content-length", b"vary")
             ]
             headers += [(b"content-encoding", b"gzip"), (b"vary", b"Accept-Encoding")]
             if not more:

@@ -15,29 +15,22 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-import logging
 import secrets
 import time
-from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
-from functools import partial
 from typing import Protocol
 
-import anyio
 import orjson
-from anyio.abc import TaskGroup, TaskStatus
 
-from firsttoken.chunking import Chunk, CoalescePolicy, Coalescer
-from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.engines.base import Generation, delivers_steps
-from firsttoken.observability import Metrics, log_event
-from firsttoken.pacing import Pacer
-from firsttoken.resume import EventLog, EventStore, MemoryStore, StreamRecord, token_digest
-from firsttoken.schedule import Schedule
-from firsttoken.sse import encode_event
+from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
+from firsttoken.core.eventlog import EventLog
+from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.engines.base import Generation
+from firsttoken.resume import StreamRecord, token_digest
+from firsttoken.wire.sse import encode_event
 
-__all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "StreamRegistry"]
+__all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream"]
 
 _dumps = orjson.dumps
 
@@ -208,8 +201,11 @@ class Stream:
             # (or per coalesced chunk).
             prefix, suffix = template()
             self._template = (
-                b"id: %d\ndata: " + prefix.replace(b"%", b"%%") + b"%s"
-                + suffix.replace(b"%", b"%%") + b"\n\n"
+                b"id: %d\ndata: "
+                + prefix.replace(b"%", b"%%")
+                + b"%s"
+                + suffix.replace(b"%", b"%%")
+                + b"\n\n"
             )
         for name, data in self.renderer.opening():
             self._append(name, data)
@@ -383,326 +379,6 @@ class Stream:
     def _emit_chunks(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             self._emit(chunk.text, chunk.tokens)
-
-
-class _Pulled:
-    """An iterator engine's request, pulled by a task of the registry's group: the one place
-    with a task per stream, for engines that have one anyway (a relay's socket read)."""
-
-    def __init__(self, engine: Engine, stream: Stream) -> None:
-        self.engine = engine
-        self.stream = stream
-        self.scope = anyio.CancelScope()
-        self._room: asyncio.Future[None] | None = None
-
-    async def run(self) -> None:
-        stream = self.stream
-        with self.scope:
-            try:
-                finish = "stop"
-                async for delta in self.engine.generate(stream.request):
-                    if delta.text:
-                        room = stream.push(delta.text, delta.finish_reason)
-                        if not room and stream.outcome is None:
-                            self._room = asyncio.get_running_loop().create_future()
-                            await self._room
-                    elif delta.finish_reason:
-                        finish = delta.finish_reason
-                # Iterated to its end even after the last token: an engine may work after
-                # it (the cache stores the answer).
-                stream.finish(finish)
-            except EngineError as exc:
-                stream.fail(exc)
-            except Exception as exc:  # a bug must still end the stream with an error event
-                log_event("stream.crashed", logging.ERROR, stream=stream.id, error=repr(exc))
-                stream.fail(EngineError("internal_error", "internal error"))
-        if self.scope.cancelled_caught:
-            with anyio.CancelScope(shield=True):
-                await self.engine.abort(stream.id)
-
-    def resume(self) -> None:
-        room, self._room = self._room, None
-        if room is not None and not room.done():
-            room.set_result(None)
-
-    def cancel(self) -> None:
-        self.scope.cancel()
-
-
-class _Tailed:
-    """A mirror's producer: a task tailing the store (another instance generates)."""
-
-    def __init__(self) -> None:
-        self.scope = anyio.CancelScope()
-
-    def resume(self) -> None:
-        return None
-
-    def cancel(self) -> None:
-        self.scope.cancel()
-
-
-class StreamRegistry:
-    """Live and recently finished streams by id; starts, stops and expires them."""
-
-    def __init__(
-        self,
-        engine: Engine,
-        metrics: Metrics,
-        *,
-        ttl_s: float,
-        store: EventStore | None = None,
-        max_events: int = 8192,
-    ) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.ttl_s = ttl_s
-        self.store: EventStore = store or MemoryStore()
-        self.max_events = max_events
-        self.schedule = Schedule()  # heartbeats, send timeouts and grace periods
-        self.pacer: Pacer | None = None  # --max-stream-bytes-per-s: every writer's budget
-        self._steps = delivers_steps(engine)
-        self._streams: dict[str, Stream] = {}
-        self._expiry: deque[tuple[float, str]] = deque()
-        self._tg: TaskGroup | None = None
-        # Work that callbacks (engine steps, the schedule) hand to the task group.
-        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...], bool]] = (
-            deque()
-        )
-        self._spawn_wakeup: asyncio.Future[None] | None = None
-
-    async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
-        """Own the registry's task group until cancelled (the app's lifespan)."""
-        try:
-            async with anyio.create_task_group() as tg:
-                self._tg = tg
-                tg.start_soon(self._sweep)
-                tg.start_soon(self._spawner)
-                await tg.start(self.store.run, self._on_remote_cancel)
-                task_status.started()
-                await anyio.sleep_forever()
-        finally:
-            self.schedule.close()
-
-    async def find(self, stream_id: str) -> Stream | None:
-        """This instance's stream, or a mirror of one that another instance generates."""
-        stream = self._streams.get(stream_id)
-        if stream is not None:
-            return stream
-        record = await self.store.lookup(stream_id)
-        if record is None:
-            return None
-        request = GenerationRequest(request_id=stream_id, prompt="", model=record.model)
-        mirror = Stream(
-            request,
-            None,
-            kind=record.kind,
-            trace_id=record.trace_id,
-            grace_s=0,
-            prompt_tokens=0,
-            max_events=self.max_events,
-            accepted_at=time.perf_counter(),
-        )
-        mirror.mirror = True
-        mirror.token_digest = record.token_digest
-        return mirror
-
-    async def tail(self, mirror: Stream, after: int) -> None:
-        """Start filling a mirror from the store; it stops when its reader leaves."""
-        assert self._tg is not None and mirror.mirror
-        tailed = _Tailed()
-        mirror.generation = tailed
-        self._tg.start_soon(self._tail, mirror, tailed, after)
-
-    async def _tail(self, mirror: Stream, tailed: _Tailed, after: int) -> None:
-        with tailed.scope:
-            await self.store.tail(mirror.id, after, mirror.log)
-        if not mirror.log.closed:
-            mirror.log.close()
-
-    async def cancel(self, stream: Stream) -> str:
-        if stream.mirror:
-            return await self.store.cancel(stream.id) or "cancelling"
-        stream.stop(Outcome.CANCELLED)  # synchronous: the stream has ended when it returns
-        return stream.outcome.value if stream.outcome else "cancelling"
-
-    def _on_remote_cancel(self, stream_id: str) -> None:
-        stream = self._streams.get(stream_id)
-        if stream is not None:
-            stream.stop(Outcome.CANCELLED)
-
-    async def start(self, stream: Stream) -> None:
-        assert self._tg is not None, "registry is not running"
-        self._streams[stream.id] = stream
-        if self.store.replicates:
-            await self.store.register(stream.record(), self.ttl_s)
-            stream.log.replica = partial(self.store.replicate, stream.id)
-        self.metrics.active_streams += 1
-        stream.on_end = self._ended
-        stream.on_first_token = self._first_token
-        log_event(
-            "stream.accepted",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            model=stream.request.model,
-            max_tokens=stream.request.max_tokens,
-        )
-        stream.begin()
-        if self._steps:
-            stream.generation = self.engine.open(stream.request, stream)  # type: ignore[attr-defined]
-        else:
-            pulled = _Pulled(self.engine, stream)
-            stream.generation = pulled
-            self._tg.start_soon(pulled.run)
-        if stream.readers == 0 and stream.outcome is None:
-            self._schedule_abandon(stream)
-
-    def discard(self, stream: Stream) -> None:
-        """A stream admitted but never started (its client left first): what it took from
-        admission goes back, and it counts as `disconnected`."""
-        if stream.generation is not None or stream.outcome is not None:
-            return
-        stream.outcome = Outcome.DISCONNECTED
-        self.metrics.streams[Outcome.DISCONNECTED.value] += 1
-        if stream.ticket is not None:
-            self._spawn(stream.ticket.release, Outcome.DISCONNECTED, 0, inline=True)
-
-    def attach(self, stream: Stream) -> None:
-        stream.readers += 1
-        stream._abandon_epoch += 1
-
-    def detach(self, stream: Stream) -> None:
-        stream.readers -= 1
-        if stream.readers == 0:
-            if stream.mirror:
-                stream.stop(Outcome.DISCONNECTED)
-            elif stream.outcome is not None:
-                self._log_finished(stream)
-            else:
-                self._schedule_abandon(stream)
-
-    def _schedule_abandon(self, stream: Stream) -> None:
-        if stream.grace_s <= 0:
-            stream.stop(Outcome.DISCONNECTED)
-            return
-        stream._abandon_epoch += 1
-        epoch = stream._abandon_epoch
-        self.schedule.call_later(stream.grace_s, lambda: self._grace_over(stream, epoch))
-
-    def _grace_over(self, stream: Stream, epoch: int) -> None:
-        if stream.outcome is not None or stream.readers or stream._abandon_epoch != epoch:
-            return
-        if not self.store.replicates:
-            stream.stop(Outcome.DISCONNECTED)
-            return
-        self._spawn(self._abandon_unless_read_elsewhere, stream, epoch)
-
-    async def _abandon_unless_read_elsewhere(self, stream: Stream, epoch: int) -> None:
-        # A reader on another instance keeps the stream alive too.
-        if await self.store.has_remote_readers(stream.id):
-            if stream._abandon_epoch == epoch:
-                stream.log.release_floor()  # that reader reads the backlog from Redis
-                self.schedule.call_later(stream.grace_s, lambda: self._grace_over(stream, epoch))
-            return
-        if stream._abandon_epoch == epoch and not stream.readers:
-            stream.stop(Outcome.DISCONNECTED)
-
-    def end_oldest(self) -> bool:
-        """End the oldest live stream with `overloaded` (memory shedding); False if none."""
-        live = [s for s in self._streams.values() if s.outcome is None]
-        if not live:
-            return False
-        oldest = min(live, key=lambda s: s.accepted_at)
-        oldest.stop(
-            Outcome.ERROR,
-            EngineError(
-                "overloaded", "the server is over its memory limit; the oldest streams are ended"
-            ),
-        )
-        return True
-
-    def end_all(self, code: str, message: str) -> int:
-        """End every live stream with `event: error` `code` (e.g. a drain that ran out of
-        time); returns how many were ended."""
-        live = [s for s in self._streams.values() if s.outcome is None]
-        for stream in live:
-            stream.stop(Outcome.ERROR, EngineError(code, message))
-        return len(live)
-
-    def _first_token(self, stream: Stream, ttft_s: float) -> None:
-        self.metrics.ttft.observe(ttft_s)
-        if stream.ticket is not None:
-            stream.ticket.first_token(ttft_s)
-        log_event(
-            "stream.first_token",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            ttft_ms=round(ttft_s * 1000, 3),
-        )
-
-    def _ended(self, stream: Stream) -> None:
-        outcome = stream.outcome
-        assert outcome is not None
-        self.metrics.active_streams -= 1
-        self.metrics.streams[outcome.value] += 1
-        self._expiry.append((time.monotonic() + self.ttl_s, stream.id))
-        self.store.finish(stream.id, outcome.value, stream.log.last_seq, self.ttl_s)
-        if stream.readers == 0:
-            self._log_finished(stream)
-        if stream.ticket is not None:
-            # Awaited in turn by one task, not a task each: in memory a release never
-            # suspends, and with Redis it is one short round trip.
-            self._spawn(stream.ticket.release, outcome, stream.tokens_generated, inline=True)
-
-    def _spawn(
-        self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
-    ) -> None:
-        """Run `fn(*args)` in the registry's task group (inline: awaited by the spawner
-        task itself, in order); callable from plain callbacks."""
-        self._spawns.append((fn, args, inline))
-        wakeup = self._spawn_wakeup
-        if wakeup is not None and not wakeup.done():
-            wakeup.set_result(None)
-
-    async def _spawner(self) -> None:
-        assert self._tg is not None
-        while True:
-            while self._spawns:
-                fn, args, inline = self._spawns.popleft()
-                if not inline:
-                    self._tg.start_soon(fn, *args)
-                    continue
-                try:
-                    await fn(*args)
-                except Exception as exc:  # one failed release must not stop the rest
-                    log_event("stream.release_failed", logging.ERROR, error=repr(exc))
-            self._spawn_wakeup = asyncio.get_running_loop().create_future()
-            await self._spawn_wakeup
-
-    def _log_finished(self, stream: Stream) -> None:
-        # Logged once generation is over and no reader is writing, so `tokens_sent` is final.
-        if stream.logged_finish or stream.outcome is None:
-            return
-        stream.logged_finish = True
-        ttft = stream.first_token_at
-        log_event(
-            "stream.finished",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            outcome=stream.outcome.value,
-            tokens_generated=stream.tokens_generated,
-            tokens_sent=stream.tokens_sent,
-            ttft_ms=None if ttft is None else round((ttft - stream.accepted_at) * 1000, 3),
-            error_code=stream.error_code,
-        )
-
-    async def _sweep(self) -> None:
-        while True:
-            await anyio.sleep(min(1.0, max(self.ttl_s, 0.05)))
-            now = time.monotonic()
-            while self._expiry and self._expiry[0][0] <= now:
-                _, stream_id = self._expiry.popleft()
-                self._streams.pop(stream_id, None)
 
 
 # A stream stopped by its reader's doing is not a server error: the type says whose it was.

@@ -9,7 +9,7 @@ from typing import Protocol
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.response import ABORT_KEY, ARRIVED_KEY, CONNECTION_KEY
+from firsttoken.wire.response import ABORT_KEY, ARRIVED_KEY, CONNECTION_KEY
 
 __all__ = ["ConnectionListener", "StreamingProtocol"]
 
@@ -32,7 +32,7 @@ class StreamingProtocol(HttpToolsProtocol):
     - a header deadline: a slow-loris client trickling headers is cut off;
     - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
       close would wait for it to read the buffered data, forever);
-    - `scope["firsttoken.connection"]` and `listener`: an event stream writes to the
+    - `scope["firsttoken.wire.connection"]` and `listener`: an event stream writes to the
       transport itself and hears pause, resume and loss as callbacks, with no task waiting
       on `receive()` or on uvicorn's drain.
     """

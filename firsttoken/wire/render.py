@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import orjson
 
-from firsttoken.errors import error_body
+from firsttoken.wire.errors import error_body
 
 __all__ = ["ChatRenderer", "CompletionRenderer", "NativeRenderer"]
 

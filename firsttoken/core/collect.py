@@ -13,7 +13,8 @@ from typing import Any
 import orjson
 from starlette.requests import Request
 
-from firsttoken.stream import Stream, StreamRegistry
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.stream import Stream
 
 __all__ = ["Collector"]
 

@@ -28,13 +28,14 @@ import anyio
 import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
-from firsttoken.compression import StreamCompressor
-from firsttoken.errors import error_body
+from firsttoken.core.eventlog import Event, ResumeExpired
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.schedule import Schedule, ScheduledCall
+from firsttoken.core.stream import Stream
 from firsttoken.observability import Metrics, log_event
-from firsttoken.resume import Event, ResumeExpired
-from firsttoken.schedule import Schedule, ScheduledCall
-from firsttoken.sse import PING, encode_event
-from firsttoken.stream import Stream, StreamRegistry
+from firsttoken.wire.compression import StreamCompressor
+from firsttoken.wire.errors import error_body
+from firsttoken.wire.sse import PING, encode_event
 
 __all__ = [
     "ABORT_KEY",
@@ -55,7 +56,7 @@ ABORT_KEY = "firsttoken.abort"
 ARRIVED_KEY = "firsttoken.arrived"
 # The scope key of the connection itself (our uvicorn protocol): its transport, and the
 # `listener` slot through which it reports pause/resume/loss to the writer.
-CONNECTION_KEY = "firsttoken.connection"
+CONNECTION_KEY = "firsttoken.wire.connection"
 
 SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
     (b"content-type", b"text/event-stream"),

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
-from firsttoken.engines.synthetic import apply_stop, synthetic_tokens
+from firsttoken.engines.synthetic import synthetic_tokens
+from firsttoken.engines.text import apply_stop, count_words, split_words
 
 
 def test_the_answer_is_cut_before_the_first_stop_string() -> None:
@@ -26,3 +27,15 @@ def test_synthetic_answers_are_a_pure_function_of_the_request() -> None:
     assert synthetic_tokens("same", 3, 40) != synthetic_tokens("same", 4, 40)
     tokens, finish = synthetic_tokens("same", 3, 5)
     assert len(tokens) == 5 and finish == "length"
+
+
+def test_split_words_joins_back() -> None:
+    text = "Streaming  is fast,\nand honest. 스트리밍"
+    pieces = split_words(text)
+    assert "".join(pieces) == text
+    assert pieces[0] == "Streaming" and pieces[1] == "  is"
+
+
+def test_count_words_counts_punctuation() -> None:
+    assert count_words("Hello, world!") == 4
+    assert count_words("") == 0
