@@ -14,6 +14,7 @@ from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
+from firsttoken.wire.assemble import assemble_chat
 from firsttoken.wire.render import ChatRenderer, CompletionRenderer
 from firsttoken.wire.response import ARRIVED_KEY
 
@@ -117,29 +118,28 @@ async def _complete(
     error = collector.error()
     if error is not None:
         return APIError(500, error["code"], error["message"]).response(trace)
-    texts: list[str] = []
-    finish = "stop"
-    usage: dict[str, int] = {}
-    for chunk in collector.chunks():
-        if chunk.get("usage"):
-            usage = chunk["usage"]
-        for choice in chunk.get("choices", ()):
-            piece = choice["delta"].get("content") if chat else choice.get("text")
-            if piece:
-                texts.append(piece)
-            finish = choice.get("finish_reason") or finish
     gw.metrics.tokens_sent += collector.tokens
-    text = "".join(texts)
+    choice: dict[str, object]
     if chat:
-        choice: dict[str, object] = {
+        answer = assemble_chat(collector.chunks())
+        usage = answer.usage
+        choice = {
             "index": 0,
-            "message": {"role": "assistant", "content": text},
+            "message": answer.message(),
             "logprobs": None,
-            "finish_reason": finish,
+            "finish_reason": answer.finish_reason,
         }
         obj = "chat.completion"
     else:
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+        texts: list[str] = []
+        finish = "stop"
+        usage = {}
+        for chunk in collector.chunks():
+            usage = chunk.get("usage") or usage
+            for part in chunk.get("choices", ()):
+                texts.append(part.get("text") or "")
+                finish = part.get("finish_reason") or finish
+        choice = {"index": 0, "text": "".join(texts), "logprobs": None, "finish_reason": finish}
         obj = "text_completion"
     body = {
         "id": chunk_id,

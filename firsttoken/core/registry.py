@@ -43,13 +43,16 @@ class _Pulled:
             try:
                 finish = "stop"
                 async for delta in self.engine.generate(stream.request):
-                    if delta.text:
+                    if delta.structured:
+                        room = stream.push_delta(delta)
+                    elif delta.text:
                         room = stream.push(delta.text, delta.finish_reason)
-                        if not room and stream.outcome is None:
-                            self._room = asyncio.get_running_loop().create_future()
-                            await self._room
-                    elif delta.finish_reason:
-                        finish = delta.finish_reason
+                    else:
+                        finish = delta.finish_reason or finish
+                        continue
+                    if not room and stream.outcome is None:
+                        self._room = asyncio.get_running_loop().create_future()
+                        await self._room
                 # Iterated to its end even after the last token: an engine may work after
                 # it (the cache stores the answer).
                 stream.finish(finish)

@@ -19,14 +19,14 @@ import secrets
 import time
 from collections.abc import Callable, Sequence
 from enum import StrEnum
-from typing import Protocol
+from typing import Any, Protocol
 
 import orjson
 
 from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.core.eventlog import EventLog
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Generation
+from firsttoken.engines.base import Delta, Generation
 from firsttoken.resume import StreamRecord, token_digest
 from firsttoken.wire.sse import encode_event
 
@@ -54,13 +54,32 @@ class Renderer(Protocol):
 
     token_event: str | None  # the event name of token events (None: plain `data:`)
 
+    def begin_text(self) -> Sequence[tuple[str | None, bytes]]:
+        """What goes before answer text that follows something else (or nothing): e.g. a
+        content block's start. Empty for formats without blocks."""
+        ...
+
     def token(self, text: str) -> bytes: ...
 
+    def token_template(self) -> tuple[bytes, bytes] | None:
+        """The bytes around a text token's JSON string, for the stream to frame once per
+        text run; None when every token must go through `token` (a renderer that keeps
+        the text)."""
+        ...
+
+    def part(self, delta: Delta) -> Sequence[tuple[str | None, bytes]]:
+        """A structured delta's events: reasoning, tool-call fragments, refusal."""
+        ...
+
     def closing(
-        self, finish_reason: str, usage: dict[str, int]
+        self, finish_reason: str, usage: dict[str, Any]
     ) -> Sequence[tuple[str | None, bytes]]: ...
 
-    def error(self, code: str, message: str, type_: str = "server_error") -> bytes: ...
+    def error(
+        self, code: str, message: str, type_: str = "server_error"
+    ) -> Sequence[tuple[str | None, bytes]]:
+        """The events that end a failed stream (at least an `event: error`)."""
+        ...
 
 
 class AdmissionTicket(Protocol):
@@ -81,6 +100,7 @@ class Stream:
         "_digest",
         "_flush_timer",
         "_frame",
+        "_in_text",
         "_template",
         "_token_event",
         "accepted_at",
@@ -104,6 +124,7 @@ class Stream:
         "outcome",
         "prompt_tokens",
         "readers",
+        "reasoning_tokens",
         "renderer",
         "request",
         "resume_token",
@@ -142,6 +163,7 @@ class Stream:
         self.last_content_at = 0.0
         self.delivered_seq = 0  # highest seq written to any reader: later writes are replays
         self.tokens_generated = 0
+        self.reasoning_tokens = 0
         self.tokens_sent = 0
         self.readers = 0
         self.outcome: Outcome | None = None
@@ -160,6 +182,7 @@ class Stream:
         self._flush_timer: asyncio.TimerHandle | None = None
         self._token_event = renderer.token_event if renderer is not None else None
         self._frame: bytes | None = None  # the hot path's per-token template (see begin())
+        self._in_text = False  # the last event was answer text (its template is current)
         self._abandon_epoch = 0
 
     @property
@@ -195,20 +218,35 @@ class Stream:
         assert self.renderer is not None
         if self.coalesce is not None:
             self._coalescer = Coalescer(self.coalesce)
-        template = getattr(self.renderer, "token_template", None)
-        if template is not None and self._token_event is None:
-            # `id: <seq>\ndata: <prefix><JSON text><suffix>\n\n`, as one %-format per token
-            # (or per coalesced chunk).
-            prefix, suffix = template()
+        for name, data in self.renderer.opening():
+            self._append(name, data)
+
+    def _enter_text(self) -> None:
+        """Answer text starts (or starts again after reasoning or a tool call): the
+        renderer's opening for it, and the frame its tokens take from now on."""
+        renderer = self.renderer
+        assert renderer is not None
+        for name, data in renderer.begin_text():
+            self._append(name, data)
+        self._in_text = True
+        self._template = None
+        template = renderer.token_template()
+        if template is not None:
+            # `id: <seq>\n[event: <name>\n]data: <prefix><JSON text><suffix>\n\n`, as one
+            # %-format per token (or per coalesced chunk).
+            prefix, suffix = template
+            event = self._token_event
+            head = b"id: %d\n" if event is None else b"id: %d\nevent: " + event.encode() + b"\n"
             self._template = (
-                b"id: %d\ndata: "
+                head
+                + b"data: "
                 + prefix.replace(b"%", b"%%")
                 + b"%s"
                 + suffix.replace(b"%", b"%%")
                 + b"\n\n"
             )
-        for name, data in self.renderer.opening():
-            self._append(name, data)
+        if self._coalescer is None and self.meta_interval_s is None:
+            self._frame = self._template  # from now on, tokens take the hot path
 
     def push(self, text: str, finish: str | None = None) -> bool:
         """One token from the engine (the last one with its finish reason). Returns False
@@ -239,10 +277,62 @@ class Stream:
                 self.log.uncork()
             return False
         self.tokens_generated += 1
+        if not self._in_text:
+            self._enter_text()
         if self._coalescer is None:
             self._emit(text, 1)
         else:
             self._coalesce(text)
+        log = self.log
+        if log.has_room():
+            return True
+        generation = self.generation
+        if generation is not None:
+            log.on_room = generation.resume
+        return False
+
+    def push_delta(self, delta: Delta) -> bool:
+        """A structured delta (reasoning, a tool-call fragment, a refusal...): never merged
+        with text, and it ends the text run, so the next text token re-enters it."""
+        if not delta.structured:
+            if delta.text:
+                return self.push(delta.text, delta.finish_reason)
+            if delta.finish_reason is not None:
+                self.finish(delta.finish_reason)
+            return self.outcome is None
+        if self.outcome is not None:
+            return False
+        if self.first_token_at is None:
+            self._first_token()
+        if delta.finish_reason is not None:
+            self.log.cork()
+            try:
+                self.push_delta(
+                    Delta(
+                        delta.text,
+                        None,
+                        delta.reasoning,
+                        delta.tool_calls,
+                        delta.refusal,
+                        delta.logprobs,
+                        delta.extra,
+                    )
+                )
+                self.finish(delta.finish_reason)
+            finally:
+                self.log.uncork()
+            return False
+        self._flush_pending()
+        self._in_text = False
+        self._frame = None
+        self.tokens_generated += 1
+        if delta.reasoning:
+            self.reasoning_tokens += 1
+        assert self.renderer is not None
+        events = self.renderer.part(delta)
+        last = len(events) - 1
+        for i, (name, data) in enumerate(events):
+            self._append(name, data, 1 if i == last else 0)
         log = self.log
         if log.has_room():
             return True
@@ -256,11 +346,13 @@ class Stream:
             return
         self._flush_pending()
         assert self.renderer is not None
-        usage = {
+        usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.tokens_generated,
             "total_tokens": self.prompt_tokens + self.tokens_generated,
         }
+        if self.reasoning_tokens:
+            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         for name, data in self.renderer.closing(reason, usage):
             self._append(name, data)
         self._end(Outcome.COMPLETED, None)
@@ -294,8 +386,6 @@ class Stream:
         (or whether) a reader is there to take it."""
         now = time.perf_counter()
         self.first_token_at = now
-        if self._coalescer is None and self.meta_interval_s is None:
-            self._frame = self._template  # from now on, tokens take the hot path
         if self.on_first_token is not None:
             self.on_first_token(self, now - self.accepted_at)
 
@@ -306,7 +396,8 @@ class Stream:
         self.outcome = outcome
         if error is not None:
             assert self.renderer is not None
-            self._append("error", self.renderer.error(error.code, error.message, error.type))
+            for name, data in self.renderer.error(error.code, error.message, error.type):
+                self._append(name, data)
             self.error_code = error.code
         self.log.on_room = None
         self.log.close()

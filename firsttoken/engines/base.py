@@ -14,6 +14,7 @@ __all__ = [
     "GenerationRequest",
     "Sink",
     "StepEngine",
+    "ToolCallDelta",
     "delivers_steps",
 ]
 
@@ -28,18 +29,49 @@ class GenerationRequest:
     temperature: float | None = None
     stop: tuple[str, ...] = ()
     # Chat requests keep their messages ({"role", "content"} with string content) for engines
-    # that apply their own chat template or relay them; `prompt` is the plain rendering.
+    # that apply their own chat template; `prompt` is the plain rendering.
     messages: tuple[Mapping[str, str], ...] | None = None
+    # The request as a Chat Completions body, every field the client sent (tools, content
+    # parts, response_format...), whatever API it came in by: what a relay forwards.
+    body: Mapping[str, Any] | None = None
     # Engine-specific extras, e.g. the synthetic engine's per-request timing and faults.
     options: Mapping[str, Any] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class ToolCallDelta:
+    """A fragment of one tool call: the first carries `id` and `name`, the rest pieces of
+    the arguments' JSON text, to be concatenated in order."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+
 @dataclass(slots=True)
 class Delta:
-    """One step of generation: a token's text; the last one carries `finish_reason`."""
+    """One step of generation for one request; the last one carries `finish_reason`.
 
-    text: str
+    Most deltas are a token of answer text. The rest are structured: reasoning text, tool-call
+    fragments, a refusal, and what an upstream sent that has no field here (`extra`: passed
+    through to Chat Completions clients as it came). Each delta counts as one token.
+    """
+
+    text: str = ""
     finish_reason: str | None = None
+    reasoning: str = ""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    refusal: str = ""
+    logprobs: Any = None  # the chunk's logprobs object, as the upstream sent it
+    extra: Mapping[str, Any] | None = None
+
+    @property
+    def structured(self) -> bool:
+        """More than answer text: goes through `Sink.push_delta`, not the token path."""
+        return bool(
+            self.reasoning or self.tool_calls or self.refusal or self.logprobs or self.extra
+        )
 
 
 class EngineError(Exception):
@@ -85,6 +117,10 @@ class Sink(Protocol):
     def push(self, text: str, finish: str | None = None) -> bool:
         """One token; the last one carries the finish reason (and ends the request). False
         asks the engine to pause this request until `resume()`."""
+        ...
+
+    def push_delta(self, delta: Delta) -> bool:
+        """A structured delta (reasoning, tool-call fragment, refusal...); as `push`."""
         ...
 
     def finish(self, reason: str) -> None: ...

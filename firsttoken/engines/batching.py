@@ -30,11 +30,12 @@ from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRe
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
+    Part,
     SyntheticEngine,
     SyntheticOptions,
-    synthetic_tokens,
+    answer_parts,
+    push_part,
 )
-from firsttoken.engines.text import apply_stop
 
 __all__ = ["BatchingEngine"]
 
@@ -43,7 +44,7 @@ __all__ = ["BatchingEngine"]
 class _Seq:
     engine: BatchingEngine
     request_id: str
-    tokens: Sequence[str]
+    tokens: Sequence[Part]
     finish: str
     fail_after: int | None
     error_code: str | None
@@ -76,7 +77,7 @@ class BatchingEngine:
         self._running: dict[str, _Seq] = {}
         self._wake = anyio.Event()
         self._exit: AsyncExitStack | None = None
-        self._words = SyntheticEngine()  # only for prompt_tokens
+        self._words = SyntheticEngine(style=settings.synthetic_style)  # words and style
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -124,12 +125,7 @@ class BatchingEngine:
         opts = request.options.get("synthetic")
         if not isinstance(opts, SyntheticOptions):
             opts = SyntheticOptions.from_mapping(opts)
-        tokens, finish = synthetic_tokens(
-            request.prompt, request.seed, request.max_tokens, opts.answer_tokens
-        )
-        tokens, stopped = apply_stop(tokens, request.stop)
-        if stopped:
-            finish = "stop"
+        tokens, finish = answer_parts(request, opts, self._words.style)
         seq = _Seq(self, request.request_id, tokens, finish, opts.fail_after, opts.error_code, sink)
         if not tokens:
             sink.finish(finish)
@@ -200,6 +196,6 @@ class BatchingEngine:
             self.tokens_generated += 1
             if seq.pos == len(seq.tokens):
                 self._leave(seq)
-                seq.sink.push(text, seq.finish)
+                push_part(seq.sink, text, seq.finish)
             else:
-                seq.sink.push(text)
+                push_part(seq.sink, text)

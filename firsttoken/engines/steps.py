@@ -30,6 +30,12 @@ class _QueueSink:
         self._wake()
         return len(self.items) < _WINDOW
 
+    def push_delta(self, delta: Delta) -> bool:
+        self.items.append(delta)
+        self.ended = delta.finish_reason is not None
+        self._wake()
+        return len(self.items) < _WINDOW
+
     def finish(self, reason: str) -> None:
         self.items.append(Delta("", reason))
         self.ended = True

@@ -15,13 +15,22 @@ from enum import Enum
 from functools import lru_cache
 from typing import Any
 
+import orjson
+
 from firsttoken.core.schedule import Schedule
-from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
+from firsttoken.engines.base import (
+    Delta,
+    EngineError,
+    Generation,
+    GenerationRequest,
+    Sink,
+    ToolCallDelta,
+)
 from firsttoken.engines.steps import pull
 from firsttoken.engines.styles import styled_answer
 from firsttoken.engines.text import apply_stop, count_words
 
-__all__ = ["SyntheticEngine", "SyntheticOptions", "synthetic_tokens"]
+__all__ = ["SyntheticEngine", "SyntheticOptions", "answer_parts", "push_part", "synthetic_tokens"]
 
 MODEL_ID = "synthetic"
 
@@ -99,6 +108,67 @@ def _answer(
     if max_tokens is not None and max_tokens < len(natural):
         return natural[:max_tokens], "length"
     return natural, "stop"
+
+
+Part = str | Delta  # answer text, or a structured delta (reasoning, a tool-call fragment)
+
+
+def answer_parts(
+    request: GenerationRequest, opts: SyntheticOptions, style: str = "prose"
+) -> tuple[Sequence[Part], str]:
+    """What the engine emits for this request, one part per step, and the finish reason:
+    reasoning first (`reasoning_tokens`), then the answer text or one tool call
+    (`tool_call`), cut by stop strings (in the text) and `max_tokens` (over all of it)."""
+    style = opts.style or style
+    if not opts.reasoning_tokens and not opts.tool_call:
+        tokens, finish = _answer(
+            request.prompt, request.seed, request.max_tokens, opts.answer_tokens, style
+        )
+        tokens, stopped = apply_stop(tokens, request.stop)
+        return tokens, "stop" if stopped else finish
+    seed = request.seed or 0
+    parts: list[Part] = []
+    if opts.reasoning_tokens:
+        n = opts.reasoning_tokens
+        thoughts = _natural_answer("reasoning\x00" + request.prompt, seed, n)[:n]
+        parts.extend(Delta(reasoning=t) for t in thoughts)
+    finish = "stop"
+    if opts.tool_call:
+        parts.extend(_tool_call_parts(request.prompt, seed, opts.tool_call))
+        finish = "tool_calls"
+    else:
+        tokens = _natural_answer(request.prompt, seed, opts.answer_tokens, style)
+        tokens, _ = apply_stop(tokens, request.stop)
+        parts.extend(tokens)
+    if request.max_tokens is not None and request.max_tokens < len(parts):
+        return parts[: request.max_tokens], "length"
+    return parts, finish
+
+
+def _tool_call_parts(prompt: str, seed: int, call: Mapping[str, Any]) -> list[Delta]:
+    """One tool call: its id and name, then its arguments' JSON in fragments of 3-8
+    characters (split inside strings and keys, as real engines stream them)."""
+    name = str(call.get("name") or "tool")
+    arguments = orjson.dumps(call.get("arguments") or {}).decode()
+    digest = hashlib.sha256(f"{seed}\x00{prompt}\x00{name}".encode()).digest()
+    rng = random.Random(int.from_bytes(digest[:8], "big"))
+    parts = [Delta(tool_calls=(ToolCallDelta(0, "call_" + digest[8:20].hex(), name, ""),))]
+    pos = 0
+    while pos < len(arguments):
+        size = rng.randint(3, 8)
+        piece = arguments[pos : pos + size]
+        parts.append(Delta(tool_calls=(ToolCallDelta(0, arguments=piece),)))
+        pos += size
+    return parts
+
+
+def push_part(sink: Sink, part: Part, finish: str | None = None) -> bool:
+    if part.__class__ is str:
+        return sink.push(part, finish)  # type: ignore[arg-type]
+    assert isinstance(part, Delta)
+    if finish is not None:
+        part = Delta(part.text, finish, part.reasoning, part.tool_calls, part.refusal)
+    return sink.push_delta(part)
 
 
 @lru_cache(maxsize=1024)
@@ -201,16 +271,7 @@ class SyntheticEngine:
             opts = SyntheticOptions.from_mapping(opts)
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
-        tokens, finish = _answer(
-            request.prompt,
-            request.seed,
-            request.max_tokens,
-            opts.answer_tokens,
-            opts.style or self.style,
-        )
-        tokens, stopped = apply_stop(tokens, request.stop)
-        if stopped:
-            finish = "stop"
+        tokens, finish = answer_parts(request, opts, self.style)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         loop = self._loop
@@ -292,7 +353,7 @@ class _Run:
         self,
         engine: SyntheticEngine,
         request_id: str,
-        tokens: Sequence[str],
+        tokens: Sequence[Part],
         finish: str,
         itl: float,
         opts: SyntheticOptions,
@@ -320,7 +381,8 @@ class _Run:
         self.pos = pos + 1
         engine = self.engine
         engine.tokens_generated += 1
-        room = self.sink.push(tokens[pos])
+        token = tokens[pos]
+        room = self.sink.push(token) if token.__class__ is str else self.sink.push_delta(token)
         if self.state is not _RUNNING:
             return  # the push ended the stream (e.g. its last reader was cut)
         itl = self.itl
@@ -357,7 +419,7 @@ class _Run:
             self._end()
             if pos == last:
                 self.engine.tokens_generated += 1
-                self.sink.push(tokens[pos], self.finish)
+                push_part(self.sink, tokens[pos], self.finish)
             else:  # an empty answer
                 self.sink.finish(self.finish)
 

@@ -8,15 +8,32 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
+from typing import Any
 
 import orjson
 
+from firsttoken.engines.base import Delta, ToolCallDelta
 from firsttoken.wire.errors import error_body
 
-__all__ = ["ChatRenderer", "CompletionRenderer", "NativeRenderer"]
+__all__ = ["ChatRenderer", "CompletionRenderer", "Events", "NativeRenderer", "chat_tool_call"]
 
 DONE = b"[DONE]"
 _dumps = orjson.dumps
+Events = Sequence[tuple[str | None, bytes]]  # (event name or None, data payload)
+_NONE: Events = ()
+
+
+def chat_tool_call(call: ToolCallDelta) -> dict[str, Any]:
+    """A tool-call fragment as Chat Completions streams it (`delta.tool_calls[i]`)."""
+    function: dict[str, Any] = {"arguments": call.arguments}
+    if call.name is not None:
+        function = {"name": call.name, "arguments": call.arguments}
+    out: dict[str, Any] = {"index": call.index}
+    if call.id is not None:
+        out["id"] = call.id
+        out["type"] = "function"
+    out["function"] = function
+    return out
 
 
 class _OpenAIRenderer:
@@ -40,9 +57,10 @@ class _OpenAIRenderer:
         """The bytes around a token's JSON string (the stream frames them once)."""
         return self._prefix, self._suffix
 
-    def closing(
-        self, finish_reason: str, usage: dict[str, int]
-    ) -> Sequence[tuple[str | None, bytes]]:
+    def begin_text(self) -> Events:
+        return _NONE
+
+    def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:
         out: list[tuple[str | None, bytes]] = [
             (None, _dumps({**self.head, "choices": [self._final(finish_reason)]}))
         ]
@@ -54,8 +72,8 @@ class _OpenAIRenderer:
     def _final(self, finish_reason: str) -> dict[str, object]:
         raise NotImplementedError
 
-    def error(self, code: str, message: str, type_: str = "server_error") -> bytes:
-        return error_body(code, message, type_)
+    def error(self, code: str, message: str, type_: str = "server_error") -> Events:
+        return [("error", error_body(code, message, type_))]
 
 
 class ChatRenderer(_OpenAIRenderer):
@@ -68,7 +86,7 @@ class ChatRenderer(_OpenAIRenderer):
             b'},"logprobs":null,"finish_reason":null}]}',
         )
 
-    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+    def opening(self) -> Events:
         choice = {
             "index": 0,
             "delta": {"role": "assistant", "content": ""},
@@ -80,6 +98,19 @@ class ChatRenderer(_OpenAIRenderer):
     def _final(self, finish_reason: str) -> dict[str, object]:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
 
+    def part(self, delta: Delta) -> Events:
+        fields: dict[str, Any] = dict(delta.extra) if delta.extra else {}
+        if delta.reasoning:
+            fields["reasoning_content"] = delta.reasoning
+        if delta.text:
+            fields["content"] = delta.text
+        if delta.refusal:
+            fields["refusal"] = delta.refusal
+        if delta.tool_calls:
+            fields["tool_calls"] = [chat_tool_call(call) for call in delta.tool_calls]
+        choice = {"index": 0, "delta": fields, "logprobs": delta.logprobs, "finish_reason": None}
+        return [(None, _dumps({**self.head, "choices": [choice]}))]
+
 
 class CompletionRenderer(_OpenAIRenderer):
     __slots__ = ()
@@ -88,22 +119,31 @@ class CompletionRenderer(_OpenAIRenderer):
     def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
         return head + b',"choices":[{"index":0,"text":', b',"logprobs":null,"finish_reason":null}]}'
 
-    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+    def opening(self) -> Events:
         return ()
 
     def _final(self, finish_reason: str) -> dict[str, object]:
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
 
+    def part(self, delta: Delta) -> Events:
+        # Legacy completions carry text only: reasoning and tool calls have no field here.
+        if not delta.text:
+            return _NONE
+        choice = {"index": 0, "text": delta.text, "logprobs": delta.logprobs}
+        return [(None, _dumps({**self.head, "choices": [{**choice, "finish_reason": None}]}))]
+
 
 class NativeRenderer:
     """`data: {"token": ...}` per token (or, binary, `event: token` with base64 UTF-8);
-    a closing `event: meta` with finish and usage."""
+    `data: {"reasoning": ...}`, `data: {"tool_call": {"index", "id", "name", "arguments"}}`
+    (id and name on a call's first fragment) and `data: {"refusal": ...}` for the rest; a
+    closing `event: meta` with finish and usage."""
 
     def __init__(self, binary: bool = False) -> None:
         self.binary = binary
         self.token_event = "token" if binary else None
 
-    def opening(self) -> Sequence[tuple[str | None, bytes]]:
+    def opening(self) -> Events:
         return ()
 
     def token(self, text: str) -> bytes:
@@ -111,12 +151,31 @@ class NativeRenderer:
             return base64.b64encode(text.encode())
         return b'{"token":' + _dumps(text) + b"}"
 
-    def token_template(self) -> tuple[bytes, bytes]:
-        return b'{"token":', b"}"
+    def token_template(self) -> tuple[bytes, bytes] | None:
+        return None if self.binary else (b'{"token":', b"}")
 
-    def closing(
-        self, finish_reason: str, usage: dict[str, int]
-    ) -> Sequence[tuple[str | None, bytes]]:
+    def begin_text(self) -> Events:
+        return _NONE
+
+    def part(self, delta: Delta) -> Events:
+        out: list[tuple[str | None, bytes]] = []
+        if delta.reasoning:
+            out.append((None, b'{"reasoning":' + _dumps(delta.reasoning) + b"}"))
+        for call in delta.tool_calls:
+            fields: dict[str, Any] = {"index": call.index}
+            if call.id is not None:
+                fields["id"] = call.id
+            if call.name is not None:
+                fields["name"] = call.name
+            fields["arguments"] = call.arguments
+            out.append((None, _dumps({"tool_call": fields})))
+        if delta.refusal:
+            out.append((None, b'{"refusal":' + _dumps(delta.refusal) + b"}"))
+        if delta.text:
+            out.append((self.token_event, self.token(delta.text)))
+        return out
+
+    def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:
         meta = {
             "finish_reason": finish_reason,
             "tokens": usage["completion_tokens"],
@@ -125,5 +184,5 @@ class NativeRenderer:
         }
         return [("meta", _dumps(meta)), (None, DONE)]
 
-    def error(self, code: str, message: str, type_: str = "server_error") -> bytes:
-        return error_body(code, message, type_)
+    def error(self, code: str, message: str, type_: str = "server_error") -> Events:
+        return [("error", error_body(code, message, type_))]
