@@ -75,6 +75,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     api = [
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/completions", openai.completions, methods=["POST"]),
+        Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/responses", responses.responses, methods=["POST"]),
         Route("/models", openai.models, methods=["GET"]),
         Route("/streams", native.create_stream, methods=["POST"]),
@@ -145,6 +146,7 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
     ("POST", "/v1/chat/completions"): openai.chat_completions,
     ("POST", "/v1/completions"): openai.completions,
+    ("POST", "/v1/messages"): anthropic.messages,
     ("POST", "/v1/responses"): responses.responses,
     ("POST", "/v1/streams"): native.create_stream,
 }

@@ -87,6 +87,8 @@ class Admission:
             return _OPEN
         auth = request.headers.get("authorization", "")
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        # Anthropic's clients send the key as `x-api-key`.
+        secret = secret or request.headers.get("x-api-key", "").strip()
         key = self.keys.find(secret) if secret else None
         if key is None:
             self._rejected()

@@ -1,0 +1,278 @@
+"""The Anthropic Messages API: `POST /v1/messages`, streaming and not.
+
+A request becomes the same `GenerationRequest` an OpenAI one does: its plain-text prompt, and
+its translation to a Chat Completions body (what a relay forwards to an OpenAI-compatible
+upstream). A streaming answer is rendered by `wire.anthropic.MessagesRenderer`; a whole one is
+collected in the chat format, assembled, and reshaped into a message object, as
+`openai._complete` does for its own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import orjson
+from starlette.requests import Request
+from starlette.responses import Response
+
+from firsttoken.api.anthropic_protocol import (
+    Base64Source,
+    ImageBlock,
+    MessageParam,
+    MessagesRequest,
+    TextBlock,
+    ToolChoice,
+    ToolResultBlock,
+    ToolUseBlock,
+)
+from firsttoken.api.bodies import APIError
+from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
+from firsttoken.core.collect import Collector
+from firsttoken.core.stream import Stream
+from firsttoken.engines import GenerationRequest
+from firsttoken.wire.anthropic import (
+    MessagesRenderer,
+    error_body,
+    error_type,
+    message_object,
+    status_error_type,
+)
+from firsttoken.wire.assemble import assemble_chat
+from firsttoken.wire.render import ChatRenderer
+from firsttoken.wire.response import ARRIVED_KEY
+
+__all__ = [
+    "chat_body",
+    "chat_messages",
+    "chat_tool_choice",
+    "generation_request",
+    "messages",
+    "prompt_text",
+]
+
+
+async def messages(request: Request) -> Response:
+    # The clock of every latency metric: the request's first byte, as a client counts it.
+    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
+    trace = trace_id(request)
+    try:
+        return await _serve(request, gateway(request), trace, accepted_at)
+    except APIError as exc:
+        return _refusal(exc, trace)
+
+
+async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
+    body, model, ticket = await gw.accept(request, MessagesRequest)
+    stream_id = new_stream_id()
+    generation = generation_request(body, model, stream_id)
+    message_id = "msg_" + stream_id
+    renderer: MessagesRenderer | ChatRenderer
+    if body.stream:
+        renderer = MessagesRenderer(message_id, model)
+    else:
+        # A whole answer is collected in the chat format, which `assemble_chat` folds.
+        renderer = ChatRenderer("chatcmpl-" + stream_id, model, int(time.time()), True)
+    stream = gw.open_stream(
+        generation,
+        renderer,
+        kind="anthropic",
+        trace=trace,
+        accepted_at=accepted_at,
+        ticket=ticket,
+        # A whole answer is read at once: chunking would be wasted on it.
+        coalesce=None if body.stream else "off",
+        meta=False,
+    )
+    headers = {"x-request-id": trace, "request-id": trace, "x-stream-id": stream.id}
+    if not isinstance(renderer, MessagesRenderer):
+        return await _complete(gw, request, stream, message_id, headers)
+    renderer.input_tokens = stream.prompt_tokens
+    return gw.reader(
+        stream,
+        request,
+        headers={"x-resume-token": stream.resume_token, "request-id": trace},
+        start=True,
+    )
+
+
+async def _complete(
+    gw: Gateway, request: Request, stream: Stream, message_id: str, headers: dict[str, str]
+) -> Response:
+    """A non-streaming answer: the same lifecycle, read by a collector into one message."""
+    collector = Collector(stream)
+    if not await collector.run(gw.registry, request):
+        return Response(status_code=499)  # nobody is left to read it
+    error = collector.error()
+    if error is not None:
+        kind = error_type(error.get("code") or "", error.get("type") or "server_error")
+        return Response(
+            error_body(kind, error.get("message") or "", headers["x-request-id"]),
+            status_code=500,
+            media_type="application/json",
+            headers=headers,
+        )
+    gw.metrics.tokens_sent += collector.tokens
+    answer = assemble_chat(collector.chunks())
+    body = message_object(message_id, stream.request.model, answer)
+    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
+
+
+def _refusal(exc: APIError, trace: str) -> Response:
+    """An `APIError` before the first byte, in Anthropic's shape (same status, same headers,
+    same log line)."""
+    plain = exc.response(trace)
+    headers = {
+        k: v for k, v in plain.headers.items() if k not in ("content-length", "content-type")
+    }
+    return Response(
+        error_body(status_error_type(exc.status), exc.message, trace),
+        status_code=exc.status,
+        media_type="application/json",
+        headers=headers,
+    )
+
+
+# -- the request, as the engines and a relay see it ---------------------------------------------
+
+
+def generation_request(body: MessagesRequest, model: str, stream_id: str) -> GenerationRequest:
+    """The engine's request: the plain-text prompt, the limits, and the Chat Completions
+    body a relay forwards."""
+    chat = chat_body(body, model)
+    messages = chat["messages"]
+    return GenerationRequest(
+        request_id=stream_id,
+        prompt=prompt_text(messages),
+        model=model,
+        max_tokens=body.max_tokens,
+        seed=None,  # the Messages API has none
+        temperature=body.temperature,
+        stop=tuple(body.stop_sequences or ()),
+        messages=tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
+        body=chat,
+        options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+    )
+
+
+def prompt_text(messages: list[dict[str, Any]]) -> str:
+    """The plain rendering of chat messages, one `role: text` line each, as
+    `ChatCompletionRequest.prompt()` renders them."""
+    return "\n".join(f"{m['role']}: {_text(m.get('content'))}" for m in messages)
+
+
+def chat_body(body: MessagesRequest, model: str | None = None) -> dict[str, Any]:
+    """The request as a Chat Completions body."""
+    chat: dict[str, Any] = {
+        "model": model or body.model,
+        "messages": chat_messages(body),
+        "max_tokens": body.max_tokens,
+        "stream": True,
+    }
+    if body.temperature is not None:
+        chat["temperature"] = body.temperature
+    if body.top_p is not None:
+        chat["top_p"] = body.top_p
+    if body.top_k is not None:
+        chat["top_k"] = body.top_k  # not OpenAI's, but vLLM and llama.cpp read it
+    if body.stop_sequences:
+        chat["stop"] = list(body.stop_sequences)
+    if body.tools:
+        chat["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": tool.name,
+                    **({"description": tool.description} if tool.description else {}),
+                    "parameters": tool.input_schema,
+                },
+            }
+            for tool in body.tools
+        ]
+    if body.tool_choice is not None:
+        chat["tool_choice"] = chat_tool_choice(body.tool_choice)
+        if body.tool_choice.disable_parallel_tool_use:
+            chat["parallel_tool_calls"] = False
+    user = (body.metadata or {}).get("user_id")
+    if isinstance(user, str):
+        chat["user"] = user
+    if body.synthetic is not None:
+        chat["synthetic"] = body.synthetic.model_dump(exclude_none=True)
+    return chat
+
+
+def chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
+    if choice.type == "any":
+        return "required"
+    if choice.type == "tool":
+        return {"type": "function", "function": {"name": choice.name}}
+    return choice.type  # "auto" | "none"
+
+
+def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
+    """Messages → Chat Completions messages: the system prompt first; a user's tool results
+    become `tool` messages (before the rest of that turn, as they answer the calls just
+    made); an assistant's tool uses become its `tool_calls`; thinking is not forwarded."""
+    out: list[dict[str, Any]] = []
+    if body.system:
+        out.append({"role": "system", "content": body.system_text()})
+    for message in body.messages:
+        out.extend(_chat_message(message))
+    return out
+
+
+def _chat_message(message: MessageParam) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": message.role, "content": message.content}]
+    if message.role == "assistant":
+        texts = [b.text for b in message.content if isinstance(b, TextBlock)]
+        calls = [
+            {
+                "id": b.id,
+                "type": "function",
+                "function": {"name": b.name, "arguments": orjson.dumps(b.input).decode()},
+            }
+            for b in message.content
+            if isinstance(b, ToolUseBlock)
+        ]
+        assistant: dict[str, Any] = {"role": "assistant", "content": "".join(texts) or None}
+        if calls:
+            assistant["tool_calls"] = calls
+        elif assistant["content"] is None:
+            assistant["content"] = ""
+        return [assistant]
+    out: list[dict[str, Any]] = [
+        {"role": "tool", "tool_call_id": b.tool_use_id, "content": b.text()}
+        for b in message.content
+        if isinstance(b, ToolResultBlock)
+    ]
+    parts = [_chat_part(b) for b in message.content if isinstance(b, TextBlock | ImageBlock)]
+    if len(parts) == 1 and parts[0]["type"] == "text":
+        out.append({"role": "user", "content": parts[0]["text"]})
+    elif parts or not out:
+        out.append({"role": "user", "content": parts})
+    return out
+
+
+def _chat_part(block: TextBlock | ImageBlock) -> dict[str, Any]:
+    if isinstance(block, TextBlock):
+        return {"type": "text", "text": block.text}
+    source = block.source
+    if isinstance(source, Base64Source):
+        url = f"data:{source.media_type};base64,{source.data}"
+    else:
+        url = source.url
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def _text(content: object) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    return "".join(
+        part.get("text") or ""
+        for part in content  # type: ignore[attr-defined]
+        if isinstance(part, Mapping) and part.get("type") == "text"
+    )
