@@ -17,7 +17,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import Receive, Scope, Send
 
 from firsttoken.admission import Admission
-from firsttoken.api import native, openai, responses
+from firsttoken.api import anthropic, native, openai, responses
 from firsttoken.api.gateway import Gateway, gateway, trace_id
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
@@ -75,8 +75,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     api = [
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
         Route("/completions", openai.completions, methods=["POST"]),
-        Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/responses", responses.responses, methods=["POST"]),
+        Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/models", openai.models, methods=["GET"]),
         Route("/streams", native.create_stream, methods=["POST"]),
         Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
@@ -146,8 +146,8 @@ Endpoint = Callable[[Request], Awaitable[Response]]
 HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
     ("POST", "/v1/chat/completions"): openai.chat_completions,
     ("POST", "/v1/completions"): openai.completions,
-    ("POST", "/v1/messages"): anthropic.messages,
     ("POST", "/v1/responses"): responses.responses,
+    ("POST", "/v1/messages"): anthropic.messages,
     ("POST", "/v1/streams"): native.create_stream,
 }
 
