@@ -89,6 +89,8 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     done = [_chunk(chat, None, "stop"), b"data: [DONE]\n\n"]
     if name == "ok":
         return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), *done]
+    if name in ("vllm-tools", "vllm-reasoning"):
+        return 200, sse, [_data(c) for c in VLLM_CHUNKS[name]] + [b"data: [DONE]\n\n"]
     if name == "ok-no-done":  # older TGI: finish_reason, then the body ends
         return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), done[0]]
     if name == "vllm-error":  # vLLM sends [DONE] after its error
@@ -145,6 +147,69 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     raise KeyError(name)
 
 
+def _vllm(delta: dict, finish: str | None = None, **choice: object) -> dict:
+    return {
+        "id": "chatcmpl-vllm",
+        "object": "chat.completion.chunk",
+        "created": 1,
+        "model": "vllm-model",
+        "choices": [{"index": 0, "delta": delta, "finish_reason": finish, **choice}],
+    }
+
+
+# What vLLM streams with a reasoning parser and a tool parser on: reasoning_content first,
+# then a tool call whose arguments arrive in fragments, the finish, and a usage chunk.
+VLLM_USAGE = {"prompt_tokens": 31, "completion_tokens": 17, "total_tokens": 48}
+VLLM_ARGUMENTS = ['{"city": ', '"Par', 'is", "u', 'nit": "c"', "}"]
+VLLM_CHUNKS = {
+    "vllm-tools": [
+        _vllm({"role": "assistant", "content": ""}),
+        _vllm({"reasoning_content": "The user wants"}),
+        _vllm({"reasoning_content": " the weather."}),
+        _vllm(
+            {
+                "tool_calls": [
+                    {
+                        "index": 0,
+                        "id": "chatcmpl-tool-1",
+                        "type": "function",
+                        "function": {"name": "get_weather", "arguments": ""},
+                    }
+                ]
+            }
+        ),
+        *(
+            _vllm({"tool_calls": [{"index": 0, "function": {"arguments": a}}]})
+            for a in VLLM_ARGUMENTS
+        ),
+        _vllm({}, "tool_calls"),
+        {
+            "id": "chatcmpl-vllm",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "vllm-model",
+            "choices": [],
+            "usage": VLLM_USAGE,
+        },
+    ],
+    "vllm-reasoning": [
+        _vllm({"role": "assistant", "content": ""}),
+        _vllm({"reasoning_content": "Think"}, logprobs=None),
+        _vllm({"content": "Hello"}, logprobs={"content": [{"token": "Hello", "logprob": -0.1}]}),
+        _vllm({"content": " world", "annotations": []}),
+        _vllm({}, "stop"),
+        {
+            "id": "chatcmpl-vllm",
+            "object": "chat.completion.chunk",
+            "created": 1,
+            "model": "vllm-model",
+            "choices": [],
+            "usage": VLLM_USAGE,
+        },
+    ],
+}
+
+
 NGINX_502 = (
     b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
     b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx/1.22.1</center>\r\n"
@@ -156,7 +221,8 @@ SCENARIOS = (
     "ok ok-no-done vllm-error vllm-flat-error tgi-error llamacpp-error llamacpp-data-error "
     "openai-event-error early-error cut cut-chunked hang hang-before "
     "http-500 http-503 http-400 http-422 http-429 "
-    "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary"
+    "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
+    "vllm-tools vllm-reasoning"
 ).split()
 
 

@@ -68,6 +68,7 @@ async def _serve(
         if isinstance(body, ChatCompletionRequest)
         else None,
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        body=body.raw,
     )
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
     created = int(time.time())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator
 
 __all__ = [
     "MAX_STOP",
@@ -23,6 +23,12 @@ __all__ = [
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
     model_config = ConfigDict(extra="ignore")
+    # The body as the client sent it, every field (set by `read_model`): what a relay forwards.
+    _raw: dict[str, Any] | None = PrivateAttr(default=None)
+
+    @property
+    def raw(self) -> dict[str, Any] | None:
+        return self._raw
 
 
 class SyntheticToolCall(_Body):
@@ -57,21 +63,26 @@ class StreamOptions(_Body):
     timestamps: bool = False  # `: t=<send time>` comments before each event
 
 
-class _TextPart(_Body):
-    type: Literal["text"]
-    text: str
+class _ContentPart(_Body):
+    # text, image_url, input_audio, file...: engines that read text take the text parts;
+    # a relay forwards every part as it came.
+    type: str
+    text: str | None = None
 
 
 class ChatMessage(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[_TextPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: str | list[_ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as they came
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if self.content is None:
             return ""
         if isinstance(self.content, str):
             return self.content
-        return "".join(part.text for part in self.content)
+        return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
 MAX_STOP = 4  # as OpenAI allows

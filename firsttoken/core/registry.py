@@ -42,6 +42,7 @@ class _Pulled:
         with self.scope:
             try:
                 finish = "stop"
+                usage = None
                 async for delta in self.engine.generate(stream.request):
                     if delta.structured:
                         room = stream.push_delta(delta)
@@ -49,13 +50,14 @@ class _Pulled:
                         room = stream.push(delta.text, delta.finish_reason)
                     else:
                         finish = delta.finish_reason or finish
+                        usage = delta.usage or usage
                         continue
                     if not room and stream.outcome is None:
                         self._room = asyncio.get_running_loop().create_future()
                         await self._room
                 # Iterated to its end even after the last token: an engine may work after
                 # it (the cache stores the answer).
-                stream.finish(finish)
+                stream.finish(finish, usage)
             except EngineError as exc:
                 stream.fail(exc)
             except Exception as exc:  # a bug must still end the stream with an error event

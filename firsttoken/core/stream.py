@@ -17,7 +17,7 @@ import asyncio
 import hmac
 import secrets
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
 from typing import Any, Protocol
 
@@ -298,7 +298,7 @@ class Stream:
             if delta.text:
                 return self.push(delta.text, delta.finish_reason)
             if delta.finish_reason is not None:
-                self.finish(delta.finish_reason)
+                self.finish(delta.finish_reason, delta.usage)
             return self.outcome is None
         if self.outcome is not None:
             return False
@@ -318,7 +318,7 @@ class Stream:
                         delta.extra,
                     )
                 )
-                self.finish(delta.finish_reason)
+                self.finish(delta.finish_reason, delta.usage)
             finally:
                 self.log.uncork()
             return False
@@ -341,7 +341,9 @@ class Stream:
             log.on_room = generation.resume
         return False
 
-    def finish(self, reason: str) -> None:
+    def finish(self, reason: str, counted: Mapping[str, Any] | None = None) -> None:
+        """The answer is complete; `counted` is the engine's own usage, when it has one
+        (an upstream's tokenizer counts better than our deltas do)."""
         if self.outcome is not None:
             return
         self._flush_pending()
@@ -353,6 +355,8 @@ class Stream:
         }
         if self.reasoning_tokens:
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        if counted and isinstance(counted.get("completion_tokens"), int):
+            usage = dict(counted)
         for name, data in self.renderer.closing(reason, usage):
             self._append(name, data)
         self._end(Outcome.COMPLETED, None)

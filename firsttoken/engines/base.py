@@ -65,6 +65,7 @@ class Delta:
     refusal: str = ""
     logprobs: Any = None  # the chunk's logprobs object, as the upstream sent it
     extra: Mapping[str, Any] | None = None
+    usage: Mapping[str, Any] | None = None  # on the last delta: the engine's own count
 
     @property
     def structured(self) -> bool:

@@ -72,6 +72,13 @@ def load_canned(path: str | Path) -> dict[str, str]:
     return {_greeting(k): v for k, v in answers.items()}
 
 
+# Body fields the key holds already (normalised), or that don't change the answer.
+_KEYED = frozenset(
+    "messages prompt model max_tokens max_completion_tokens seed temperature stop stream "
+    "stream_options synthetic user metadata".split()
+)
+
+
 class CachedEngine:
     """Wraps an engine: cache hits and canned answers never reach it."""
 
@@ -135,15 +142,18 @@ class CachedEngine:
             return
         tokens: list[str] = []
         finish: str | None = None
+        plain = True  # text only: reasoning and tool calls are not kept
         # aclosing: if our reader leaves, the inner generator is closed now (its slot freed).
         async with aclosing(self.inner.generate(request)) as inner:
             async for delta in inner:
-                if delta.text:
+                if delta.structured:
+                    plain = False
+                elif delta.text:
                     tokens.append(delta.text)
                 finish = delta.finish_reason or finish
                 yield delta
         # Only a complete answer gets here: errors raise, and an abort ends without a finish.
-        if key is not None and finish is not None and len(tokens) <= MAX_ANSWER_TOKENS:
+        if key is not None and plain and finish is not None and len(tokens) <= MAX_ANSWER_TOKENS:
             self._store(key, _Entry(time.monotonic() + self.ttl_s, tuple(tokens), finish))
 
     def key(self, request: GenerationRequest) -> _Key | None:
@@ -155,7 +165,9 @@ class CachedEngine:
             if request.messages is None
             else tuple((m.get("role"), _text(m.get("content") or "")) for m in request.messages)
         )
-        options = orjson.dumps(request.options, option=orjson.OPT_SORT_KEYS, default=repr)
+        # Everything else the client sent (tools, response format...) is part of the key.
+        rest = {k: v for k, v in (request.body or {}).items() if k not in _KEYED}
+        options = orjson.dumps([request.options, rest], option=orjson.OPT_SORT_KEYS, default=repr)
         return (
             request.model,
             _text(request.prompt) if messages is None else None,

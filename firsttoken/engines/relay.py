@@ -20,7 +20,7 @@ import httpx
 import orjson
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.text import count_words
 from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
@@ -183,7 +183,22 @@ class RelayEngine:
         return [c[3] for c in candidates]
 
     def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
-        body: dict[str, Any] = {"model": request.model, "stream": True}
+        """The upstream request: the client's body as it came (every field: tools, content
+        parts, response_format...), changed only where the gateway must: the model it
+        routes to, streaming on, usage on, and firsttoken's own stream options off."""
+        if request.body is not None:
+            body = dict(request.body)
+            chat = "messages" in body or "prompt" not in body
+            options = body.get("stream_options")
+            options = dict(options) if isinstance(options, Mapping) else {}
+            for own in _OWN_STREAM_OPTIONS:
+                options.pop(own, None)
+            options["include_usage"] = True
+            body.update(model=request.model, stream=True, stream_options=options)
+            if request.max_tokens is not None and "max_tokens" not in body:
+                body.setdefault("max_completion_tokens", request.max_tokens)
+            return ("/chat/completions" if chat else "/completions"), orjson.dumps(body)
+        body = {"model": request.model, "stream": True}
         if request.messages is not None:
             path = "/chat/completions"
             body["messages"] = [dict(m) for m in request.messages]
@@ -216,7 +231,7 @@ class RelayEngine:
             "accept": "text/event-stream",
             "x-request-id": rid,
         }
-        chat = request.messages is not None
+        chat = path == "/chat/completions"
         up.outstanding += 1
         try:
             async with self._client.stream(
@@ -263,7 +278,8 @@ class RelayEngine:
         identity = resp.headers.get("content-encoding", "identity") == "identity"
         chunks = resp.aiter_raw() if identity else resp.aiter_bytes()
         decoder = _UpstreamDecoder()
-        finished = False
+        finish: str | None = None  # held until the usage chunk or [DONE]: it carries usage
+        usage: dict[str, Any] | None = None
         received = 0
         async for chunk in chunks:
             received += len(chunk)
@@ -273,6 +289,7 @@ class RelayEngine:
                     raise normalise_error(data.encode())
                 if data == "[DONE]":
                     await _drain(chunks)
+                    yield Delta("", finish or "stop", usage=usage)
                     return
                 try:
                     obj = orjson.loads(data)
@@ -282,26 +299,28 @@ class RelayEngine:
                     raise _bad_response(f"a JSON {type(obj).__name__} where a chunk belongs")
                 if "error" in obj or obj.get("object") == "error":
                     raise normalise_error(data.encode())
-                text, finish = _chunk_fields(obj, chat)
-                if finish:
-                    finish = _FINISH.get(finish, finish)
-                    finished = True
-                if text:
+                if isinstance(obj.get("usage"), dict):
+                    usage = obj["usage"]
+                delta, finished = _chunk_delta(obj, chat)
+                if delta is not None:
                     self.tokens_generated += 1
-                if text or finish:
-                    yield Delta(text, finish)
+                    yield delta
+                if finished:
+                    finish = _FINISH.get(finished, finished)
             if decoder.pending_bytes() > _MAX_EVENT_BYTES:
                 raise _bad_response(f"an event over {_MAX_EVENT_BYTES} bytes (malformed SSE)")
-        if not finished and received and not decoder.saw_event:
+        if finish is not None:
+            # Older TGI ends after the finish chunk without [DONE]: that is complete.
+            yield Delta("", finish, usage=usage)
+            return
+        if received and not decoder.saw_event:
             # 200 and a body, but not a single event: a proxy's page, not an event stream.
             raise _bad_response(f"no events in a {ctype or 'untyped'!r} body")
-        # Older TGI ends after the finish chunk without [DONE]: that is complete.
-        if not finished:
-            raise EngineError(
-                "upstream_truncated",
-                "the upstream ended the stream before it finished",
-                retryable=True,
-            )
+        raise EngineError(
+            "upstream_truncated",
+            "the upstream ended the stream before it finished",
+            retryable=True,
+        )
 
 
 def _bad_response(what: str) -> EngineError:
@@ -310,20 +329,54 @@ def _bad_response(what: str) -> EngineError:
     return EngineError("upstream_bad_response", f"the upstream sent {what}", retryable=True)
 
 
-def _chunk_fields(obj: dict[str, Any], chat: bool) -> tuple[str, str | None]:
-    """(text, finish_reason) of one streamed chunk; a usage-only chunk is ("", None)."""
+# Delta fields with a place in `Delta`; any other field is passed through as it came.
+_KNOWN = frozenset(("role", "content", "reasoning_content", "reasoning", "tool_calls", "refusal"))
+_OWN_STREAM_OPTIONS = ("coalesce", "meta", "timestamps")
+
+
+def _chunk_delta(obj: dict[str, Any], chat: bool) -> tuple[Delta | None, str | None]:
+    """One streamed chunk as a delta (None when it carries nothing: the role chunk, a
+    usage-only chunk) and its finish reason."""
     choices = obj.get("choices")
     if not choices:
-        return "", None
+        return None, None
     try:
         choice = choices[0]
-        text = (choice.get("delta") or {}).get("content") if chat else choice.get("text")
         finish = choice.get("finish_reason")
+        logprobs = choice.get("logprobs")
+        if not chat:
+            text = choice.get("text")
+            _check(obj, isinstance(text, str | None) and isinstance(finish, str | None))
+            return (Delta(text, logprobs=logprobs) if text else None), finish
+        fields = choice.get("delta") or {}
+        text = fields.get("content")
+        reasoning = fields.get("reasoning_content") or fields.get("reasoning")
+        refusal = fields.get("refusal")
+        _check(
+            obj,
+            isinstance(fields, dict)
+            and all(isinstance(v, str | None) for v in (text, reasoning, refusal, finish)),
+        )
+        calls = tuple(_tool_call(obj, c) for c in fields.get("tool_calls") or ())
+        extra = {k: v for k, v in fields.items() if k not in _KNOWN and v is not None}
     except (AttributeError, IndexError, KeyError, TypeError):
         raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}") from None
-    if not isinstance(text, str | None) or not isinstance(finish, str | None):
+    if not (text or reasoning or refusal or calls or extra or logprobs):
+        return None, finish
+    delta = Delta(text or "", None, reasoning or "", calls, refusal or "", logprobs, extra or None)
+    return delta, finish
+
+
+def _tool_call(obj: dict[str, Any], call: Any) -> ToolCallDelta:
+    function = call.get("function") or {}
+    index, arguments = call.get("index", 0), function.get("arguments") or ""
+    _check(obj, isinstance(index, int) and isinstance(arguments, str))
+    return ToolCallDelta(index, call.get("id"), function.get("name"), arguments)
+
+
+def _check(obj: dict[str, Any], ok: bool) -> None:
+    if not ok:
         raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}")
-    return text or "", finish
 
 
 class _UpstreamDecoder(EventDecoder):

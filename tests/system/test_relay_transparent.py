@@ -1,0 +1,246 @@
+"""The relay is transparent: the upstream gets the client's request as it was sent, and every
+field of every upstream chunk reaches the client: tool calls, reasoning, logprobs, usage.
+
+Two upstreams: a scripted one that replays what vLLM streams with its reasoning and tool
+parsers on, and another firsttoken (the synthetic engine's `tool_call` and `reasoning_tokens`),
+for an agent loop driven by the official `openai` SDK, unchanged.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import ExitStack
+from typing import Any
+
+import openai
+import pytest
+
+from tests.servers import Server, run_server
+from tests.upstreams import VLLM_ARGUMENTS, VLLM_USAGE, ScriptedUpstream, scripted_upstream
+
+OPEN = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0")
+RELAY = ("--engine", "openai", *OPEN)
+
+TOOLS: list[Any] = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "description": "The weather in a city",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string"}, "unit": {"type": "string"}},
+                "required": ["city"],
+            },
+        },
+    }
+]
+# Everything an agent sends: content parts with an image, an assistant's tool call and the
+# tool's answer.
+MESSAGES: list[Any] = [
+    {"role": "system", "content": "You are terse."},
+    {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": "Weather where this photo was taken?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+        ],
+    },
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {
+                "id": "call_1",
+                "type": "function",
+                "function": {"name": "locate", "arguments": '{"photo": 1}'},
+            }
+        ],
+    },
+    {"role": "tool", "tool_call_id": "call_1", "content": "Paris"},
+]
+
+
+@pytest.fixture(scope="module")
+def scripted() -> Iterator[tuple[ScriptedUpstream, Server]]:
+    with scripted_upstream() as up, run_server(*RELAY, "--upstream", up.url) as relay:
+        yield up, relay
+
+
+@pytest.fixture(scope="module")
+def chain() -> Iterator[Server]:
+    with ExitStack() as stack:
+        upstream = stack.enter_context(
+            run_server("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1", *OPEN)
+        )
+        yield stack.enter_context(run_server(*RELAY, "--upstream", upstream.v1))
+
+
+def client(server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0, timeout=30)
+
+
+def test_upstream_gets_the_request_as_sent(scripted: tuple[ScriptedUpstream, Server]) -> None:
+    up, relay = scripted
+    sent = {
+        "messages": MESSAGES,
+        "tools": TOOLS,
+        "tool_choice": "auto",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "text"},
+        "max_completion_tokens": 64,
+        "logprobs": True,
+        "top_logprobs": 2,
+        "user": "agent-7",
+    }
+    stream = client(relay).chat.completions.create(
+        model="vllm-tools",
+        stream=True,
+        stream_options={"include_usage": False},
+        **sent,
+    )
+    list(stream)
+    posted = up.posts[-1]
+    for field, value in sent.items():
+        assert posted[field] == value, field
+    # What the gateway changes: streaming on, usage on.
+    assert posted["stream"] is True
+    assert posted["stream_options"] == {"include_usage": True}
+    assert posted["model"] == "vllm-tools"
+
+
+def test_vllm_tool_call_and_reasoning_reach_the_client(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    _, relay = scripted
+    stream = client(relay).chat.completions.create(
+        model="vllm-tools",
+        messages=MESSAGES,
+        tools=TOOLS,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    reasoning: list[str] = []
+    fragments: list[str] = []
+    names: list[str] = []
+    ids: list[str] = []
+    finish = None
+    usage = None
+    for chunk in stream:
+        usage = chunk.usage or usage
+        for choice in chunk.choices:
+            delta = choice.delta
+            extra = delta.model_extra or {}
+            if extra.get("reasoning_content"):
+                reasoning.append(extra["reasoning_content"])
+            for call in delta.tool_calls or ():
+                assert call.index == 0
+                if call.id:
+                    ids.append(call.id)
+                if call.function and call.function.name:
+                    names.append(call.function.name)
+                if call.function and call.function.arguments:
+                    fragments.append(call.function.arguments)
+            finish = choice.finish_reason or finish
+    assert "".join(reasoning) == "The user wants the weather."
+    assert ids == ["chatcmpl-tool-1"] and names == ["get_weather"]
+    assert fragments == VLLM_ARGUMENTS  # fragment by fragment, as the upstream sent them
+    assert json.loads("".join(fragments)) == {"city": "Paris", "unit": "c"}
+    assert finish == "tool_calls"
+    assert usage is not None and usage.completion_tokens == VLLM_USAGE["completion_tokens"]
+    assert usage.prompt_tokens == VLLM_USAGE["prompt_tokens"]
+
+
+def test_stream_helper_reassembles_the_tool_call(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    _, relay = scripted
+    with client(relay).chat.completions.stream(
+        model="vllm-tools", messages=MESSAGES, tools=TOOLS
+    ) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_completion()
+    assert "tool_calls.function.arguments.delta" in kinds
+    assert "tool_calls.function.arguments.done" in kinds
+    call = final.choices[0].message.tool_calls[0]  # type: ignore[index]
+    assert call.function.name == "get_weather"  # type: ignore[union-attr]
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}  # type: ignore[union-attr]
+    assert final.choices[0].finish_reason == "tool_calls"
+
+
+def test_logprobs_and_unknown_delta_fields_pass_through(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    _, relay = scripted
+    chunks = list(
+        client(relay).chat.completions.create(
+            model="vllm-reasoning", messages=MESSAGES, stream=True, logprobs=True
+        )
+    )
+    deltas = [c.choices[0] for c in chunks if c.choices]
+    text = "".join(d.delta.content or "" for d in deltas)
+    assert text == "Hello world"
+    hello = next(d for d in deltas if d.delta.content == "Hello")
+    assert hello.logprobs is not None and hello.logprobs.content[0].logprob == -0.1  # type: ignore[index]
+    world = next(d for d in deltas if d.delta.content == " world")
+    assert (world.delta.model_extra or {}).get("annotations") == []
+
+
+def test_whole_answer_through_the_relay_keeps_tool_calls(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    _, relay = scripted
+    answer = client(relay).chat.completions.create(
+        model="vllm-tools", messages=MESSAGES, tools=TOOLS
+    )
+    message = answer.choices[0].message
+    assert answer.choices[0].finish_reason == "tool_calls"
+    assert (message.model_extra or {}).get("reasoning_content") == "The user wants the weather."
+    call = message.tool_calls[0]  # type: ignore[index]
+    assert call.id == "chatcmpl-tool-1"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "c"}  # type: ignore[union-attr]
+    assert answer.usage is not None and answer.usage.total_tokens == VLLM_USAGE["total_tokens"]
+
+
+def test_agent_loop_through_relay_and_synthetic_engine(chain: Server) -> None:
+    """tool call → tool result → final answer, streaming, reasoning first: every fragment
+    relayed from another firsttoken and reassembled by the SDK exactly."""
+    api = client(chain)
+    arguments = {"city": "Zürich", "days": [1, 2], "detail": {"wind": True}}
+    messages: list[Any] = [{"role": "user", "content": "What's the weather in Zürich?"}]
+    with api.chat.completions.stream(
+        model="synthetic",
+        messages=messages,
+        tools=TOOLS,
+        extra_body={
+            "synthetic": {
+                "reasoning_tokens": 8,
+                "tool_call": {"name": "get_weather", "arguments": arguments},
+            }
+        },
+    ) as stream:
+        deltas = [e for e in stream if e.type == "tool_calls.function.arguments.delta"]
+        first = stream.get_final_completion()
+    assert len(deltas) > 3  # the arguments arrived in fragments
+    message = first.choices[0].message
+    assert first.choices[0].finish_reason == "tool_calls"
+    assert len((message.model_extra or {}).get("reasoning_content", "")) > 0
+    call = message.tool_calls[0]  # type: ignore[index]
+    assert json.loads(call.function.arguments) == arguments  # type: ignore[union-attr]
+    assert first.usage is None or first.usage.completion_tokens_details is not None
+
+    messages += [
+        message.model_dump(exclude_none=True),
+        {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 °C"},
+    ]
+    text: list[str] = []
+    with api.chat.completions.stream(
+        model="synthetic", messages=messages, tools=TOOLS
+    ) as stream:
+        for event in stream:
+            if event.type == "content.delta":
+                text.append(event.delta)
+        final = stream.get_final_completion()
+    assert final.choices[0].message.content == "".join(text) and len(text) > 100
+    assert final.choices[0].finish_reason == "stop"
