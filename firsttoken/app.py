@@ -10,11 +10,12 @@ import anyio
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
 from firsttoken.api import anthropic, native, openai, responses
@@ -31,7 +32,7 @@ from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.errors import APIError
 from firsttoken.wire.response import RAW_SEND_KEY
 
-__all__ = ["RawSendApp", "create_app"]
+__all__ = ["RawSendApp", "asgi_app", "create_app"]
 
 WEB_DIR = Path(__file__).parent / "web"
 
@@ -102,6 +103,30 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         },  # type: ignore[dict-item]
     )
     app.state.gateway = gw
+    return app
+
+
+# What a page on another origin may read of our answers (the resume handles among them).
+EXPOSED_HEADERS = ("X-Stream-Id", "X-Resume-Token", "X-Request-Id", "Retry-After")
+
+
+def asgi_app(starlette: Starlette) -> ASGIApp:
+    """What the server runs: the hot-route layer, and CORS outside it when it is on.
+
+    CORS acts on the preflight and on each response's start message only: the event-stream
+    body is written past it, so it costs nothing per token."""
+    app: ASGIApp = RawSendApp(starlette)
+    settings: Settings = starlette.state.gateway.settings
+    if settings.cors_allow_origins:
+        origins = [o.strip() for o in settings.cors_allow_origins.split(",") if o.strip()]
+        app = CORSMiddleware(
+            app,
+            allow_origins=origins,
+            allow_methods=("GET", "POST", "DELETE"),
+            allow_headers=("*",),  # Authorization, Last-Event-ID, x-api-key...
+            allow_credentials=False,
+            expose_headers=EXPOSED_HEADERS,
+        )
     return app
 
 

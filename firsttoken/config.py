@@ -128,6 +128,17 @@ def _memory(value: str) -> str | None:
     return "must be 'auto', bytes, or a size like 512M or 2G"
 
 
+def _origins(value: str) -> str | None:
+    origins = [o.strip() for o in value.split(",") if o.strip()]
+    if origins == ["*"]:
+        return None
+    for origin in origins:
+        parts = urlsplit(origin)
+        if parts.scheme not in ("http", "https") or not parts.netloc or parts.path not in ("",):
+            return f"{origin!r} is not an origin: scheme://host[:port], no path (or *)"
+    return None if origins else "must be * or one or more origins, comma-separated"
+
+
 def _host(value: str) -> str | None:
     if value and not any(c.isspace() for c in value) and "/" not in value:
         return None
@@ -210,6 +221,12 @@ class Settings:
     )
     meta_interval_ms: float = _knob(
         250.0, "`event: meta` progress at most this often (native streams; OpenAI opt-in)"
+    )
+    cors_allow_origins: str | None = _knob(
+        None,
+        "origins whose web pages may call the API: comma-separated (https://app.example) "
+        "or * (without credentials); off by default",
+        check=_origins,
     )
     stream_compression: str = _knob(
         "off",

@@ -18,7 +18,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.api.gateway import Gateway
-from firsttoken.app import RawSendApp, create_app
+from firsttoken.app import asgi_app, create_app
 from firsttoken.config import Settings, unknown_variables
 from firsttoken.observability import configure_logging, log_event
 from firsttoken.preflight import StartupError, describe, preflight
@@ -211,7 +211,7 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     try:
         starlette = create_app(settings)
-        app = _WatchStartup(RawSendApp(starlette))
+        app = _WatchStartup(asgi_app(starlette))
     except Exception as exc:
         _startup_failed(settings, exc)
     uvicorn_log = logging.getLogger("uvicorn")
