@@ -109,10 +109,11 @@ def response_object(
     body["output"] = output
     body["usage"] = None if usage is None else response_usage(usage)
     body["error"] = None if error is None else dict(error)
-    reason = _INCOMPLETE.get(finish_reason or "")
-    body["incomplete_details"] = {"reason": reason} if status == "incomplete" else None
-    if status == "incomplete" and reason is None:
-        body["incomplete_details"] = {"reason": "max_output_tokens"}
+    body["incomplete_details"] = None
+    if status == "incomplete":
+        body["incomplete_details"] = {
+            "reason": _INCOMPLETE.get(finish_reason or "", "max_output_tokens")
+        }
     if status in ("completed", "incomplete"):
         body["completed_at"] = int(time.time())
     return body

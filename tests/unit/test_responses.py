@@ -1,0 +1,435 @@
+"""The Responses API pieces without a server: the renderer's event sequences (checked
+against the openai SDK's own event types and its stream accumulator), the request's
+conversion to a Chat Completions body, and a whole answer as a Response."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from openai._models import construct_type
+from openai._types import omit
+from openai.lib.streaming.responses._responses import ResponseStreamState
+from openai.types.responses import Response, ResponseStreamEvent
+from pydantic import TypeAdapter, ValidationError
+
+from firsttoken.api.responses import (
+    chat_body,
+    chat_messages,
+    generation_request,
+    response_base,
+    transcript,
+)
+from firsttoken.api.responses_protocol import ResponsesRequest
+from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.wire.assemble import ChatAnswer, ToolCall
+from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage
+
+USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
+EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
+
+
+def renderer(**request: Any) -> ResponsesRenderer:
+    req = ResponsesRequest.model_validate({"input": "hi", **request})
+    return ResponsesRenderer(response_base(req, "resp_k", "synthetic", 1700000000), "k")
+
+
+def run(r: ResponsesRenderer, *steps: str | Delta, finish: str | None = "stop") -> list[dict]:
+    """Drive the renderer as `Stream` does; every event parsed, name checked against type."""
+    events: list[tuple[str | None, bytes]] = list(r.opening())
+    in_text = False
+    for step in steps:
+        if isinstance(step, str):
+            if not in_text:
+                events.extend(r.begin_text())
+                in_text = True
+            events.append((r.token_event, r.token(step)))
+        else:
+            events.extend(r.part(step))
+            in_text = False
+    if finish is not None:
+        events.extend(r.closing(finish, USAGE))
+    out = []
+    for name, data in events:
+        body = json.loads(data)
+        assert name == body["type"]
+        out.append(body)
+    return out
+
+
+def sdk_check(events: list[dict]) -> Any:
+    """Each event validates as the SDK's type; the SDK's stream helper accepts the sequence
+    (output identities, indexes); returns the final response it assembled."""
+    state: ResponseStreamState[Any] = ResponseStreamState(input_tools=omit, text_format=omit)
+    for body in events:
+        if body["type"] not in ("error", "response.failed"):  # error codes are ours
+            EVENTS.validate_python(body)
+        event = construct_type(type_=ResponseStreamEvent, value=body)
+        state.handle_event(event)  # type: ignore[arg-type]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return state._completed_response
+
+
+def types(events: list[dict]) -> list[str]:
+    return [e["type"] for e in events]
+
+
+def test_text_stream_events_and_completed_response() -> None:
+    events = run(renderer(), "Hel", "lo", "!")
+    assert types(events) == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.delta",
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    delta = events[4]
+    assert delta["item_id"] == "msg_k_0" and delta["output_index"] == 0
+    assert delta["content_index"] == 0 and delta["logprobs"] == []
+    assert events[7]["text"] == "Hello!"
+    final = sdk_check(events)
+    assert final.output_text == "Hello!" and final.status == "completed"
+    completed = events[-1]["response"]
+    assert completed["id"] == "resp_k" and completed["object"] == "response"
+    assert completed["usage"] == {
+        "input_tokens": 4,
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+        "output_tokens": 3,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": 7,
+    }
+    Response.model_validate(completed)  # the whole object, as the SDK types it
+
+
+def test_reasoning_then_text() -> None:
+    events = run(renderer(), Delta(reasoning="think"), Delta(reasoning="ing"), "Yes")
+    assert types(events)[2:11] == [
+        "response.output_item.added",
+        "response.content_part.added",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.delta",
+        "response.reasoning_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.output_item.added",
+        "response.content_part.added",
+    ]
+    assert (
+        events[2]["item"]["type"] == "reasoning" and events[3]["part"]["type"] == "reasoning_text"
+    )
+    assert events[6]["text"] == "thinking"
+    final = sdk_check(events)
+    reasoning, message = final.output
+    assert reasoning.type == "reasoning" and reasoning.content[0].text == "thinking"
+    assert message.id == "msg_k_1" and final.output_text == "Yes"
+
+
+def test_tool_call_fragments_become_a_function_call_item() -> None:
+    steps = [
+        Delta(tool_calls=(ToolCallDelta(0, "call_1", "get_weather", ""),)),
+        Delta(tool_calls=(ToolCallDelta(0, arguments='{"ci'),)),
+        Delta(tool_calls=(ToolCallDelta(0, arguments='ty":"Paris"}'),)),
+    ]
+    events = run(renderer(), *steps, finish="tool_calls")
+    assert types(events)[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    added = events[2]["item"]
+    assert added["call_id"] == "call_1" and added["name"] == "get_weather"
+    assert added["arguments"] == ""
+    assert events[5]["arguments"] == '{"city":"Paris"}'
+    (call,) = sdk_check(events).output
+    assert call.type == "function_call" and json.loads(call.arguments) == {"city": "Paris"}
+
+
+def test_two_tool_calls_are_two_items() -> None:
+    steps = [
+        Delta(tool_calls=(ToolCallDelta(0, "call_a", "f", "{}"),)),
+        Delta(tool_calls=(ToolCallDelta(1, "call_b", "g", "{"),)),
+        Delta(tool_calls=(ToolCallDelta(1, arguments="}"),)),
+    ]
+    final = sdk_check(run(renderer(), *steps, finish="tool_calls"))
+    assert [(c.call_id, c.name, c.arguments) for c in final.output] == [
+        ("call_a", "f", "{}"),
+        ("call_b", "g", "{}"),
+    ]
+
+
+def test_refusal_then_text_share_one_message() -> None:
+    events = run(renderer(), Delta(refusal="No."), " But", " yes")
+    assert "response.refusal.delta" in types(events) and "response.refusal.done" in types(events)
+    (message,) = sdk_check(events).output
+    assert [p.type for p in message.content] == ["refusal", "output_text"]
+    assert message.content[0].refusal == "No." and message.content[1].text == " But yes"
+
+
+def test_length_finish_is_incomplete() -> None:
+    events = run(renderer(max_output_tokens=2), "a", "b", finish="length")
+    last = events[-1]
+    assert last["type"] == "response.incomplete"
+    assert last["response"]["status"] == "incomplete"
+    assert last["response"]["incomplete_details"] == {"reason": "max_output_tokens"}
+    assert last["response"]["max_output_tokens"] == 2
+    assert last["response"]["output"][0]["status"] == "incomplete"
+    sdk_check(events)
+
+
+def test_error_mid_text_fails_with_partial_output() -> None:
+    r = renderer()
+    events = run(r, "par", "tial", finish=None)
+    events += [json.loads(data) for _, data in r.error("engine_overloaded", "boom")]
+    failed, error = events[-2:]
+    assert failed["type"] == "response.failed"
+    assert failed["response"]["status"] == "failed"
+    assert failed["response"]["error"] == {"code": "engine_overloaded", "message": "boom"}
+    (message,) = failed["response"]["output"]
+    assert message["status"] == "incomplete" and message["content"][0]["text"] == "partial"
+    # `event: error`: the SDK's error event fields, and the top-level `error` it raises on.
+    assert error["type"] == "error" and error["code"] == "engine_overloaded"
+    assert error["error"]["code"] == "engine_overloaded" and error["error"]["message"] == "boom"
+    sdk_check(events)
+
+
+def test_cancel_is_a_cancelled_response() -> None:
+    r = renderer()
+    run(r, "x", finish=None)
+    name, data = r.error("cancelled", "the stream was cancelled", "cancelled")[0]
+    assert name == "response.failed" and json.loads(data)["response"]["status"] == "cancelled"
+
+
+def test_response_from_answer() -> None:
+    base = response_base(ResponsesRequest(input="hi"), "resp_k", "synthetic", 1)
+    answer = ChatAnswer(
+        content="",
+        reasoning="hmm",
+        tool_calls=[ToolCall("call_1", "f", '{"a":1}')],
+        finish_reason="tool_calls",
+        usage={**USAGE, "completion_tokens_details": {"reasoning_tokens": 1}},
+    )
+    body = response_from_answer(base, "k", answer)
+    parsed = Response.model_validate(body)
+    assert parsed.status == "completed"
+    assert [o.type for o in parsed.output] == ["reasoning", "function_call"]
+    assert parsed.output[0].id == "rs_k_0" and parsed.output[1].id == "fc_k_1"
+    assert parsed.usage is not None and parsed.usage.output_tokens_details.reasoning_tokens == 1
+    text = response_from_answer(base, "k", ChatAnswer(content="Hi", finish_reason="length"))
+    assert text["status"] == "incomplete" and text["output"][0]["status"] == "incomplete"
+    assert Response.model_validate(text).output_text == "Hi"
+
+
+def test_usage_keeps_cached_tokens() -> None:
+    usage = response_usage({**USAGE, "prompt_tokens_details": {"cached_tokens": 2}})
+    assert usage["input_tokens_details"]["cached_tokens"] == 2
+
+
+# -- the request -------------------------------------------------------------------------
+
+
+def request(**body: Any) -> ResponsesRequest:
+    return ResponsesRequest.model_validate(body)
+
+
+def test_string_input_and_instructions() -> None:
+    req = request(input="Hi", instructions="Be brief.", max_output_tokens=9, temperature=0.5)
+    assert chat_messages(req) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Hi"},
+    ]
+    body = chat_body(req, "m")
+    assert body["max_completion_tokens"] == 9 and body["temperature"] == 0.5
+    assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
+    assert body["model"] == "m" and "max_output_tokens" not in body
+    gen = generation_request(req, "id", "m")
+    assert gen.prompt == "system: Be brief.\nuser: Hi"
+    assert gen.max_tokens == 9 and gen.body == body
+
+
+AGENT_INPUT = [
+    {
+        "role": "user",
+        "content": [
+            {"type": "input_text", "text": "Weather "},
+            {"type": "input_text", "text": "here?"},
+            {"type": "input_image", "image_url": "https://x/y.png", "detail": "low"},
+        ],
+    },
+    {"type": "reasoning", "id": "rs_1", "summary": []},
+    {
+        "type": "message",
+        "role": "assistant",
+        "id": "msg_1",
+        "status": "completed",
+        "content": [{"type": "output_text", "text": "Let me check.", "annotations": []}],
+    },
+    {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": '{"c":"P"}'},
+    {"type": "function_call", "call_id": "c2", "name": "time", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+    {
+        "type": "function_call_output",
+        "call_id": "c2",
+        "output": [{"type": "input_text", "text": "noon"}],
+    },
+]
+
+
+def test_items_become_chat_messages() -> None:
+    assert chat_messages(request(input=AGENT_INPUT)) == [
+        {
+            "role": "user",
+            "content": [
+                {"type": "text", "text": "Weather "},
+                {"type": "text", "text": "here?"},
+                {"type": "image_url", "image_url": {"url": "https://x/y.png", "detail": "low"}},
+            ],
+        },
+        {
+            "role": "assistant",
+            "content": "Let me check.",
+            "tool_calls": [
+                {
+                    "id": "c1",
+                    "type": "function",
+                    "function": {"name": "weather", "arguments": '{"c":"P"}'},
+                },
+                {"id": "c2", "type": "function", "function": {"name": "time", "arguments": "{}"}},
+            ],
+        },
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "noon"},
+    ]
+    assert transcript(request(input=AGENT_INPUT)) == [
+        ("user", "Weather here?"),
+        ("assistant", "Let me check."),
+        ("assistant", 'weather({"c":"P"})'),
+        ("assistant", "time({})"),
+        ("tool", "sunny"),
+        ("tool", "noon"),
+    ]
+
+
+def test_a_call_without_a_message_opens_an_assistant_turn() -> None:
+    items = [
+        {"role": "user", "content": "q"},
+        {"type": "function_call", "call_id": "c", "name": "f", "arguments": "{}"},
+    ]
+    assert chat_messages(request(input=items))[1] == {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+        ],
+    }
+
+
+def test_tools_tool_choice_and_text_format() -> None:
+    tool = {
+        "type": "function",
+        "name": "weather",
+        "description": "the weather",
+        "parameters": {"type": "object", "properties": {}},
+        "strict": True,
+    }
+    body = chat_body(
+        request(
+            input="q",
+            tools=[tool],
+            tool_choice={"type": "function", "name": "weather"},
+            parallel_tool_calls=False,
+            text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}},
+            reasoning={"effort": "low"},
+            top_logprobs=2,
+            synthetic={"ttft_ms": 5},
+        ),
+        "m",
+    )
+    assert body["tools"] == [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "the weather",
+                "parameters": {"type": "object", "properties": {}},
+                "strict": True,
+            },
+        }
+    ]
+    assert body["tool_choice"] == {"type": "function", "function": {"name": "weather"}}
+    assert body["parallel_tool_calls"] is False
+    assert body["response_format"] == {
+        "type": "json_schema",
+        "json_schema": {"name": "s", "schema": {"type": "object"}},
+    }
+    assert body["reasoning_effort"] == "low"
+    assert body["logprobs"] is True and body["top_logprobs"] == 2
+    assert body["synthetic"] == {"ttft_ms": 5}
+    for choice in ("auto", "none", "required"):
+        assert chat_body(request(input="q", tool_choice=choice), "m")["tool_choice"] == choice
+    allowed = {
+        "type": "allowed_tools",
+        "mode": "auto",
+        "tools": [{"type": "function", "name": "f"}],
+    }
+    assert chat_body(request(input="q", tool_choice=allowed), "m")["tool_choice"] == {
+        "type": "allowed_tools",
+        "allowed_tools": {
+            "mode": "auto",
+            "tools": [{"type": "function", "function": {"name": "f"}}],
+        },
+    }
+
+
+def test_response_base_echoes_the_request() -> None:
+    req = request(
+        input="q",
+        instructions="sys",
+        tools=[{"type": "function", "name": "f"}],
+        metadata={"a": "b"},
+        temperature=0.2,
+    )
+    base = response_base(req, "resp_x", "m", 5)
+    assert base["instructions"] == "sys" and base["metadata"] == {"a": "b"}
+    assert base["temperature"] == 0.2 and base["tool_choice"] == "auto"
+    assert base["tools"][0]["name"] == "f" and base["tools"][0]["type"] == "function"
+    Response.model_validate(base)
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "words"),
+    [
+        (
+            {"input": "q", "previous_response_id": "resp_1"},
+            "previous_response_id",
+            "no conversation state",
+        ),
+        ({"input": "q", "tools": [{"type": "web_search"}]}, "tools.0", "function tools only"),
+        ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
+        ({"input": [{"type": "computer_call_output"}]}, "input", "unsupported input item"),
+        (
+            {"input": [{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]},
+            "input",
+            "image_url",
+        ),
+        ({"input": "q", "tool_choice": {"type": "web_search"}}, "tool_choice", "allowed_tools"),
+        ({"input": "q", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
+        ({}, "input", "Field required"),
+        ({"input": "q", "background": True}, "background", "not supported"),
+    ],
+)
+def test_refused_requests(body: dict, param: str, words: str) -> None:
+    with pytest.raises(ValidationError) as info:
+        ResponsesRequest.model_validate(body)
+    error = info.value.errors()[0]
+    assert ".".join(str(p) for p in error["loc"]).startswith(param)
+    assert words in str(info.value)
