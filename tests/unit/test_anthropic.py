@@ -354,7 +354,10 @@ def test_generation_request_prompt_and_limits() -> None:
     assert generation.max_tokens == 7 and generation.stop == ("x", "y")
     assert generation.seed is None and generation.temperature == 0.2
     assert generation.options["synthetic"]["ttft_ms"] == 5
-    assert generation.messages == ({"role": "system", "content": "S"}, {"role": "user", "content": "Q"})
+    assert generation.messages == (
+        {"role": "system", "content": "S"},
+        {"role": "user", "content": "Q"},
+    )
     assert generation.body is not None and generation.body["model"] == "synthetic"
 
 
