@@ -311,17 +311,20 @@ class ResponsesRenderer:
     def _tool_call(self, call: ToolCallDelta) -> list[tuple[str | None, bytes]]:
         out: list[tuple[str | None, bytes]] = []
         item = self.open
-        first = call.id is not None or call.name is not None
+        known = item.call if item is not None and item.kind == "function_call" else None
         if (
             item is None
-            or item.kind != "function_call"
-            or first
-            or (item.call is not None and item.call.index != call.index)
+            or known is None
+            or known.index != call.index
+            or (call.id is not None and known.id is not None and call.id != known.id)
         ):
+            # A new call. (Some upstreams repeat the id on every fragment: same id, same call.)
             out = self._close("completed")
             item = self._open_item("function_call", "fc")
             item.call = call
             out.append(self._added(item))
+        elif known.name is None and call.name is not None:  # a name that came late
+            item.call = ToolCallDelta(known.index, known.id or call.id, call.name)
         if call.arguments:
             item.texts.append(call.arguments)
             out.append(

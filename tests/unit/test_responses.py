@@ -167,6 +167,15 @@ def test_two_tool_calls_are_two_items() -> None:
     ]
 
 
+def test_an_id_repeated_on_every_fragment_is_one_call() -> None:
+    steps = [
+        Delta(tool_calls=(ToolCallDelta(0, "call_a", "f", '{"x"'),)),
+        Delta(tool_calls=(ToolCallDelta(0, "call_a", None, ":1}"),)),
+    ]
+    (call,) = sdk_check(run(renderer(), *steps, finish="tool_calls")).output
+    assert (call.call_id, call.name, call.arguments) == ("call_a", "f", '{"x":1}')
+
+
 def test_refusal_then_text_share_one_message() -> None:
     events = run(renderer(), Delta(refusal="No."), " But", " yes")
     assert "response.refusal.delta" in types(events) and "response.refusal.done" in types(events)
