@@ -121,7 +121,8 @@ class MessagesRenderer:
         self.input_tokens = input_tokens
         self._index = -1  # the index of the last block started
         self._open: str | None = None  # its kind while open: "text" | "thinking" | "tool_use"
-        self._calls: dict[int, int] = {}  # tool call index → its block's index
+        # tool call index → (its block's index, its id): a new id at a known index is a new call
+        self._calls: dict[int, tuple[int, str | None]] = {}
 
     # -- the stream's ends -----------------------------------------------------------------
 
@@ -188,8 +189,9 @@ class MessagesRenderer:
             out += self.begin_text()
             out.append(self._delta(self._index, {"type": "text_delta", "text": text}))
         for call in delta.tool_calls:
-            index = self._calls.get(call.index)
-            if index is None or call.id is not None:
+            known = self._calls.get(call.index)
+            # Some upstreams repeat the id on every fragment: only a new one starts a block.
+            if known is None or (call.id is not None and call.id != known[1]):
                 block = {
                     "type": "tool_use",
                     "id": call.id or "",
@@ -197,10 +199,10 @@ class MessagesRenderer:
                     "input": {},
                 }
                 out += self._start(block, "tool_use")
-                index = self._calls[call.index] = self._index
+                known = self._calls[call.index] = (self._index, call.id)
             if call.arguments:
                 piece = {"type": "input_json_delta", "partial_json": call.arguments}
-                out.append(self._delta(index, piece))
+                out.append(self._delta(known[0], piece))
         return out
 
     # -- blocks ----------------------------------------------------------------------------

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from typing import Any
@@ -115,6 +116,28 @@ def test_system_prompt_is_part_of_the_prompt(server: Server) -> None:
         model="synthetic", max_tokens=10, system="Be brief.", messages=MESSAGES
     )
     assert message.content[0].text == "".join(expected)  # type: ignore[union-attr]
+
+
+def test_stop_sequences_cut_the_answer(server: Server) -> None:
+    full = "".join(synthetic_tokens(PROMPT, None, 60)[0])
+    stop = full[40:44]
+    message = client(server).messages.create(
+        model="synthetic", max_tokens=60, messages=MESSAGES, stop_sequences=[stop]
+    )
+    assert message.content[0].text == full[: full.index(stop)]  # type: ignore[union-attr]
+    # The engine's finish does not say which stop it was: end_turn, not stop_sequence.
+    assert message.stop_reason == "end_turn"
+
+
+def test_async_sdk_streams(server: Server) -> None:
+    async def run() -> list[str]:
+        c = anthropic.AsyncAnthropic(base_url=server.url, api_key="unused", max_retries=0)
+        async with c.messages.stream(model="synthetic", max_tokens=15, messages=MESSAGES) as stream:
+            texts = [text async for text in stream.text_stream]
+        await c.close()
+        return texts
+
+    assert asyncio.run(run()) == synthetic_tokens(PROMPT, None, 15)[0]
 
 
 def test_thinking_blocks_streaming_and_not(server: Server) -> None:

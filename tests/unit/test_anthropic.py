@@ -179,6 +179,22 @@ def test_text_after_a_tool_call_opens_a_new_text_block() -> None:
     ]
 
 
+def test_a_repeated_call_id_continues_its_block() -> None:
+    stream = make()
+    for piece in ('{"a"', ":", "1}"):
+        stream.push_delta(Delta(tool_calls=(ToolCallDelta(0, "c0", "f", piece),)))
+    stream.finish("tool_calls")
+    got = events(stream)
+    assert shape(got)[2:-2] == [
+        "content_block_start[0]:tool_use",
+        "content_block_delta[0]:input_json_delta",
+        "content_block_delta[0]:input_json_delta",
+        "content_block_delta[0]:input_json_delta",
+        "content_block_stop[0]",
+    ]
+    assert sdk_message(got).content[0].input == {"a": 1}
+
+
 def test_error_mid_stream_is_anthropic_error_event() -> None:
     stream = make()
     stream.push("partial")
