@@ -11,7 +11,9 @@ decoder: a character split across tokens is sent whole, with the token that comp
 dropped if max_tokens ends the answer before it is complete).
 
 Chat requests are rendered with the model's own chat template (GGUF metadata); completions
-and native streams use the prompt as it is. temperature 0 is greedy; no temperature means
+and native streams use the prompt as it is. Content only: tools, images and reasoning are not
+this engine's (a request's `tools` are ignored and answers are plain text), and every prompt is
+evaluated from an empty cache, so temperature 0 gives the same text on every request. temperature 0 is greedy; no temperature means
 llama-cpp-python's default 0.8; a seed makes sampling repeatable, no seed draws a random one.
 """
 
@@ -317,6 +319,11 @@ class LlamaCppEngine:
         limit = room if request.max_tokens is None else min(request.max_tokens, room)
         temperature = DEFAULT_TEMPERATURE if request.temperature is None else request.temperature
         llm.set_seed(LLAMA_DEFAULT_SEED if request.seed is None else request.seed)
+        # Every prompt is evaluated from an empty cache. Reusing the previous request's
+        # state (llama-cpp-python's prefix match) evaluates the prompt in other batch shapes,
+        # and the numerics change: at temperature 0 the first answer after start would
+        # differ from every later identical one. A 135M model re-reads a prompt in ms.
+        llm.reset()
         tokens = llm.generate(prompt, temp=max(0.0, temperature))
         try:
             self._decode(job, tokens, limit)

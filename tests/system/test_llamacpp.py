@@ -185,3 +185,18 @@ def test_abort_stops_the_thread_within_one_token() -> None:
     at_abort, stopped, later = anyio.run(main)
     assert stopped - at_abort <= 1, (at_abort, stopped)
     assert later == stopped
+
+
+def test_temperature_zero_is_the_same_on_every_request() -> None:
+    """The first request after start answers exactly like the later identical ones: the
+    engine evaluates every prompt from an empty cache (no reuse of a previous prompt's state,
+    whose different batch shapes change the numerics), whatever ran before it."""
+    ask = "Write one sentence about the sea."
+    with run_server(
+        "--engine", "llamacpp", "--rate-limit-per-s", "0", "--ttft-slo-ms", "0", timeout=120
+    ) as fresh:
+        first = chat(fresh, ask, max_tokens=40, temperature=0)
+        again = chat(fresh, ask, max_tokens=40, temperature=0)
+        chat(fresh, "Something else entirely, please.", max_tokens=10, temperature=0)
+        after_another = chat(fresh, ask, max_tokens=40, temperature=0)
+    assert first and first == again == after_another
