@@ -136,8 +136,7 @@ def response_from_answer(base: Mapping[str, Any], key: str, answer: ChatAnswer) 
             parts.append({"type": "refusal", "refusal": answer.refusal})
         if answer.content:
             parts.append(output_text(answer.content))
-        done = "incomplete" if status == "incomplete" and not answer.tool_calls else "completed"
-        output.append(message_item(item_id("msg", key, len(output)), parts, done))
+        output.append(message_item(item_id("msg", key, len(output)), parts))
     for call in answer.tool_calls:
         index = len(output)
         call_id = call.id or item_id("call", key, index)
@@ -145,7 +144,7 @@ def response_from_answer(base: Mapping[str, Any], key: str, answer: ChatAnswer) 
             function_call_item(item_id("fc", key, index), call_id, call.name, call.arguments)
         )
     if status == "incomplete" and output:
-        output[-1]["status"] = "incomplete"
+        output[-1]["status"] = "incomplete"  # the item the limit cut short, as a stream says
     return response_object(base, status, output, answer.usage, finish_reason=answer.finish_reason)
 
 
@@ -229,9 +228,7 @@ class ResponsesRenderer:
 
     def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:
         status = _status(finish_reason)
-        out = self._close(status)
-        if status == "incomplete" and self.output:
-            self.output[-1]["status"] = "incomplete"
+        out = self._close(status)  # the item a limit cut short is incomplete too
         response = response_object(
             self.base, status, self.output, usage, finish_reason=finish_reason
         )
