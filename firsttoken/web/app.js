@@ -1,11 +1,17 @@
 // firsttoken chat page: one prompt at a time, streamed over the native SSE API.
-// No framework, no build step. Tokens are batched per animation frame and appended to a
-// text node, so the cost per frame is the new text only, never the whole answer.
+// No framework, no build step. Text is batched per animation frame and handed to a streaming
+// Markdown renderer (markdown.js) that renders only the last open block: the cost per frame
+// is the new text, never the whole answer. Reasoning shows folded under "Thinking…", tool
+// calls as cards whose arguments grow as they stream.
+
+import { MarkdownStream } from "./markdown.js";
 
 const GIVE_UP_MS = 5000; // without a working connection this long, the answer is interrupted
 // The API key, when the server wants one: sessionStorage keeps it for this tab only, gone
 // when the tab closes, never shared with other tabs or written to disk like localStorage.
 const KEY_STORAGE = "firsttoken.apiKey";
+// Error codes that, on a Retry's resume, mean the server no longer has the whole answer.
+const GONE = new Set(["stream_not_found", "resume_expired", "stream_abandoned"]);
 
 const $ = (id) => document.getElementById(id);
 const log = $("log");
@@ -16,12 +22,22 @@ const stopButton = $("stop");
 const statusLine = $("status");
 const stateText = $("state");
 const statsText = $("stats");
+const options = {
+  style: $("opt-style"),
+  reasoning: $("opt-reasoning"),
+  tool: $("opt-tool"),
+  toolArgs: $("opt-tool-args"),
+};
 
-const requestExtras = readExtras(new URLSearchParams(location.search));
+const params = new URLSearchParams(location.search);
+const requestExtras = readExtras(params);
+// ?perf=1: every render call's time, for tests and curious readers (window.renderTimings).
+const timings = params.has("perf") ? (window.renderTimings = []) : null;
 let active = null; // the stream being shown, or null
 
 // Optional request fields from the page URL (e.g. /?max_tokens=50&itl_ms=40&fail_after=10):
-// handy for demos and tests of the synthetic engine's timing and fault injection.
+// handy for demos and tests of the synthetic engine's timing and fault injection. The
+// style, reasoning and tool-call knobs fill the Options panel, which has the last word.
 function readExtras(params) {
   const extras = {};
   const int = (name) => {
@@ -32,12 +48,42 @@ function readExtras(params) {
     if (int(name) !== undefined) extras[name] = int(name);
   }
   const synthetic = {};
-  for (const name of ["ttft_ms", "itl_ms", "fail_after"]) {
+  for (const name of ["ttft_ms", "itl_ms", "fail_after", "answer_tokens"]) {
     if (int(name) !== undefined) synthetic[name] = int(name);
   }
   if (params.get("error_code")) synthetic.error_code = params.get("error_code");
   if (Object.keys(synthetic).length) extras.synthetic = synthetic;
+  if (["prose", "markdown", "hostile"].includes(params.get("style"))) {
+    options.style.value = params.get("style");
+  }
+  if (int("reasoning_tokens") !== undefined) options.reasoning.value = int("reasoning_tokens");
+  if (params.get("tool")) options.tool.value = params.get("tool");
+  if (params.get("tool_args")) options.toolArgs.value = params.get("tool_args");
   return extras;
+}
+
+// The request body for a prompt: URL extras, then the Options panel.
+function requestBody(prompt) {
+  const synthetic = { ...requestExtras.synthetic };
+  if (options.style.value) synthetic.style = options.style.value;
+  const reasoning = options.reasoning.value.trim();
+  if (/^\d+$/.test(reasoning) && Number(reasoning) > 0) {
+    synthetic.reasoning_tokens = Number(reasoning);
+  }
+  const tool = options.tool.value.trim();
+  if (tool) {
+    let args = {};
+    try {
+      args = JSON.parse(options.toolArgs.value.trim() || "{}");
+    } catch {
+      args = { input: options.toolArgs.value };
+    }
+    synthetic.tool_call = { name: tool, arguments: args };
+  }
+  const body = { prompt, ...requestExtras };
+  if (Object.keys(synthetic).length) body.synthetic = synthetic;
+  else delete body.synthetic;
+  return body;
 }
 
 function apiKey() {
@@ -67,17 +113,30 @@ function addTurn(prompt) {
   question.textContent = prompt;
   const answer = document.createElement("div");
   answer.className = "answer";
+  const tools = document.createElement("div");
+  tools.className = "tools";
+  const note = document.createElement("p");
+  note.className = "retry-note";
+  note.setAttribute("role", "status");
+  note.hidden = true;
   const notice = document.createElement("div");
   notice.className = "notice";
   notice.hidden = true;
-  turn.append(question, answer, notice);
+  turn.append(question, answer, tools, note, notice);
   log.append(turn);
   scrollToBottom();
-  return { element: turn, prompt, answer, notice };
+  return { element: turn, prompt, body: requestBody(prompt), answer, tools, note, notice, stream: null };
 }
 
 function setTurnState(turn, state) {
   turn.element.dataset.state = state;
+}
+
+// After a Retry: say whether the answer went on where it stopped or started over.
+function showRetryNote(turn, outcome, message) {
+  turn.element.dataset.retry = outcome;
+  turn.note.textContent = message;
+  turn.note.hidden = false;
 }
 
 function showNotice(turn, kind, message) {
@@ -96,7 +155,10 @@ function showNotice(turn, kind, message) {
     retry.textContent = "Retry";
     retry.addEventListener("click", () => {
       if (active) stop(active);
-      start(turn);
+      const s = turn.stream;
+      // Interrupted: the server may still have the answer, so go on from the last event seen.
+      if (kind === "interrupted" && s?.eventsUrl) resume(s);
+      else start(turn);
     });
     notice.append(" ", retry);
   }
@@ -150,18 +212,26 @@ function scrollToBottom() {
 
 // ---- one stream ---------------------------------------------------------------------------
 
-async function start(turn) {
-  const s = {
+function newStream(turn) {
+  return {
     turn,
     id: null,
     token: null,
+    eventsUrl: null,
     cancelUrl: null,
     source: null,
     controller: new AbortController(),
-    text: document.createTextNode(""),
+    md: null,
     pending: "",
+    pendingTokens: 0,
+    reasoning: "",
+    thinking: null, // {box, summary, body}
+    thinkStart: 0,
+    thinkEnd: 0,
+    toolFragments: [],
+    tools: new Map(), // index -> {card, args, text}
     frame: 0,
-    lastSeq: -1,
+    lastSeq: 0,
     received: 0,
     sentAt: performance.now(),
     firstAt: 0,
@@ -169,11 +239,26 @@ async function start(turn) {
     meta: {},
     lostAt: 0,
     giveUpTimer: 0,
+    resuming: false,
     finished: false,
   };
+}
+
+// A new answer for the turn (its first, or after Retry when the old one cannot go on).
+async function start(turn) {
+  const s = newStream(turn);
+  turn.stream = s;
   active = s;
-  turn.answer.replaceChildren(s.text);
+  turn.answer.replaceChildren();
+  turn.tools.replaceChildren();
+  turn.element.querySelector(".thinking")?.remove();
+  const md = new MarkdownStream(turn.answer);
+  s.md = md;
+  // The answer's text as the model wrote it (tests compare it with the server's tokens).
+  Object.defineProperty(turn.answer, "rawText", { get: () => md.text, configurable: true });
   turn.notice.hidden = true;
+  turn.note.hidden = true;
+  delete turn.element.dataset.retry;
   setTurnState(turn, "starting");
   setBusy(true);
   setState("starting", "Sending…");
@@ -187,7 +272,7 @@ async function start(turn) {
     const response = await fetch("v1/streams", {
       method: "POST",
       headers,
-      body: JSON.stringify({ prompt: turn.prompt, ...requestExtras }),
+      body: JSON.stringify(turn.body),
       signal: s.controller.signal,
     });
     const body = await response.json().catch(() => ({}));
@@ -207,17 +292,46 @@ async function start(turn) {
   }
   s.id = created.id;
   s.token = created.resume_token;
+  s.eventsUrl = created.events_url;
   s.cancelUrl = created.cancel_url || `v1/streams/${encodeURIComponent(s.id)}/cancel`;
   if (s.finished) return sendCancel(s); // Stop pressed before the stream existed
+  listen(s, new URL(s.eventsUrl, location.href));
+  setState("streaming", "Waiting for the first token…");
+}
 
-  const source = new EventSource(new URL(created.events_url, location.href));
+// Retry after an interruption: the same stream from the last event seen, appended to the
+// same answer, if the server still has it; otherwise (onError) a new answer.
+function resume(s) {
+  const { turn } = s;
+  s.finished = false;
+  s.resuming = true;
+  s.lostAt = 0;
+  s.controller = new AbortController();
+  active = s;
+  turn.notice.hidden = true;
+  turn.note.hidden = true;
+  setTurnState(turn, "resuming");
+  setBusy(true);
+  setState("reconnecting", "Resuming…");
+  const url = new URL(s.eventsUrl, location.href);
+  if (s.lastSeq > 0) url.searchParams.set("last_event_id", String(s.lastSeq));
+  listen(s, url);
+}
+
+function startOver(s) {
+  end(s, "restarting");
+  start(s.turn);
+  showRetryNote(s.turn, "restarted", "Started over: the server no longer had the interrupted answer.");
+}
+
+function listen(s, url) {
+  const source = new EventSource(url);
   s.source = source;
   source.addEventListener("open", () => onOpen(s));
   source.addEventListener("message", (e) => onMessage(s, e));
   source.addEventListener("meta", (e) => onMeta(s, e));
   source.addEventListener("error", (e) => onError(s, e));
-  setTurnState(turn, "streaming");
-  setState("streaming", "Waiting for the first token…");
+  setTurnState(s.turn, "streaming");
 }
 
 function onOpen(s) {
@@ -225,40 +339,59 @@ function onOpen(s) {
   s.lostAt = 0;
   clearTimeout(s.giveUpTimer);
   if (s.finished) return;
+  if (s.resuming) {
+    s.resuming = false;
+    showRetryNote(s.turn, "resumed", "Resumed where the answer was interrupted.");
+  }
   setTurnState(s.turn, "streaming");
   setState("streaming", s.received ? "Streaming" : "Waiting for the first token…");
+}
+
+// Belt and braces against a replayed event after a reconnect: true when already seen.
+function seen(s, e) {
+  if (e.lastEventId === "") return false;
+  const seq = Number(e.lastEventId);
+  if (!Number.isFinite(seq)) return false;
+  if (seq <= s.lastSeq) return true;
+  s.lastSeq = seq;
+  return false;
 }
 
 function onMessage(s, e) {
   if (s.finished) return;
   if (e.data === "[DONE]") return finish(s, "done");
-  // Belt and braces against a replayed event after a reconnect.
-  if (e.lastEventId !== "") {
-    const seq = Number(e.lastEventId);
-    if (Number.isFinite(seq)) {
-      if (seq <= s.lastSeq) return;
-      s.lastSeq = seq;
-    }
-  }
+  if (seen(s, e)) return;
   let payload;
   try {
     payload = JSON.parse(e.data);
   } catch {
     return;
   }
-  if (typeof payload.token !== "string") return;
   const now = performance.now();
+  if (typeof payload.token === "string") {
+    s.pending += payload.token;
+    s.pendingTokens += 1;
+    if (s.thinkStart && !s.thinkEnd) s.thinkEnd = now;
+  } else if (typeof payload.reasoning === "string") {
+    s.reasoning += payload.reasoning;
+    if (!s.thinkStart) s.thinkStart = now;
+  } else if (payload.tool_call && typeof payload.tool_call === "object") {
+    s.toolFragments.push(payload.tool_call);
+    if (s.thinkStart && !s.thinkEnd) s.thinkEnd = now;
+  } else {
+    return;
+  }
   if (!s.firstAt) {
     s.firstAt = now;
     setState("streaming", "Streaming");
   }
   s.lastAt = now;
   s.received += 1;
-  s.pending += payload.token;
   schedule(s);
 }
 
 function onMeta(s, e) {
+  if (seen(s, e)) return;
   try {
     Object.assign(s.meta, JSON.parse(e.data));
   } catch {
@@ -273,17 +406,21 @@ function onError(s, e) {
   // problem is a plain Event. Both use the same event type.
   if (e instanceof MessageEvent && e.data) {
     let message = e.data;
+    let code = "";
     try {
       const body = JSON.parse(e.data);
-      message = body?.error?.message || body?.error?.code || message;
+      code = body?.error?.code || "";
+      message = body?.error?.message || code || message;
     } catch {
       // not JSON: show the raw text
     }
+    if (s.retried && GONE.has(code)) return startOver(s);
     return fail(s, message);
   }
   if (s.source.readyState === EventSource.CLOSED) {
-    // The server refused the resume (e.g. 404 for a stream it no longer knows).
-    return interrupt(s);
+    // The server refused: a Retry's resume (404 for a stream it no longer knows) starts
+    // over; a reconnect mid-answer leaves the answer interrupted, for Retry to decide.
+    return s.resuming ? startOver(s) : interrupt(s);
   }
   // EventSource is reconnecting on its own; give it GIVE_UP_MS in total.
   if (!s.lostAt) {
@@ -293,7 +430,7 @@ function onError(s, e) {
     }, GIVE_UP_MS);
   }
   setTurnState(s.turn, "reconnecting");
-  setState("reconnecting", "Connection lost, resuming…");
+  setState("reconnecting", s.resuming ? "Resuming…" : "Connection lost, resuming…");
 }
 
 // ---- rendering ----------------------------------------------------------------------------
@@ -305,13 +442,92 @@ function schedule(s) {
 function flush(s) {
   cancelAnimationFrame(s.frame);
   s.frame = 0;
-  if (s.pending) {
-    const follow = atBottom();
-    s.text.appendData(s.pending);
-    s.pending = "";
-    if (follow) scrollToBottom();
+  const follow = atBottom();
+  if (s.reasoning) {
+    thinking(s).body.append(s.reasoning); // a text node per frame: never copies what is there
+    s.reasoning = "";
   }
+  if (s.thinking) renderThinking(s);
+  for (const fragment of s.toolFragments) toolCall(s, fragment);
+  s.toolFragments = [];
+  if (s.pending) {
+    const t0 = performance.now();
+    s.md.append(s.pending);
+    if (timings) {
+      timings.push({ tokens: s.received, n: s.pendingTokens, ms: performance.now() - t0 });
+    }
+    s.pending = "";
+    s.pendingTokens = 0;
+  }
+  if (follow) scrollToBottom();
   if (active === s) renderStats(s);
+}
+
+// The reasoning, folded: "Thinking…" while it streams, "Thought for 1.2 s" after.
+function thinking(s) {
+  if (!s.thinking) {
+    const box = document.createElement("details");
+    box.className = "thinking";
+    const summary = document.createElement("summary");
+    summary.textContent = "Thinking…";
+    const body = document.createElement("div");
+    body.className = "reasoning";
+    box.append(summary, body);
+    s.turn.answer.before(box);
+    s.thinking = { box, summary, body };
+  }
+  return s.thinking;
+}
+
+function renderThinking(s) {
+  const { box, summary } = s.thinking;
+  if (!s.thinkEnd || box.dataset.done) return;
+  const seconds = Math.max(0, s.thinkEnd - s.thinkStart) / 1000;
+  summary.textContent = `Thought for ${seconds.toFixed(1)} s`;
+  box.dataset.done = "true";
+  box.dataset.seconds = seconds.toFixed(3);
+}
+
+// A tool call: a card with its name, and its arguments as they stream.
+function toolCall(s, fragment) {
+  const index = Number.isInteger(fragment.index) ? fragment.index : 0;
+  let call = s.tools.get(index);
+  if (!call) {
+    const card = document.createElement("section");
+    card.className = "tool-call";
+    const head = document.createElement("div");
+    head.className = "tool-head";
+    const label = document.createElement("span");
+    label.className = "tool-label";
+    label.textContent = "Tool call";
+    const name = document.createElement("code");
+    name.className = "tool-name";
+    const args = document.createElement("pre");
+    args.className = "tool-args";
+    head.append(label, " ", name);
+    card.append(head, args);
+    s.turn.tools.append(card);
+    call = { card, name, args, text: "" };
+    s.tools.set(index, call);
+  }
+  if (typeof fragment.name === "string" && fragment.name) call.name.textContent = fragment.name;
+  if (typeof fragment.id === "string") call.card.dataset.callId = fragment.id;
+  if (typeof fragment.arguments === "string" && fragment.arguments) {
+    call.text += fragment.arguments;
+    call.args.append(fragment.arguments);
+  }
+}
+
+// Once the call is complete its arguments are shown pretty-printed (or as sent, if not JSON).
+function completeToolCalls(s) {
+  for (const call of s.tools.values()) {
+    try {
+      call.args.textContent = JSON.stringify(JSON.parse(call.text), null, 2);
+    } catch {
+      // not JSON after all: leave the text as it came
+    }
+    call.card.dataset.complete = "true";
+  }
 }
 
 function renderStats(s) {
@@ -340,11 +556,17 @@ function setBusy(busy) {
 
 // ---- endings ------------------------------------------------------------------------------
 
-function end(s, state) {
+// `final`: the answer will get no more text, so the renderer closes its last block.
+function end(s, state, final = true) {
   s.finished = true;
   clearTimeout(s.giveUpTimer);
   if (s.source) s.source.close();
+  if (s.thinkStart && !s.thinkEnd && final) s.thinkEnd = performance.now();
   flush(s);
+  if (final) {
+    s.md?.end();
+    completeToolCalls(s);
+  }
   setTurnState(s.turn, state);
   if (active === s) {
     active = null;
@@ -354,7 +576,12 @@ function end(s, state) {
 
 function finish(s, state) {
   end(s, state);
-  const reason = s.meta.finish_reason === "length" ? " (reached max tokens)" : "";
+  const reason =
+    s.meta.finish_reason === "length"
+      ? " (reached max tokens)"
+      : s.meta.finish_reason === "tool_calls"
+        ? " (tool call)"
+        : "";
   setState(state, `Done${reason}`);
 }
 
@@ -371,7 +598,8 @@ function needKey(s, message) {
 }
 
 function interrupt(s) {
-  end(s, "interrupted");
+  end(s, "interrupted", false);
+  s.retried = true; // the next error on this stream comes after a Retry
   showNotice(s.turn, "interrupted", "Response interrupted.");
   setState("interrupted", "Response interrupted");
 }

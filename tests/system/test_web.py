@@ -40,16 +40,18 @@ PROMPT = "Why should a chat page stream its answer?"
 
 # JS snippets evaluated in the page.
 LAST_ANSWER = "document.querySelector('.turn:last-child .answer')"
-ANSWER_LENGTH = f"() => {LAST_ANSWER}?.textContent.length ?? 0"
+# The answer's text as the model wrote it (the page renders it as Markdown).
+ANSWER_LENGTH = f"() => {LAST_ANSWER}?.rawText?.length ?? 0"
 TURN_STATE = "() => document.querySelector('.turn:last-child')?.dataset.state ?? ''"
 LOG = "document.getElementById('log')"
 AT_BOTTOM = (
     f"() => {{ const l = {LOG}; return l.scrollHeight - l.scrollTop - l.clientHeight < 8; }}"
 )
-# Record the answer's length every animation frame, and how the answer's DOM changes.
+# Record the answer's length every animation frame, and how the answer's DOM changes:
+# text appended in place, and blocks (paragraphs…) with text taken out of the answer.
 WATCH_ANSWER = f"""() => {{
   window.lengths = [];
-  window.structural = 0;
+  window.replaced = 0;
   window.textEdits = 0;
   const tick = () => {{
     window.lengths.push(({ANSWER_LENGTH})());
@@ -61,7 +63,9 @@ WATCH_ANSWER = f"""() => {{
       const node = r.target.nodeType === Node.TEXT_NODE ? r.target.parentNode : r.target;
       if (!node?.closest('.answer')) continue;
       if (r.type === 'characterData') window.textEdits++;
-      else if (node.textContent.length > 0) window.structural++;
+      else if (node.matches('.answer')) {{
+        for (const gone of r.removedNodes) if (gone.textContent.length > 0) window.replaced++;
+      }}
     }}
   }}).observe({LOG}, {{ subtree: true, childList: true, characterData: true }});
 }}"""
@@ -154,7 +158,8 @@ def send(page: Page, prompt: str = PROMPT) -> None:
 
 
 def answer(page: Page) -> str:
-    return page.evaluate(f"() => {LAST_ANSWER}?.textContent ?? ''")
+    """The last answer's text as the model wrote it (before Markdown rendering)."""
+    return page.evaluate(f"() => {LAST_ANSWER}?.rawText ?? ''")
 
 
 def wait_for_length(page: Page, chars: int) -> None:
@@ -177,7 +182,7 @@ def counter(server: Server, name: str, label: str = "") -> float:
 # ---- tests ------------------------------------------------------------------------------------
 
 
-def test_answer_streams_progressively_into_one_text_node(
+def test_answer_streams_progressively_without_replacing_blocks(
     web_server: Server, open_page: Callable[..., Page]
 ) -> None:
     params = {"max_tokens": 120, "ttft_ms": 100, "itl_ms": 25}
@@ -196,9 +201,11 @@ def test_answer_streams_progressively_into_one_text_node(
     steps = sorted({n for n in lengths if n > 0})
     assert len(steps) >= 10, f"answer grew in only {len(steps)} visible steps: {steps}"
     assert steps[0] < len(answer(page)) / 2
-    # Appended to the same text node: character edits, no node replaced once text is shown.
-    assert page.evaluate("() => window.structural") == 0
+    # Text appended in place (character edits); no paragraph replaced once it is shown.
+    assert page.evaluate("() => window.replaced") == 0
     assert page.evaluate("() => window.textEdits") >= 10
+    paragraphs = page.locator(".turn:last-child .answer > p")
+    assert paragraphs.count() == len([p for p in "".join(expected).split("\n\n") if p.strip()])
     stats = page.inner_text("#stats")
     assert "TTFT" in stats and "tok/s" in stats and f"{len(expected)} tokens" in stats
 
@@ -269,6 +276,10 @@ def test_lost_server_keeps_partial_answer_and_offers_retry(
     notice.get_by_role("button", name="Retry").click()
     wait_for_state(page, "done", timeout_ms=30_000)
     assert answer(page) == full
+    # The server still had the stream: Retry went on from the last event seen.
+    assert page.evaluate("() => document.querySelector('.turn:last-child').dataset.retry") == (
+        "resumed"
+    )
 
 
 def test_error_event_is_shown_next_to_partial_answer(
