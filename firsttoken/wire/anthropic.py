@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -19,6 +20,7 @@ from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.render import Events
 
 __all__ = [
+    "Block",
     "MessagesRenderer",
     "error_body",
     "error_type",
@@ -97,6 +99,14 @@ def error_body(type_: str, message: str, request_id: str | None = None) -> bytes
     return _dumps(body)
 
 
+class Block(StrEnum):
+    """The kinds of content block a stream opens (the value is the block's `type`)."""
+
+    TEXT = "text"
+    THINKING = "thinking"
+    TOOL_USE = "tool_use"
+
+
 def _signature(message_id: str, index: int) -> str:
     """A thinking block's `signature`: opaque to clients, which send it back as they got it."""
     digest = hashlib.sha256(f"firsttoken\x00{message_id}\x00{index}".encode()).digest()
@@ -120,7 +130,7 @@ class MessagesRenderer:
         self.model = model
         self.input_tokens = input_tokens
         self._index = -1  # the index of the last block started
-        self._open: str | None = None  # its kind while open: "text" | "thinking" | "tool_use"
+        self._open: Block | None = None  # its kind while it is open
         # tool call index → (its block's index, its id): a new id at a known index is a new call
         self._calls: dict[int, tuple[int, str | None]] = {}
 
@@ -160,9 +170,9 @@ class MessagesRenderer:
     # -- text ------------------------------------------------------------------------------
 
     def begin_text(self) -> Events:
-        if self._open == "text":
+        if self._open is Block.TEXT:
             return _NONE
-        return self._start({"type": "text", "text": ""}, "text")
+        return self._start({"type": "text", "text": ""}, Block.TEXT)
 
     def token_template(self) -> tuple[bytes, bytes]:
         prefix = b'{"type":"content_block_delta","index":%d,"delta":{"type":"text_delta","text":'
@@ -177,10 +187,9 @@ class MessagesRenderer:
     def part(self, delta: Delta) -> Events:
         out: list[tuple[str | None, bytes]] = []
         if delta.reasoning:
-            if self._open != "thinking":
-                out += self._start(
-                    {"type": "thinking", "thinking": "", "signature": ""}, "thinking"
-                )
+            if self._open is not Block.THINKING:
+                block = {"type": "thinking", "thinking": "", "signature": ""}
+                out += self._start(block, Block.THINKING)
             out.append(
                 self._delta(self._index, {"type": "thinking_delta", "thinking": delta.reasoning})
             )
@@ -198,7 +207,7 @@ class MessagesRenderer:
                     "name": call.name or "",
                     "input": {},
                 }
-                out += self._start(block, "tool_use")
+                out += self._start(block, Block.TOOL_USE)
                 known = self._calls[call.index] = (self._index, call.id)
             if call.arguments:
                 piece = {"type": "input_json_delta", "partial_json": call.arguments}
@@ -207,7 +216,7 @@ class MessagesRenderer:
 
     # -- blocks ----------------------------------------------------------------------------
 
-    def _start(self, block: dict[str, Any], kind: str) -> list[tuple[str | None, bytes]]:
+    def _start(self, block: dict[str, Any], kind: Block) -> list[tuple[str | None, bytes]]:
         out = self._close()
         self._index += 1
         self._open = kind
@@ -219,7 +228,7 @@ class MessagesRenderer:
         if self._open is None:
             return []
         out: list[tuple[str | None, bytes]] = []
-        if self._open == "thinking":
+        if self._open is Block.THINKING:
             # Anthropic signs a thinking block just before it closes.
             signature = {
                 "type": "signature_delta",
