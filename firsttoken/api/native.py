@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
 from firsttoken.wire.render import NativeRenderer
@@ -75,7 +76,7 @@ async def stream_events(request: Request) -> Response:
     except APIError as exc:
         return exc.response(trace_id(request))
     log = stream.log
-    if stream.mirror:
+    if isinstance(stream, Mirror):
         await gw.registry.tail(stream, after)
         # Give the mirror a moment to learn whether the stream already ended there.
         with anyio.move_on_after(0.5):

@@ -16,10 +16,11 @@ from functools import partial
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines import Engine, EngineError, GenerationRequest
+from firsttoken.engines import Engine, EngineError
 from firsttoken.engines.base import delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventStore, MemoryStore
@@ -76,19 +77,6 @@ class _Pulled:
         self.scope.cancel()
 
 
-class _Tailed:
-    """A mirror's producer: a task tailing the store (another instance generates)."""
-
-    def __init__(self) -> None:
-        self.scope = anyio.CancelScope()
-
-    def resume(self) -> None:
-        return None
-
-    def cancel(self) -> None:
-        self.scope.cancel()
-
-
 class StreamRegistry:
     """Live and recently finished streams by id; starts, stops and expires them."""
 
@@ -139,36 +127,15 @@ class StreamRegistry:
         record = await self.store.lookup(stream_id)
         if record is None:
             return None
-        request = GenerationRequest(request_id=stream_id, prompt="", model=record.model)
-        mirror = Stream(
-            request,
-            None,
-            kind=record.kind,
-            trace_id=record.trace_id,
-            grace_s=0,
-            prompt_tokens=0,
-            max_events=self.max_events,
-            accepted_at=time.perf_counter(),
-        )
-        mirror.mirror = True
-        mirror.token_digest = record.token_digest
-        return mirror
+        return Mirror(record, max_events=self.max_events)
 
-    async def tail(self, mirror: Stream, after: int) -> None:
+    async def tail(self, mirror: Mirror, after: int) -> None:
         """Start filling a mirror from the store; it stops when its reader leaves."""
-        assert self._tg is not None and mirror.mirror
-        tailed = _Tailed()
-        mirror.generation = tailed
-        self._tg.start_soon(self._tail, mirror, tailed, after)
-
-    async def _tail(self, mirror: Stream, tailed: _Tailed, after: int) -> None:
-        with tailed.scope:
-            await self.store.tail(mirror.id, after, mirror.log)
-        if not mirror.log.closed:
-            mirror.log.close()
+        assert self._tg is not None
+        self._tg.start_soon(mirror.follow(self.store, after).run)
 
     async def cancel(self, stream: Stream) -> str:
-        if stream.mirror:
+        if isinstance(stream, Mirror):
             return await self.store.cancel(stream.id) or "cancelling"
         stream.stop(Outcome.CANCELLED)  # synchronous: the stream has ended when it returns
         return stream.outcome.value if stream.outcome else "cancelling"
@@ -221,7 +188,7 @@ class StreamRegistry:
     def detach(self, stream: Stream) -> None:
         stream.readers -= 1
         if stream.readers == 0:
-            if stream.mirror:
+            if isinstance(stream, Mirror):
                 stream.stop(Outcome.DISCONNECTED)
             elif stream.outcome is not None:
                 self._log_finished(stream)

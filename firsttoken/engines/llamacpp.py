@@ -13,8 +13,9 @@ dropped if max_tokens ends the answer before it is complete).
 Chat requests are rendered with the model's own chat template (GGUF metadata); completions
 and native streams use the prompt as it is. Content only: tools, images and reasoning are not
 this engine's (a request's `tools` are ignored and answers are plain text), and every prompt is
-evaluated from an empty cache, so temperature 0 gives the same text on every request. temperature 0 is greedy; no temperature means
-llama-cpp-python's default 0.8; a seed makes sampling repeatable, no seed draws a random one.
+evaluated from an empty cache, so temperature 0 gives the same text on every request.
+temperature 0 is greedy; no temperature means llama-cpp-python's default 0.8; a seed makes
+sampling repeatable, no seed draws a random one.
 """
 
 from __future__ import annotations

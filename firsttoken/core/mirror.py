@@ -1,0 +1,81 @@
+"""A mirror: a stream another instance generates, read here.
+
+Its producer is not an engine but a tail of the shared store (Redis): the events the owner
+replicates are appended to the mirror's own log, and this instance's readers read that log as
+they read any other. It knows the resume token only by its digest, and cancelling it asks the
+owner through the store.
+"""
+
+from __future__ import annotations
+
+import hmac
+import time
+
+import anyio
+
+from firsttoken.core.stream import Outcome, Stream
+from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.resume import EventStore, StreamRecord, token_digest
+
+__all__ = ["Mirror"]
+
+
+class Mirror(Stream):
+    __slots__ = ()
+
+    def __init__(self, record: StreamRecord, *, max_events: int) -> None:
+        request = GenerationRequest(request_id=record.id, prompt="", model=record.model)
+        super().__init__(
+            request,
+            None,
+            kind=record.kind,
+            trace_id=record.trace_id,
+            grace_s=0,
+            prompt_tokens=0,
+            max_events=max_events,
+            accepted_at=time.perf_counter(),
+        )
+        self.token_digest = record.token_digest
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None or self.log.closed
+
+    def check_token(self, token: str | None) -> bool:
+        if token is None:
+            return False
+        return hmac.compare_digest(token_digest(token), self.token_digest)
+
+    def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
+        """Stop tailing (the owner's generation is the owner's to stop)."""
+        if self.generation is not None:
+            self.generation.cancel()
+
+    def follow(self, store: EventStore, after: int) -> _Tail:
+        """The producer: a tail of the store from `after`, run by the caller's task group."""
+        tail = _Tail(self, store, after)
+        self.generation = tail
+        return tail
+
+
+class _Tail:
+    """The mirror's producer (a `Generation`): it has no pace to pause, only an end."""
+
+    def __init__(self, mirror: Mirror, store: EventStore, after: int) -> None:
+        self.mirror = mirror
+        self.store = store
+        self.after = after
+        self.scope = anyio.CancelScope()
+
+    async def run(self) -> None:
+        log = self.mirror.log
+        with self.scope:
+            await self.store.tail(self.mirror.id, self.after, log)
+        if not log.closed:
+            log.close()
+
+    def resume(self) -> None:
+        return None
+
+    def cancel(self) -> None:
+        self.scope.cancel()
