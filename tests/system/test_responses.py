@@ -15,6 +15,7 @@ from firsttoken.engines.synthetic import SyntheticOptions, answer_parts, synthet
 from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
+from tests.upstreams import VLLM_ARGUMENTS, scripted_upstream
 
 QUESTION = "Why does streaming matter?"
 PROMPT = "user: " + QUESTION
@@ -343,3 +344,62 @@ def test_responses_stream_resumes_by_stream_id() -> None:
         assert text == expected
         assert bodies[-1]["type"] == "response.completed"
         assert bodies[-1]["response"]["output"][0]["content"][0]["text"] == expected
+
+
+def test_relay_forwards_a_chat_body_and_renders_what_vllm_streams() -> None:
+    """Through the relay: the upstream gets the Responses request as a Chat Completions
+    body, and what a vLLM upstream streams (reasoning, a tool call in fragments, text with
+    logprobs and unknown fields) comes back as Responses items."""
+    open_ = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0")
+    with (
+        scripted_upstream() as up,
+        run_server("--engine", "openai", *open_, "--upstream", up.url) as relay,
+    ):
+        c = client(relay)
+        with c.responses.stream(
+            model="vllm-tools",
+            instructions="Be terse.",
+            input=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "input_text", "text": "Weather here?"},
+                        {"type": "input_image", "image_url": "data:image/png;base64,iVBO"},
+                    ],
+                }
+            ],
+            tools=TOOLS,
+            tool_choice="required",
+            max_output_tokens=64,
+        ) as stream:
+            final = stream.get_final_response()
+        sent = up.posts[-1]
+        assert sent["messages"] == [
+            {"role": "system", "content": "Be terse."},
+            {
+                "role": "user",
+                "content": [
+                    {"type": "text", "text": "Weather here?"},
+                    {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBO"}},
+                ],
+            },
+        ]
+        tool = {k: v for k, v in TOOLS[0].items() if k != "type"}
+        assert sent["tools"] == [{"type": "function", "function": tool}]
+        assert sent["tool_choice"] == "required" and sent["max_completion_tokens"] == 64
+        assert sent["stream"] is True and sent["model"] == "vllm-tools"
+        assert not {"input", "instructions", "max_output_tokens"} & set(sent)
+        reasoning, call = final.output
+        assert reasoning.type == "reasoning"
+        assert reasoning.content[0].text == "The user wants the weather."
+        assert call.type == "function_call" and call.call_id == "chatcmpl-tool-1"
+        assert call.arguments == "".join(VLLM_ARGUMENTS)
+        assert final.usage is not None  # the upstream's own count, as it sent it
+        assert (final.usage.input_tokens, final.usage.output_tokens) == (31, 17)
+
+        events = list(c.responses.create(model="vllm-reasoning", input="hi", stream=True))
+        assert events[-1].type == "response.completed"
+        assert events[-1].response.output_text == "Hello world"
+        whole = c.responses.create(model="vllm-reasoning", input="hi")
+        assert [o.type for o in whole.output] == ["reasoning", "message"]
+        assert whole.output_text == "Hello world"
