@@ -13,6 +13,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
+from firsttoken.engines.base import Delta, ToolCallDelta
 from firsttoken.observability import Metrics
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
@@ -127,3 +128,49 @@ def test_a_cancel_is_not_reported_as_a_server_error() -> None:
         stream.stop(reason)
         _, data = events(stream)[-1]
         assert data["error"]["code"] == code and data["error"]["type"] == type_  # type: ignore[index]
+
+
+def test_coalescing_never_merges_across_kinds() -> None:
+    """Text is coalesced; a structured delta flushes the pending text first and goes out on
+    its own, so reasoning, text and tool-call fragments keep their order and boundaries."""
+
+    async def body() -> None:
+        stream = make()
+        stream.coalesce = CoalescePolicy(max_wait_s=10.0, max_bytes=1024)
+        stream.begin()
+        stream.push_delta(Delta(reasoning="Let me"))
+        stream.push_delta(Delta(reasoning=" think"))
+        stream.push("Hello")  # a run's first token leaves at once
+        stream.push(" there")  # these two wait in the coalescer: no boundary yet
+        stream.push(" friend")
+        call = ToolCallDelta(0, "call_1", "get_weather", "")
+        stream.push_delta(Delta(tool_calls=(call,)))
+        for piece in ('{"ci', 'ty": "Pa', 'ris"}'):
+            stream.push_delta(Delta(tool_calls=(ToolCallDelta(0, arguments=piece),)))
+        stream.push("Done")
+        stream.finish("tool_calls")
+        kinds = [next(iter(d)) for n, d in events(stream) if n is None and isinstance(d, dict)]
+        assert kinds == ["reasoning", "reasoning", "token", "token", "tool_call",
+                         *["tool_call"] * 3, "token"]  # fmt: skip
+        got = [d for n, d in events(stream) if n is None and isinstance(d, dict)]
+        assert got[3] == {"token": " there friend"}  # merged within its run only
+        args = "".join(d["tool_call"]["arguments"] for d in got if "tool_call" in d)
+        assert orjson.loads(args) == {"city": "Paris"}
+        assert got[4]["tool_call"]["name"] == "get_weather"
+        meta = next(d for n, d in events(stream) if n == "meta")
+        assert meta["usage"]["completion_tokens"] == 10  # type: ignore[index]
+        assert meta["usage"]["completion_tokens_details"] == {"reasoning_tokens": 2}  # type: ignore[index]
+
+    asyncio.run(body())
+
+
+def test_text_after_a_structured_delta_takes_the_template_again() -> None:
+    stream = make()
+    stream.begin()
+    stream.push("a")
+    stream.push_delta(Delta(reasoning="r"))
+    stream.push("b")
+    stream.push("c")
+    assert stream._frame is not None  # back on the hot path
+    got = [d for n, d in events(stream) if n is None and isinstance(d, dict)]
+    assert got == [{"token": "a"}, {"reasoning": "r"}, {"token": "b"}, {"token": "c"}]

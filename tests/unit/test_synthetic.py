@@ -1,6 +1,10 @@
 from __future__ import annotations
 
+import json
+
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine, synthetic_tokens
+from firsttoken.engines.base import Delta
+from firsttoken.engines.synthetic import SyntheticOptions, answer_parts
 from tests.unit.clock import FakeClock
 
 
@@ -98,3 +102,27 @@ def test_fault_injection_fails_after_n_tokens() -> None:
     clock.advance(1.0)
     assert len(sink.tokens) == 3
     assert sink.error is not None and sink.error.code == "boom"
+
+
+def test_reasoning_then_a_tool_call_in_fragments() -> None:
+    arguments = {"city": "Zürich", "days": [1, 2]}
+    opts = SyntheticOptions(reasoning_tokens=5, tool_call={"name": "f", "arguments": arguments})
+    request = GenerationRequest("r", "user: hi", "synthetic", seed=3)
+    parts, finish = answer_parts(request, opts)
+    assert finish == "tool_calls"
+    assert all(isinstance(p, Delta) and p.reasoning for p in parts[:5])
+    first = parts[5]
+    assert isinstance(first, Delta) and first.tool_calls[0].name == "f"
+    assert first.tool_calls[0].id and first.tool_calls[0].id.startswith("call_")
+    pieces = [p.tool_calls[0].arguments for p in parts[6:]]  # type: ignore[union-attr]
+    assert len(pieces) > 3 and all(1 <= len(x) <= 8 for x in pieces)
+    assert json.loads("".join(pieces)) == arguments
+    assert answer_parts(request, opts) == (parts, finish)  # deterministic
+
+
+def test_max_tokens_counts_reasoning_too() -> None:
+    opts = SyntheticOptions(reasoning_tokens=5)
+    request = GenerationRequest("r", "user: hi", "synthetic", max_tokens=7)
+    parts, finish = answer_parts(request, opts)
+    assert finish == "length" and len(parts) == 7
+    assert [type(p) for p in parts] == [Delta] * 5 + [str] * 2
