@@ -22,6 +22,14 @@ import orjson
 from firsttoken.config import Settings
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.text import count_words
+from firsttoken.engines.upstream import (
+    ConnectError,
+    ConnectTimeout,
+    ReadTimeout,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
@@ -67,14 +75,12 @@ class RelayEngine:
         self.tokens_generated = 0
         self.failovers = 0
         self._api_key = settings.upstream_api_key
-        self._timeout = httpx.Timeout(
-            connect=settings.upstream_connect_timeout_s,
-            read=settings.upstream_read_timeout_s,
-            write=settings.upstream_read_timeout_s,
-            pool=settings.upstream_connect_timeout_s,
-        )
+        self._connect_timeout = settings.upstream_connect_timeout_s
+        self._read_timeout = settings.upstream_read_timeout_s
+        # httpx for GET /models at start; the streaming POSTs go through the lean client.
         self._client: httpx.AsyncClient | None = None
-        self._inflight: dict[str, httpx.Response] = {}
+        self._pool: UpstreamPool | None = None
+        self._inflight: dict[str, UpstreamResponse] = {}
         self._aborted: set[str] = set()
         self._turn = 0
 
@@ -85,10 +91,14 @@ class RelayEngine:
         if self._api_key:
             headers["authorization"] = f"Bearer {self._api_key}"
         self._client = httpx.AsyncClient(
-            timeout=self._timeout,
+            timeout=httpx.Timeout(self._read_timeout, connect=self._connect_timeout),
             headers=headers,
-            # Each stream holds a connection for its whole length; admission bounds them.
-            limits=httpx.Limits(max_connections=None, max_keepalive_connections=256),
+        )
+        # Each stream holds a connection for its whole length; admission bounds them.
+        self._pool = UpstreamPool(
+            connect_timeout=self._connect_timeout,
+            read_timeout=self._read_timeout,
+            headers={**headers, "content-type": "application/json", "accept": "text/event-stream"},
         )
         errors: dict[str, str] = {}
         async with anyio.create_task_group() as tg:
@@ -123,6 +133,9 @@ class RelayEngine:
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
 
     # -- the Engine protocol ---------------------------------------------------------------
 
@@ -138,7 +151,7 @@ class RelayEngine:
         resp = self._inflight.pop(request_id, None)
         if resp is not None:
             self._aborted.add(request_id)
-            await resp.aclose()
+            resp.close()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         last: EngineError | None = None
@@ -222,41 +235,35 @@ class RelayEngine:
         return path, orjson.dumps(body)
 
     async def _stream(self, up: Upstream, request: GenerationRequest) -> AsyncIterator[Delta]:
-        if self._client is None:
+        if self._pool is None:
             raise EngineError("engine_unavailable", "the relay engine is not started")
         rid = request.request_id
         path, body = self._body(request)
-        headers = {
-            "content-type": "application/json",
-            "accept": "text/event-stream",
-            "x-request-id": rid,
-        }
         chat = path == "/chat/completions"
         up.outstanding += 1
+        resp: UpstreamResponse | None = None
         try:
-            async with self._client.stream(
-                "POST", up.base + path, content=body, headers=headers
-            ) as resp:
-                self._inflight[rid] = resp
-                if resp.status_code >= 400:
-                    raw = await _read_bounded(resp)
-                    raise normalise_error(raw, resp.status_code)
-                async with aclosing(self._deltas(resp, chat)) as deltas:
-                    async for delta in deltas:
-                        yield delta
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            resp = await self._pool.request("POST", up.base + path, body, {"x-request-id": rid})
+            self._inflight[rid] = resp
+            if resp.status_code >= 400:
+                raw = await _read_bounded(resp)
+                raise normalise_error(raw, resp.status_code)
+            async with aclosing(self._deltas(resp, chat)) as deltas:
+                async for delta in deltas:
+                    yield delta
+        except (ConnectError, ConnectTimeout) as exc:
             up.down_until = anyio.current_time() + COOLDOWN_S
-            code = "upstream_timeout" if isinstance(exc, httpx.TimeoutException) else None
+            code = "upstream_timeout" if isinstance(exc, ConnectTimeout) else None
             raise EngineError(
                 code or "upstream_unavailable",
                 f"could not connect to the upstream ({type(exc).__name__})",
                 retryable=True,
             ) from exc
-        except httpx.TimeoutException as exc:
+        except ReadTimeout as exc:
             raise EngineError(
                 "upstream_timeout", "the upstream sent nothing for too long", retryable=True
             ) from exc
-        except (httpx.HTTPError, httpx.StreamError) as exc:
+        except UpstreamError as exc:
             if rid in self._aborted:
                 return
             raise EngineError(
@@ -265,11 +272,13 @@ class RelayEngine:
                 retryable=True,
             ) from exc
         finally:
+            if resp is not None:
+                resp.close()  # before the body's end: the upstream sees us leave at once
             up.outstanding -= 1
             self._inflight.pop(rid, None)
             self._aborted.discard(rid)
 
-    async def _deltas(self, resp: httpx.Response, chat: bool) -> AsyncIterator[Delta]:
+    async def _deltas(self, resp: UpstreamResponse, chat: bool) -> AsyncIterator[Delta]:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # A server that answers an error (or ignores `stream`) with one JSON body.
@@ -406,7 +415,7 @@ async def _drain(chunks: AsyncIterator[bytes]) -> None:
             pass
 
 
-async def _read_bounded(resp: httpx.Response) -> bytes:
+async def _read_bounded(resp: UpstreamResponse) -> bytes:
     raw = b""
     async for chunk in resp.aiter_bytes():
         raw += chunk
