@@ -203,10 +203,18 @@ def test_whole_answer_through_the_relay_keeps_tool_calls(
     assert answer.usage is not None and answer.usage.total_tokens == VLLM_USAGE["total_tokens"]
 
 
-def test_agent_loop_through_relay_and_synthetic_engine(chain: Server) -> None:
+@pytest.fixture(scope="module")
+def direct() -> Iterator[Server]:
+    with run_server("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1", *OPEN) as server:
+        yield server
+
+
+@pytest.mark.parametrize("path", ["direct", "chain"])
+def test_agent_loop(path: str, request: pytest.FixtureRequest) -> None:
     """tool call → tool result → final answer, streaming, reasoning first: every fragment
-    relayed from another firsttoken and reassembled by the SDK exactly."""
-    api = client(chain)
+    from the synthetic engine (directly, and relayed from another firsttoken) reassembled by
+    the SDK exactly."""
+    api = client(request.getfixturevalue(path))
     arguments = {"city": "Zürich", "days": [1, 2], "detail": {"wind": True}}
     messages: list[Any] = [{"role": "user", "content": "What's the weather in Zürich?"}]
     with api.chat.completions.stream(
