@@ -1,0 +1,465 @@
+"""The relay's upstream client against a real loopback asyncio server started in each test:
+body framings, keep-alive reuse, a cut mid-body, timeouts, a hostile head, flow control.
+
+Each test runs on the standard asyncio loop and on uvloop (the gateway's)."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import pytest
+import uvloop
+
+from firsttoken.engines.upstream import (
+    HIGH_WATER,
+    MAX_HEAD_BYTES,
+    ConnectError,
+    ReadError,
+    ReadTimeout,
+    RemoteProtocolError,
+    StreamClosed,
+    UpstreamPool,
+    UpstreamResponse,
+)
+
+Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter, "Upstream"], Awaitable[None]]
+
+
+@pytest.fixture(params=["asyncio", "uvloop"])
+def run(request: pytest.FixtureRequest) -> Callable[[Awaitable[None]], None]:
+    return asyncio.run if request.param == "asyncio" else uvloop.run  # type: ignore[return-value]
+
+
+@dataclass
+class Upstream:
+    """A loopback server: `handler` answers each connection; what it saw is recorded."""
+
+    handler: Handler
+    url: str = ""
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)  # each request's head + body
+    first_reads: list[bytes] = field(default_factory=list)  # each connection's first read
+    closed_by_client: int = 0  # connections where the client's EOF was seen
+    server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> Upstream:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        port = self.server.sockets[0].getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer, self)
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        """One request (head + Content-Length body); b"" when the client closed."""
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:
+            return b""
+        length = 0
+        for line in head.split(b"\r\n"):
+            name, _, value = line.partition(b":")
+            if name.strip().lower() == b"content-length":
+                length = int(value)
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+    async def wait_client_eof(self, reader: asyncio.StreamReader) -> None:
+        try:
+            while await reader.read(65536):
+                pass
+        except ConnectionError:
+            pass
+        self.closed_by_client += 1
+
+
+def pool(**kw: float) -> UpstreamPool:
+    return UpstreamPool(
+        connect_timeout=kw.get("connect_timeout", 5.0), read_timeout=kw.get("read_timeout", 5.0)
+    )
+
+
+async def body_of(resp: UpstreamResponse) -> bytes:
+    return b"".join([chunk async for chunk in resp.aiter_raw()])
+
+
+def chunked(*parts: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
+SSE_HEAD = (
+    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+)
+
+
+# -- bodies ------------------------------------------------------------------------------------
+
+
+def test_chunked_body_streams_as_it_comes(run: Callable[[Awaitable[None]], None]) -> None:
+    parts = [b"data: one\n\n", b"data: two\n\n", b"data: [DONE]\n\n"]
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(SSE_HEAD)
+        for p in parts:
+            w.write(b"%x\r\n%s\r\n" % (len(p), p))
+            await w.drain()
+            await asyncio.sleep(0.02)
+        w.write(b"0\r\n\r\n")
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/chat", b'{"a":1}', {"x-id": "7"})
+            assert resp.status_code == 200
+            assert resp.headers["content-type"] == "text/event-stream"
+            got = [chunk async for chunk in resp.aiter_raw()]
+            assert b"".join(got) == b"".join(parts)
+            assert len(got) >= 2  # delivered as it came, not at the end
+            # One write: request line, headers and body in the server's first read.
+            req = up.requests[0]
+            assert req.startswith(b"POST /v1/chat HTTP/1.1\r\n")
+            assert b"\r\nx-id: 7\r\n" in req and b"\r\ncontent-length: 7\r\n" in req
+            await client.aclose()
+
+    run(body())
+
+
+def test_request_goes_out_in_one_segment(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        up.first_reads.append(await r.read(65536))
+        w.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            payload = b'{"messages": "' + b"x" * 4000 + b'"}'
+            resp = await client.request("POST", up.url + "/v1/x", payload)
+            assert resp.status_code == 204 and await body_of(resp) == b""
+            first = up.first_reads[0]
+            assert first.startswith(b"POST /v1/x HTTP/1.1\r\n") and first.endswith(payload)
+            await client.aclose()
+
+    run(body())
+
+
+def test_content_length_body_and_keep_alive_reuse(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        while await up.read_request(r):
+            n = len(up.requests)
+            answer = b'{"n": %d}' % n
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(answer))
+            await w.drain()
+            w.write(answer)  # the body in a later segment than the head
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            for n in (1, 2, 3):
+                resp = await client.request("POST", up.url + "/v1/x", b"{}")
+                assert await body_of(resp) == b'{"n": %d}' % n
+                resp.close()  # after the end: the connection stays pooled
+            assert up.connections == 1  # all three on one keep-alive connection
+            await client.aclose()
+
+    run(body())
+
+
+def test_close_delimited_body(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n")
+        w.write(b"data: a\n\n")
+        await w.drain()
+        await asyncio.sleep(0.02)
+        w.write(b"data: b\n\n")
+        await w.drain()
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"data: a\n\ndata: b\n\n"  # ends with the connection
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"data: a\n\ndata: b\n\n"
+            assert up.connections == 2  # a close-delimited connection is not reused
+            await client.aclose()
+
+    run(body())
+
+
+def test_gzip_body_is_decoded_by_aiter_bytes(run: Callable[[Awaitable[None]], None]) -> None:
+    payload = b'{"error": {"message": "' + b"overloaded " * 200 + b'"}}'
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        packed = gzip.compress(payload)
+        w.write(
+            b"HTTP/1.1 503 X\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(packed)
+        )
+        w.write(packed)
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert resp.status_code == 503
+            assert b"".join([c async for c in resp.aiter_bytes()]) == payload
+            await client.aclose()
+
+    run(body())
+
+
+# -- breaks ------------------------------------------------------------------------------------
+
+
+def test_a_cut_mid_body_is_a_read_error(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        if len(up.requests) == 1:  # chunked, cut between chunks
+            w.write(SSE_HEAD + b"b\r\ndata: one\n\n\r\n")
+        else:  # content-length, cut short
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\nonly this")
+        await w.drain()
+        await asyncio.sleep(0.02)
+        w.transport.abort()
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            for expected in (b"data: one\n\n", b"only this"):
+                resp = await client.request("POST", up.url + "/v1/x", b"{}")
+                got = b""
+                with pytest.raises(ReadError):
+                    async for chunk in resp.aiter_raw():
+                        got += chunk
+                assert got == expected
+                resp.close()
+            await client.aclose()
+
+    run(body())
+
+
+def test_connect_refused_is_a_connect_error(run: Callable[[Awaitable[None]], None]) -> None:
+    async def body() -> None:
+        server = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        server.close()
+        await server.wait_closed()
+        client = pool()
+        with pytest.raises(ConnectError):
+            await client.request("POST", f"http://127.0.0.1:{port}/v1/x", b"{}")
+        await client.aclose()
+
+    run(body())
+
+
+def test_a_slow_head_is_a_read_timeout_and_closes(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\n")  # part of a head, then nothing
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool(read_timeout=0.2)
+            loop = asyncio.get_running_loop()
+            t0 = loop.time()
+            with pytest.raises(ReadTimeout):
+                await client.request("POST", up.url + "/v1/x", b"{}")
+            assert 0.15 < loop.time() - t0 < 2.0
+            for _ in range(100):  # the server sees the connection close
+                if up.closed_by_client:
+                    break
+                await asyncio.sleep(0.01)
+            assert up.closed_by_client == 1
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_stall_mid_body_is_a_read_timeout(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(SSE_HEAD)
+        for _ in range(3):  # bytes every 0.1 s keep a 0.25 s read timeout from firing
+            w.write(b"b\r\ndata: one\n\n\r\n")
+            await w.drain()
+            await asyncio.sleep(0.1)
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool(read_timeout=0.25)
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            got = b""
+            with pytest.raises(ReadTimeout):
+                async for chunk in resp.aiter_raw():
+                    got += chunk
+            assert got == b"data: one\n\n" * 3
+            await client.aclose()
+
+    run(body())
+
+
+@pytest.mark.parametrize("shape", ["many headers", "one endless header"])
+def test_an_oversized_head_is_refused(run: Callable[[Awaitable[None]], None], shape: str) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\n")
+        if shape == "many headers":
+            for i in range(2000):
+                w.write(b"x-filler-%d: %s\r\n" % (i, b"y" * 60))
+            w.write(b"\r\n")
+            await w.drain()
+        else:  # a header value that never ends, a megabyte at a time
+            w.write(b"x-endless: ")
+            try:
+                for _ in range(64):
+                    w.write(b"z" * (1 << 20))
+                    await w.drain()
+            except ConnectionError:  # the client closed with bytes unread: a reset
+                up.closed_by_client += 1
+                return
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            with pytest.raises(RemoteProtocolError, match=str(MAX_HEAD_BYTES)):
+                await client.request("POST", up.url + "/v1/x", b"{}")
+            for _ in range(200):
+                if up.closed_by_client:
+                    break
+                await asyncio.sleep(0.01)
+            assert up.closed_by_client == 1  # closed, not read to the end
+            await client.aclose()
+
+    run(body())
+
+
+def test_garbage_is_a_protocol_error(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(b"SSH-2.0-OpenSSH_9.6\r\n\r\n")
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            with pytest.raises(RemoteProtocolError):
+                await client.request("POST", up.url + "/v1/x", b"{}")
+            await client.aclose()
+
+    run(body())
+
+
+# -- closing, flow control, stale connections --------------------------------------------------
+
+
+def test_close_before_the_end_closes_the_connection(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        if not await up.read_request(r):
+            return
+        w.write(SSE_HEAD + b"b\r\ndata: one\n\n\r\n")  # then it would go on for long
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            chunks = resp.aiter_raw()
+            assert await anext(chunks) == b"data: one\n\n"
+            resp.close()
+            with pytest.raises(StreamClosed):
+                await anext(chunks)
+            for _ in range(100):
+                if up.closed_by_client:
+                    break
+                await asyncio.sleep(0.01)
+            assert up.closed_by_client == 1  # the upstream saw the close at once
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert up.connections == 2  # the cut connection was not reused
+            resp.close()
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_slow_reader_pauses_the_upstream(run: Callable[[Awaitable[None]], None]) -> None:
+    total = 8 * 1024 * 1024
+    piece = b"x" * 65536
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % total)
+        for _ in range(total // len(piece)):
+            w.write(piece)
+            await w.drain()
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            await asyncio.sleep(0.3)  # not reading: the client must stop reading too
+            held = resp._buffered
+            assert held <= HIGH_WATER + 1024 * 1024, held  # bounded (one read past the mark)
+            assert len(await body_of(resp)) == total  # and then everything arrives
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_connection_closed_while_idle_is_not_used(run: Callable[[Awaitable[None]], None]) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        if up.connections == 1:
+            # Keep-alive answered, then the next request is met with a close (an idle
+            # timeout racing the request): the client retries once on a fresh connection.
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await w.drain()
+            await up.read_request(r)
+            return
+        w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\n\r\nfresh")
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"ok"
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"fresh"
+            assert up.connections == 2 and len(up.requests) == 3
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_header_with_a_line_break_is_refused(run: Callable[[Awaitable[None]], None]) -> None:
+    async def body() -> None:
+        client = pool()
+        with pytest.raises(ValueError, match="CR, LF or NUL"):
+            await client.request("POST", "http://127.0.0.1:9/v1/x", b"{}", {"x-id": "a\r\nevil: 1"})
+        await client.aclose()
+
+    run(body())
