@@ -293,14 +293,15 @@ def test_reasoning_is_folded_with_its_duration(
     params = {
         "style": "markdown",
         "reasoning_tokens": 40,
-        "answer_tokens": 260,
+        "answer_tokens": 350,
+        "seed": 264,  # its first 350 tokens have a list, a table, a fence: the README's picture
         "max_tokens": 1000,
         "itl_ms": 25,
         "ttft_ms": 0,
     }
     expected = reference(server, **params)
     assert expected.reasoning, "the server sent no reasoning events"
-    page = open_page(page_url(server.url, **params), viewport={"width": 900, "height": 1000})
+    page = open_page(page_url(server.url, **params), viewport={"width": 900, "height": 1280})
     send(page)
     thinking = page.locator(".turn:last-child details.thinking")
     thinking.locator("summary", has_text="Thinking…").wait_for()
@@ -427,3 +428,121 @@ def test_retry_starts_over_when_the_server_lost_the_stream(
         assert answer(page) == full  # the same request again, from its start
         assert page.evaluate(f"() => {ANSWER}.innerHTML") == rendered_alone(page, full)
         page.screenshot(path=ARTIFACTS / "web-started-over.png")
+
+
+# ---- the renderer alone, in the page ----------------------------------------------------------
+
+RENDER_PIECES = """async ([pieces, close]) => {
+  const { MarkdownStream } = await import('./markdown.js');
+  const box = document.createElement('div');
+  const md = new MarkdownStream(box);
+  for (const piece of pieces) md.append(piece);
+  if (close) md.end();
+  return box.innerHTML;
+}"""
+
+
+def render(page: Page, *pieces: str, close: bool = False) -> str:
+    return page.evaluate(RENDER_PIECES, [list(pieces), close])
+
+
+def test_half_open_constructs_render_while_open(
+    server: Server, open_page: Callable[..., Page]
+) -> None:
+    page = open_page(server.url + "/")
+    # A fence without its closing line is a code block already; the closing fence on its
+    # way is not shown as code.
+    html = render(page, "```", "python", "\n", "print", "(1)\n", "``")
+    assert re.search(
+        r'<div class="code-block"><div class="code-head"><span class="code-lang">'
+        r'python</span><button class="copy" type="button">Copy</button></div>'
+        r'<pre><code class="language-python">print\(1\)\n</code></pre></div>$',
+        html,
+    ), html
+    # A table shows its header row from the start, before any body row.
+    assert render(page, "| Setting | Va") == (
+        '<div class="table-wrap"><table><thead><tr><th>Setting</th><th>Va</th></tr></thead>'
+        "<tbody></tbody></table></div>"
+    )
+    header = "| a | b |\n"
+    for pieces in ([header], [header, "|--"], [header, "|---|---|\n"]):
+        html = render(page, *pieces)
+        assert "<thead><tr><th>a</th><th>b</th></tr></thead><tbody></tbody>" in html, html
+    html = render(page, header, "|---|---|\n", "| 1 | `x")
+    assert "<tbody><tr><td>1</td><td><code>x</code></td></tr></tbody>" in html, html
+    # Bold, code and links before they close; a link's URL is not shown while it streams.
+    assert render(page, "some **bold te") == "<p>some <strong>bold te</strong></p>"
+    assert render(page, "a `co") == "<p>a <code>co</code></p>"
+    assert render(page, "see [the spec](https://exa") == (
+        '<p>see <span class="link-pending">the spec</span></p>'
+    )
+    # …and as written once the answer ends without closing them.
+    assert render(page, "some **bold te", close=True) == "<p>some **bold te</p>"
+    assert render(page, "- one\n- tw") == (
+        '<ul><li><span class="li-text">one</span></li><li><span class="li-text">tw</span></li></ul>'
+    )
+    assert render(page, "# Ti") == "<h1>Ti</h1>"
+
+
+def test_unsafe_markup_and_links_stay_text(server: Server, open_page: Callable[..., Page]) -> None:
+    page = open_page(server.url + "/")
+    html = render(
+        page,
+        "<img src=x onerror=alert(1)> [a](javascript:alert(1)) [b](JAVASCRIPT:x)"
+        " [c](data:text/html,x) [d](vbscript:x) [e](/relative)"
+        ' <a href="javascript:x">f</a> [g](https://ok.example/"onclick="x)',
+        close=True,
+    )
+    assert "<img" not in html and '<a href="javascript' not in html
+    anchors = re.findall(r"<a [^>]*>", html)
+    assert anchors == [
+        '<a href="https://ok.example/%22onclick=%22x" rel="noopener noreferrer nofollow"'
+        ' target="_blank">'
+    ], anchors
+    assert "[a](javascript:alert(1))" in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_streamed_in_any_pieces_ends_as_rendered_at_once(
+    server: Server, open_page: Callable[..., Page]
+) -> None:
+    """Whatever the token boundaries, streaming ends with the DOM of the whole text."""
+    page = open_page(server.url + "/")
+    texts = [
+        reference(server, style=s, answer_tokens=1500, seed=seed).text
+        for s in ("markdown", "hostile")
+        for seed in (1, 2)
+    ]
+    texts += [
+        "Hello *world* **bold** ***both*** _u_ snake_case ~~gone~~ `a` ``b ` c`` \\*esc\\*",
+        "- a\n- b\n  - nested\n- c\n\n1. one\n2. two\n\n3. three\n\nafter",
+        "| a | b |\n|---|:-:|\n| 1 | 2 |\n| x \\| y | `z` |\n\n| not a table |\nplain",
+        "# H1\n## H2 ##\n#nohead\n\n---\n\n> quote\n> more\n\n```js\nunclosed",
+        "text\n- list\nlazy\n\n* star\n+ plus\n10. ten\n11. eleven",
+    ]
+    for seed in range(4):
+        result = page.evaluate(
+            """async ([texts, seed]) => {
+              const { MarkdownStream } = await import('./markdown.js');
+              let x = seed + 1;
+              const rnd = () => (x = (x * 1103515245 + 12345) % 2147483648) / 2147483648;
+              return texts.map((text) => {
+                const whole = document.createElement('div');
+                const w = new MarkdownStream(whole);
+                w.append(text);
+                w.end();
+                const pieces = document.createElement('div');
+                const p = new MarkdownStream(pieces);
+                for (let i = 0; i < text.length; ) {
+                  const n = 1 + Math.floor(rnd() * 7);
+                  p.append(text.slice(i, i + n));
+                  i += n;
+                }
+                p.end();
+                return [whole.innerHTML, pieces.innerHTML, p.text === text];
+              });
+            }""",
+            [texts, seed],
+        )
+        for text, (whole, pieces, same_text) in zip(texts, result, strict=True):
+            assert same_text
+            assert pieces == whole, text[:80]
