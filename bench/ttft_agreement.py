@@ -1,0 +1,511 @@
+"""An outside client's TTFT against the server's own: AIPerf vs firsttoken's log and histogram.
+
+    .venv/bin/python -m bench.ttft_agreement [--quick] [--levels 1,10] [--requests N] [--setup]
+
+One `firsttoken serve` (synthetic engine, TTFT 200 ms, ITL 20 ms, admission control off) on a
+loopback port; AIPerf (NVIDIA's LLM benchmark client) runs one streaming chat profile against it
+per concurrency level. For the same requests (AIPerf sends `X-Request-ID`, which firsttoken takes
+as the trace id) three TTFTs are compared:
+
+- client: AIPerf's own export (`profile_export_aiperf.json`, time_to_first_token p50/p90/p99):
+  from just before aiohttp starts the request to the first SSE chunk whose delta has non-empty
+  content (the role chunk `delta: {role, content: ""}` does not count; no tokenizer involved);
+- server: the exact percentiles of the `ttft_ms` that `stream.first_token` logs per stream, from
+  the request's first byte (`on_message_begin`) to the engine's first token;
+- histogram: `firsttoken_ttft_seconds` from /metrics, scraped before and after the level,
+  interpolated inside its bucket (as Prometheus' histogram_quantile does).
+
+Verdict per level: |client p50 - server p50| <= max(2% of the client p50, 1 ms) (issue 13).
+
+Where a gap comes from, per request: both processes stamp wall time on the same host (AIPerf's
+`request_start_ns` and per-chunk perf_ns in its raw export; the server's `ts` at the first
+token), so the gap splits into `pre` (client start -> server's first byte: aiohttp's request
+path, plus the TCP connect on a cold connection) and `post` (server's first token -> AIPerf has
+parsed it: the write path, loopback, AIPerf's read loop and SSE parser). Cold and reused
+connections are reported apart.
+
+AIPerf lives in its own venv, `.venv/aiperf` (like LiteLLM in `.venv/litellm` for
+bench/proxies.py): it pins its own transformers/aiohttp/numpy stack and is not a project
+dependency. It is looked for in `--aiperf`, `$BENCH_AIPERF`, then `.venv/aiperf/bin/aiperf`;
+`--setup` makes the venv (`python3.11 -m venv .venv/aiperf && .venv/aiperf/bin/pip install
+aiperf==0.13.0`). AIPerf needs a tokenizer to synthesise prompts and count tokens, and the Hub
+is not reachable here (`--tokenizer builtin` downloads tiktoken's BPE file on first use), so a
+small byte-level BPE is trained once on the Shakespeare text AIPerf ships and kept in
+`.venv/aiperf/firsttoken-tokenizer/`; it does not touch TTFT (AIPerf's TTFT is the first
+non-empty content delta, not a token count).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.procs import ROOT, ServerProcess
+from bench.servers import SERVERS, SUBJECT
+
+AIPERF_VERSION = "0.13.0"
+AIPERF_VENV = ROOT / ".venv" / "aiperf"
+SETUP = f"python3.11 -m venv .venv/aiperf && .venv/aiperf/bin/pip install aiperf=={AIPERF_VERSION}"
+TOKENIZER_DIR = AIPERF_VENV / "firsttoken-tokenizer"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+HIST = "firsttoken_ttft_seconds_bucket"
+QUANTILES = (50, 90, 99)
+REL_TOL, ABS_TOL_MS = 0.02, 1.0
+
+# Run inside .venv/aiperf: train a byte-level BPE on the text AIPerf ships (offline, ~2 s).
+_TOKENIZER_CODE = """
+import sys
+from pathlib import Path
+import aiperf
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+corpus = Path(aiperf.__file__).parent / "dataset" / "generator" / "assets" / "shakespeare.txt"
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+trainer = trainers.BpeTrainer(
+    vocab_size=2000,
+    initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    special_tokens=["<|endoftext|>"],
+    show_progress=False,
+)
+tok.train([str(corpus)], trainer)
+fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>")
+fast.save_pretrained(sys.argv[1])
+"""
+
+
+def _log(msg: str) -> None:
+    print(f"[ttft_agreement {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    ttft_ms: float = 200.0
+    itl_ms: float = 20.0
+    tokens: int = 10  # max_completion_tokens per request: TTFT is the point, keep streams short
+    prompt_tokens: int = 64
+    levels: tuple[int, ...] = (1, 10)
+    requests: tuple[tuple[int, int], ...] = ((1, 200), (10, 400))
+    default_requests: int = 200
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(ttft_ms=50.0, itl_ms=5.0, tokens=5, levels=(1, 4), requests=((1, 30), (4, 40)))
+
+    def requests_at(self, level: int) -> int:
+        return dict(self.requests).get(level, self.default_requests)
+
+    @property
+    def stream_s(self) -> float:
+        return (self.ttft_ms + self.tokens * self.itl_ms) / 1000
+
+
+# --- AIPerf: where it is, its tokenizer, one profile -------------------------------------------
+
+
+def find_aiperf(given: str | None) -> Path | None:
+    for c in (given, os.environ.get("BENCH_AIPERF"), str(AIPERF_VENV / "bin" / "aiperf")):
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return Path(c)
+    return None
+
+
+def make_venv() -> Path:
+    _log(f"making {AIPERF_VENV} with aiperf=={AIPERF_VERSION} (a few minutes)")
+    subprocess.run(["python3.11", "-m", "venv", str(AIPERF_VENV)], check=True)
+    pip = AIPERF_VENV / "bin" / "pip"
+    subprocess.run([str(pip), "install", "-q", f"aiperf=={AIPERF_VERSION}"], check=True)
+    return AIPERF_VENV / "bin" / "aiperf"
+
+
+def aiperf_version(binary: Path) -> str | None:
+    code = "import importlib.metadata as m; print(m.version('aiperf'))"
+    try:
+        out = subprocess.run(
+            [str(binary.parent / "python"), "-c", code], capture_output=True, text=True, timeout=60
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None
+
+
+def ensure_tokenizer(binary: Path) -> Path:
+    if (TOKENIZER_DIR / "tokenizer.json").is_file():
+        return TOKENIZER_DIR
+    _log(f"training a local tokenizer for AIPerf into {TOKENIZER_DIR}")
+    subprocess.run(
+        [str(binary.parent / "python"), "-c", _TOKENIZER_CODE, str(TOKENIZER_DIR)],
+        check=True,
+        capture_output=True,
+        timeout=300,
+    )
+    return TOKENIZER_DIR
+
+
+def _client_env() -> dict[str, str]:
+    # aiohttp may honour proxy variables: loopback traffic goes straight to the server.
+    env = {k: v for k, v in os.environ.items() if k.lower() not in ("http_proxy", "https_proxy")}
+    env.update(
+        NO_PROXY="127.0.0.1,localhost",
+        no_proxy="127.0.0.1,localhost",
+        HF_HUB_DISABLE_TELEMETRY="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def run_aiperf(
+    binary: Path, tokenizer: Path, url: str, level: int, n: int, sizes: Sizes, art: Path
+) -> float:
+    """One `aiperf profile` of N streaming chat requests at LEVEL concurrent; returns seconds."""
+    art.mkdir(parents=True, exist_ok=True)
+    cmd = [
+        str(binary), "profile",
+        "--model", "synthetic",
+        "--url", url,
+        "--endpoint-type", "chat",
+        "--streaming",
+        "--tokenizer", str(tokenizer),
+        "--concurrency", str(level),
+        "--request-count", str(n),
+        "--prompt-input-tokens-mean", str(sizes.prompt_tokens),
+        "--prompt-input-tokens-stddev", "0",
+        "--prompt-output-tokens-mean", str(sizes.tokens),
+        "--prompt-output-tokens-stddev", "0",
+        "--random-seed", "13",
+        "--request-timeout-seconds", "30",
+        "--output-artifact-dir", str(art),
+        "--export-level", "raw",  # per-chunk perf_ns, for the pre/post split
+        "--ui-type", "none",
+        "--no-server-metrics",
+        "--no-gpu-telemetry",
+        "--no-auto-plot",
+        # One worker and one record processor: fewer processes on a 2-core machine.
+        "--workers-max", "1",
+        "--record-processor-service-count", "1",
+    ]  # fmt: skip
+    budget = 120.0 + 3 * n / level * sizes.stream_s
+    t0 = time.monotonic()
+    with (art / "aiperf.out").open("wb") as sink:
+        proc = subprocess.run(
+            cmd, cwd=art, env=_client_env(), stdout=sink, stderr=subprocess.STDOUT, timeout=budget
+        )
+    if proc.returncode != 0:
+        tail = (art / "aiperf.out").read_text(errors="replace").splitlines()[-15:]
+        raise RuntimeError(f"aiperf exited {proc.returncode}:\n" + "\n".join(tail))
+    return time.monotonic() - t0
+
+
+# --- reading what each side recorded ------------------------------------------------------------
+
+
+def read_client(art: Path) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """AIPerf's summary TTFT, and per request id: its TTFT, connection, chunk timings."""
+    summary = json.loads((art / "profile_export_aiperf.json").read_text())["time_to_first_token"]
+    per: dict[str, dict[str, Any]] = {}
+    for line in (art / "profile_export.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        rid = rec["metadata"].get("x_request_id")
+        m = rec.get("metrics") or {}
+        if not rid or "time_to_first_token" not in m:
+            continue
+        per[rid] = {
+            "client_ms": float(m["time_to_first_token"]["value"]),
+            "reused": bool(m.get("http_req_connection_reused", {}).get("value", 0)),
+            "connecting_ms": float(m.get("http_req_connecting", {}).get("value", 0.0)),
+        }
+    for line in (art / "profile_export_raw.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        row = per.get(rec["metadata"].get("x_request_id"))
+        if row is None or not rec.get("responses"):
+            continue
+        start_perf, start_wall = rec["start_perf_ns"], rec["metadata"]["request_start_ns"]
+        first = _first_content_ns(rec["responses"])
+        row["start_wall_s"] = start_wall / 1e9
+        row["role_ms"] = (rec["responses"][0]["perf_ns"] - start_perf) / 1e6
+        if first is not None:
+            row["first_wall_s"] = (start_wall + first - start_perf) / 1e9
+    return summary, per
+
+
+def _first_content_ns(responses: list[dict[str, Any]]) -> int | None:
+    """perf_ns of the first SSE message whose delta has non-empty content (AIPerf's rule)."""
+    for msg in responses:
+        for packet in msg.get("packets") or ():
+            if packet.get("name") != "data" or packet.get("value") in (None, "", "[DONE]"):
+                continue
+            try:
+                choices = json.loads(packet["value"]).get("choices") or []
+            except ValueError:
+                continue
+            if choices and (choices[0].get("delta") or {}).get("content"):
+                return int(msg["perf_ns"])
+    return None
+
+
+def read_server(log: Path) -> dict[str, dict[str, float]]:
+    """trace id -> {server_ms, first_wall_s} from the server's `stream.first_token` lines."""
+    out: dict[str, dict[str, float]] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if '"stream.first_token"' not in line:
+            continue
+        try:
+            ev = json.loads(line)
+        except ValueError:
+            continue
+        out[ev["trace_id"]] = {"server_ms": float(ev["ttft_ms"]), "first_wall_s": float(ev["ts"])}
+    return out
+
+
+def histogram(server: ServerProcess) -> dict[float, float]:
+    """Cumulative bucket counts of firsttoken_ttft_seconds, by upper edge in seconds."""
+    out: dict[float, float] = {}
+    for name, value in server.metrics().items():
+        if name.startswith(HIST + "{"):
+            edge = name.split('le="', 1)[1].split('"', 1)[0]
+            out[float("inf") if edge == "+Inf" else float(edge)] = value
+    return out
+
+
+def hist_quantile(q: float, before: dict[float, float], after: dict[float, float]) -> float | None:
+    """Prometheus histogram_quantile over the counts added between two scrapes, in ms."""
+    edges = sorted(after)
+    cum = [after[e] - before.get(e, 0.0) for e in edges]
+    total = cum[-1] if cum else 0.0
+    if total <= 0:
+        return None
+    rank = q * total
+    lower, below = 0.0, 0.0
+    for edge, c in zip(edges, cum, strict=True):
+        if c >= rank:
+            if edge == float("inf"):
+                return lower * 1000
+            inside = c - below
+            frac = (rank - below) / inside if inside > 0 else 1.0
+            return (lower + (edge - lower) * frac) * 1000
+        lower, below = edge, c
+    return None
+
+
+# --- one level ----------------------------------------------------------------------------------
+
+
+def _pct(xs: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(xs, dtype=float), q)) if len(xs) else None
+
+
+def compare(
+    level: int,
+    summary: dict[str, Any],
+    client: dict[str, dict[str, Any]],
+    server: dict[str, dict[str, float]],
+    before: dict[float, float],
+    after: dict[float, float],
+) -> dict[str, Any]:
+    ids = [rid for rid in client if rid in server]
+    srv = [server[r]["server_ms"] for r in ids]
+    row: dict[str, Any] = {
+        "concurrency": level,
+        "aiperf_requests": int(summary.get("count") or len(client)),
+        "matched": len(ids),
+        "hist_count": round(after.get(float("inf"), 0.0) - before.get(float("inf"), 0.0)),
+    }
+    for q in QUANTILES:
+        row[f"client_p{q}_ms"] = summary.get(f"p{q}")
+        row[f"server_p{q}_ms"] = _pct(srv, q)
+        row[f"hist_p{q}_ms"] = hist_quantile(q / 100, before, after)
+    # AIPerf's p50 recomputed from its own records: the same method as the server's.
+    row["client_p50_ms_records"] = _pct([client[r]["client_ms"] for r in ids], 50)
+    c50, s50 = row["client_p50_ms"], row["server_p50_ms"]
+    if c50 is not None and s50 is not None:
+        diff = c50 - s50
+        tol = max(REL_TOL * c50, ABS_TOL_MS)
+        row.update(diff_ms=diff, diff_pct=100 * diff / c50, tol_ms=tol, ok=abs(diff) <= tol)
+    # Where the per-request gap goes: pre (client start -> server's first byte) and post
+    # (server's first token -> client parsed it), both on the host's wall clock.
+    gap, pre, post, cold_gap, warm_gap, role = [], [], [], [], [], []
+    for r in ids:
+        c, s = client[r], server[r]
+        g = c["client_ms"] - s["server_ms"]
+        gap.append(g)
+        (warm_gap if c["reused"] else cold_gap).append(g)
+        if "role_ms" in c:
+            role.append(c["role_ms"])
+        if "first_wall_s" in c and "start_wall_s" in c:
+            arrived = s["first_wall_s"] - s["server_ms"] / 1000
+            pre.append((arrived - c["start_wall_s"]) * 1000)
+            post.append((c["first_wall_s"] - s["first_wall_s"]) * 1000)
+    for name, xs in (("gap", gap), ("pre", pre), ("post", post), ("warm_gap", warm_gap)):
+        for q in QUANTILES:
+            row[f"{name}_p{q}_ms"] = _pct(xs, q)
+    row["cold"] = len(cold_gap)
+    row["cold_gap_p50_ms"] = _pct(cold_gap, 50)
+    row["cold_connecting_p50_ms"] = _pct(
+        [client[r]["connecting_ms"] for r in ids if not client[r]["reused"]], 50
+    )
+    row["role_chunk_p50_ms"] = _pct(role, 50)
+    return row
+
+
+# --- output -------------------------------------------------------------------------------------
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "—" if x is None else f"{x:.{digits}f}"
+
+
+def render(res: dict[str, Any]) -> str:
+    meta = res["meta"]
+    lines = [
+        f"TTFT: AIPerf {meta.get('aiperf_version')} vs firsttoken's own "
+        f"(synthetic TTFT {meta['sizes']['ttft_ms']:g} ms, ITL {meta['sizes']['itl_ms']:g} ms, "
+        f"{meta['sizes']['tokens']} tokens; load {meta.get('loadavg_start')})",
+        "",
+        f"{'conc':>4} {'n':>5} {'':>4} {'client':>8} {'server':>8} {'hist':>8}  "
+        f"{'diff ms':>8} {'diff %':>7} {'tol ms':>7}  verdict",
+    ]
+    for r in res["levels"]:
+        for q in QUANTILES:
+            head = f"{r['concurrency']:>4} {r['matched']:>5}" if q == 50 else " " * 10
+            d = None
+            if r[f"client_p{q}_ms"] is not None and r[f"server_p{q}_ms"] is not None:
+                d = r[f"client_p{q}_ms"] - r[f"server_p{q}_ms"]
+            pct = None if d is None else 100 * d / r[f"client_p{q}_ms"]
+            tail = ""
+            if q == 50:
+                verdict = "PASS" if r.get("ok") else "FAIL"
+                tail = f"{_f(r.get('tol_ms')):>7}  {verdict}"
+            lines.append(
+                f"{head} {'p' + str(q):>4} {_f(r[f'client_p{q}_ms']):>8} "
+                f"{_f(r[f'server_p{q}_ms']):>8} {_f(r[f'hist_p{q}_ms']):>8}  "
+                f"{_f(d, 3):>8} {_f(pct):>7} {tail:>13}".rstrip()
+            )
+    lines += [
+        "",
+        "client: AIPerf's export; server: exact percentiles of the logged ttft_ms for the same "
+        "request ids; hist: firsttoken_ttft_seconds, interpolated in its bucket.",
+        "Verdict: |client p50 - server p50| <= max(2% of client p50, 1 ms).",
+        "",
+        f"{'conc':>4}  per-request gap client-server p50/p90/p99 (ms)   pre p50   post p50   "
+        "cold (n, gap p50, connect p50)   role chunk p50",
+    ]
+    for r in res["levels"]:
+        lines.append(
+            f"{r['concurrency']:>4}  {_f(r['gap_p50_ms'], 3):>8} / {_f(r['gap_p90_ms'], 3)} / "
+            f"{_f(r['gap_p99_ms'], 3):<22} {_f(r['pre_p50_ms'], 3):>7}  "
+            f"{_f(r['post_p50_ms'], 3):>8}   {r['cold']:>3}, {_f(r['cold_gap_p50_ms'], 3)}, "
+            f"{_f(r['cold_connecting_p50_ms'], 3):<18} {_f(r['role_chunk_p50_ms'], 3)}"
+        )
+    lines += [
+        "pre: AIPerf's start -> server's first byte; post: server's first token -> AIPerf parsed "
+        "it (same host, wall clock); role chunk: AIPerf's time to the `delta: {role}` chunk, "
+        "which neither side counts as the first token.",
+    ]
+    return "\n".join(lines)
+
+
+# --- main ---------------------------------------------------------------------------------------
+
+
+def bench(binary: Path, sizes: Sizes, out: Path, res: dict[str, Any]) -> None:
+    tokenizer = ensure_tokenizer(binary)
+    log = out / "logs" / "firsttoken.log"
+    server = ServerProcess.launch(
+        SERVERS[SUBJECT], log, ttft_ms=sizes.ttft_ms, itl_ms=sizes.itl_ms, heartbeat_s=15.0
+    )
+    try:
+        server.wait_ready()
+        _log(f"firsttoken at {server.url}")
+        for level in sizes.levels:
+            n = sizes.requests_at(level)
+            art = out / f"aiperf-c{level}"
+            before = histogram(server)
+            took = run_aiperf(binary, tokenizer, server.url, level, n, sizes, art)
+            after = histogram(server)
+            summary, client = read_client(art)
+            row = compare(level, summary, client, read_server(log), before, after)
+            row["aiperf_s"] = round(took, 1)
+            res["levels"].append(row)
+            _log(
+                f"concurrency {level}: {row['matched']}/{n} matched, client p50 "
+                f"{_f(row['client_p50_ms'])} server p50 {_f(row['server_p50_ms'])} ms, "
+                f"{'PASS' if row.get('ok') else 'FAIL'} ({took:.0f} s)"
+            )
+    finally:
+        server.stop()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.ttft_agreement", description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a minute)")
+    parser.add_argument("--levels", help="comma list of AIPerf concurrencies (default 1,10)")
+    parser.add_argument("--requests", type=int, help="requests per level (default 200 / 400)")
+    parser.add_argument("--aiperf", help="path to the `aiperf` command")
+    parser.add_argument("--setup", action="store_true", help=f"make .venv/aiperf: {SETUP}")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
+    args = parser.parse_args(argv)
+    sizes = Sizes.quick() if args.quick else Sizes()
+    if args.levels:
+        sizes = replace(sizes, levels=tuple(int(x) for x in args.levels.split(",") if x.strip()))
+    if args.requests:
+        sizes = replace(sizes, requests=(), default_requests=args.requests)
+    binary = find_aiperf(args.aiperf)
+    if binary is None and args.setup:
+        binary = make_venv()
+    if binary is None:
+        msg = f"AIPerf not found in .venv/aiperf: make it with `{SETUP}` (or --setup)"
+        print(msg, file=sys.stderr)
+        return 2
+    out = args.out / "ttft_agreement"
+    out.mkdir(parents=True, exist_ok=True)
+    res: dict[str, Any] = {
+        "meta": {
+            "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "cpus": os.cpu_count(),
+            "python": platform.python_version(),
+            "mode": "quick" if args.quick else "full",
+            "aiperf": str(binary),
+            "aiperf_version": aiperf_version(binary),
+            "loadavg_start": _loadavg(),
+            "sizes": {
+                **asdict(sizes),
+                "requests": {lv: sizes.requests_at(lv) for lv in sizes.levels},
+            },
+            "server": " ".join(SERVERS[SUBJECT].command(sizes.ttft_ms, sizes.itl_ms, 15.0)[1:]),
+        },
+        "levels": [],
+    }
+    try:
+        bench(binary, sizes, out, res)
+    finally:
+        res["meta"]["loadavg_end"] = _loadavg()
+        (args.out / "ttft_agreement.json").write_text(json.dumps(res, indent=2, default=str))
+    text = render(res)
+    print(text, flush=True)
+    (args.out / "ttft_agreement.txt").write_text(text + "\n")
+    print(f"\nwrote {args.out / 'ttft_agreement.json'}", flush=True)
+    return 0 if res["levels"] and all(r.get("ok") for r in res["levels"]) else 1
+
+
+def _loadavg() -> list[float]:
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []
+
+
+if __name__ == "__main__":
+    sys.exit(main())
