@@ -125,7 +125,16 @@ function addTurn(prompt) {
   turn.append(question, answer, tools, note, notice);
   log.append(turn);
   scrollToBottom();
-  return { element: turn, prompt, body: requestBody(prompt), answer, tools, note, notice, stream: null };
+  return {
+    element: turn,
+    prompt,
+    body: requestBody(prompt),
+    answer,
+    tools,
+    note,
+    notice,
+    stream: null,
+  };
 }
 
 function setTurnState(turn, state) {
@@ -321,7 +330,11 @@ function resume(s) {
 function startOver(s) {
   end(s, "restarting");
   start(s.turn);
-  showRetryNote(s.turn, "restarted", "Started over: the server no longer had the interrupted answer.");
+  showRetryNote(
+    s.turn,
+    "restarted",
+    "Started over: the server no longer had the interrupted answer.",
+  );
 }
 
 function listen(s, url) {
