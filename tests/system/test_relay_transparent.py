@@ -243,9 +243,7 @@ def test_agent_loop(path: str, request: pytest.FixtureRequest) -> None:
         {"role": "tool", "tool_call_id": call.id, "content": "sunny, 21 °C"},
     ]
     text: list[str] = []
-    with api.chat.completions.stream(
-        model="synthetic", messages=messages, tools=TOOLS
-    ) as stream:
+    with api.chat.completions.stream(model="synthetic", messages=messages, tools=TOOLS) as stream:
         for event in stream:
             if event.type == "content.delta":
                 text.append(event.delta)
