@@ -38,6 +38,7 @@ non-empty content delta, not a token count).
 from __future__ import annotations
 
 import argparse
+import asyncio
 import datetime as dt
 import json
 import os
@@ -45,6 +46,7 @@ import platform
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -100,10 +102,13 @@ class Sizes:
     levels: tuple[int, ...] = (1, 10)
     requests: tuple[tuple[int, int], ...] = ((1, 200), (10, 400))
     default_requests: int = 200
+    lean: int = 50  # streams of the lean raw-socket client after the AIPerf levels (0: none)
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(ttft_ms=50.0, itl_ms=5.0, tokens=5, levels=(1, 4), requests=((1, 30), (4, 40)))
+        return cls(
+            ttft_ms=50.0, itl_ms=5.0, tokens=5, levels=(1, 4), requests=((1, 30), (4, 40)), lean=20
+        )
 
     def requests_at(self, level: int) -> int:
         return dict(self.requests).get(level, self.default_requests)
@@ -360,6 +365,77 @@ def compare(
     return row
 
 
+# --- a lean client, for scale ----------------------------------------------------------------
+
+
+_TOKEN_FRAME = b'"delta":{"content":'  # a token chunk; the role chunk has "role" first
+
+
+async def _lean(host: str, port: int, n: int, tokens: int) -> list[dict[str, float | str]]:
+    """N sequential streams on one keep-alive connection, raw asyncio: the clock starts just
+    before the request's bytes are written, and stops at the read holding the first token."""
+    reader, writer = await asyncio.open_connection(host, port)
+    out: list[dict[str, float | str]] = []
+    try:
+        for i in range(n):
+            rid = f"lean-{uuid.uuid4()}"
+            body = json.dumps(
+                {
+                    "model": "synthetic",
+                    "messages": [{"role": "user", "content": f"lean probe {i}"}],
+                    "stream": True,
+                    "max_tokens": tokens,
+                }
+            ).encode()
+            head = (
+                f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+                f"Content-Type: application/json\r\nX-Request-ID: {rid}\r\n"
+                f"Content-Length: {len(body)}\r\n\r\n"
+            ).encode()
+            buf, first = b"", 0.0
+            wall, t0 = time.time(), time.perf_counter()
+            writer.write(head + body)
+            while not (buf.endswith(b"0\r\n\r\n") and b"[DONE]" in buf):
+                chunk = await reader.read(65536)
+                now = time.perf_counter()
+                if not chunk:
+                    raise RuntimeError("lean probe: the server closed the connection")
+                buf += chunk
+                if not first and _TOKEN_FRAME in buf:
+                    first = now
+            ms = (first - t0) * 1000
+            out.append(
+                {
+                    "rid": rid,
+                    "client_ms": ms,
+                    "start_wall_s": wall,
+                    "first_wall_s": wall + ms / 1000,
+                }
+            )
+    finally:
+        writer.close()
+    return out
+
+
+def lean_probe(url: str, n: int, tokens: int, log: Path) -> dict[str, Any]:
+    host, port = url.split("//", 1)[1].rsplit(":", 1)
+    rows = asyncio.run(_lean(host, int(port), n, tokens))
+    server = read_server(log)
+    gap, pre, post = [], [], []
+    for r in rows:
+        s = server.get(str(r["rid"]))
+        if s is None:
+            continue
+        gap.append(float(r["client_ms"]) - s["server_ms"])
+        pre.append((s["first_wall_s"] - s["server_ms"] / 1000 - float(r["start_wall_s"])) * 1000)
+        post.append((float(r["first_wall_s"]) - s["first_wall_s"]) * 1000)
+    out: dict[str, Any] = {"requests": n, "matched": len(gap)}
+    for name, xs in (("gap", gap), ("pre", pre), ("post", post)):
+        for q in QUANTILES:
+            out[f"{name}_p{q}_ms"] = _pct(xs, q)
+    return out
+
+
 # --- output -------------------------------------------------------------------------------------
 
 
@@ -414,6 +490,14 @@ def render(res: dict[str, Any]) -> str:
         "it (same host, wall clock); role chunk: AIPerf's time to the `delta: {role}` chunk, "
         "which neither side counts as the first token.",
     ]
+    lean = res.get("lean")
+    if lean:
+        lines.append(
+            f"lean raw-socket client, 1 stream x {lean['matched']} (clock starts at the write): "
+            f"gap p50/p90/p99 {_f(lean['gap_p50_ms'], 3)} / {_f(lean['gap_p90_ms'], 3)} / "
+            f"{_f(lean['gap_p99_ms'], 3)} ms, pre p50 {_f(lean['pre_p50_ms'], 3)}, "
+            f"post p50 {_f(lean['post_p50_ms'], 3)}"
+        )
     return "\n".join(lines)
 
 
@@ -444,6 +528,8 @@ def bench(binary: Path, sizes: Sizes, out: Path, res: dict[str, Any]) -> None:
                 f"{_f(row['client_p50_ms'])} server p50 {_f(row['server_p50_ms'])} ms, "
                 f"{'PASS' if row.get('ok') else 'FAIL'} ({took:.0f} s)"
             )
+        if sizes.lean:
+            res["lean"] = lean_probe(server.url, sizes.lean, sizes.tokens, log)
     finally:
         server.stop()
 
