@@ -529,7 +529,11 @@ class UpstreamPool:
         context = None
         if scheme == "https":
             if self._ssl is None:
-                self._ssl = ssl.create_default_context()
+                # httpx's context: the CAs the relay's GET /models trusts (certifi, or
+                # SSL_CERT_FILE / SSL_CERT_DIR), so both legs agree on what to trust.
+                import httpx
+
+                self._ssl = httpx.create_ssl_context()
             context = self._ssl
         try:
             async with asyncio.timeout(self.connect_timeout):

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 import asyncio
 import gzip
+import shutil
+import ssl
+import subprocess
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -461,5 +464,51 @@ def test_a_header_with_a_line_break_is_refused(run: Callable[[Awaitable[None]], 
         with pytest.raises(ValueError, match="CR, LF or NUL"):
             await client.request("POST", "http://127.0.0.1:9/v1/x", b"{}", {"x-id": "a\r\nevil: 1"})
         await client.aclose()
+
+    run(body())
+
+
+@pytest.fixture(scope="module")
+def tls_files(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A self-signed certificate for 127.0.0.1 (the openssl command line; skip without it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("no openssl command")
+    folder = tmp_path_factory.mktemp("tls")
+    cert, key = str(folder / "cert.pem"), str(folder / "key.pem")
+    args = "req -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 1"
+    args += " -subj /CN=127.0.0.1 -addext subjectAltName=IP:127.0.0.1"
+    subprocess.run(
+        ["openssl", *args.split(), "-keyout", key, "-out", cert],
+        check=True,
+        capture_output=True,
+    )
+    return cert, key
+
+
+def test_https_upstream(run: Callable[[Awaitable[None]], None], tls_files: tuple[str, str]) -> None:
+    cert, key = tls_files
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        while await up.read_request(r):
+            w.write(SSE_HEAD + chunked(b"data: secret\n\n"))
+            await w.drain()
+
+    async def body() -> None:
+        server_side = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        server_side.load_cert_chain(cert, key)
+        up = Upstream(handler)
+        up.server = await asyncio.start_server(up._serve, "127.0.0.1", 0, ssl=server_side)
+        port = up.server.sockets[0].getsockname()[1]
+        trusting = ssl.create_default_context(cafile=cert)
+        client = UpstreamPool(connect_timeout=5, read_timeout=5, ssl_context=trusting)
+        for _ in range(2):
+            resp = await client.request("POST", f"https://127.0.0.1:{port}/v1/x", b"{}")
+            assert await body_of(resp) == b"data: secret\n\n"
+        assert up.connections == 1  # kept alive over TLS too
+        await client.aclose()
+        # A client that does not trust the certificate does not connect.
+        with pytest.raises(ConnectError):
+            await pool().request("POST", f"https://127.0.0.1:{port}/v1/x", b"{}")
+        up.server.close()
 
     run(body())
