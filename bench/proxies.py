@@ -1,6 +1,6 @@
 """Proxy overhead side by side: LiteLLM proxy vs `firsttoken serve --engine openai`, same upstream.
 
-    .venv/bin/python -m bench.proxies [--quick] [--levels 1,10,100] [--no-litellm]
+    .venv/bin/python -m bench.proxies [--quick] [--levels 1,10,100] [--no-litellm] [--relay-rev REV]
 
 One firsttoken synthetic upstream (TTFT 200 ms, ITL 20 ms, admission control off) serves three
 targets: itself (direct), a firsttoken relay in front of it, and a LiteLLM proxy in front of it.
@@ -13,6 +13,10 @@ matched token for token is reported separately.
 Figures per level: TTFT added over direct (p50/p99 of each target minus direct's), inter-chunk
 p50/p99, and each proxy's CPU per 1,000 tokens (psutil, the proxy process and its children,
 sampled around its own runs only). The headline ratio is LiteLLM's added TTFT ÷ the relay's.
+
+`--relay-rev REV` adds a fourth target, `relay_old`: the relay from firsttoken as of commit REV
+(`git archive`, as `bench --baseline-rev` does), driven in the same rounds, so a change to the
+relay is measured before and after in one run.
 
 LiteLLM is looked for in `--litellm`, `$BENCH_LITELLM`, `.venv/litellm/bin/litellm` (a separate
 venv: litellm[proxy] pins rich<14, the project pins rich 15), `.venv/bin/litellm`, then PATH.
@@ -48,12 +52,13 @@ import numpy as np
 from bench.decode import decode
 from bench.expected import PROMPT_VARIANTS, RequestSpec
 from bench.load import Capture, Plan, Run
-from bench.procs import ROOT, ServerProcess, cpu_sample, raise_fd_limit
+from bench.procs import ROOT, ServerProcess, check_out, cpu_sample, raise_fd_limit
 from bench.servers import ServerSpec
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
-TARGETS = ("direct", "relay", "litellm")
+TARGETS = ("direct", "relay", "relay_old", "litellm")
+RELAYS = ("relay", "relay_old")  # the working tree's, and --relay-rev's
 RATIO_TARGET = 10.0  # LiteLLM added TTFT ÷ relay added TTFT
 LITELLM_START_S = 120.0
 
@@ -379,7 +384,7 @@ def compare(rows: list[dict[str, Any]], levels: Sequence[int]) -> list[dict[str,
         if direct is None:
             continue
         c: dict[str, Any] = {"concurrency": level}
-        for name in ("relay", "litellm"):
+        for name in (*RELAYS, "litellm"):
             r = by.get(name)
             if r is None:
                 continue
@@ -406,6 +411,11 @@ def compare(rows: list[dict[str, Any]], levels: Sequence[int]) -> list[dict[str,
             c["cpu_per_token_litellm_over_relay"] = _div(
                 by["litellm"]["cpu_ms_per_1k_tokens"], by["relay"]["cpu_ms_per_1k_tokens"]
             )
+        if "relay_old" in by and "litellm" in by:
+            for q in ("p50", "p99"):
+                c[f"added_ttft_{q}_litellm_over_relay_old"] = _div(
+                    c[f"litellm_added_ttft_ms_{q}"], c[f"relay_old_added_ttft_ms_{q}"]
+                )
         out.append(c)
     return out
 
@@ -455,7 +465,9 @@ def render(res: dict[str, Any]) -> str:
         f"LiteLLM: {meta['litellm']['status']}",
         "",
     ]
-    names = ["direct", "relay", *(["litellm"] if have_litellm else [])]
+    have_old = any(r["target"] == "relay_old" for r in rows)
+    names = ["direct", "relay", *(["relay_old"] if have_old else [])]
+    names += ["litellm"] if have_litellm else []
     head = f"{'streams':>7}  {'figure':<26}" + "".join(f"{n:>10}" for n in names)
     head += f"{'relay/dir':>11}" + (
         f"{'LiteLLM/dir':>12}{'LiteLLM÷relay':>15}" if have_litellm else ""
@@ -526,6 +538,24 @@ def render(res: dict[str, Any]) -> str:
                 verdict = c.get(f"target_{q}_pass")
                 mark = "n/a" if verdict is None else "PASS" if verdict else "FAIL"
                 lines.append(f"  {c['concurrency']:>5} streams, {q}: {_added_ratio(c, q)} {mark}")
+    if have_old:
+        lines.append("")
+        lines.append(
+            f"BEFORE/AFTER: relay_old is the relay at {meta.get('relay_rev')}, same rounds"
+        )
+        for c in res["comparison"]:
+            for q in ("p50", "p99"):
+                old, new = c.get(f"relay_old_added_ttft_ms_{q}"), c.get(f"relay_added_ttft_ms_{q}")
+                text = (
+                    f"  {c['concurrency']:>5} streams, {q}: added TTFT {_f(old, signed=True)} → "
+                    f"{_f(new, signed=True)} ms"
+                )
+                if have_litellm:
+                    text += (
+                        f"; LiteLLM ÷ relay {_r(c.get(f'added_ttft_{q}_litellm_over_relay_old'))} "
+                        f"→ {_added_ratio(c, q)}"
+                    )
+                lines.append(text)
     if res["notes"]:
         lines.append("")
         lines.append("NOTES")
@@ -604,6 +634,20 @@ async def bench(args: argparse.Namespace, sizes: Sizes, res: dict[str, Any]) -> 
         procs.append(relay)
         relay.wait_ready()
         targets: dict[str, ServerProcess] = {"direct": upstream, "relay": relay}
+        if args.relay_rev:
+            spec = _spec(
+                "relay_old",
+                f"firsttoken relay at {args.relay_rev}",
+                "--engine",
+                "openai",
+                "--upstream",
+                upstream.url,
+            )
+            spec = check_out(replace(spec, rev=args.relay_rev), out)
+            old = ServerProcess.launch(spec, logs / "relay_old.log", **timing)
+            procs.append(old)
+            old.wait_ready()
+            targets["relay_old"] = old
         binary = None if args.no_litellm else find_litellm(args.litellm)
         if args.no_litellm:
             res["meta"]["litellm"]["status"] = "skipped (--no-litellm)"
@@ -660,6 +704,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, help="rounds at every level (default 20/4/2/1)")
     parser.add_argument("--litellm", help="path to the `litellm` command")
     parser.add_argument("--no-litellm", action="store_true", help="relay vs direct only")
+    parser.add_argument(
+        "--relay-rev", help="also run the relay of this git commit (target relay_old)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     args = parser.parse_args(argv)
     sizes = Sizes.quick() if args.quick else Sizes()
@@ -681,6 +728,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "sizes": {**asdict(sizes), "rounds": {lv: sizes.rounds_at(lv) for lv in sizes.levels}},
             "upstream": "python -m firsttoken serve " + " ".join(OPEN),
             "litellm": {"status": "not tried"},
+            "relay_rev": args.relay_rev,
         },
         "runs": [],
     }
