@@ -14,14 +14,14 @@ app each allows (nothing of firsttoken in them):
 - `uvicorn_direct`: the same, its protocol puts itself in the scope (as firsttoken's
   `wire/connection.py` does); a token is a chunked frame `transport.write` from the shared
   ticker (firsttoken's data plane).
-- `granian_asgi`: granian `--interface asginl --loop uvloop`, the same app; a token is ASGI
-  `await send` from the stream's task.
+- `granian_asgi`: granian `--interface asginl --loop uvloop --http 1`, the same app; a token
+  is ASGI `await send` from the stream's task.
 - `granian_asgi_nowait`: the same; granian's ASGI `send` is called from the ticker and not
   awaited. That works under granian (its `send` is a Rust function that does its work when
   called and returns a finished awaitable), outside ASGI's contract.
-- `granian_rsgi`: granian `--interface rsgi --loop uvloop`, `servers/bare_rsgi.py`; a token is
-  the RSGI `response_stream` transport's `send_bytes`, called from the ticker, not awaited
-  (it queues on an unbounded channel to the Rust side and returns a finished awaitable).
+- `granian_rsgi`: granian `--interface rsgi --loop uvloop --http 1`, `servers/bare_rsgi.py`;
+  a token is the RSGI `response_stream` transport's `send_bytes`, called from the ticker, not
+  awaited (it queues on an unbounded channel to the Rust side, returns a finished awaitable).
 
 `*_direct`/`*_nowait` run the streaming workload only (idle and burst are the same code as
 their plain row). Every server answers the load client's usual request (`POST
@@ -53,8 +53,12 @@ own venv so the project's dependencies do not change; the bench looks for
     python3.11 -m venv .venv/granian && .venv/granian/bin/pip install 'granian[uvloop]==2.8.9'
 
 The bare apps it serves import only the standard library (`servers/bare_common.py`). granian
-runs with `--backlog 4096 --backpressure 16384` (its default backpressure, backlog ÷ workers,
-would cap concurrent requests per worker at the backlog) and its default runtime threads.
+runs with `--http 1` (HTTP/1.1 only, like uvicorn: its default `auto` also listens for
+HTTP/2 and costs ~10 KiB more per idle connection, 26–28 against 16–17 KiB here), `--backlog
+4096 --backpressure 16384` (its default backpressure, backlog ÷ workers, would cap concurrent
+requests per worker at the backlog) and its default runtime threads; `--granian-args` adds
+more options (`--http1-buffer-size 8192`, `--runtime-mode st` and fewer blocking threads
+changed nothing measurable).
 """
 
 from __future__ import annotations
@@ -122,7 +126,7 @@ class Bare:
     direct: bool = False
     workloads: tuple[str, ...] = WORKLOADS
 
-    def command(self, port: int, granian: Path | None) -> list[str]:
+    def command(self, port: int, granian: Path | None, extra: Sequence[str] = ()) -> list[str]:
         if self.granian is None:
             return [sys.executable, "-m", self.target, "--port", str(port)]
         assert granian is not None
@@ -143,10 +147,13 @@ class Bare:
             "--backpressure",
             "16384",
             "--no-ws",
+            "--http",
+            "1",  # HTTP/1.1 only, as uvicorn (auto would sniff for HTTP/2: +10 KiB per conn)
             "--log-level",
             "warning",
             "--working-dir",
             str(ROOT),
+            *extra,
             self.target,
         ]
 
@@ -276,7 +283,15 @@ def _threads(pids: Sequence[int]) -> list[int]:
 
 
 class Proc:
-    def __init__(self, bare: Bare, workload: str, sizes: Sizes, granian: Path | None, logs: Path):
+    def __init__(
+        self,
+        bare: Bare,
+        workload: str,
+        sizes: Sizes,
+        granian: Path | None,
+        logs: Path,
+        granian_args: Sequence[str] = (),
+    ):
         self.bare = bare
         self.port = _free_port()
         env = {
@@ -292,7 +307,7 @@ class Proc:
         self.log = logs / f"{bare.name}-{workload}.log"
         with self.log.open("wb") as sink:
             self.proc = subprocess.Popen(
-                bare.command(self.port, granian),
+                bare.command(self.port, granian, granian_args),
                 cwd=ROOT,
                 env=env,
                 stdout=sink,
@@ -495,8 +510,8 @@ def report(rows: list[Row], meta: dict[str, Any]) -> str:
     raw = by.get("raw")
     lines = [
         f"bench.http_servers — {meta['started']} — {meta['cpus']} CPUs (shared), load avg "
-        f"{meta['load_start']} → {meta['load_end']}; granian {meta['granian']}, "
-        f"python {meta['python']}",
+        f"{meta['load_start']} → {meta['load_end']}; granian {meta['granian']} "
+        f"(--http 1 {' '.join(meta.get('granian_args', []))}), python {meta['python']}",
         "",
         f"IDLE — {meta['sizes']['idle_conns']:,} connections, each an open event stream "
         "(headers + one comment); ΔRSS of the server's processes ÷ connections",
@@ -575,7 +590,12 @@ def report(rows: list[Row], meta: dict[str, Any]) -> str:
 
 
 async def _run_all(
-    servers: Sequence[Bare], workloads: Sequence[str], sizes: Sizes, granian: Path | None, out: Path
+    servers: Sequence[Bare],
+    workloads: Sequence[str],
+    sizes: Sizes,
+    granian: Path | None,
+    out: Path,
+    granian_args: Sequence[str],
 ) -> list[Row]:
     rows = {b.name: Row(b.name, b.label) for b in servers}
     for workload in workloads:  # all servers back to back per workload: noise hits them alike
@@ -583,7 +603,7 @@ async def _run_all(
             if workload not in bare.workloads:
                 continue
             _log(f"{workload}: {bare.name}")
-            proc = Proc(bare, workload, sizes, granian, out / "logs")
+            proc = Proc(bare, workload, sizes, granian, out / "logs", granian_args)
             try:
                 await proc.ready()
                 await RUNNERS[workload](proc, sizes, rows[bare.name])
@@ -601,6 +621,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--servers", default=",".join(b.name for b in SERVERS))
     parser.add_argument("--workloads", default=",".join(WORKLOADS))
     parser.add_argument("--granian", default=None, help="path to the granian executable")
+    parser.add_argument(
+        "--granian-args",
+        default="",
+        help="more granian options, one string (e.g. '--http1-buffer-size 8192')",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     sizes = Sizes.quick() if args.quick else Sizes()
@@ -627,7 +652,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         "fd_limit": limit,
     }
     workloads = [w for w in WORKLOADS if w in args.workloads.split(",")]
-    rows = uvloop.run(_run_all(servers, workloads, sizes, granian, args.out))
+    granian_args = args.granian_args.split()
+    meta["granian_args"] = granian_args
+    rows = uvloop.run(_run_all(servers, workloads, sizes, granian, args.out, granian_args))
     meta["load_end"] = [round(x, 2) for x in os.getloadavg()]
     text = report(rows, meta)
     print(text, flush=True)
