@@ -116,10 +116,6 @@ class UpstreamResponse:
         self._error: UpstreamError | None = None
         self._waiter: asyncio.Future[None] | None = None
 
-    @property
-    def is_closed(self) -> bool:
-        return self._conn is None
-
     # -- reading ---------------------------------------------------------------------------
 
     async def aiter_raw(self) -> AsyncIterator[bytes]:
@@ -152,17 +148,22 @@ class UpstreamResponse:
             async for data in self.aiter_raw():
                 yield data
             return
-        # wbits 32 + 15: a zlib or gzip header, detected; a raw deflate stream is retried.
+        # wbits 32 + 15: a zlib or gzip header, detected; "deflate" without the zlib
+        # header (some servers send it raw) is retried as raw on its first bytes.
         decoder = zlib.decompressobj(47)
-        raw_deflate = False
+        first = True
         async for data in self.aiter_raw():
             try:
                 out = decoder.decompress(data)
             except zlib.error:
-                if encoding != "deflate" or raw_deflate:
+                if encoding != "deflate" or not first:
                     raise RemoteProtocolError(f"a body that is not {encoding}") from None
-                raw_deflate, decoder = True, zlib.decompressobj(-zlib.MAX_WBITS)
-                out = decoder.decompress(data)
+                decoder = zlib.decompressobj(-zlib.MAX_WBITS)
+                try:
+                    out = decoder.decompress(data)
+                except zlib.error:
+                    raise RemoteProtocolError("a body that is not deflate") from None
+            first = False
             if out:
                 yield out
         tail = decoder.flush()

@@ -10,6 +10,7 @@ import gzip
 import shutil
 import ssl
 import subprocess
+import zlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -208,16 +209,31 @@ def test_close_delimited_body(run: Callable[[Awaitable[None]], None]) -> None:
     run(body())
 
 
-def test_gzip_body_is_decoded_by_aiter_bytes(run: Callable[[Awaitable[None]], None]) -> None:
+def _raw_deflate(data: bytes) -> bytes:
+    packer = zlib.compressobj(wbits=-zlib.MAX_WBITS)
+    return packer.compress(data) + packer.flush()
+
+
+@pytest.mark.parametrize(
+    ("encoding", "pack"),
+    [("gzip", gzip.compress), ("deflate", zlib.compress), ("deflate", _raw_deflate)],
+)
+def test_a_compressed_body_is_decoded_by_aiter_bytes(
+    run: Callable[[Awaitable[None]], None], encoding: str, pack: Callable[[bytes], bytes]
+) -> None:
     payload = b'{"error": {"message": "' + b"overloaded " * 200 + b'"}}'
 
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
         await up.read_request(r)
-        packed = gzip.compress(payload)
+        packed = pack(payload)
         w.write(
-            b"HTTP/1.1 503 X\r\ncontent-encoding: gzip\r\ncontent-length: %d\r\n\r\n" % len(packed)
+            b"HTTP/1.1 503 X\r\ncontent-encoding: %s\r\ncontent-length: %d\r\n\r\n"
+            % (encoding.encode(), len(packed))
         )
-        w.write(packed)
+        w.write(packed[:10])  # the first bytes alone, then the rest
+        await w.drain()
+        await asyncio.sleep(0.01)
+        w.write(packed[10:])
         await up.wait_client_eof(r)
 
     async def body() -> None:
