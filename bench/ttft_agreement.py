@@ -22,7 +22,9 @@ Where a gap comes from, per request: both processes stamp wall time on the same 
 token), so the gap splits into `pre` (client start -> server's first byte: aiohttp's request
 path, plus the TCP connect on a cold connection) and `post` (server's first token -> AIPerf has
 parsed it: the write path, loopback, AIPerf's read loop and SSE parser). Cold and reused
-connections are reported apart.
+connections are reported apart. A lean raw-socket client (one keep-alive connection, clock
+started at the write) then runs a few streams, for scale: its pre bounds what the server's
+clock cannot see before the request's first byte.
 
 AIPerf lives in its own venv, `.venv/aiperf` (like LiteLLM in `.venv/litellm` for
 bench/proxies.py): it pins its own transformers/aiohttp/numpy stack and is not a project
