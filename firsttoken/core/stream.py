@@ -261,8 +261,9 @@ class Stream:
             return False
         if self.outcome is not None:
             return False
-        if self.first_token_at is None:
-            self._first_token()
+        first = self.first_token_at is None
+        if first:
+            self.first_token_at = time.perf_counter()
         if finish is not None:
             # The last token and the closing events leave in one write.
             self.log.cork()
@@ -271,6 +272,8 @@ class Stream:
                 self.finish(finish)
             finally:
                 self.log.uncork()
+            if first:
+                self._first_token()
             return False
         self.tokens_generated += 1
         if not self._in_text:
@@ -279,6 +282,8 @@ class Stream:
             self._emit(text, 1)
         else:
             self._coalesce(text)
+        if first:
+            self._first_token()  # reported once the token is on its way
         log = self.log
         if log.has_room():
             return True
@@ -299,6 +304,7 @@ class Stream:
         if self.outcome is not None:
             return False
         if self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
             self._first_token()
         if delta.finish_reason is not None:
             self.log.cork()
@@ -378,12 +384,12 @@ class Stream:
     # -- internals -------------------------------------------------------------------------
 
     def _first_token(self) -> None:
-        """TTFT is the engine's: from the request's first byte to its first token, whenever
-        (or whether) a reader is there to take it."""
-        now = time.perf_counter()
-        self.first_token_at = now
+        """TTFT is the engine's: from the request's first byte to its first token
+        (`first_token_at`, stamped as it arrived), whenever (or whether) a reader is there to
+        take it. Reported (metric, shedding guard, log line) after the token was written."""
+        assert self.first_token_at is not None
         if self.on_first_token is not None:
-            self.on_first_token(self, now - self.accepted_at)
+            self.on_first_token(self, self.first_token_at - self.accepted_at)
 
     def _end(self, outcome: Outcome, error: EngineError | None) -> None:
         if self._flush_timer is not None:
