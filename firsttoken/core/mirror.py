@@ -14,7 +14,7 @@ import time
 import anyio
 
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.engines.base import EngineError, GenerationRequest
 from firsttoken.resume import EventStore, StreamRecord, token_digest
 
 __all__ = ["Mirror"]

@@ -20,8 +20,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines import Engine, EngineError
-from firsttoken.engines.base import delivers_steps
+from firsttoken.engines.base import Engine, EngineError, delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventStore, MemoryStore
 

@@ -25,8 +25,7 @@ import orjson
 
 from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.core.eventlog import EventLog
-from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Delta, Generation
+from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.resume import StreamRecord, token_digest
 from firsttoken.wire.sse import encode_event
 
