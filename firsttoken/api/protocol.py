@@ -23,12 +23,6 @@ __all__ = [
 class _Body(BaseModel):
     # Unknown fields are ignored, as OpenAI-compatible servers do, so newer SDKs keep working.
     model_config = ConfigDict(extra="ignore")
-    # The body as the client sent it, every field (set by `read_model`): what a relay forwards.
-    _raw: dict[str, Any] | None = PrivateAttr(default=None)
-
-    @property
-    def raw(self) -> dict[str, Any] | None:
-        return self._raw
 
 
 class SyntheticToolCall(_Body):
@@ -119,10 +113,18 @@ class _Generation(_Body):
 
 
 class _OpenAIGeneration(_Generation):
+    # The body as the client sent it, every field (set by `read_model`): what a relay
+    # forwards. On the request only: a private attribute costs every instance an init.
+    _raw: dict[str, Any] | None = PrivateAttr(default=None)
+
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
+
+    @property
+    def raw(self) -> dict[str, Any] | None:
+        return self._raw
 
     def token_limit(self) -> int | None:
         # Newer SDKs send only max_completion_tokens; when both come, the smaller wins.
