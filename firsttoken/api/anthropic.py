@@ -31,7 +31,7 @@ from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
-from firsttoken.engines import GenerationRequest
+from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.anthropic import (
     MessagesRenderer,
     error_body,
@@ -39,7 +39,6 @@ from firsttoken.wire.anthropic import (
     message_object,
     status_error_type,
 )
-from firsttoken.wire.assemble import assemble_chat
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.response import ARRIVED_KEY
 
@@ -101,20 +100,17 @@ async def _complete(
     gw: Gateway, request: Request, stream: Stream, message_id: str, headers: dict[str, str]
 ) -> Response:
     """A non-streaming answer: the same lifecycle, read by a collector into one message."""
-    collector = Collector(stream)
-    if not await collector.run(gw.registry, request):
-        return Response(status_code=499)  # nobody is left to read it
-    error = collector.error()
-    if error is not None:
-        kind = error_type(error.get("code") or "", error.get("type") or "server_error")
+    try:
+        answer = await Collector(stream).answer(gw.registry, request)
+    except EngineError as exc:
         return Response(
-            error_body(kind, error.get("message") or "", headers["x-request-id"]),
+            error_body(error_type(exc.code, exc.type), exc.message, headers["x-request-id"]),
             status_code=500,
             media_type="application/json",
             headers=headers,
         )
-    gw.metrics.tokens_sent += collector.tokens
-    answer = assemble_chat(collector.chunks())
+    if answer is None:
+        return Response(status_code=499)  # nobody is left to read it
     body = message_object(message_id, stream.request.model, answer)
     return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 

@@ -13,8 +13,7 @@ from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
-from firsttoken.engines import GenerationRequest
-from firsttoken.wire.assemble import assemble_chat
+from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.render import ChatRenderer, CompletionRenderer
 from firsttoken.wire.response import ARRIVED_KEY
 
@@ -113,35 +112,19 @@ async def _complete(
     trace: str,
 ) -> Response:
     """A non-streaming answer: the same lifecycle, read by a collector into one body."""
-    collector = Collector(stream)
-    if not await collector.run(gw.registry, request):
+    try:
+        answer = await Collector(stream).answer(gw.registry, request)
+    except EngineError as exc:
+        return APIError(500, exc.code, exc.message).response(trace)
+    if answer is None:
         return Response(status_code=499)  # nobody is left to read it
-    error = collector.error()
-    if error is not None:
-        return APIError(500, error["code"], error["message"]).response(trace)
-    gw.metrics.tokens_sent += collector.tokens
-    choice: dict[str, object]
+    choice: dict[str, object] = {"index": 0}
     if chat:
-        answer = assemble_chat(collector.chunks())
-        usage = answer.usage
-        choice = {
-            "index": 0,
-            "message": answer.message(),
-            "logprobs": None,
-            "finish_reason": answer.finish_reason,
-        }
-        obj = "chat.completion"
+        choice["message"] = answer.message()
     else:
-        texts: list[str] = []
-        finish = "stop"
-        usage = {}
-        for chunk in collector.chunks():
-            usage = chunk.get("usage") or usage
-            for part in chunk.get("choices", ()):
-                texts.append(part.get("text") or "")
-                finish = part.get("finish_reason") or finish
-        choice = {"index": 0, "text": "".join(texts), "logprobs": None, "finish_reason": finish}
-        obj = "text_completion"
+        choice["text"] = answer.content
+    choice.update(logprobs=None, finish_reason=answer.finish_reason)
+    usage, obj = answer.usage, "chat.completion" if chat else "text_completion"
     body = {
         "id": chunk_id,
         "object": obj,

@@ -49,8 +49,7 @@ from firsttoken.api.responses_protocol import (
 )
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
-from firsttoken.engines import GenerationRequest
-from firsttoken.wire.assemble import assemble_chat
+from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.response import ARRIVED_KEY
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer
@@ -106,14 +105,13 @@ async def _complete(
 ) -> Response:
     """A non-streaming answer: the same lifecycle, collected as chat chunks, then folded
     into one Response."""
-    collector = Collector(stream)
-    if not await collector.run(gw.registry, request):
+    try:
+        answer = await Collector(stream).answer(gw.registry, request)
+    except EngineError as exc:
+        return APIError(500, exc.code, exc.message).response(trace)
+    if answer is None:
         return Response(status_code=499)  # nobody is left to read it
-    error = collector.error()
-    if error is not None:
-        return APIError(500, error["code"], error["message"]).response(trace)
-    gw.metrics.tokens_sent += collector.tokens
-    body = response_from_answer(base, stream.id, assemble_chat(collector.chunks()))
+    body = response_from_answer(base, stream.id, answer)
     return Response(
         orjson.dumps(body),
         media_type="application/json",

@@ -15,6 +15,8 @@ from starlette.requests import Request
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Stream
+from firsttoken.engines.base import EngineError
+from firsttoken.wire.assemble import ChatAnswer, assemble_chat
 
 __all__ = ["Collector"]
 
@@ -68,6 +70,21 @@ class Collector:
         finally:
             stream.log.detach(self)
             registry.detach(stream)
+
+    async def answer(self, registry: StreamRegistry, request: Request) -> ChatAnswer | None:
+        """Run the stream and fold what it said into one answer: None if the client left
+        first; raises the engine's error if it failed."""
+        if not await self.run(registry, request):
+            return None
+        error = self.error()
+        if error is not None:
+            raise EngineError(
+                error.get("code") or "engine_error",
+                error.get("message") or "",
+                type_=error.get("type") or "server_error",
+            )
+        registry.metrics.tokens_sent += self.tokens
+        return assemble_chat(self.chunks())
 
     def chunks(self) -> list[dict[str, Any]]:
         """The JSON chunks, in order (the error event's body included)."""

@@ -1,5 +1,6 @@
-"""Streamed Chat Completions chunks folded back into one answer: what a non-streaming request
-returns, in any API's shape (every API collects the same chat-format log)."""
+"""Streamed Chat Completions chunks (or legacy Completions chunks) folded back into one
+answer: what a non-streaming request returns, in any API's shape (every API collects the same
+chat-format log)."""
 
 from __future__ import annotations
 
@@ -59,11 +60,12 @@ def assemble_chat(chunks: Iterable[Mapping[str, Any]]) -> ChatAnswer:
             answer.usage = dict(chunk["usage"])
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
-            if delta.get("content"):
-                content.append(delta["content"])
-            piece = delta.get("reasoning_content") or delta.get("reasoning")
+            piece = delta.get("content") if "delta" in choice else choice.get("text")
             if piece:
-                reasoning.append(piece)
+                content.append(piece)
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            if thought:
+                reasoning.append(thought)
             if delta.get("refusal"):
                 refusal.append(delta["refusal"])
             for fragment in delta.get("tool_calls") or ():
