@@ -283,13 +283,7 @@ class Stream:
             self._coalesce(text)
         if first:
             self._first_token()  # reported once the token is on its way
-        log = self.log
-        if log.has_room():
-            return True
-        generation = self.generation
-        if generation is not None:
-            log.on_room = generation.resume
-        return False
+        return self._room()
 
     def push_delta(self, delta: Delta) -> bool:
         """A structured delta (reasoning, a tool-call fragment, a refusal...): never merged
@@ -334,13 +328,7 @@ class Stream:
         last = len(events) - 1
         for i, (name, data) in enumerate(events):
             self._append(name, data, 1 if i == last else 0)
-        log = self.log
-        if log.has_room():
-            return True
-        generation = self.generation
-        if generation is not None:
-            log.on_room = generation.resume
-        return False
+        return self._room()
 
     def finish(self, reason: str, counted: Mapping[str, Any] | None = None) -> None:
         """The answer is complete; `counted` is the engine's own usage, when it has one
@@ -381,6 +369,16 @@ class Stream:
         self._end(reason, error)
 
     # -- internals -------------------------------------------------------------------------
+
+    def _room(self) -> bool:
+        """Whether the engine may go on; if not, the log resumes it when readers catch up."""
+        log = self.log
+        if log.has_room():
+            return True
+        generation = self.generation
+        if generation is not None:
+            log.on_room = generation.resume
+        return False
 
     def _first_token(self) -> None:
         """TTFT is the engine's: from the request's first byte to its first token
