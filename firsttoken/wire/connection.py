@@ -39,7 +39,11 @@ class StreamingProtocol(HttpToolsProtocol):
 
     header_timeout_s = 10.0
     send_buffer_bytes = 65536
+    # httptools keeps every header byte it is given: a head past this is cut off while it is
+    # parsed. Below it, a head over the API's limits is answered in full (requestlimits.py).
+    max_head_bytes = 256 * 1024
     _header_timer: asyncio.TimerHandle | None = None
+    _head_bytes = 0
     listener: ConnectionListener | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -65,7 +69,22 @@ class StreamingProtocol(HttpToolsProtocol):
         if self._header_timer is None:  # still armed from connection_made on a first request
             self._arm_header_timer()
 
+    def on_url(self, url: bytes) -> None:
+        self._head_bytes += len(url)
+        if self._head_bytes > self.max_head_bytes:
+            self._head_too_large()
+            return
+        super().on_url(url)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._head_bytes += len(name) + len(value)
+        if self._head_bytes > self.max_head_bytes:
+            self._head_too_large()
+            return
+        super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
+        self._head_bytes = 0
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
@@ -95,7 +114,22 @@ class StreamingProtocol(HttpToolsProtocol):
         loop = asyncio.get_running_loop()
         self._header_timer = loop.call_later(self.header_timeout_s, self._headers_too_slow)
 
+    def _head_too_large(self) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(_HEAD_TOO_LARGE)
+            self.transport.close()
+
     def _headers_too_slow(self) -> None:
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+_HEAD_BODY = (
+    b'{"error":{"message":"the request head is too large","type":"invalid_request_error",'
+    b'"code":"headers_too_large","param":null}}'
+)
+_HEAD_TOO_LARGE = (
+    b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+    b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY)
+)

@@ -133,6 +133,26 @@ def test_headers_at_and_over_the_limit(server: Server) -> None:
     assert (status, code_of(body)) == (431, "headers_too_large")
 
 
+def test_a_head_that_never_ends_is_cut_off_while_it_is_parsed(server: Server) -> None:
+    """Headers streamed without end: the connection gets a 431 and is closed after a bounded
+    amount (the parser would otherwise keep every byte), and the server stays well."""
+    sent = 0
+    with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+        sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        with contextlib.suppress(ConnectionError, OSError):
+            for i in range(4096):  # up to 4 MiB, far past the cut-off
+                sock.sendall(b"X-%d: " % i + b"a" * 1000 + b"\r\n")
+                sent += 1
+        answer = b""
+        with contextlib.suppress(ConnectionError, OSError):
+            while chunk := sock.recv(65536):
+                answer += chunk
+    assert answer.startswith(b"HTTP/1.1 431 ")
+    assert code_of(answer.partition(b"\r\n\r\n")[2]) == "headers_too_large"
+    assert sent < 4096  # the server closed before the client was done
+    assert httpx.get(server.url + "/healthz", timeout=5).status_code == 200
+
+
 def test_urls_at_and_over_the_limit(server: Server) -> None:
     def get(n: int) -> tuple[int, bytes]:
         return raw(server, b"GET /healthz?p=" + b"a" * n + b" HTTP/1.1\r\nHost: x\r\n\r\n")
