@@ -46,6 +46,8 @@ NOT_STREAMS = ("not_a_stream",)
 class Kind(StrEnum):
     CHAT = "chat"
     COMPLETIONS = "completions"
+    RESPONSES = "responses"  # the OpenAI Responses API
+    MESSAGES = "messages"  # the Anthropic Messages API
     NATIVE = "native"
     SSE = "sse"
 
@@ -57,9 +59,26 @@ def detect_kind(url: str) -> Kind:
         return Kind.CHAT
     if path.endswith("/completions"):
         return Kind.COMPLETIONS
+    if path.endswith("/responses"):
+        return Kind.RESPONSES
+    if path.endswith("/messages"):
+        return Kind.MESSAGES
     if path.endswith("/v1/streams"):
         return Kind.NATIVE
     return Kind.SSE
+
+
+# Named events that carry answer text, the end, or an error, in the typed-event formats.
+_TEXT_EVENTS = {
+    "response.output_text.delta",
+    "response.reasoning_text.delta",
+    "response.reasoning_summary_text.delta",
+    "response.refusal.delta",
+    "response.function_call_arguments.delta",
+    "content_block_delta",
+}
+_END_EVENTS = {"response.completed", "response.incomplete", "message_stop"}
+_ERROR_EVENTS = {"error", "response.failed"}
 
 
 @dataclass(slots=True)
@@ -76,6 +95,25 @@ class RequestSpec:
 
     def body(self) -> dict[str, Any] | None:
         body: dict[str, Any]
+        if self.kind is Kind.RESPONSES:
+            body = {"input": self.prompt, "stream": True}
+            if self.max_tokens is not None:
+                body["max_output_tokens"] = self.max_tokens
+            if self.model is not None:
+                body["model"] = self.model
+            body.update(self.extra_body)
+            return body
+        if self.kind is Kind.MESSAGES:
+            body = {
+                "messages": [{"role": "user", "content": self.prompt}],
+                "stream": True,
+                # Required by the API: without --max-tokens, a ceiling no answer here reaches.
+                "max_tokens": self.max_tokens if self.max_tokens is not None else 4096,
+            }
+            if self.model is not None:
+                body["model"] = self.model
+            body.update(self.extra_body)
+            return body
         if self.kind is Kind.CHAT:
             body = {"messages": [{"role": "user", "content": self.prompt}], "stream": True}
         elif self.kind is Kind.COMPLETIONS:
@@ -223,6 +261,18 @@ def classify(ev: Event) -> None:
         obj: Any = json.loads(data)
     except ValueError:
         obj = None
+    if ev.event in _ERROR_EVENTS:
+        ev.role = "error"
+        return
+    if ev.event in _END_EVENTS:
+        ev.role = "done"
+        return
+    if ev.event in _TEXT_EVENTS and isinstance(obj, dict):
+        delta = obj.get("delta")
+        if isinstance(delta, dict):  # Anthropic: text_delta, thinking_delta, input_json_delta
+            delta = delta.get("text") or delta.get("thinking") or delta.get("partial_json")
+        ev.role, ev.text = ("content", delta) if isinstance(delta, str) and delta else ("other", "")
+        return
     if ev.event not in (None, "message"):
         ev.role = "meta" if ev.event == "meta" else "other"
         return
@@ -340,12 +390,12 @@ class _Body:
         result.events.append(ev)
         if ev.role == "error":
             result.error = _error_of(ev.data, default_code="stream_error")
-        elif ev.role in ("content", "other", "usage"):
+        elif ev.role in ("content", "other", "usage", "done"):
             _note_openai_fields(ev.data, result)
 
 
 def _note_openai_fields(data: str, result: StreamResult) -> None:
-    if '"usage"' not in data and '"finish_reason"' not in data:
+    if '"usage"' not in data and '"finish_reason"' not in data and '"stop_reason"' not in data:
         return
     try:
         obj = json.loads(data)
@@ -355,6 +405,12 @@ def _note_openai_fields(data: str, result: StreamResult) -> None:
         return
     if isinstance(obj.get("usage"), dict):
         result.usage = obj["usage"]
+    response = obj.get("response")  # Responses: response.completed carries usage
+    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
+        result.usage = response["usage"]
+    delta = obj.get("delta")  # Anthropic: message_delta carries the stop reason
+    if isinstance(delta, dict) and delta.get("stop_reason"):
+        result.finish_reason = str(delta["stop_reason"])
     choices = obj.get("choices")
     if isinstance(choices, list) and choices and isinstance(choices[0], dict):
         reason = choices[0].get("finish_reason")
@@ -368,6 +424,9 @@ def _error_of(body: str, default_code: str) -> dict[str, str]:
     except ValueError:
         return {"code": default_code, "message": body[:300]}
     err = obj.get("error") if isinstance(obj, dict) else None
+    response = obj.get("response") if isinstance(obj, dict) else None
+    if err is None and isinstance(response, dict):  # Responses: response.failed
+        err = response.get("error")
     if isinstance(err, dict):
         code = err.get("code") or err.get("type") or default_code
         return {"code": str(code), "message": str(err.get("message", ""))[:300]}

@@ -131,6 +131,10 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
         headers[name.strip()] = value.strip()
     if args.api_key:
         headers["Authorization"] = f"Bearer {args.api_key}"
+        if kind is Kind.MESSAGES:
+            headers["x-api-key"] = args.api_key  # what Anthropic's API reads
+    if kind is Kind.MESSAGES:
+        headers.setdefault("anthropic-version", "2023-06-01")
     if args.concurrency < 1 or (args.requests is not None and args.requests < 1):
         raise ValueError("--concurrency and --requests must be at least 1")
     return RequestSpec(
@@ -148,11 +152,15 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
 
 async def resolve_model(spec: RequestSpec, timeout_s: float, verify: bool) -> None:
     """Fill in the model when the server offers exactly one (or `synthetic`)."""
-    if spec.model is not None or spec.kind not in (Kind.CHAT, Kind.COMPLETIONS):
+    endpoints = {
+        Kind.CHAT: "/chat/completions",
+        Kind.COMPLETIONS: "/completions",
+        Kind.RESPONSES: "/responses",
+        Kind.MESSAGES: "/messages",
+    }
+    if spec.model is not None or spec.kind not in endpoints:
         return
-    base = spec.url.rstrip("/")
-    base = base.rsplit("/chat/completions", 1)[0] if spec.kind is Kind.CHAT else base
-    base = base.rsplit("/completions", 1)[0]
+    base = spec.url.rstrip("/").rsplit(endpoints[spec.kind], 1)[0]
     try:
         async with make_client(min(timeout_s, 10.0), 1, verify) as client:
             resp = await client.get(base + "/models", headers=spec.headers)

@@ -168,11 +168,16 @@ def fast_server() -> Iterator[Server]:
 def test_kind_from_url() -> None:
     assert detect_kind("http://h/v1/chat/completions") is Kind.CHAT
     assert detect_kind("http://h/v1/completions/") is Kind.COMPLETIONS
+    assert detect_kind("http://h/v1/responses") is Kind.RESPONSES
+    assert detect_kind("http://h/v1/messages") is Kind.MESSAGES
     assert detect_kind("http://h/v1/streams") is Kind.NATIVE
     assert detect_kind("http://h/v1/streams/abc/events?token=x") is Kind.SSE
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/completions", "/v1/streams"])
+@pytest.mark.parametrize(
+    "path",
+    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/streams"],
+)
 def test_clean_stream_all_endpoint_kinds(slow_server: Server, path: str) -> None:
     rc, d = run_diag(slow_server.url + path, "--max-tokens", "12")
     assert rc == 0, d
@@ -325,6 +330,16 @@ def test_truncated_stream_and_error_event(fast_server: Server) -> None:
     assert d["done"] is False and d["truncated"] is True
     assert d["chunks"] == 5
     assert d["error"]["code"] == "engine_overloaded"
+
+
+@pytest.mark.parametrize(("path", "code"), [("/v1/responses", "engine_overloaded"),
+                                            ("/v1/messages", "overloaded_error")])  # fmt: skip
+def test_error_events_of_the_typed_formats(fast_server: Server, path: str, code: str) -> None:
+    extra = json.dumps({"synthetic": {"fail_after": 5, "error_code": "engine_overloaded"}})
+    rc, d = run_diag(fast_server.url + path, "--max-tokens", "20", "--extra-body", extra)
+    assert rc == 1
+    assert d["done"] is False and d["truncated"] is True and d["chunks"] == 5
+    assert d["error"]["code"] == code  # Anthropic's error types name the kind, not our code
 
 
 def test_http_error_status(fast_server: Server) -> None:
