@@ -60,6 +60,9 @@ class TextStream:
         self.resume_token: str | None = None
         self.last_event_id = ""
         self.parts: list[str] = []
+        self.reasoning_parts: list[str] = []
+        # Tool calls as they assemble: {"id", "name", "arguments"} by index.
+        self._calls: dict[int, dict[str, str]] = {}
         self.finish_reason: str | None = None
         self.usage: dict[str, int] | None = None
         self.done = False
@@ -70,6 +73,21 @@ class TextStream:
     @property
     def text(self) -> str:
         return "".join(self.parts)
+
+    @property
+    def reasoning(self) -> str:
+        return "".join(self.reasoning_parts)
+
+    @property
+    def tool_calls(self) -> list[dict[str, str]]:
+        """The answer's tool calls so far, `arguments` as the JSON text received."""
+        return [dict(self._calls[i]) for i in sorted(self._calls)]
+
+    def _tool_call(self, index: int, call_id: str | None, name: str | None, args: str) -> None:
+        call = self._calls.setdefault(index, {"id": "", "name": "", "arguments": ""})
+        call["id"] = call_id or call["id"]
+        call["name"] = name or call["name"]
+        call["arguments"] += args
 
     def _connected(self, response: httpx.Response) -> None:
         self.stream_id = response.headers.get("x-stream-id", self.stream_id)
@@ -102,6 +120,13 @@ class TextStream:
         payload = json.loads(event.data)
         if "token" in payload:
             text = payload["token"]
+        elif "reasoning" in payload:  # native structured deltas: kept, not yielded
+            self.reasoning_parts.append(payload["reasoning"])
+            return None
+        elif "tool_call" in payload:
+            call = payload["tool_call"]
+            self._tool_call(call["index"], call.get("id"), call.get("name"), call["arguments"])
+            return None
         else:
             if payload.get("usage"):
                 self.usage = payload["usage"]
@@ -110,7 +135,19 @@ class TextStream:
                 return None
             choice = choices[0]
             self.finish_reason = choice.get("finish_reason") or self.finish_reason
-            text = choice.get("delta", {}).get("content") or choice.get("text") or ""
+            delta = choice.get("delta") or {}
+            thought = delta.get("reasoning_content") or delta.get("reasoning")
+            if thought:
+                self.reasoning_parts.append(thought)
+            for call in delta.get("tool_calls") or ():
+                function = call.get("function") or {}
+                self._tool_call(
+                    call.get("index", 0),
+                    call.get("id"),
+                    function.get("name"),
+                    function.get("arguments") or "",
+                )
+            text = delta.get("content") or choice.get("text") or ""
         if text:
             self.parts.append(text)
         return text or None
