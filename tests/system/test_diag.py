@@ -165,6 +165,13 @@ def fast_server() -> Iterator[Server]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def failing_server() -> Iterator[Server]:
+    # Failures on purpose: the breaker must not turn the module's other streams away.
+    with run_server("--synthetic-ttft-ms", "20", "--breaker-error-rate", "1") as s:
+        yield s
+
+
 def test_kind_from_url() -> None:
     assert detect_kind("http://h/v1/chat/completions") is Kind.CHAT
     assert detect_kind("http://h/v1/completions/") is Kind.COMPLETIONS
@@ -334,9 +341,9 @@ def test_truncated_stream_and_error_event(fast_server: Server) -> None:
 
 @pytest.mark.parametrize(("path", "code"), [("/v1/responses", "engine_overloaded"),
                                             ("/v1/messages", "overloaded_error")])  # fmt: skip
-def test_error_events_of_the_typed_formats(fast_server: Server, path: str, code: str) -> None:
+def test_error_events_of_the_typed_formats(failing_server: Server, path: str, code: str) -> None:
     extra = json.dumps({"synthetic": {"fail_after": 5, "error_code": "engine_overloaded"}})
-    rc, d = run_diag(fast_server.url + path, "--max-tokens", "20", "--extra-body", extra)
+    rc, d = run_diag(failing_server.url + path, "--max-tokens", "20", "--extra-body", extra)
     assert rc == 1
     assert d["done"] is False and d["truncated"] is True and d["chunks"] == 5
     assert d["error"]["code"] == code  # Anthropic's error types name the kind, not our code
