@@ -70,7 +70,8 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     assert sum(t["target"].startswith("highest step") for t in res["targets"]) == 2
     # (A ratio to the floor's added TTFT is left blank if the floor's is ≤ 0 at tiny sizes.)
     judged = [t for t in res["targets"] if "raw_floor's" not in t["target"]]
-    assert all(t["value"] is not None and t["passed"] is not None for t in judged)
+    unjudged = [t for t in judged if t["value"] is None or t["passed"] is None]
+    assert not unjudged, unjudged  # (once seen flaky: which target, and its note, say why)
     assert targets["added TTFT p99"]["baseline"] is not None  # before/after in one run
     assert (tmp_path / "chart.png").stat().st_size > 10_000
 
