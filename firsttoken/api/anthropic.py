@@ -28,7 +28,7 @@ from firsttoken.api.anthropic_protocol import (
     ToolUseBlock,
 )
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
@@ -40,7 +40,6 @@ from firsttoken.wire.anthropic import (
     status_error_type,
 )
 from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.response import ARRIVED_KEY
 
 __all__ = [
     "chat_body",
@@ -53,8 +52,7 @@ __all__ = [
 
 
 async def messages(request: Request) -> Response:
-    # The clock of every latency metric: the request's first byte, as a client counts it.
-    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
+    accepted_at = arrived_at(request)
     trace = trace_id(request)
     try:
         return await _serve(request, gateway(request), trace, accepted_at)

@@ -45,7 +45,7 @@ async def read_model(
     if not isinstance(raw, dict):
         raise APIError(400, "invalid_request", "request body must be a JSON object")
     try:
-        body = model.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as exc:
         first = exc.errors()[0]
         param = ".".join(str(p) for p in first["loc"]) or None
@@ -55,6 +55,3 @@ async def read_model(
         message = f"{param}: {said}" if param else said
         code = "missing_field" if first["type"] == "missing" else "invalid_value"
         raise APIError(400, code, message, param=param) from None
-    if hasattr(body, "_raw"):
-        body._raw = raw
-    return body

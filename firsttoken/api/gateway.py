@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import secrets
+import time
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -21,9 +22,9 @@ from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import Engine, GenerationRequest
 from firsttoken.observability import Metrics
 from firsttoken.wire.compression import StreamCompressor, negotiate
-from firsttoken.wire.response import EventStreamResponse
+from firsttoken.wire.response import ARRIVED_KEY, EventStreamResponse
 
-__all__ = ["Gateway", "gateway", "new_stream_id", "trace_id"]
+__all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id"]
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -133,6 +134,11 @@ class Gateway:
 
 def gateway(request: Request) -> Gateway:
     return request.app.state.gateway
+
+
+def arrived_at(request: Request) -> float:
+    """The clock of every latency metric: the request's first byte, as a client counts it."""
+    return request.scope.get(ARRIVED_KEY) or time.perf_counter()
 
 
 def trace_id(request: Request) -> str:

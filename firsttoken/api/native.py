@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import time
-
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import arrived_at, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
 from firsttoken.wire.render import NativeRenderer
-from firsttoken.wire.response import ARRIVED_KEY
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
 
@@ -24,8 +21,7 @@ _PREAMBLE = b"retry: 1000\n\n"
 
 
 async def create_stream(request: Request) -> Response:
-    # The clock of every latency metric: the request's first byte, as a client counts it.
-    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
+    accepted_at = arrived_at(request)
     gw = gateway(request)
     trace = trace_id(request)
     try:

@@ -9,13 +9,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.render import ChatRenderer, CompletionRenderer
-from firsttoken.wire.response import ARRIVED_KEY
 
 __all__ = ["chat_completions", "completions", "models"]
 
@@ -44,8 +43,7 @@ async def completions(request: Request) -> Response:
 async def _serve(
     request: Request, kind: type[ChatCompletionRequest | CompletionRequest]
 ) -> Response:
-    # The clock of every latency metric: the request's first byte, as a client counts it.
-    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
+    accepted_at = arrived_at(request)
     gw = gateway(request)
     trace = trace_id(request)
     try:

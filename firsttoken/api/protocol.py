@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ModelWrapValidatorHandler,
+    PrivateAttr,
+    field_validator,
+    model_validator,
+)
 
 __all__ = [
     "MAX_STOP",
@@ -113,14 +122,22 @@ class _Generation(_Body):
 
 
 class _OpenAIGeneration(_Generation):
-    # The body as the client sent it, every field (set by `read_model`): what a relay
-    # forwards. On the request only: a private attribute costs every instance an init.
+    # The body as the client sent it, every field: what a relay forwards. On the request
+    # model only: a private attribute costs every instance an init.
     _raw: dict[str, Any] | None = PrivateAttr(default=None)
 
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: Annotated[int, Field(ge=1, le=1)] = 1
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _keep_raw(cls, data: Any, handler: ModelWrapValidatorHandler[Any]) -> Any:
+        body = handler(data)
+        if isinstance(data, dict):
+            body._raw = data
+        return body
 
     @property
     def raw(self) -> dict[str, Any] | None:

@@ -36,7 +36,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import Gateway, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
 from firsttoken.api.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -51,7 +51,6 @@ from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.response import ARRIVED_KEY
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer
 
 __all__ = [
@@ -66,8 +65,7 @@ __all__ = [
 
 
 async def responses(request: Request) -> Response:
-    # The clock of every latency metric: the request's first byte, as a client counts it.
-    accepted_at = request.scope.get(ARRIVED_KEY) or time.perf_counter()
+    accepted_at = arrived_at(request)
     gw = gateway(request)
     trace = trace_id(request)
     try:

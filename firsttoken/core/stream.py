@@ -296,27 +296,23 @@ class Stream:
             return self.outcome is None
         if self.outcome is not None:
             return False
-        if self.first_token_at is None:
+        first = self.first_token_at is None
+        if first:
             self.first_token_at = time.perf_counter()
-            self._first_token()
-        if delta.finish_reason is not None:
-            self.log.cork()
+        if delta.finish_reason is None:
+            self._part(delta)
+        else:
+            self.log.cork()  # the last delta and the closing events leave in one write
             try:
-                self.push_delta(
-                    Delta(
-                        delta.text,
-                        None,
-                        delta.reasoning,
-                        delta.tool_calls,
-                        delta.refusal,
-                        delta.logprobs,
-                        delta.extra,
-                    )
-                )
+                self._part(delta)
                 self.finish(delta.finish_reason, delta.usage)
             finally:
                 self.log.uncork()
-            return False
+        if first:
+            self._first_token()  # reported once the delta is on its way
+        return self.outcome is None and self._room()
+
+    def _part(self, delta: Delta) -> None:
         self._flush_pending()
         self._in_text = False
         self._frame = None
@@ -328,7 +324,6 @@ class Stream:
         last = len(events) - 1
         for i, (name, data) in enumerate(events):
             self._append(name, data, 1 if i == last else 0)
-        return self._room()
 
     def finish(self, reason: str, counted: Mapping[str, Any] | None = None) -> None:
         """The answer is complete; `counted` is the engine's own usage, when it has one

@@ -95,36 +95,24 @@ class RequestSpec:
 
     def body(self) -> dict[str, Any] | None:
         body: dict[str, Any]
-        if self.kind is Kind.RESPONSES:
-            body = {"input": self.prompt, "stream": True}
-            if self.max_tokens is not None:
-                body["max_output_tokens"] = self.max_tokens
-            if self.model is not None:
-                body["model"] = self.model
-            body.update(self.extra_body)
-            return body
-        if self.kind is Kind.MESSAGES:
-            body = {
-                "messages": [{"role": "user", "content": self.prompt}],
-                "stream": True,
-                # Required by the API: without --max-tokens, a ceiling no answer here reaches.
-                "max_tokens": self.max_tokens if self.max_tokens is not None else 4096,
-            }
-            if self.model is not None:
-                body["model"] = self.model
-            body.update(self.extra_body)
-            return body
+        limit = "max_tokens"
         if self.kind is Kind.CHAT:
             body = {"messages": [{"role": "user", "content": self.prompt}], "stream": True}
         elif self.kind is Kind.COMPLETIONS:
             body = {"prompt": self.prompt, "stream": True}
+        elif self.kind is Kind.RESPONSES:
+            body, limit = {"input": self.prompt, "stream": True}, "max_output_tokens"
+        elif self.kind is Kind.MESSAGES:
+            # The API requires max_tokens: without --max-tokens, a ceiling no answer here reaches.
+            body = {"messages": [{"role": "user", "content": self.prompt}], "stream": True}
+            body["max_tokens"] = 4096
         elif self.kind is Kind.NATIVE:
             body = {"prompt": self.prompt}
         else:
             return None
-        if self.kind is not Kind.NATIVE:
-            if self.model is not None:
-                body["model"] = self.model
+        if self.model is not None:
+            body["model"] = self.model
+        if self.kind in (Kind.CHAT, Kind.COMPLETIONS):
             options: dict[str, Any] = {}
             if self.include_usage:
                 options["include_usage"] = True
@@ -132,10 +120,8 @@ class RequestSpec:
                 options["timestamps"] = True
             if options:
                 body["stream_options"] = options
-        elif self.model is not None:
-            body["model"] = self.model
         if self.max_tokens is not None:
-            body["max_tokens"] = self.max_tokens
+            body[limit] = self.max_tokens
         body.update(self.extra_body)
         return body
 
