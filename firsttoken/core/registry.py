@@ -41,23 +41,13 @@ class _Pulled:
         stream = self.stream
         with self.scope:
             try:
-                finish = "stop"
-                usage = None
                 async for delta in self.engine.generate(stream.request):
-                    if delta.structured:
-                        room = stream.push_delta(delta)
-                    elif delta.text:
-                        room = stream.push(delta.text, delta.finish_reason)
-                    else:
-                        finish = delta.finish_reason or finish
-                        usage = delta.usage or usage
-                        continue
-                    if not room and stream.outcome is None:
+                    if not stream.push_delta(delta) and stream.outcome is None:
                         self._room = asyncio.get_running_loop().create_future()
                         await self._room
-                # Iterated to its end even after the last token: an engine may work after
-                # it (the cache stores the answer).
-                stream.finish(finish, usage)
+                # Iterated to its end even after the finish: an engine may work after it (the
+                # cache stores the answer). One that ended without a finish reason stopped.
+                stream.finish("stop")
             except EngineError as exc:
                 stream.fail(exc)
             except Exception as exc:  # a bug must still end the stream with an error event

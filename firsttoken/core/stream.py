@@ -286,8 +286,9 @@ class Stream:
         return self._room()
 
     def push_delta(self, delta: Delta) -> bool:
-        """A structured delta (reasoning, a tool-call fragment, a refusal...): never merged
-        with text, and it ends the text run, so the next text token re-enters it."""
+        """Any delta: answer text goes to `push`, a bare finish to `finish`. A structured one
+        (reasoning, a tool-call fragment, a refusal...) is never merged with text, and it
+        ends the text run, so the next text token re-enters it."""
         if not delta.structured:
             if delta.text:
                 return self.push(delta.text, delta.finish_reason)
