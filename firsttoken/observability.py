@@ -12,6 +12,7 @@ once a second), never work per token.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import logging
 import os
@@ -21,7 +22,6 @@ import threading
 import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -34,12 +34,15 @@ from prometheus_client.core import (
     Metric,
 )
 
+from firsttoken.logsink import LineSink
+
 __all__ = [
     "OUTCOMES",
     "Histogram",
     "Metrics",
     "WorkerShare",
     "configure_logging",
+    "flush_logs",
     "fold_worker",
     "log_event",
     "share_across_workers",
@@ -385,10 +388,10 @@ def _write_json(path: Path, value: Any) -> None:
 
 
 _logger = logging.getLogger("firsttoken")
-# Set by configure_logging (the server): lines go straight to stdout's descriptor, one write
-# each. Through `logging` a line cost ~40 µs (a LogRecord, getpid, a lock, a flush), three
-# times per stream.
-_sink: Callable[[bytes], None] | None = None
+# Set by configure_logging (the server): lines go straight to stdout's descriptor, a write per
+# turn of the event loop (`LineSink`). Through `logging` a line cost ~40 µs (a LogRecord,
+# getpid, a lock, a flush), three times per stream.
+_sink: LineSink | None = None
 _LEVELS = {level: logging.getLevelName(level).lower() for level in (10, 20, 30, 40, 50)}
 
 
@@ -400,12 +403,20 @@ def configure_logging(level: str = "info") -> None:
     _logger.setLevel(level.upper())
     _logger.propagate = False
     sys.stdout.flush()
-    _sink = partial(_write_all, sys.stdout.fileno())
+    if _sink is not None:
+        _sink.flush()
+    _sink = LineSink(sys.stdout.fileno())
 
 
-def _write_all(fd: int, data: bytes) -> None:
-    while data:
-        data = data[os.write(fd, data) :]
+def flush_logs() -> None:
+    """Write the lines still waiting for the end of the loop's turn (before the loop ends)."""
+    if _sink is not None:
+        _sink.flush()
+
+
+atexit.register(flush_logs)
+# A forked worker must not write its parent's pending lines a second time.
+os.register_at_fork(before=flush_logs)
 
 
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:

@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.gateway import Gateway
 from firsttoken.app import asgi_app, create_app
 from firsttoken.config import Settings, unknown_variables
-from firsttoken.observability import configure_logging, log_event
+from firsttoken.observability import configure_logging, flush_logs, log_event
 from firsttoken.preflight import StartupError, describe, preflight
 from firsttoken.wire.connection import StreamingProtocol
 from firsttoken.workers import Supervisor
@@ -236,6 +236,8 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     except SystemExit:
         if app.failure is None:
             raise
+    finally:
+        flush_logs()  # the loop's last turn may have ended before its flush
     if app.failure is not None:  # uvicorn exits with 3 after a failed startup; we say why
         _startup_failed(settings, app.failure)
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from firsttoken.observability import fold_worker, log_event, share_across_workers
+from firsttoken.observability import flush_logs, fold_worker, log_event, share_across_workers
 
 __all__ = ["Supervisor"]
 
@@ -125,6 +125,7 @@ class Supervisor:
             code = 1
             log_event("worker.failed", logging.ERROR, worker=name, error=repr(exc))
         finally:
+            flush_logs()  # os._exit skips atexit
             os._exit(code)
 
     def _reap(self) -> None:
