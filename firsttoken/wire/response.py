@@ -14,6 +14,11 @@ and waits for one future. From then on the writer is driven by callbacks, never 
 
 The last body message (the terminating chunk) goes back through ASGI, so uvicorn's own
 bookkeeping of the response (keep-alive, completion) stays right.
+
+Writes are system calls, and a short stream made five: the head, the opening event, its
+tokens, the closing events, the terminating chunk. The head waits for the opening events
+(`EventWriter.hold`), and the terminating chunk rides with the closing events (uvicorn's
+bookkeeping is then told the response ended, and writes nothing): three.
 """
 
 from __future__ import annotations
@@ -109,6 +114,7 @@ class EventWriter:
         "schedule",
         "send_timeout_s",
         "stream",
+        "terminated",
         "throttled",
         "timestamps",
         "transport",
@@ -145,6 +151,7 @@ class EventWriter:
         # Nothing between the event and the socket but the chunk framing: the hot path.
         self.plain = chunked and compressor is None and not timestamps and self.pacer is None
         self.paused = False
+        self.terminated = False  # the terminating chunk went out with the last events
         self._paused_since = 0.0
         self.last_write = 0.0
         self.done: asyncio.Future[End] = asyncio.get_running_loop().create_future()
@@ -161,6 +168,19 @@ class EventWriter:
             self._write(preamble)
         self._arm(self.heartbeat_s)
         self.catch_up()
+
+    def hold(self, head: bytes) -> None:
+        """Keep writes back, after the response head, until `release`: set-up's writes (the
+        head, the preamble, the opening events) leave in one system call."""
+        self.transport = _Held(self.transport, head)
+
+    def release(self) -> None:
+        held = self.transport
+        if not isinstance(held, _Held):
+            return
+        self.transport = held.real
+        if held.parts and not held.real.is_closing():
+            self.transport.write(b"".join(held.parts))
 
     def close(self, end: End) -> None:
         """Detach (once): the registry may stop an abandoned stream's engine right here."""
@@ -221,6 +241,14 @@ class EventWriter:
         except RuntimeError:  # the transport closed under us; connection_lost is on its way
             self.close(End.DISCONNECTED)
 
+    def _write_last(self, data: bytes) -> None:
+        """The closing events with the terminating chunk, in one write."""
+        try:
+            self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+            self.terminated = True
+        except RuntimeError:
+            self.close(End.DISCONNECTED)
+
     def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
         """Metrics for a first delivery (a replay to a resuming reader is not new). `deliver`
         does the same inline: it runs once per token."""
@@ -261,7 +289,10 @@ class EventWriter:
                 data = b"".join(e.wire for e in events)
             if not self._paced(len(data)):
                 return
-            self._write(data)
+            if log.closed and self.plain and events[-1].seq == log.last_seq:
+                self._write_last(data)
+            else:
+                self._write(data)
             self.cursor = events[-1].seq
             self.last_write = _clock()
             self._account(events)
@@ -371,10 +402,13 @@ class EventStreamResponse:
             ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send({"type": "http.response.start", "status": 200, "headers": self.headers})
         # The last body message skips the middleware's send wrappers (GZip, error handlers):
         # they only act on the start message.
         body_send: Send = scope.get(RAW_SEND_KEY, send)
+        start = {"type": "http.response.start", "status": 200, "headers": self.headers}
+        # Held only where the writer will reach the connection to write it.
+        held = scope.get(CONNECTION_KEY) is not None
+        head = await _start_held(send, body_send, start) if held else await _start(send, start)
         connection = _connection(scope)
         if connection is None:
             await self._serve_over_asgi(receive, body_send)
@@ -385,7 +419,11 @@ class EventStreamResponse:
             if connection.transport.is_closing():
                 writer.close(End.DISCONNECTED)
             else:
-                await self._run(writer)
+                writer.hold(head)
+                try:
+                    await self._run(writer)
+                finally:
+                    writer.release()
             end = await writer.done
         finally:
             writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
@@ -418,7 +456,11 @@ class EventStreamResponse:
         stream = self.stream
         if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
+            last = {"type": "http.response.body", "body": tail, "more_body": False}
+            if writer.terminated:
+                await _send_written(send, last)
+            else:
+                await send(last)
         elif end is End.STALLED:
             # The reader takes no bytes: a graceful close would wait on it forever.
             log_event(
@@ -465,6 +507,72 @@ def _connection(scope: Scope) -> Any:
     if cycle is None or not cycle.response_started or cycle.response_complete:
         return None
     return connection
+
+
+async def _start(send: Send, start: dict[str, Any]) -> bytes:
+    await send(start)
+    return b""
+
+
+async def _start_held(send: Send, raw_send: Send, start: dict[str, Any]) -> bytes:
+    """Send the start message through the middleware, but keep the head uvicorn writes: the
+    writer sends it with what follows. b"" when the server is not uvicorn's httptools cycle
+    (the head then went out as usual)."""
+    cycle = _cycle(raw_send)
+    if cycle is None or cycle.response_started:
+        await send(start)
+        return b""
+    real = cycle.transport
+    held = cycle.transport = _Held(real, b"")
+    try:
+        await send(start)
+    finally:
+        cycle.transport = real
+    return b"".join(held.parts)
+
+
+async def _send_written(raw_send: Send, message: dict[str, Any]) -> None:
+    """Tell uvicorn the response ended, when its last bytes were already written."""
+    cycle = _cycle(raw_send)
+    if cycle is None:
+        await raw_send(message)
+        return
+    real = cycle.transport
+    cycle.transport = _Held(real, b"")  # takes the terminating chunk; a close goes through
+    try:
+        await raw_send(message)
+    finally:
+        cycle.transport = real
+
+
+def _cycle(raw_send: Send) -> Any:
+    """uvicorn's request-response cycle behind its own `send` (pinned: uvicorn 0.54)."""
+    cycle = getattr(raw_send, "__self__", None)
+    if cycle is None or not hasattr(cycle, "transport") or not hasattr(cycle, "response_started"):
+        return None
+    return cycle
+
+
+class _Held:
+    """A transport stand-in that keeps what is written (see `EventWriter.hold`)."""
+
+    __slots__ = ("parts", "real")
+
+    def __init__(self, real: Any, head: bytes) -> None:
+        self.real = real
+        self.parts: list[bytes] = [head] if head else []
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def is_closing(self) -> bool:
+        return bool(self.real.is_closing())
+
+    def close(self) -> None:
+        self.real.close()
+
+    def abort(self) -> None:
+        self.real.abort()
 
 
 def _stamped(events: Sequence[Event]) -> bytes:

@@ -69,9 +69,10 @@ def setup(
 
 
 def body_of(writes: list[bytes]) -> bytes:
-    """Undo the HTTP chunk framing."""
+    """Undo the HTTP chunk framing (a write may end with the terminating chunk)."""
     out = b""
     for w in writes:
+        w = w.removesuffix(b"0\r\n\r\n") if w.endswith(b"\n\r\n0\r\n\r\n") else w
         size, _, rest = w.partition(b"\r\n")
         assert int(size, 16) == len(rest) - 2 and rest.endswith(b"\r\n")
         out += rest[:-2]
@@ -91,12 +92,45 @@ def test_a_caught_up_writer_writes_each_token_as_it_is_pushed(
             b'retry: 1000\n\nid: 1\ndata: {"token":"Hello"}\n\nid: 2\ndata: {"token":" world"}\n\n'
         )
         assert len(transport.writes) == 3  # one write per token
-        stream.push("!", "stop")  # the last token and the closing events: one write
+        stream.push("!", "stop")  # the last token, the closing events, the last chunk: one write
         assert len(transport.writes) == 4
         assert body_of(transport.writes[-1:]).endswith(b"data: [DONE]\n\n")
+        assert transport.writes[-1].endswith(b"\r\n0\r\n\r\n") and writer.terminated
         assert writer.done.result() is End.FINISHED
 
     run(body)
+
+
+def test_set_up_writes_leave_with_the_held_head_in_one_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch)
+        writer.hold(b"HTTP/1.1 200 OK\r\n\r\n")
+        writer.open(b"retry: 1000\n\n")
+        stream.begin()
+        stream.push("Hello")
+        assert transport.writes == []
+        writer.release()
+        assert len(transport.writes) == 1
+        head, _, rest = transport.writes[0].partition(b"\r\n\r\n")
+        assert head == b"HTTP/1.1 200 OK"
+        assert body_of(_chunks(rest)) == (b'retry: 1000\n\nid: 1\ndata: {"token":"Hello"}\n\n')
+        stream.push(" world")  # released: straight to the socket again
+        assert len(transport.writes) == 2
+
+    run(body)
+
+
+def _chunks(data: bytes) -> list[bytes]:
+    """Split concatenated HTTP chunks back into one write each."""
+    out = []
+    while data:
+        size = data.partition(b"\r\n")[0]
+        end = len(size) + 2 + int(size, 16) + 2
+        out.append(data[:end])
+        data = data[end:]
+    return out
 
 
 def test_a_paused_socket_falls_behind_and_catches_up_in_one_write(
