@@ -7,6 +7,7 @@ import socket
 import time
 from typing import Protocol
 
+from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from firsttoken.wire.response import ABORT_KEY, ARRIVED_KEY, CONNECTION_KEY
@@ -57,7 +58,15 @@ class StreamingProtocol(HttpToolsProtocol):
                     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
             except OSError:
                 pass
-        super().connection_made(transport)
+        # uvicorn's own connection_made (0.54), with the addresses the event loop already
+        # read at accept: uvicorn asks the socket again (two system calls and two socket
+        # objects per connection).
+        self.connections.add(self)
+        self.transport = transport
+        self.flow = FlowControl(transport)
+        self.server = _address(transport.get_extra_info("sockname"))
+        self.client = _address(transport.get_extra_info("peername"))
+        self.scheme = "https" if transport.get_extra_info("sslcontext") else "http"
         self._arm_header_timer()
 
     def on_message_begin(self) -> None:
@@ -123,6 +132,12 @@ class StreamingProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+def _address(info: object) -> tuple[str, int] | None:
+    if isinstance(info, tuple) and len(info) >= 2:  # IPv6 adds flow info and scope id
+        return (str(info[0]), int(info[1]))
+    return None
 
 
 _HEAD_BODY = (
