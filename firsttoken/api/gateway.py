@@ -117,8 +117,8 @@ class Gateway:
     def model(self, requested: str | None) -> str:
         if requested is None:
             return self.engine.models[0]
-        if requested not in self.engine.models:
-            models = self.engine.models
+        models = self.engine.models
+        if requested not in models:
             shown = ", ".join(models[:20])
             if len(models) > 20:
                 shown += f" and {len(models) - 20} more"
@@ -129,7 +129,8 @@ class Gateway:
                 "(GET /v1/models lists them)",
                 param="model",
             )
-        return requested
+        # The engine's own string, shared: the body's copy would stay with every stream.
+        return models[models.index(requested)]
 
 
 def gateway(request: Request) -> Gateway:

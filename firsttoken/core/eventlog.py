@@ -21,6 +21,9 @@ class Event(NamedTuple):
     tokens: int  # content tokens it carries (0 for role/finish/meta/error/[DONE])
 
 
+_ONES: dict[int, int] = {}  # no event with a count other than 1
+
+
 class ResumeExpired(Exception):
     """The reader asked for events the log no longer holds."""
 
@@ -57,12 +60,14 @@ class EventLog:
     def __init__(self, max_events: int = 8192, window: int | None = None) -> None:
         # Framed bytes only, not an object per event: a token allocates nothing the cyclic
         # garbage collector has to track (at 500 streams its passes cost ~9% of the CPU).
-        # Token counts are 1 for almost every event; only the others are written down.
+        # Token counts are 1 for almost every event; only the others are written down, as
+        # flat (seq, tokens) pairs in seq order: a dict with one entry (a chat stream's
+        # opening) would cost a waiting stream 224 bytes, this list 72.
         # A list, trimmed in slices, rather than a deque: a deque's first block costs ~600
         # bytes, which ten thousand waiting streams would each pay for one or two events.
         self._wires: list[bytes] = []
         self._wires_seq = 1  # the seq of _wires[0]
-        self._counts: dict[int, int] = {}
+        self._counts: list[int] | None = None
         self.readers: list[LogReader] = []
         # Backpressure: the producer may run at most `window` events ahead of the slowest
         # attached reader; with none attached, until the buffer holds `max_events` unread.
@@ -70,7 +75,7 @@ class EventLog:
         self.window = min(window or max_events, max_events)
         self._floor = 0
         self.on_room: Callable[[], None] | None = None  # the producer, paused for room
-        self._waiters: list[asyncio.Future[None]] = []
+        self._waiters: list[asyncio.Future[None]] | None = None  # made by the first wait()
         self.last_seq = 0
         self.closed = False
         self._corked = False
@@ -91,7 +96,10 @@ class EventLog:
         if len(wires) > self.capacity + (self.capacity >> 3):
             self._trim()
         if tokens != 1:
-            self._counts[seq] = tokens
+            if self._counts is None:
+                self._counts = [seq, tokens]
+            else:
+                self._counts += (seq, tokens)
         if self.replica is not None:
             self.replica(Event(seq, wire, tokens))
         if not self._corked:
@@ -131,7 +139,8 @@ class EventLog:
         offset = first - self._wires_seq  # events kept past the bound until the next trim
         count = self.last_seq - first + 1
         stop = count if limit is None else min(count, start + limit)
-        wires, counts = self._wires, self._counts
+        wires, pairs = self._wires, self._counts
+        counts = dict(zip(pairs[::2], pairs[1::2], strict=True)) if pairs else _ONES
         return [
             Event(first + i, wires[offset + i], counts.get(first + i, 1))
             for i in range(start, stop)
@@ -142,8 +151,14 @@ class EventLog:
         drop = len(self._wires) - self.capacity
         del self._wires[:drop]
         self._wires_seq += drop
-        if self._counts:
-            self._counts = {k: v for k, v in self._counts.items() if k >= self._wires_seq}
+        pairs = self._counts
+        if pairs:
+            i = 0  # pairs are in seq order: drop those before the first kept event
+            while i < len(pairs) and pairs[i] < self._wires_seq:
+                i += 2
+            del pairs[:i]
+            if not pairs:
+                self._counts = None
 
     # -- readers and backpressure ----------------------------------------------------------
 
@@ -183,11 +198,13 @@ class EventLog:
         if seq < self.last_seq or self.closed:
             return
         waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
         self._waiters.append(waiter)
         await waiter
 
     def _wake(self) -> None:
-        waiters, self._waiters = self._waiters, []
-        for waiter in waiters:
+        waiters, self._waiters = self._waiters, None
+        for waiter in waiters or ():
             if not waiter.done():
                 waiter.set_result(None)

@@ -20,7 +20,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines.base import Engine, EngineError, delivers_steps
+from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventStore, MemoryStore
 
@@ -31,17 +31,22 @@ class _Pulled:
     """An iterator engine's request, pulled by a task of the registry's group: the one place
     with a task per stream, for engines that have one anyway (a relay's socket read)."""
 
-    def __init__(self, engine: Engine, stream: Stream) -> None:
+    __slots__ = ("_room", "engine", "request", "scope", "stream")
+
+    def __init__(self, engine: Engine, stream: Stream, request: GenerationRequest) -> None:
         self.engine = engine
         self.stream = stream
+        self.request: GenerationRequest | None = request  # the engine's, until it has it
         self.scope = anyio.CancelScope()
         self._room: asyncio.Future[None] | None = None
 
     async def run(self) -> None:
         stream = self.stream
+        request, self.request = self.request, None
+        assert request is not None
         with self.scope:
             try:
-                async for delta in self.engine.generate(stream.request):
+                async for delta in self.engine.generate(request):
                     if not stream.push_delta(delta) and stream.outcome is None:
                         self._room = asyncio.get_running_loop().create_future()
                         await self._room
@@ -94,6 +99,9 @@ class StreamRegistry:
             deque()
         )
         self._spawn_wakeup: asyncio.Future[None] | None = None
+        # Bound once, shared by every stream: a bound method per stream would cost 64 bytes.
+        self._on_end = self._ended
+        self._on_first_token = self._first_token
 
     async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the registry's task group until cancelled (the app's lifespan)."""
@@ -141,8 +149,8 @@ class StreamRegistry:
             await self.store.register(stream.record(), self.ttl_s)
             stream.log.replica = partial(self.store.replicate, stream.id)
         self.metrics.active_streams += 1
-        stream.on_end = self._ended
-        stream.on_first_token = self._first_token
+        stream.on_end = self._on_end
+        stream.on_first_token = self._on_first_token
         log_event(
             "stream.accepted",
             stream=stream.id,
@@ -151,12 +159,16 @@ class StreamRegistry:
             max_tokens=stream.request.max_tokens,
         )
         stream.begin()
+        request = stream.request
         if self._steps:
-            stream.generation = self.engine.open(stream.request, stream)  # type: ignore[attr-defined]
+            stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
         else:
-            pulled = _Pulled(self.engine, stream)
+            pulled = _Pulled(self.engine, stream, request)
             stream.generation = pulled
             self._tg.start_soon(pulled.run)
+        # The engine holds what it still needs (a relay forwards the raw body when its task
+        # runs); the stream keeps only the model and the limits.
+        stream.request = request.without_inputs()
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 

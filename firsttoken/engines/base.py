@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from types import MappingProxyType
 from typing import Any, Protocol
 
 __all__ = [
@@ -36,6 +37,15 @@ class GenerationRequest:
     body: Mapping[str, Any] | None = None
     # Engine-specific extras, e.g. the synthetic engine's per-request timing and faults.
     options: Mapping[str, Any] = field(default_factory=dict)
+
+    def without_inputs(self) -> GenerationRequest:
+        """This request less what only its engine reads (prompt, messages, raw body, options):
+        what a stream keeps once the engine has the request. A waiting stream would otherwise
+        hold ~2 KiB of parsed body for its whole life."""
+        return replace(self, prompt="", messages=None, body=None, options=_NO_OPTIONS)
+
+
+_NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from functools import lru_cache
@@ -17,7 +17,6 @@ from typing import Any
 
 import orjson
 
-from firsttoken.core.schedule import Schedule
 from firsttoken.engines.base import (
     Delta,
     EngineError,
@@ -96,6 +95,7 @@ def synthetic_tokens(
     return list(tokens), finish
 
 
+@lru_cache(maxsize=1024)
 def _answer(
     prompt: str,
     seed: int | None,
@@ -103,7 +103,7 @@ def _answer(
     answer_tokens: int | None,
     style: str = "prose",
 ) -> tuple[Sequence[str], str]:
-    # The cached tuple itself when it is whole: a waiting stream holds no copy of its answer.
+    # Cached, cut or whole: a waiting stream holds no copy of its answer.
     natural = _natural_answer(prompt, seed or 0, answer_tokens, style)
     if max_tokens is not None and max_tokens < len(natural):
         return natural[:max_tokens], "length"
@@ -221,7 +221,7 @@ def _sentence(rng: random.Random) -> list[str]:
     return tokens
 
 
-_FAR_S = 0.1  # deadlines further than this wait in the engine's heap
+_FAR_S = 0.1  # deadlines further than this wait in a bucket of their _FAR_S slot
 
 
 class SyntheticEngine:
@@ -229,7 +229,9 @@ class SyntheticEngine:
     shared clock.
 
     Like a decode step, one loop timer per millisecond tick serves every request due then, and
-    writes each one's token into its sink: no task and no wakeup per request per token.
+    writes each one's token into its sink: no task and no wakeup per request per token. A
+    request that waits long (a slow TTFT) waits in a bucket of its _FAR_S slot, one loop timer
+    per slot: a waiting request costs a list entry, not a callback and a timer of its own.
     """
 
     models = (MODEL_ID,)
@@ -243,9 +245,9 @@ class SyntheticEngine:
         self.tokens_generated = 0
         self.steps = 0  # ticks run (for the per-token cost table)
         self._ticks: dict[int, list[_Run]] = {}
+        self._far: dict[int, list[_Run]] = {}  # long waits, by _FAR_S slot
         self._running: dict[str, _Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last open()
-        self._later = Schedule(clock=self._time, call_at=self._call_at)
 
     async def start(self) -> None:
         return None
@@ -277,35 +279,45 @@ class SyntheticEngine:
         loop = self._loop
         run = _Run(self, request.request_id, tokens, finish, itl, opts, sink, loop.time() + ttft)
         self._running[run.request_id] = run
-        self._at(run.due, run)
+        self._at(run)
         return run
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         return pull(self, request)
 
-    def _time(self) -> float:
-        assert self._loop is not None
-        return self._loop.time()
-
-    def _call_at(self, when: float, callback: Callable[[], None]) -> None:
-        assert self._loop is not None
-        self._loop.call_at(when, callback)
-
-    def _at(self, when: float, run: _Run) -> None:
+    def _at(self, run: _Run) -> None:
+        """Queue `run` for its next step, at `run.due`."""
         loop = self._loop
         assert loop is not None
+        when = run.due
         if when - loop.time() > _FAR_S:
-            # A long wait (a slow TTFT) waits in the heap, not in a loop timer of its own.
-            self._later.call_at(when - _FAR_S / 2, lambda: self._at(when, run))
+            # Handed to the ticks by its slot's timer, one to two slots before it is due.
+            slot = int(when / _FAR_S) - 1
+            bucket = self._far.get(slot)
+            if bucket is None:
+                self._far[slot] = [run]
+                loop.call_at(slot * _FAR_S, self._wake_far, slot)
+            else:
+                bucket.append(run)
             return
+        self._tick_at(when, run)
+
+    def _wake_far(self, slot: int) -> None:
+        for run in self._far.pop(slot, ()):
+            if run.state is _State.RUNNING:  # a cancelled run just leaves here
+                self._tick_at(run.due, run)
+
+    def _tick_at(self, when: float, run: _Run) -> None:
         # Ticks on a 1 ms grid (uvloop's timer resolution): streams due in the same
         # millisecond share one timer and one step. Rounded down, as uvloop rounds a timer's
         # delay: a token leaves within the millisecond it is due, never a tick late.
+        loop = self._loop
+        assert loop is not None
         tick = int(when * 1000)
         bucket = self._ticks.get(tick)
         if bucket is None:
             self._ticks[tick] = [run]
-            self._loop.call_at(tick / 1000, self._step, tick)
+            loop.call_at(tick / 1000, self._step, tick)
         else:
             bucket.append(run)
 
@@ -337,10 +349,10 @@ class _Run:
     __slots__ = (
         "due",
         "engine",
+        "error_code",
         "fail_at",
         "finish",
         "itl",
-        "opts",
         "pos",
         "request_id",
         "sink",
@@ -365,7 +377,7 @@ class _Run:
         self.tokens = tokens
         self.finish = finish
         self.itl = itl
-        self.opts = opts
+        self.error_code = opts.error_code  # not the options: a waiting run holds no more
         self.sink = sink
         self.due = due
         self.pos = 0
@@ -409,7 +421,7 @@ class _Run:
             self._end()
             self.sink.fail(
                 EngineError(
-                    self.opts.error_code or "engine_error",
+                    self.error_code or "engine_error",
                     f"synthetic engine failure after {pos} tokens",
                 )
             )
@@ -428,7 +440,7 @@ class _Run:
             self.state = _State.RUNNING
             # A paused request goes on from now, paced: it does not burst to catch up.
             self.due = max(self.due, self.engine._loop.time())  # type: ignore[union-attr]
-            self.engine._at(self.due, self)
+            self.engine._at(self)
 
     def cancel(self) -> None:
         self._end()

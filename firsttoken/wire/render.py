@@ -37,35 +37,38 @@ def chat_tool_call(call: ToolCallDelta) -> dict[str, Any]:
 
 
 class _OpenAIRenderer:
-    __slots__ = ("_prefix", "_suffix", "head", "include_usage")
+    """Every chunk is the stream's head (`{"id":...,"model":...`, kept as its JSON bytes, not
+    a dict and a token prefix: a waiting stream holds ~140 bytes here) and a tail: `choices`
+    and, at the end, `usage`."""
+
+    __slots__ = ("_head", "include_usage")
     object: str
     token_event: str | None = None
+    _token_open: bytes  # after the head: up to a token's JSON string
+    _token_close: bytes  # after the string: the chunk's end
 
     def __init__(self, chunk_id: str, model: str, created: int, include_usage: bool) -> None:
-        self.head = {"id": chunk_id, "object": self.object, "created": created, "model": model}
+        head = {"id": chunk_id, "object": self.object, "created": created, "model": model}
+        self._head = _dumps(head)[:-1]  # the JSON object without its closing brace
         self.include_usage = include_usage
-        head = _dumps(self.head)[:-1]  # the JSON object without its closing brace
-        self._prefix, self._suffix = self._token_frame(head)
 
-    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
-        raise NotImplementedError
+    def _chunk(self, choice: dict[str, object]) -> bytes:
+        return self._head + b',"choices":[' + _dumps(choice) + b"]}"
 
     def token(self, text: str) -> bytes:
-        return self._prefix + _dumps(text) + self._suffix
+        return self._head + self._token_open + _dumps(text) + self._token_close
 
     def token_template(self) -> tuple[bytes, bytes]:
         """The bytes around a token's JSON string (the stream frames them once)."""
-        return self._prefix, self._suffix
+        return self._head + self._token_open, self._token_close
 
     def begin_text(self) -> Events:
         return _NONE
 
     def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:
-        out: list[tuple[str | None, bytes]] = [
-            (None, _dumps({**self.head, "choices": [self._final(finish_reason)]}))
-        ]
+        out: list[tuple[str | None, bytes]] = [(None, self._chunk(self._final(finish_reason)))]
         if self.include_usage:
-            out.append((None, _dumps({**self.head, "choices": [], "usage": usage})))
+            out.append((None, self._head + b',"choices":[],"usage":' + _dumps(usage) + b"}"))
         out.append((None, DONE))
         return out
 
@@ -79,12 +82,8 @@ class _OpenAIRenderer:
 class ChatRenderer(_OpenAIRenderer):
     __slots__ = ()
     object = "chat.completion.chunk"
-
-    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
-        return (
-            head + b',"choices":[{"index":0,"delta":{"content":',
-            b'},"logprobs":null,"finish_reason":null}]}',
-        )
+    _token_open = b',"choices":[{"index":0,"delta":{"content":'
+    _token_close = b'},"logprobs":null,"finish_reason":null}]}'
 
     def opening(self) -> Events:
         choice = {
@@ -93,7 +92,7 @@ class ChatRenderer(_OpenAIRenderer):
             "logprobs": None,
             "finish_reason": None,
         }
-        return [(None, _dumps({**self.head, "choices": [choice]}))]
+        return [(None, self._chunk(choice))]
 
     def _final(self, finish_reason: str) -> dict[str, object]:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
@@ -109,15 +108,14 @@ class ChatRenderer(_OpenAIRenderer):
         if delta.tool_calls:
             fields["tool_calls"] = [chat_tool_call(call) for call in delta.tool_calls]
         choice = {"index": 0, "delta": fields, "logprobs": delta.logprobs, "finish_reason": None}
-        return [(None, _dumps({**self.head, "choices": [choice]}))]
+        return [(None, self._chunk(choice))]
 
 
 class CompletionRenderer(_OpenAIRenderer):
     __slots__ = ()
     object = "text_completion"
-
-    def _token_frame(self, head: bytes) -> tuple[bytes, bytes]:
-        return head + b',"choices":[{"index":0,"text":', b',"logprobs":null,"finish_reason":null}]}'
+    _token_open = b',"choices":[{"index":0,"text":'
+    _token_close = b',"logprobs":null,"finish_reason":null}]}'
 
     def opening(self) -> Events:
         return ()
@@ -130,7 +128,7 @@ class CompletionRenderer(_OpenAIRenderer):
         if not delta.text:
             return _NONE
         choice = {"index": 0, "text": delta.text, "logprobs": delta.logprobs}
-        return [(None, _dumps({**self.head, "choices": [{**choice, "finish_reason": None}]}))]
+        return [(None, self._chunk({**choice, "finish_reason": None}))]
 
 
 class NativeRenderer:
@@ -138,6 +136,8 @@ class NativeRenderer:
     `data: {"reasoning": ...}`, `data: {"tool_call": {"index", "id", "name", "arguments"}}`
     (id and name on a call's first fragment) and `data: {"refusal": ...}` for the rest; a
     closing `event: meta` with finish and usage."""
+
+    __slots__ = ("binary", "token_event")
 
     def __init__(self, binary: bool = False) -> None:
         self.binary = binary

@@ -166,6 +166,7 @@ class _Item:
 class ResponsesRenderer:
     """One stream's Responses events (stateful: it numbers events and keeps the output)."""
 
+    __slots__ = ("_prefix", "base", "key", "open", "output", "seq")
     token_event = "response.output_text.delta"
 
     def __init__(self, base: Mapping[str, Any], key: str) -> None:

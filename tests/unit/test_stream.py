@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 
+import anyio
+import anyio.lowlevel
 import orjson
 import pytest
 
@@ -13,7 +16,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.engines.base import Delta, Generation, Sink, ToolCallDelta
 from firsttoken.observability import Metrics
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
@@ -174,3 +177,82 @@ def test_text_after_a_structured_delta_takes_the_template_again() -> None:
     assert stream._frame is not None  # back on the hot path
     got = [d for n, d in events(stream) if n is None and isinstance(d, dict)]
     assert got == [{"token": "a"}, {"reasoning": "r"}, {"token": "b"}, {"token": "c"}]
+
+
+def _full_request() -> GenerationRequest:
+    return GenerationRequest(
+        "s1",
+        "user: hi",
+        "synthetic",
+        max_tokens=10,
+        messages=({"role": "user", "content": "hi"},),
+        body={"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]},
+        options={"synthetic": {"ttft_ms": 60_000}},
+    )
+
+
+async def _started(engine: object, request: GenerationRequest) -> Stream:
+    """`request` started on a running registry (with a reader, as a handler has one)."""
+    stream = Stream(
+        request,
+        NativeRenderer(),
+        kind="native",
+        trace_id="t",
+        grace_s=0.0,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=0.0,
+    )
+    registry = StreamRegistry(engine, Metrics(), ttl_s=10)  # type: ignore[arg-type]
+    async with anyio.create_task_group() as tg:
+        await tg.start(registry.run)
+        registry.attach(stream)
+        await registry.start(stream)
+        for _ in range(5):  # a pull task's first steps
+            await anyio.lowlevel.checkpoint()
+        stream.stop(Outcome.CANCELLED)
+        tg.cancel_scope.cancel()
+    return stream
+
+
+def test_a_step_engine_gets_the_whole_request_and_the_stream_keeps_less() -> None:
+    class Recording(SyntheticEngine):
+        opened: GenerationRequest | None = None
+
+        def open(self, request: GenerationRequest, sink: Sink) -> Generation:
+            self.opened = request
+            return super().open(request, sink)
+
+    async def body() -> None:
+        engine, request = Recording(), _full_request()
+        stream = await _started(engine, request)
+        assert engine.opened is request
+        kept = stream.request
+        assert (kept.request_id, kept.model, kept.max_tokens) == ("s1", "synthetic", 10)
+        assert kept.prompt == "" and kept.messages is None and kept.body is None
+        assert not kept.options
+
+    asyncio.run(body())
+
+
+def test_a_pulled_engine_reads_the_whole_request_after_start_returns() -> None:
+    class Pulled:
+        models = ("synthetic",)
+        tokens_generated = 0
+        seen: GenerationRequest | None = None
+
+        async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+            self.seen = request  # a relay reads the body here, in its task
+            yield Delta("a")
+            await anyio.sleep_forever()
+
+        async def abort(self, request_id: str) -> None:
+            return None
+
+    async def body() -> None:
+        engine, request = Pulled(), _full_request()
+        stream = await _started(engine, request)
+        assert engine.seen is request and engine.seen.body is not None
+        assert stream.request.body is None
+
+    asyncio.run(body())

@@ -97,6 +97,33 @@ def test_cancel_stops_before_the_next_step() -> None:
     assert engine.tokens_generated == n
 
 
+def test_a_long_ttft_waits_in_its_slot_and_is_on_time() -> None:
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=120_000, itl_ms=10)
+    engine._loop = clock  # type: ignore[assignment]
+    sinks = []
+    for i in range(50):  # opened over 5 ms: one slot, one timer
+        sink = Sink()
+        sink.clock = clock
+        sinks.append(sink)
+        engine.open(GenerationRequest(f"r{i}", "hi", "synthetic", max_tokens=3), sink)
+        clock.advance(0.0001)
+    assert len(clock.timers) == 1
+    clock.advance(119.990)
+    assert all(s.tokens == [] for s in sinks)
+    clock.advance(0.010)
+    assert all(len(s.tokens) == 1 for s in sinks)
+    first = min(t for s in sinks for t, _ in s.tokens)
+    assert 1120.0 - 0.001 <= first <= 1120.0 + 0.001
+
+
+def test_a_run_cancelled_while_waiting_long_never_steps() -> None:
+    engine, clock, sink, generation = start(ttft_ms=60_000)
+    generation.cancel()  # type: ignore[attr-defined]
+    clock.advance(61.0)
+    assert sink.tokens == [] and sink.finished is None and engine.steps == 0
+
+
 def test_fault_injection_fails_after_n_tokens() -> None:
     _, clock, sink, _ = start(fail_after=3, error_code="boom")
     clock.advance(1.0)
