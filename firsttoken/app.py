@@ -144,18 +144,17 @@ class RawSendApp:
         self.app = app
         self.gzip_min = app.state.gateway.settings.compression_min_bytes
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # A plain `def`: no frame of its own kept per open stream.
         if scope["type"] == "http":
             refusal = oversized(scope)
             if refusal is not None:
-                await refusal.response()(scope, receive, send)
-                return
+                return refusal.response()(scope, receive, send)
             scope[RAW_SEND_KEY] = send
             endpoint = _hot_route(scope)
             if endpoint is not None:
-                await self._serve(endpoint, scope, receive, send)
-                return
-        await self.app(scope, receive, send)
+                return self._serve(endpoint, scope, receive, send)
+        return self.app(scope, receive, send)
 
     async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app
@@ -164,6 +163,7 @@ class RawSendApp:
             response = await endpoint(request)
         except APIError as exc:  # e.g. 503 store_unavailable from a Redis call
             response = exc.response(trace_id(request))
+        del request  # a waiting stream's frame need not keep it
         await GZipResponses(response, self.gzip_min)(scope, receive, send)
 
 

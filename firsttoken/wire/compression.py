@@ -8,6 +8,7 @@ compressor keeps its window across events (so repeated JSON keys compress well).
 from __future__ import annotations
 
 import zlib
+from collections.abc import Awaitable
 from typing import Any
 
 import zstandard
@@ -78,11 +79,11 @@ class GZipResponses:
         self.app = app
         self.minimum_size = minimum_size
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+    def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        # A plain `def`: no frame of its own kept per open stream.
         if scope["type"] != "http" or not _accepts_gzip(scope["headers"]):
-            await self.app(scope, receive, send)
-            return
-        await self.app(scope, receive, _GZipSend(send, self.minimum_size).send)
+            return self.app(scope, receive, send)
+        return self.app(scope, receive, _GZipSend(send, self.minimum_size).send)
 
 
 def _accepts_gzip(headers: list[tuple[bytes, bytes]]) -> bool:

@@ -409,6 +409,9 @@ class EventStreamResponse:
         # Held only where the writer will reach the connection to write it.
         held = scope.get(CONNECTION_KEY) is not None
         head = await _start_held(send, body_send, start) if held else await _start(send, start)
+        # Sent: a waiting stream's frame keeps neither the message nor its headers.
+        del start
+        self.headers = []
         connection = _connection(scope)
         if connection is None:
             await self._serve_over_asgi(receive, body_send)
@@ -420,6 +423,7 @@ class EventStreamResponse:
                 writer.close(End.DISCONNECTED)
             else:
                 writer.hold(head)
+                del head
                 try:
                     await self._run(writer)
                 finally:

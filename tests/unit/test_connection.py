@@ -11,7 +11,7 @@ import uvicorn
 import uvloop
 from uvicorn.server import ServerState
 
-from firsttoken.wire.connection import StreamingProtocol
+from firsttoken.wire.connection import StreamingProtocol, lean_event
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -68,3 +68,29 @@ def test_every_connection_is_tcp_nodelay_with_a_fixed_send_buffer() -> None:
     nodelay, send_buffer = _made("127.0.0.1")[3]
     assert nodelay
     assert send_buffer == 2 * StreamingProtocol.send_buffer_bytes  # Linux doubles what is set
+
+
+def test_a_lean_event_still_wakes_its_waiters() -> None:
+    async def main() -> tuple[bool, type]:
+        event = asyncio.Event()
+        lean_event(event)
+        waiter = asyncio.ensure_future(event.wait())
+        await asyncio.sleep(0)
+        event.set()
+        woken = await asyncio.wait_for(waiter, 1)
+        event.clear()
+        late = asyncio.ensure_future(event.wait())
+        await asyncio.sleep(0)
+        late.cancel()  # a cancelled waiter leaves the list
+        await asyncio.gather(late, return_exceptions=True)
+        assert not event._waiters
+        return woken, type(event._waiters)
+
+    woken, queue = uvloop.run(main())
+    assert woken
+    assert queue is list  # asyncio's Event still keeps a deque there: the swap applies
+
+
+def test_a_connection_keeps_both_of_its_events_lean() -> None:
+    protocol = _made("127.0.0.1")[0]
+    assert type(protocol.flow._is_writable_event._waiters) is list
