@@ -82,7 +82,5 @@ SERVERS: dict[str, ServerSpec] = {
     )
 }
 
-# TODO(relay): issue part 4, not built yet. A LiteLLM proxy and `firsttoken serve --engine openai
-# --upstream URL` would both relay from one upstream (the raw floor is a fine upstream). Add them
-# here as specs whose command() takes that upstream URL, and let __main__ start the upstream first;
-# the workloads and the report need no change because they only see a server's URL and pid.
+# Relay mode (firsttoken's relay against a LiteLLM proxy, one upstream) is its own command,
+# `python -m bench.proxies` (bench/proxies.py): it needs an upstream and LiteLLM's venv.
