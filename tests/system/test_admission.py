@@ -395,24 +395,30 @@ def test_memory_over_limit_refuses_and_ends_the_oldest_stream() -> None:
     with run_server() as probe:
         base = wait_for(lambda: probe.metric("firsttoken_memory_rss_bytes"))
     limit = int((base + 24 * 2**20) / 0.8)
+    capacity = 30_000  # events kept per stream for resume
     with run_server(
-        "--memory-limit", str(limit), "--synthetic-ttft-ms", "60000", "--heartbeat-s", "0.5"
-    ) as srv:
+        "--memory-limit", str(limit), "--resume-max-events", str(capacity),
+        "--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0", "--heartbeat-s", "0.5",
+    ) as srv:  # fmt: skip
         created = []
-        prompt = "m" * 900_000
-        for _ in range(60):  # each stream holds ~1 MB of prompt until memory crosses 80%
-            r = httpx.post(srv.v1 + "/streams", json={"prompt": prompt}, timeout=10)
+        # Nobody reads these streams: each generates into its resume buffer until the buffer
+        # is full (~3 MB of events), then waits for a reader, still running.
+        request = {"prompt": "m", "synthetic": {"answer_tokens": capacity + 10_000}}
+        for _ in range(60):
+            r = httpx.post(srv.v1 + "/streams", json=request, timeout=10)
             if r.status_code == 503:
                 assert r.json()["error"]["code"] == "overloaded"
                 break
             created.append(r.json())
-            time.sleep(0.05)
+            time.sleep(0.2)
         else:
             pytest.fail("memory never crossed the limit")
         assert httpx.get(srv.url + "/readyz", timeout=10).status_code == 503
         assert srv.metric('firsttoken_shedding{reason="memory"}') == 1
         oldest = created[0]
-        body = httpx.get(srv.url + oldest["events_url"], timeout=10).content
+        # Its last events: the buffer has moved past the first ones.
+        late = {"last-event-id": str(capacity - 1_000)}
+        body = httpx.get(srv.url + oldest["events_url"], headers=late, timeout=10).content
         assert b'event: error\ndata: {"error":{"code":"overloaded"' in body
         assert srv.metric('firsttoken_streams_total{outcome="error"}') >= 1
 
