@@ -9,6 +9,7 @@ wakeup. A reader that is behind (a resume replay, a paused socket) ignores the n
 from __future__ import annotations
 
 import asyncio
+from bisect import bisect_left
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
 
@@ -22,6 +23,11 @@ class Event(NamedTuple):
 
 
 _ONES: dict[int, int] = {}  # no event with a count other than 1
+
+
+def _pair_index(pairs: list[int], seq: int) -> int:
+    """Where the first (seq, tokens) pair at or after `seq` starts (pairs in seq order)."""
+    return 2 * bisect_left(range(len(pairs) // 2), seq, key=lambda k: pairs[2 * k])
 
 
 class ResumeExpired(Exception):
@@ -139,12 +145,25 @@ class EventLog:
         offset = first - self._wires_seq  # events kept past the bound until the next trim
         count = self.last_seq - first + 1
         stop = count if limit is None else min(count, start + limit)
-        wires, pairs = self._wires, self._counts
-        counts = dict(zip(pairs[::2], pairs[1::2], strict=True)) if pairs else _ONES
+        wires = self._wires
+        counts = self._counts_between(first + start, first + stop)
         return [
             Event(first + i, wires[offset + i], counts.get(first + i, 1))
             for i in range(start, stop)
         ]
+
+    def _counts_between(self, lo: int, hi: int) -> dict[int, int]:
+        """The counts other than 1 of events lo..hi-1. A coalesced stream has one per event:
+        a replay batch finds its first by bisection, not by reading the whole log's."""
+        pairs = self._counts
+        if not pairs:
+            return _ONES
+        i = _pair_index(pairs, lo)
+        found: dict[int, int] = {}
+        while i < len(pairs) and pairs[i] < hi:
+            found[pairs[i]] = pairs[i + 1]
+            i += 2
+        return found
 
     def _trim(self) -> None:
         """Drop what is past `capacity`, an eighth of it at a time (amortised O(1))."""
@@ -153,10 +172,7 @@ class EventLog:
         self._wires_seq += drop
         pairs = self._counts
         if pairs:
-            i = 0  # pairs are in seq order: drop those before the first kept event
-            while i < len(pairs) and pairs[i] < self._wires_seq:
-                i += 2
-            del pairs[:i]
+            del pairs[: _pair_index(pairs, self._wires_seq)]
             if not pairs:
                 self._counts = None
 

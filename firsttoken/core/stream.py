@@ -253,7 +253,7 @@ class Stream:
             self.tokens_generated += 1
             log = self.log
             log.append(frame % (log.last_seq + 1, _dumps(text)), 1)
-            if log.has_room():
+            if log.has_room():  # _room(), inlined: this runs once per token
                 return True
             if self.generation is not None:
                 log.on_room = self.generation.resume

@@ -405,7 +405,7 @@ class _Run:
         if not room:
             self.state = _State.PAUSED
             return
-        # engine._at, inlined: this runs once per token per stream.
+        # engine._tick_at, inlined: this runs once per token per stream.
         tick = int(due * 1000)
         bucket = engine._ticks.get(tick)
         if bucket is None:

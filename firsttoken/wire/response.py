@@ -406,9 +406,11 @@ class EventStreamResponse:
         # they only act on the start message.
         body_send: Send = scope.get(RAW_SEND_KEY, send)
         start = {"type": "http.response.start", "status": 200, "headers": self.headers}
-        # Held only where the writer will reach the connection to write it.
-        held = scope.get(CONNECTION_KEY) is not None
-        head = await _start_held(send, body_send, start) if held else await _start(send, start)
+        head = b""
+        if scope.get(CONNECTION_KEY) is not None:  # the writer can reach the connection
+            head = await _held_send(body_send, send, start)
+        else:
+            await send(start)
         # Sent: a waiting stream's frame keeps neither the message nor its headers.
         del start
         self.headers = []
@@ -462,7 +464,7 @@ class EventStreamResponse:
             tail = self.compressor.finish() if self.compressor is not None else b""
             last = {"type": "http.response.body", "body": tail, "more_body": False}
             if writer.terminated:
-                await _send_written(send, last)
+                await _held_send(send, send, last)  # the bytes are out: uvicorn's are dropped
             else:
                 await send(last)
         elif end is End.STALLED:
@@ -513,40 +515,21 @@ def _connection(scope: Scope) -> Any:
     return connection
 
 
-async def _start(send: Send, start: dict[str, Any]) -> bytes:
-    await send(start)
-    return b""
-
-
-async def _start_held(send: Send, raw_send: Send, start: dict[str, Any]) -> bytes:
-    """Send the start message through the middleware, but keep the head uvicorn writes: the
-    writer sends it with what follows. b"" when the server is not uvicorn's httptools cycle
-    (the head then went out as usual)."""
+async def _held_send(raw_send: Send, send: Send, message: dict[str, Any]) -> bytes:
+    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`)
+    would write: the caller writes them with its own, or already has. Elsewhere than
+    uvicorn's httptools cycle the message is just sent, and b"" comes back."""
     cycle = _cycle(raw_send)
-    if cycle is None or cycle.response_started:
-        await send(start)
+    if cycle is None:
+        await send(message)
         return b""
     real = cycle.transport
-    held = cycle.transport = _Held(real, b"")
+    held = cycle.transport = _Held(real)  # a close still goes through
     try:
-        await send(start)
+        await send(message)
     finally:
         cycle.transport = real
     return b"".join(held.parts)
-
-
-async def _send_written(raw_send: Send, message: dict[str, Any]) -> None:
-    """Tell uvicorn the response ended, when its last bytes were already written."""
-    cycle = _cycle(raw_send)
-    if cycle is None:
-        await raw_send(message)
-        return
-    real = cycle.transport
-    cycle.transport = _Held(real, b"")  # takes the terminating chunk; a close goes through
-    try:
-        await raw_send(message)
-    finally:
-        cycle.transport = real
 
 
 def _cycle(raw_send: Send) -> Any:
@@ -562,7 +545,7 @@ class _Held:
 
     __slots__ = ("parts", "real")
 
-    def __init__(self, real: Any, head: bytes) -> None:
+    def __init__(self, real: Any, head: bytes = b"") -> None:
         self.real = real
         self.parts: list[bytes] = [head] if head else []
 
@@ -574,9 +557,6 @@ class _Held:
 
     def close(self) -> None:
         self.real.close()
-
-    def abort(self) -> None:
-        self.real.abort()
 
 
 def _stamped(events: Sequence[Event]) -> bytes:
