@@ -44,7 +44,11 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tokens_generated=lambda: engine.tokens_generated,
         engine_counter=lambda name: engine.counters().get(name, 0),
     )
-    store = open_store(settings.redis, max_events=settings.resume_max_events)
+    store = open_store(
+        settings.redis,
+        max_events=settings.resume_max_events,
+        max_connections=settings.redis_max_connections,
+    )
     registry = StreamRegistry(
         engine,
         metrics,

@@ -183,6 +183,11 @@ class Settings:
     redis: str | None = _knob(
         None, "Redis URL for shared stream state (default: in memory)", check=_redis_url
     )
+    redis_max_connections: int = _knob(
+        64,
+        "Redis connections per client, store and limits each (more calls wait for one)",
+        range=Range(2),
+    )
     api_keys: str | None = _knob(None, "API keys file (default: open server)", check=_existing_file)
     heartbeat_s: float = _knob(
         15.0,

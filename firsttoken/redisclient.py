@@ -1,21 +1,39 @@
-"""The Redis client every Redis user here shares the settings of: fail fast while it is away."""
+"""The Redis client every Redis user here shares the settings of: fail fast while it is away,
+and open a bounded number of connections however many calls are in flight."""
 
 from __future__ import annotations
 
-from redis.asyncio import Redis
+from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
 
-__all__ = ["redis_client"]
+__all__ = ["POOL_WAIT_S", "redis_client"]
+
+# A call finding every connection busy waits this long for one, then fails with redis-py's
+# ConnectionError("No connection available."), which every caller already takes for Redis
+# being unreachable. The same 1 s a request-path call gives Redis (`_OP_TIMEOUT_S` in the
+# store and the limits), so the wait is part of that budget, never a shorter one: a burst of
+# 1,000 new streams on one process waits up to 0.5-1 s for a connection at any pool size
+# (the loop, not Redis, is busy), and a 0.5 s wait sent 40-573 of them to the fallbacks.
+POOL_WAIT_S = 1.0
 
 
-def redis_client(url: str) -> Redis:
+def redis_client(url: str, *, max_connections: int) -> Redis:
     """One quick retry, bounded connects and reads: redis-py's default retries ten times
-    with backoff, which is seconds per call on the request path while Redis is down."""
-    return Redis.from_url(
+    with backoff, which is seconds per call on the request path while Redis is down.
+
+    At most `max_connections` connections, callers queueing for a free one. redis-py's own
+    pool either opens one per concurrent call (older releases cap it at 2**31: 1,767 open
+    for a burst of 1,000 streams) or refuses the 101st at once (8.1, pinned here:
+    MaxConnectionsError, the burst taken for an outage). A subscription or a blocking XREAD
+    holds a connection for as long as it lasts."""
+    pool = BlockingConnectionPool.from_url(
         url,
+        max_connections=max_connections,
+        timeout=POOL_WAIT_S,
         retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
         socket_connect_timeout=1.0,
         socket_timeout=5.0,  # above the 1 s block of the store's XREAD
         health_check_interval=5,
     )
+    return Redis.from_pool(pool)  # the client closes the pool with it

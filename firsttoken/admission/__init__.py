@@ -71,7 +71,10 @@ class Admission:
             from firsttoken.admission.redis_limits import RedisLimits
 
             self.limits: MemoryLimits | RedisLimits = RedisLimits(
-                settings.redis, settings.rate_limit_per_s, settings.rate_limit_burst
+                settings.redis,
+                settings.rate_limit_per_s,
+                settings.rate_limit_burst,
+                max_connections=settings.redis_max_connections,
             )
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)

@@ -87,8 +87,16 @@ def _slots(key: str) -> str:
 
 
 class RedisLimits:
-    def __init__(self, url: str, rate_per_s: float, burst: int, lease_s: float = 5.0) -> None:
-        self.redis: Redis = redis_client(url)
+    def __init__(
+        self,
+        url: str,
+        rate_per_s: float,
+        burst: int,
+        lease_s: float = 5.0,
+        *,
+        max_connections: int,
+    ) -> None:
+        self.redis: Redis = redis_client(url, max_connections=max_connections)
         self.rate = rate_per_s
         self.burst = max(1, burst)
         self.lease_ms = int(lease_s * 1000)

@@ -105,8 +105,8 @@ class _Replica:
 class RedisStore:
     replicates = True
 
-    def __init__(self, url: str, *, max_events: int) -> None:
-        self.redis: Redis = redis_client(url)
+    def __init__(self, url: str, *, max_events: int, max_connections: int) -> None:
+        self.redis: Redis = redis_client(url, max_connections=max_connections)
         self.max_events = max_events
         self.instance = uuid.uuid4().hex
         self.up = True
