@@ -1,7 +1,8 @@
 """Turn the figures into ratios, targets and a printed table.
 
 Absolute times on a shared 2-core machine are noise-prone; every absolute figure is printed
-beside its ratio to firsttoken before the rewrite (`firsttoken_v1`), to the raw floor and to
+beside its ratio to firsttoken before the rewrite (`firsttoken_v1`), to the raw floor, to issue
+12's bare uvicorn experiment (`uvicorn_floor`, whose own ratios are printed too) and to
 the tutorial stack, measured minutes apart in one run. The targets are issue 12's.
 """
 
@@ -22,8 +23,10 @@ __all__ = [
     "within_itl",
 ]
 
-FLOOR, TUTORIAL = "raw_floor", "tutorial"
-OTHERS = (BASELINE, FLOOR, TUTORIAL)  # firsttoken ÷ each of these
+FLOOR, TUTORIAL, EXPERIMENT = "raw_floor", "tutorial", "uvicorn_floor"
+OTHERS = (BASELINE, EXPERIMENT, FLOOR, TUTORIAL)  # firsttoken ÷ each of these
+# ... and issue 12's experiment ÷ the floor and the tutorial: what a server on uvicorn reaches.
+PAIRS = (*((SUBJECT, other) for other in OTHERS), (EXPERIMENT, FLOOR), (EXPERIMENT, TUTORIAL))
 
 # Issue 12's targets (the stream counts come from the sizes: 500, 100 and 1,000 at full size).
 CPU_VS_FLOOR_MIN = 0.7  # tokens per server CPU-second ÷ raw floor
@@ -102,6 +105,17 @@ def pair_step(rows: Sequence[Row], a: str, b: str, wanted: int) -> int | None:
     return max(shared) if shared else None
 
 
+def _key(me: str, other: str) -> str:
+    """A ratio's key: `vs_OTHER` for firsttoken's, `ME_vs_OTHER` for another server's."""
+    return f"vs_{other}" if me == SUBJECT else f"{me}_vs_{other}"
+
+
+def _pair(key: str) -> str:
+    """`ME ÷ OTHER` for a ratio's key."""
+    me, _, other = key.rpartition("vs_")
+    return f"{me.removesuffix('_') or SUBJECT} ÷ {other}"
+
+
 def _vs(me: Row | None, them: Row | None, keys: Sequence[str]) -> dict[str, float | None] | None:
     if me is None or them is None:
         return None
@@ -151,24 +165,13 @@ def compute_ratios(res: dict[str, Any]) -> dict[str, Any]:
     sizes = res["meta"]["sizes"]
     itl = sizes["itl_ms"]
     for level in sizes["levels"]:
-        me = _find(res["overhead"], SUBJECT, level)
-        entry: dict[str, Any] = {}
-        for other in OTHERS:
-            vs = _vs(me, _find(res["overhead"], other, level), _RATIO_KEYS)
-            if vs:
-                entry[f"vs_{other}"] = vs
-        out["overhead"][str(level)] = entry
-    burst = res.get("burst", [])
-    me = _find(burst, SUBJECT, sizes["burst_streams"])
-    for other in OTHERS:
-        vs = _vs(me, _find(burst, other, sizes["burst_streams"]), _RATIO_KEYS)
-        if vs:
-            out["burst"][f"vs_{other}"] = vs
+        out["overhead"][str(level)] = _pairs(res["overhead"], level)
+    out["burst"] = _pairs(res.get("burst", []), sizes["burst_streams"])
     sat = res["saturation"]
-    for other in OTHERS:
-        entry = _cpu_ratio(sat, SUBJECT, other, sizes["target_streams"])
+    for me, other in PAIRS:
+        entry = _cpu_ratio(sat, me, other, sizes["target_streams"])
         if entry:
-            out["saturation"][f"vs_{other}"] = entry
+            out["saturation"][_key(me, other)] = entry
     servers = list(dict.fromkeys(r["server"] for r in sat))
     points = {s: saturation_point(sat, s, itl) for s in servers}
     out["saturation"]["points"] = {
@@ -179,12 +182,11 @@ def compute_ratios(res: dict[str, Any]) -> dict[str, Any]:
     }
     out["saturation"]["workers"] = _workers(sat)
     idle = {r["server"]: r for r in res["idle"]}
-    if SUBJECT in idle:
-        for other in OTHERS:
-            if other in idle:
-                out["idle"][f"vs_{other}"] = _ratio(
-                    idle[SUBJECT]["kib_per_stream"], idle[other]["kib_per_stream"]
-                )
+    for me, other in PAIRS:
+        if me in idle and other in idle:
+            out["idle"][_key(me, other)] = _ratio(
+                idle[me]["kib_per_stream"], idle[other]["kib_per_stream"]
+            )
     ab = res["abandonment"]
     if SUBJECT in ab and BASELINE in ab:
         out["abandonment"] = {
@@ -195,8 +197,20 @@ def compute_ratios(res: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def _pairs(rows: Sequence[Row], at: int) -> dict[str, dict[str, float | None]]:
+    """Every pair's latency ratios at `at` streams, for the pairs that both ran."""
+    out: dict[str, dict[str, float | None]] = {}
+    for me, other in PAIRS:
+        vs = _vs(_find(rows, me, at), _find(rows, other, at), _RATIO_KEYS)
+        if vs:
+            out[_key(me, other)] = vs
+    return out
+
+
 def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
-    """Issue 12's targets, each for firsttoken and (where it applies) for the baseline."""
+    """Issue 12's targets, each for firsttoken and (where it applies) for the baseline and
+    for issue 12's experiment (`uvicorn_floor`), shown beside it, not judged: it is an
+    upper bound for a server on uvicorn, so a target it misses is likely out of reach there."""
     targets: list[dict[str, Any]] = []
     sizes = res["meta"]["sizes"]
     itl, n = sizes["itl_ms"], sizes["target_streams"]
@@ -209,6 +223,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         op: str,
         limit: float,
         note: str = "",
+        experiment: float | None = None,
     ) -> None:
         ok = None
         if value is not None:
@@ -218,6 +233,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
                 "target": name,
                 "value": value,
                 "baseline": baseline,
+                EXPERIMENT: experiment,
                 "limit": f"{op} {limit:g}",
                 "passed": ok,
                 "note": note,
@@ -228,6 +244,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     for other, limit in ((FLOOR, CPU_VS_FLOOR_MIN), (TUTORIAL, CPU_VS_TUTORIAL_MIN)):
         mine = _cpu_ratio(sat, SUBJECT, other, n)
         base = _cpu_ratio(sat, BASELINE, other, n)
+        exp = _cpu_ratio(sat, EXPERIMENT, other, n)
         note = "not measured"
         if mine:
             note = f"at {mine['at_streams']} streams"
@@ -241,6 +258,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             "≥",
             limit,
             note,
+            exp["tokens_per_cpu_s"] if exp else None,
         )
     # Capacity: the highest saturation step within 2×ITL.
     for server, label, limit in ((SUBJECT, "one process", n), (WORKERS2, "--workers 2", 2 * n)):
@@ -252,7 +270,8 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         if value == last:
             note += " (never exceeded it)"
         base = highest_within_itl(sat, BASELINE, itl) if server == SUBJECT else None
-        add(f"highest step within 2×ITL, {label} (streams)", value, base, "≥", limit, note)
+        exp = highest_within_itl(sat, EXPERIMENT, itl) if server == SUBJECT else None
+        add(f"highest step within 2×ITL, {label} (streams)", value, base, "≥", limit, note, exp)
     # Added TTFT p99 at the target step, and a burst's p50, ÷ the floor's.
 
     def vs_floor(server: str, rows: Sequence[Row], at: int, key: str) -> float | None:
@@ -270,6 +289,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             "≤",
             limit,
             note,
+            vs_floor(EXPERIMENT, rows, at, key),
         )
 
     floor_row(
@@ -312,7 +332,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
         nominal = res["meta"]["idle_nominal"]
         r = idle[SUBJECT]
         note = "measured" if r["opened"] >= nominal else f"measured at {r['opened']} open"
-        base = idle.get(BASELINE)
+        base, exp = idle.get(BASELINE), idle.get(EXPERIMENT)
         add(
             f"RSS per waiting stream, {nominal:,} streams, heartbeats on (KiB)",
             r["kib_per_stream"],
@@ -320,6 +340,7 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             "≤",
             IDLE_KIB_MAX,
             note,
+            exp["kib_per_stream"] if exp else None,
         )
     # Abandonment.
     ab = res["abandonment"]
@@ -418,12 +439,18 @@ def _runs(rows_in: Sequence[Row]) -> str:
     return _table(_RUN_HEADERS, rows)
 
 
+_RATIOS_HEAD = (
+    f"ratios, firsttoken ÷ other, and {EXPERIMENT} (issue 12's experiment) ÷ {FLOOR} and "
+    f"{TUTORIAL} (lower is better):"
+)
+
+
 def _ratio_table(entries: dict[str, dict[str, Any]]) -> str:
     ratio_rows = []
     for level, entry in entries.items():
         for key, vals in entry.items():
-            ratio_rows.append([level, key.removeprefix("vs_")] + [_x(vals[k]) for k in _RATIO_KEYS])
-    return _table(["streams", "vs", "+TTFT p50", "+TTFT p99", "gap p99", "gap max"], ratio_rows)
+            ratio_rows.append([level, _pair(key)] + [_x(vals[k]) for k in _RATIO_KEYS])
+    return _table(["streams", "ratio", "+TTFT p50", "+TTFT p99", "gap p99", "gap max"], ratio_rows)
 
 
 def _overhead(res: dict[str, Any]) -> str:
@@ -434,7 +461,7 @@ def _overhead(res: dict[str, Any]) -> str:
         f"{s['ttft_ms']:.0f} ms; {WORKERS2} runs the top level only",
         _runs(res["overhead"]),
         "",
-        "ratios, firsttoken ÷ other (lower is better):",
+        _RATIOS_HEAD,
         _ratio_table(res["ratios"]["overhead"]),
     ]
     return "\n".join(out)
@@ -450,7 +477,7 @@ def _burst(res: dict[str, Any]) -> str:
             f"{rounds} burst{'s' if rounds != 1 else ''} in a row per server",
             _runs(res["burst"]),
             "",
-            "ratios, firsttoken ÷ other (lower is better):",
+            _RATIOS_HEAD,
             _ratio_table({str(s["burst_streams"]): res["ratios"].get("burst", {})}),
         ]
     )
@@ -502,11 +529,11 @@ def _saturation(res: dict[str, Any]) -> str:
         "",
     ]
     sat = res["ratios"]["saturation"]
-    for other in OTHERS:
-        e = sat.get(f"vs_{other}")
+    for me, other in PAIRS:
+        e = sat.get(_key(me, other))
         if e:
             out.append(
-                f"firsttoken ÷ {other} at {e['at_streams']} streams: tokens per CPU-second "
+                f"{me} ÷ {other} at {e['at_streams']} streams: tokens per CPU-second "
                 f"{_x(e['tokens_per_cpu_s'])}, delivered tokens/s {_x(e['tokens_per_s'])}"
             )
     w = sat.get("workers")
@@ -563,7 +590,7 @@ def _idle(res: dict[str, Any]) -> str:
         ),
     ]
     for key, val in res["ratios"]["idle"].items():
-        out.append(f"firsttoken ÷ {key.removeprefix('vs_')}: memory per stream {_x(val)}")
+        out.append(f"{_pair(key)}: memory per stream {_x(val)}")
     for r in res["idle"]:
         out.extend(f"note ({r['server']}): {n}" for n in r["notes"])
     return "\n".join(out)
@@ -606,13 +633,23 @@ def _targets(res: dict[str, Any]) -> str:
     for t in res["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a"}[t["passed"]]
         rows.append(
-            [t["target"], _fmt(t["value"]), _fmt(t["baseline"]), t["limit"], verdict, t["note"]]
+            [
+                t["target"],
+                _fmt(t["value"]),
+                _fmt(t["baseline"]),
+                _fmt(t.get(EXPERIMENT)),
+                t["limit"],
+                verdict,
+                t["note"],
+            ]
         )
     rev = res["meta"].get("baseline_rev")
     base = f"{BASELINE} ({rev})" if rev else BASELINE
     return (
-        "TARGETS (issue 12) — firsttoken's value judged; the baseline's shown for before/after\n"
-        + _table(["target", "firsttoken", base, "limit", "result", "note"], rows)
+        "TARGETS (issue 12) — firsttoken's value judged; the baseline's shown for before/after; "
+        f"{EXPERIMENT}'s (issue 12's experiment, measured the same way) for scale, not judged: "
+        "an upper bound on uvicorn\n"
+        + _table(["target", "firsttoken", base, EXPERIMENT, "limit", "result", "note"], rows)
     )
 
 

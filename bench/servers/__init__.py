@@ -76,6 +76,14 @@ SERVERS: dict[str, ServerSpec] = {
             workers=2,
         ),
         ServerSpec("raw_floor", "raw asyncio floor", "bench.servers.raw_floor", has_metrics=False),
+        # Issue 12's experiment: uvicorn + httptools + uvloop, one shared ticker writing every
+        # due stream's token straight to its transport. The floor for any server on uvicorn.
+        ServerSpec(
+            "uvicorn_floor",
+            "bare uvicorn experiment",
+            "bench.servers.uvicorn_floor",
+            has_metrics=False,
+        ),
         ServerSpec(
             "tutorial", "FastAPI+sse-starlette", "bench.servers.tutorial", has_metrics=False
         ),

@@ -32,11 +32,14 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "TARGETS" in proc.stdout and "ratios" in proc.stdout
     assert "firsttoken ÷ firsttoken_v1" in proc.stdout
+    # Issue 12's experiment runs as a baseline: its own ratios and firsttoken's against it.
+    assert "uvicorn_floor ÷ raw_floor" in proc.stdout
+    assert "firsttoken ÷ uvicorn_floor" in proc.stdout
     res = json.loads((tmp_path / "results.json").read_text())
     # The baseline ran from its own extracted package, not the working tree's.
     assert res["meta"]["baseline_rev"] == BASELINE_REV
     assert (tmp_path / f"baseline-{BASELINE_REV}" / "firsttoken" / "__main__.py").is_file()
-    one = {"firsttoken", "firsttoken_v1", "raw_floor", "tutorial"}  # one process each
+    one = {"firsttoken", "firsttoken_v1", "raw_floor", "tutorial", "uvicorn_floor"}  # 1 process
     top = max(r["concurrency"] for r in res["overhead"])
     for workload, servers in (
         ("overhead", one | {"firsttoken_w2"}),
@@ -73,6 +76,8 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     unjudged = [t for t in judged if t["value"] is None or t["passed"] is None]
     assert not unjudged, unjudged  # (once seen flaky: which target, and its note, say why)
     assert targets["added TTFT p99"]["baseline"] is not None  # before/after in one run
+    for name in ("tokens per server CPU-second ÷ raw_floor", "RSS per waiting stream"):
+        assert targets[name]["uvicorn_floor"] is not None, name  # the experiment, for scale
     assert (tmp_path / "chart.png").stat().st_size > 10_000
 
 
