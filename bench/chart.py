@@ -18,6 +18,7 @@ COLORS = {
     "firsttoken_w2": "#9467bd",
     "raw_floor": "#7f7f7f",
     "tutorial": "#1f77b4",
+    "uvicorn_floor": "#2ca02c",
 }
 
 

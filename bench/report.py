@@ -135,29 +135,54 @@ def _cpu_ratio(sat: Sequence[Row], me: str, other: str, wanted: int) -> dict[str
     }
 
 
+def _peak(sat: Sequence[Row], server: str) -> tuple[Row | None, bool]:
+    """`server`'s step with the most delivered tokens/s, and whether it fell behind at any step.
+
+    Capacity is the most a server delivers as load climbs; it is only measured once the server
+    has fallen behind somewhere (below that, delivery is the offered load, not the limit)."""
+    mine = [r for r in sat if r["server"] == server]
+    peak = max(mine, key=lambda r: r["tokens_per_s"], default=None)
+    return peak, any(not kept_pace(r) for r in mine)
+
+
 def _workers(sat: Sequence[Row]) -> dict[str, Any] | None:
-    """--workers 2 ÷ --workers 1 delivered tokens/s at the highest step --workers 2 kept pace."""
-    kept = [r for r in sat if r["server"] == WORKERS2 and kept_pace(r)]
-    w2 = max(kept, key=lambda r: r["concurrency"], default=None)
-    ran = [r for r in sat if r["server"] == WORKERS2]
-    if w2 is None:  # it never kept pace: compare where it did best
-        w2 = max(ran, key=lambda r: r["tokens_per_s"], default=None)
-    if w2 is None:
-        return None
-    # firsttoken at that step; if it stopped climbing below it, its last step at or under it
-    # (it had fallen behind there, so that is its saturated throughput).
-    mine = [r for r in sat if r["server"] == SUBJECT and r["concurrency"] <= w2["concurrency"]]
-    w1 = max(mine, key=lambda r: r["concurrency"], default=None)
-    if w1 is None:
+    """--workers 2 ÷ --workers 1 at saturation: each one's capacity (its highest delivered
+    tokens/s over the steps it ran), ÷. Comparing at one step would not do: at a step where
+    `--workers 2` keeps pace it is not saturated, so the ratio there only says how far one
+    process falls short. A server that never fell behind has only a lower bound for capacity:
+    the flags say so (`w2_saturated` false: the ratio is a lower bound; `w1_saturated` false:
+    it is not meaningful)."""
+    w2, w2_saturated = _peak(sat, WORKERS2)
+    w1, w1_saturated = _peak(sat, SUBJECT)
+    if w2 is None or w1 is None:
         return None
     return {
         "at_streams": w2["concurrency"],
         "w1_at_streams": w1["concurrency"],
         "w2_kept_pace": kept_pace(w2),
+        "w2_saturated": w2_saturated,
+        "w1_saturated": w1_saturated,
         "w2_tokens_per_s": w2["tokens_per_s"],
         "w1_tokens_per_s": w1["tokens_per_s"],
         "tokens_per_s": _ratio(w2["tokens_per_s"], w1["tokens_per_s"]),
     }
+
+
+def _workers_note(w: dict[str, Any]) -> str:
+    """The targets table's note for the workers ratio: both capacities, and what a server that
+    never fell behind leaves of the ratio (still judged, as every target is)."""
+    note = (
+        f"capacity ÷ capacity: {_fmt(w['w2_tokens_per_s'], 0)} tokens/s at "
+        f"{w['at_streams']} streams vs {_fmt(w['w1_tokens_per_s'], 0)} at {w['w1_at_streams']}"
+    )
+    if not w["w1_saturated"]:
+        return note + " (one process was never saturated: the ratio is not meaningful)"
+    if not w["w2_saturated"]:
+        note += (
+            f" ({WORKERS2} kept pace at every step: its capacity is at least "
+            f"{_fmt(w['w2_tokens_per_s'], 0)} tokens/s; the ratio is a lower bound)"
+        )
+    return note
 
 
 def compute_ratios(res: dict[str, Any]) -> dict[str, Any]:
@@ -355,24 +380,16 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             ABANDON_EXCESS_MAX,
             f"{a['excess_tokens']:.0f} over {a['streams']} streams",
         )
-    # Workers: delivered tokens/s at saturation.
+    # Workers: delivered tokens/s at saturation, each server's capacity.
     w = res["ratios"]["saturation"].get("workers")
     if w:
-        note = (
-            f"at {w['at_streams']} streams: {_fmt(w['w2_tokens_per_s'], 0)} vs "
-            f"{_fmt(w['w1_tokens_per_s'], 0)} tokens/s"
-        )
-        if w["w1_at_streams"] != w["at_streams"]:
-            note += f" (firsttoken's at {w['w1_at_streams']}: it stopped climbing there)"
-        if not w["w2_kept_pace"]:
-            note += " (--workers 2 kept pace at no step)"
         add(
             "--workers 2 ÷ --workers 1, delivered tokens/s at saturation",
             w["tokens_per_s"],
             None,
             "≥",
             WORKERS_SPEEDUP_MIN,
-            note,
+            _workers_note(w),
         )
     return targets
 
@@ -538,11 +555,16 @@ def _saturation(res: dict[str, Any]) -> str:
             )
     w = sat.get("workers")
     if w:
+
+        def peak(server: str, streams: int, saturated: bool) -> str:
+            return f"{server} at {streams} streams, " + (
+                "saturated" if saturated else "never fell behind: a lower bound"
+            )
+
         out.append(
-            f"{WORKERS2} ÷ firsttoken, delivered tokens/s: {_x(w['tokens_per_s'])} "
-            f"({WORKERS2} at {w['at_streams']} streams, the highest step it kept pace"
-            f"{'' if w['w2_kept_pace'] else ' — it kept pace at none: its best step'}; "
-            f"firsttoken at {w['w1_at_streams']})"
+            f"{WORKERS2} ÷ firsttoken, delivered tokens/s at saturation (each one's highest): "
+            f"{_x(w['tokens_per_s'])} ({peak(WORKERS2, w['at_streams'], w['w2_saturated'])}; "
+            f"{peak(SUBJECT, w['w1_at_streams'], w['w1_saturated'])})"
         )
     for server, p in sat.get("points", {}).items():
         if p:
