@@ -164,7 +164,8 @@ class Bench:
             # until it stops keeping pace (or fails a stream): the ratios then compare servers
             # at loads where each one's CPU, not the neighbours', is the limit. Every server
             # climbs at least to the targets' step, and firsttoken climbs as long as
-            # `--workers 2` does (the workers ratio compares them at the same step).
+            # `--workers 2` does: past the first step it fell behind at, one process may still
+            # deliver more, and the workers ratio compares capacities.
             w2_on = any(p.spec.name == WORKERS2 and WORKERS2 not in behind for p in climbing)
             climbing = [
                 p
