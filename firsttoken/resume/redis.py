@@ -7,7 +7,9 @@ Keys (the `{id}` hash tag keeps one stream's keys in one Redis Cluster slot):
   ft:{id}:readers  set with a short expiry while another instance has a reader attached
   ft:instance:<n>  the owner's liveness, refreshed every second
   ft:cancel        pub/sub channel: stream ids to stop, heard by the owner
+  ft:wake:<n>:<l>  a reading instance's wake-ups for its shared tail (`tailer.py`)
 Writes from the per-token path are queued and flushed in pipelined batches by one task.
+Reads of other instances' streams go through one shared tail (`Tailer`), whatever their number.
 
 Redis going away never touches a local stream: the per-token path only appends to a
 replica's deque. Each stream this instance owns keeps its events (`(seq, wire, tokens)`
@@ -42,8 +44,8 @@ from firsttoken.core.eventlog import Event, EventLog
 from firsttoken.observability import log_event
 from firsttoken.redisclient import redis_client
 from firsttoken.resume.store import StreamRecord
-from firsttoken.wire.errors import APIError, error_body
-from firsttoken.wire.sse import encode_event
+from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
+from firsttoken.wire.errors import APIError
 
 __all__ = ["RedisStore"]
 
@@ -118,6 +120,13 @@ class RedisStore:
         self._wake = anyio.Event()
         self._answering = anyio.Event()  # set by the heartbeat when Redis is back
         self._run_id: str | None = None
+        self._tailer = Tailer(
+            self.redis,
+            self.instance,
+            on_error=self._down,
+            presence_ms=_PRESENCE_MS,
+            owner_gone_s=_INSTANCE_MS / 1000,
+        )
 
     # -- health, for /readyz and /metrics -------------------------------------------------
 
@@ -154,6 +163,12 @@ class RedisStore:
         )
         kept.add_metric([], len(self._replicas))
         yield kept
+        followed = GaugeMetricFamily(
+            "firsttoken_redis_followed_streams",
+            "Readers here of other instances' streams, served by the shared tail.",
+        )
+        followed.add_metric([], self._tailer.count())
+        yield followed
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages
@@ -168,6 +183,9 @@ class RedisStore:
             self.outages += 1
             log_event("redis.down", logging.ERROR, error=repr(error), backlog=self.backlog())
 
+    def _down(self, error: BaseException) -> None:
+        self._set_up(False, error)
+
     # -- lifecycle ------------------------------------------------------------------------
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
@@ -178,6 +196,7 @@ class RedisStore:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flush_forever)
                 tg.start_soon(self._heartbeat)
+                await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
                 task_status.started()
         finally:
@@ -420,50 +439,30 @@ class RedisStore:
     async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
         """Fill `log` (a mirror on this instance) with the events after `after`, then the live
         tail, until the owner closes the stream or is gone. Through a Redis outage it waits
-        (the reader keeps its heartbeats) and goes on from where it was."""
+        (the reader keeps its heartbeats) and goes on from where it was.
+
+        The catch-up is this reader's own; the live tail is the shared one (`Tailer`)."""
         log.last_seq = after
         key = _events(stream_id)
         entries = await self._retrying(
             lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
         )
-        if entries and after + 1 < _seq(entries[0][0]):
-            first = _seq(entries[0][0])
-            _fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
+        if entries and after + 1 < (first := entry_id(entries[0][0])[0]):
+            fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
             return
-        last_id = entries[-1][0] if entries else f"{after}-0"
-        if self._apply(entries, log):
+        last = entry_id(entries[-1][0]) if entries else (after, 0)
+        if apply_entries(entries, log):
             return
         owner = await self._retrying(lambda: self.redis.hget(_meta(stream_id), "owner"))
-        missing_since: float | None = None
-        while True:
-            try:
-                await self.redis.set(_readers(stream_id), self.instance, px=_PRESENCE_MS)
-                found = await self.redis.xread({key: last_id}, block=1000, count=1000)
-                owner_alive = (
-                    bool(found)
-                    or not owner
-                    or bool(await self.redis.exists(f"ft:instance:{owner.decode()}"))
-                )
-            except (RedisError, OSError) as exc:
-                self._set_up(False, exc)
-                missing_since = None
-                await anyio.sleep(_RETRY_MIN_S * 2)
-                continue
-            if found:
-                batch = found[0][1]
-                last_id = batch[-1][0]
-                if self._apply(batch, log):
-                    return
-            if owner_alive:
-                missing_since = None
-                continue
-            # The owner refreshes its key every second; after a Redis restart it may take
-            # that long to come back, so only a key missing for its whole lifetime counts.
-            now = time.monotonic()
-            missing_since = missing_since or now
-            if now - missing_since >= _INSTANCE_MS / 1000:
-                _fail(log, "stream_lost", "the instance generating this stream is gone")
-                return
+        await self._tailer.follow(
+            Follower(
+                key=key,
+                presence_key=_readers(stream_id),
+                owner_key=f"ft:instance:{owner.decode()}" if owner else None,
+                log=log,
+                last=last,
+            )
+        )
 
     async def _retrying(self, call: Callable[[], Any]) -> Any:
         delay = _RETRY_MIN_S
@@ -474,16 +473,6 @@ class RedisStore:
                 self._set_up(False, exc)
                 await anyio.sleep(delay)
                 delay = min(_RETRY_MAX_S, delay * 2)
-
-    @staticmethod
-    def _apply(entries: list[Any], log: EventLog) -> bool:
-        """Append entries to the mirror log; True once the end marker is seen."""
-        for _, fields in entries:
-            if b"end" in fields:
-                log.close()
-                return True
-            log.append(fields[b"w"], int(fields.get(b"t", 0)))
-        return False
 
     # -- liveness and cancels -------------------------------------------------------------
 
@@ -546,13 +535,3 @@ def _unconfirmed(rep: _Replica) -> list[_Kept]:
         out.append(event)
     out.reverse()
     return out
-
-
-def _fail(log: EventLog, code: str, message: str) -> None:
-    log.append(encode_event(log.next_seq, error_body(code, message), "error"))
-    log.close()
-
-
-def _seq(entry_id: bytes | str) -> int:
-    text = entry_id.decode() if isinstance(entry_id, bytes) else entry_id
-    return int(text.split("-", 1)[0])

@@ -1,0 +1,299 @@
+"""One tail of Redis for every mirror on this instance.
+
+A mirror's producer catches up on its own (`RedisStore.tail`: `XRANGE` from where its reader
+is), then hands its stream here as a `Follower`. A lane reads up to `LANE_KEYS` followed
+streams with one `XREAD BLOCK`, on one connection at a time, and appends what comes to each
+follower's log; one upkeep task writes every follower's presence and asks whether each
+owner is alive in one pipeline a second. N remote readers cost a lane per thousand streams
+and one short call a second, not a connection each (they held one each for a 1 s blocking
+read, and a capped pool turned a burst of them into 503s).
+
+A lane's read also follows its own wake stream (`ft:wake:{instance}:{lane}`): a follower
+joining while the lane blocks adds an entry there, so its first event does not wait out
+the block. At most one wake is sent per read.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup, TaskStatus
+from redis.asyncio import Redis
+from redis.exceptions import RedisError
+
+from firsttoken.core.eventlog import EventLog
+from firsttoken.wire.errors import error_body
+from firsttoken.wire.sse import encode_event
+
+__all__ = ["Follower", "Tailer", "apply_entries", "entry_id", "fail"]
+
+LANE_KEYS = 1000  # streams per XREAD: a longer command is slower for Redis to parse and serve
+BLOCK_MS = 1000
+COUNT = 1000  # entries per stream per read: a follower far behind catches up over reads
+UPKEEP_S = 1.0  # presence lives _PRESENCE_MS (3 s): refreshed twice or more in its life
+WAKE_LEN = 100
+WAKE_TTL_MS = 60_000  # nothing of a gone instance lingers
+WAKE_TIMEOUT_S = 1.0
+RETRY_S = 0.2
+
+EntryId = tuple[int, int]
+
+
+def entry_id(raw: bytes | str) -> EntryId:
+    text = raw.decode() if isinstance(raw, bytes) else raw
+    ms, _, seq = text.partition("-")
+    return int(ms), int(seq or 0)
+
+
+def fail(log: EventLog, code: str, message: str) -> None:
+    log.append(encode_event(log.next_seq, error_body(code, message), "error"))
+    log.close()
+
+
+def apply_entries(entries: list[Any], log: EventLog) -> bool:
+    """Append entries to a mirror's log; True once the end marker is seen (log closed)."""
+    for _, fields in entries:
+        if b"end" in fields:
+            log.close()
+            return True
+        log.append(fields[b"w"], int(fields.get(b"t", 0)))
+    return False
+
+
+@dataclass(slots=True, eq=False)
+class Follower:
+    """A mirror's log, fed from one stream key from `last` on."""
+
+    key: str  # the stream's events
+    presence_key: str  # set while it is followed here, so the owner keeps the stream
+    owner_key: str | None  # the owner's liveness key; None: unknown, taken as alive
+    log: EventLog
+    last: EntryId
+    heard: bool = False  # events came since the last liveness check
+    missing_since: float | None = None  # monotonic: the owner's key first found missing
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: BaseException | None = None  # raised in the follower's own task
+
+
+@dataclass(slots=True, eq=False)
+class _Lane:
+    wake_key: str
+    followers: dict[str, list[Follower]] = field(default_factory=dict)  # key -> followers
+    joined: anyio.Event = field(default_factory=anyio.Event)  # set for an idle lane
+    idle: bool = True
+    woken: bool = False  # a wake entry went out for the read in progress
+    wake_last: str = "0-0"
+
+
+class Tailer:
+    """Every follower of this instance, read by lanes of one blocking `XREAD` each."""
+
+    def __init__(
+        self,
+        redis: Redis,
+        instance: str,
+        *,
+        on_error: Callable[[BaseException], None],
+        presence_ms: int,
+        owner_gone_s: float,
+    ) -> None:
+        self.redis = redis
+        self.instance = instance
+        self.on_error = on_error  # Redis unreachable: the store's degraded state
+        self.presence_ms = presence_ms
+        self.owner_gone_s = owner_gone_s
+        self._lanes: list[_Lane] = []
+        self._lane_of: dict[str, _Lane] = {}
+        self._fresh: list[Follower] = []  # presence not written yet
+        self._joined = anyio.Event()
+        self._tg: TaskGroup | None = None
+
+    def count(self) -> int:
+        """Followers now (a stream read by two readers here counts twice)."""
+        return sum(len(group) for lane in self._lanes for group in lane.followers.values())
+
+    def keys(self) -> set[str]:
+        """The stream keys read now."""
+        return set(self._lane_of)
+
+    async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        async with anyio.create_task_group() as tg:
+            self._tg = tg
+            tg.start_soon(self._upkeep)
+            task_status.started()
+
+    async def follow(self, follower: Follower) -> None:
+        """Feed `follower` until its stream ends there (end marker, or owner gone); the
+        caller's cancellation drops it."""
+        lane = self._join(follower)
+        try:
+            if not lane.idle and not lane.woken:
+                lane.woken = True
+                # Shielded: a reader leaving now must not cut the command off mid-reply.
+                with anyio.move_on_after(WAKE_TIMEOUT_S, shield=True):
+                    await self._wake(lane)
+            await follower.done.wait()
+        finally:
+            self._leave(follower)
+            follower.done.set()  # gone: an upkeep in flight must not write to its log
+        if follower.error is not None:
+            raise follower.error
+
+    # -- joining and leaving --------------------------------------------------------------
+
+    def _join(self, follower: Follower) -> _Lane:
+        lane = self._lane_of.get(follower.key)
+        if lane is None:
+            lane = next((ln for ln in self._lanes if len(ln.followers) < LANE_KEYS), None)
+            if lane is None:
+                lane = self._add_lane()
+            self._lane_of[follower.key] = lane
+        lane.followers.setdefault(follower.key, []).append(follower)
+        self._fresh.append(follower)
+        self._joined.set()
+        lane.joined.set()
+        return lane
+
+    def _add_lane(self) -> _Lane:
+        assert self._tg is not None, "the tailer is not running"
+        lane = _Lane(f"ft:wake:{self.instance}:{len(self._lanes)}")
+        self._lanes.append(lane)
+        self._tg.start_soon(self._read, lane)
+        return lane
+
+    def _leave(self, follower: Follower) -> None:
+        lane = self._lane_of.get(follower.key)
+        if lane is None:
+            return
+        group = lane.followers.get(follower.key, [])
+        if follower in group:
+            group.remove(follower)
+        if not group:
+            lane.followers.pop(follower.key, None)
+            del self._lane_of[follower.key]
+
+    def _end(self, follower: Follower) -> None:
+        self._leave(follower)
+        follower.done.set()
+
+    async def _wake(self, lane: _Lane) -> None:
+        sent = False
+        try:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                pipe.xadd(lane.wake_key, {"v": 1}, maxlen=WAKE_LEN, approximate=True)
+                pipe.pexpire(lane.wake_key, WAKE_TTL_MS)
+                await pipe.execute()
+            sent = True
+        except (RedisError, OSError):
+            pass  # the lane's own read fails too and says so; its next one has this follower
+        finally:
+            if not sent:
+                lane.woken = False  # the next joiner tries again
+
+    # -- a lane ----------------------------------------------------------------------------
+
+    async def _read(self, lane: _Lane) -> None:
+        while True:
+            if not lane.followers:
+                lane.idle = True
+                lane.joined = anyio.Event()
+                await lane.joined.wait()
+            lane.idle = False
+            streams: dict[str, str] = {lane.wake_key: lane.wake_last}
+            for key, group in lane.followers.items():
+                ms, seq = min(f.last for f in group)
+                streams[key] = f"{ms}-{seq}"
+            lane.woken = False  # who joins from now on is not in this read
+            try:
+                found = await self.redis.xread(streams, block=BLOCK_MS, count=COUNT)
+            except (RedisError, OSError) as exc:
+                self.on_error(exc)
+                await anyio.sleep(RETRY_S)
+                continue
+            for raw_key, entries in found or ():
+                key = raw_key.decode()
+                if key == lane.wake_key:
+                    last = entries[-1][0]
+                    lane.wake_last = last.decode() if isinstance(last, bytes) else last
+                    continue
+                for follower in list(lane.followers.get(key, ())):
+                    self._deliver(follower, entries)
+
+    def _deliver(self, follower: Follower, entries: list[Any]) -> None:
+        try:
+            for raw_id, fields in entries:
+                eid = entry_id(raw_id)
+                if eid <= follower.last:
+                    continue  # read for another follower of the same stream, further behind
+                follower.last = eid
+                follower.heard = True
+                if b"end" in fields:
+                    follower.log.close()
+                    self._end(follower)
+                    return
+                follower.log.append(fields[b"w"], int(fields.get(b"t", 0)))
+        except Exception as exc:  # one follower's failure is its own, not its lane's
+            follower.error = exc
+            self._end(follower)
+
+    # -- presence and the owners' liveness -------------------------------------------------
+
+    async def _upkeep(self) -> None:
+        next_check = time.monotonic() + UPKEEP_S
+        while True:
+            with anyio.move_on_after(max(0.0, next_check - time.monotonic())):
+                await self._joined.wait()
+            self._joined = anyio.Event()
+            now = time.monotonic()
+            check = now >= next_check
+            fresh, self._fresh = self._fresh, []
+            if check:
+                next_check = now + UPKEEP_S
+                followers = [f for lane in self._lanes for g in lane.followers.values() for f in g]
+            else:  # joiners only: the owner hears of them at once, not within a second
+                followers = [f for f in fresh if not f.done.is_set()]
+            if not followers:
+                continue
+            presence = {f.presence_key for f in followers}
+            owners = sorted({f.owner_key for f in followers if f.owner_key}) if check else []
+            try:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    for key in presence:
+                        pipe.set(key, self.instance, px=self.presence_ms)
+                    for key in owners:
+                        pipe.exists(key)
+                    results = await pipe.execute()
+            except (RedisError, OSError) as exc:
+                self.on_error(exc)
+                self._fresh[:0] = fresh
+                # Through an outage the owner's key cannot be seen: no follower is lost.
+                for lane in self._lanes:
+                    for group in lane.followers.values():
+                        for f in group:
+                            f.missing_since = None
+                continue
+            if check:
+                alive = dict(zip(owners, results[len(presence) :], strict=True))
+                self._judge(followers, alive, now)
+
+    def _judge(self, followers: list[Follower], alive: dict[str, Any], now: float) -> None:
+        for f in followers:
+            if f.done.is_set():
+                continue
+            if f.heard or f.owner_key is None or alive.get(f.owner_key):
+                f.heard = False
+                f.missing_since = None
+                continue
+            # The owner refreshes its key every second; after a Redis restart it may take
+            # that long to come back, so only a key missing for its whole lifetime counts.
+            f.missing_since = f.missing_since or now
+            if now - f.missing_since >= self.owner_gone_s:
+                try:
+                    fail(f.log, "stream_lost", "the instance generating this stream is gone")
+                except Exception as exc:
+                    f.error = exc
+                self._end(f)

@@ -1,0 +1,268 @@
+"""The shared tail of Redis (`firsttoken/resume/tailer.py`) in one process against a real
+redis-server: an owning store A writes streams, a reading store B tails them into mirror logs.
+
+A joiner's first event does not wait out the lane's 1 s block; a follower that leaves is no
+longer read nor written to; lanes split the keys; presence is written at once and refreshed;
+an owner gone for its key's lifetime ends its followers with `stream_lost`; a Redis restart
+under several followers loses and repeats nothing.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager
+
+import anyio
+import pytest
+from anyio.abc import TaskGroup, TaskStatus
+
+import firsttoken.resume.tailer as tailer_module
+from firsttoken.core.eventlog import Event, EventLog
+from firsttoken.resume.redis import RedisStore
+from firsttoken.resume.store import StreamRecord
+from tests.redis_server import RedisServer, redis_server
+
+TTL_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+@asynccontextmanager
+async def stores(url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, TaskGroup]]:
+    """A (the owner) and B (the reader), both running; cancelled at the end."""
+    a = RedisStore(url, max_events=1000, max_connections=8)
+    b = RedisStore(url, max_events=1000, max_connections=8)
+    async with anyio.create_task_group() as tg:
+        await tg.start(a.run, lambda _: None)
+        await tg.start(b.run, lambda _: None)
+        yield a, b, tg
+        tg.cancel_scope.cancel()
+
+
+async def owned(a: RedisStore, sid: str) -> None:
+    await a.register(StreamRecord(sid, "native", "digest", "trace", "synthetic"), TTL_S)
+
+
+def event(seq: int) -> Event:
+    return Event(seq, f"id: {seq}\ndata: {seq}\n\n".encode(), 1)
+
+
+class Recorder:
+    """A reader of a mirror's log that keeps what it is given (a `LogReader`)."""
+
+    def __init__(self) -> None:
+        self.cursor = 0
+        self.wires: list[bytes] = []
+
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        self.cursor = seq
+        self.wires.append(wire)
+
+    def log_closed(self) -> None:
+        return None
+
+    def catch_up(self) -> None:
+        return None
+
+
+def datas(log: EventLog) -> list[str]:
+    (recorder,) = log.readers
+    assert isinstance(recorder, Recorder)
+    return [w.decode().split("data: ", 1)[1].strip() for w in recorder.wires]
+
+
+async def until(check: Callable[[], object], within: float = 5.0) -> float:
+    """Seconds until `check()` is truthy (fails the test past `within`)."""
+    start = time.monotonic()
+    with anyio.fail_after(within):
+        while True:
+            if check():
+                return time.monotonic() - start
+            await anyio.sleep(0.002)
+
+
+async def until_async(check: Callable[[], Awaitable[object]], within: float = 5.0) -> float:
+    start = time.monotonic()
+    with anyio.fail_after(within):
+        while True:
+            if await check():
+                return time.monotonic() - start
+            await anyio.sleep(0.005)
+
+
+def follow(
+    tg: TaskGroup, b: RedisStore, sid: str, after: int = 0
+) -> tuple[EventLog, anyio.CancelScope]:
+    """B tails `sid` into a new mirror log, in a scope the test may cancel (its reader left)."""
+    log = EventLog(max_events=1000)
+    log.attach(Recorder())
+    scope = anyio.CancelScope()
+
+    async def run() -> None:
+        with scope:
+            await b.tail(sid, after, log)
+
+    tg.start_soon(run)
+    return log, scope
+
+
+def test_a_joiner_does_not_wait_out_the_block(server: RedisServer) -> None:
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            await owned(a, "first")
+            follow(tg, b, "first")
+            await until(lambda: "ft:{first}:events" in b._tailer.keys())
+            waits = []
+            for i in range(5):
+                sid = f"joiner-{i}"
+                await owned(a, sid)
+                await anyio.sleep(0.3)  # the lane is well into its 1 s block
+                log, _ = follow(tg, b, sid)
+                await until(lambda sid=sid: f"ft:{{{sid}}}:events" in b._tailer.keys())
+                a.replicate(sid, event(1))  # live: after the catch-up
+                waits.append(await until(lambda log=log: log.last_seq >= 1))
+            # Without a wake each would wait for the block to end: 0.5 s on average.
+            assert max(waits) < 0.25, waits
+
+    anyio.run(main)
+
+
+def test_a_follower_that_leaves_is_dropped(server: RedisServer) -> None:
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            for sid in ("stays", "leaves"):
+                await owned(a, sid)
+                a.replicate(sid, event(1))
+            stays, _ = follow(tg, b, "stays")
+            leaves, scope = follow(tg, b, "leaves")
+            await until(lambda: stays.last_seq == 1 and leaves.last_seq == 1)
+            await until(lambda: len(b._tailer.keys()) == 2)
+            scope.cancel()
+            await until(lambda: b._tailer.keys() == {"ft:{stays}:events"})
+            for seq in (2, 3):
+                a.replicate("stays", event(seq))
+                a.replicate("leaves", event(seq))
+            await until(lambda: stays.last_seq == 3)
+            await anyio.sleep(0.3)
+            assert leaves.last_seq == 1 and not leaves.closed
+            assert datas(stays) == ["1", "2", "3"]
+            assert b._tailer.count() == 1
+
+    anyio.run(main)
+
+
+def test_lanes_and_readers_of_one_stream(
+    server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tailer_module, "LANE_KEYS", 2)
+
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            sids = [f"lane-{i}" for i in range(5)]
+            for sid in sids:
+                await owned(a, sid)
+                a.replicate(sid, event(1))
+            logs = [follow(tg, b, sid)[0] for sid in sids]
+            # Two readers of one stream here, from different places: one key, two logs.
+            a.replicate("lane-0", event(2))
+            await until(lambda: logs[0].last_seq == 2)
+            late = follow(tg, b, "lane-0", after=1)[0]
+            await until(lambda: b._tailer.count() == 6)
+            assert len(b._tailer._lanes) == 3  # five keys, two a lane
+            for seq in range(2, 8):
+                for sid in sids:
+                    if (sid, seq) != ("lane-0", 2):
+                        a.replicate(sid, event(seq))
+                await anyio.sleep(0.01)
+            for sid in sids:
+                a.finish(sid, "completed", 7, TTL_S)
+            await until(lambda: all(log.closed for log in [*logs, late]))
+            assert [datas(log) for log in logs] == [[str(s) for s in range(1, 8)]] * 5
+            assert datas(late) == [str(s) for s in range(2, 8)]
+            await until(lambda: b._tailer.count() == 0)
+
+    anyio.run(main)
+
+
+def test_presence_is_written_at_once_and_kept(server: RedisServer) -> None:
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            await owned(a, "seen")
+            _, scope = follow(tg, b, "seen")
+            # At once, not at the next second's upkeep: the owner may be deciding now.
+            assert await until_async(lambda: a.has_remote_readers("seen")) < 0.3
+            await anyio.sleep(4)  # past the key's 3 s: it was refreshed
+            assert await a.has_remote_readers("seen")
+            scope.cancel()
+            await until_async(lambda: _not(a.has_remote_readers("seen")), within=4.5)
+
+    anyio.run(main)
+
+
+async def _not(value: Awaitable[bool]) -> bool:
+    return not await value
+
+
+def test_an_owner_gone_ends_its_followers_with_stream_lost(server: RedisServer) -> None:
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            gone = RedisStore(server.url, max_events=1000, max_connections=4)
+            owner_scope = anyio.CancelScope()
+
+            async def own(*, task_status: TaskStatus[None]) -> None:
+                with owner_scope:
+                    await gone.run(lambda _: None, task_status)
+
+            await tg.start(own)
+            for sid, store in (("orphan", gone), ("kept", a)):
+                await owned(store, sid)
+                store.replicate(sid, event(1))
+            orphan, _ = follow(tg, b, "orphan")
+            kept, _ = follow(tg, b, "kept")
+            await until(lambda: orphan.last_seq == kept.last_seq == 1)
+            owner_scope.cancel()  # the process died: its key is gone once it expires
+            await anyio.sleep(0.1)
+            await b.redis.delete(f"ft:instance:{gone.instance}")
+            took = await until(lambda: orphan.closed, within=8)
+            assert 4.5 <= took < 7.5, took
+            (wire,) = orphan.readers[0].wires[1:]  # type: ignore[attr-defined]
+            error = json.loads(wire.decode().split("data: ", 1)[1])
+            assert error["error"]["code"] == "stream_lost"
+            assert not kept.closed and b._tailer.count() == 1
+
+    anyio.run(main)
+
+
+def test_followers_go_on_after_a_redis_restart(server: RedisServer) -> None:
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            sids = [f"restart-{i}" for i in range(3)]
+            for sid in sids:
+                await owned(a, sid)
+                for seq in range(1, 6):
+                    a.replicate(sid, event(seq))
+            logs = [follow(tg, b, sid)[0] for sid in sids]
+            await until(lambda: all(log.last_seq == 5 for log in logs))
+            await anyio.to_thread.run_sync(server.stop)
+            for seq in range(6, 11):  # kept by A while Redis is away
+                for sid in sids:
+                    a.replicate(sid, event(seq))
+            await until(lambda: not b.up)
+            await anyio.sleep(1)
+            await anyio.to_thread.run_sync(server.start)  # empty: A writes it all again
+            for seq in range(11, 16):
+                for sid in sids:
+                    a.replicate(sid, event(seq))
+            for sid in sids:
+                a.finish(sid, "completed", 15, TTL_S)
+            await until(lambda: all(log.closed for log in logs), within=15)
+            assert [datas(log) for log in logs] == [[str(s) for s in range(1, 16)]] * 3
+            await until(lambda: b.up)
+
+    anyio.run(main)
