@@ -87,6 +87,13 @@ class EventLog:
         self._corked = False
         self.replica: Callable[[Event], None] | None = None  # e.g. the Redis store's queue
 
+    def begin_at(self, seq: int) -> None:
+        """Continue a stream after its event `seq` (a mirror whose reader resumes there: the
+        events up to it are not ours to hold). Only on an empty log."""
+        assert not self._wires and not self.last_seq, "begin_at on a log that has events"
+        self.last_seq = self._floor = seq
+        self._wires_seq = seq + 1
+
     @property
     def next_seq(self) -> int:
         return self.last_seq + 1

@@ -442,7 +442,7 @@ class RedisStore:
         (the reader keeps its heartbeats) and goes on from where it was.
 
         The catch-up is this reader's own; the live tail is the shared one (`Tailer`)."""
-        log.last_seq = after
+        log.begin_at(after)
         key = _events(stream_id)
         entries = await self._retrying(
             lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")

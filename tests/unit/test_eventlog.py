@@ -120,3 +120,21 @@ def test_the_bound_holds_exactly_while_trimming_in_slices() -> None:
         if first > 1:
             with pytest.raises(ResumeExpired):
                 log.after(first - 2)
+
+
+def test_a_log_begun_past_zero_replays_and_trims_from_there() -> None:
+    # A mirror's log starts where its reader resumes: it never holds the events before.
+    log = EventLog(max_events=4)
+    log.begin_at(10)
+    assert log.has_room()
+    for i in range(3):
+        assert log.append(b"%d" % (11 + i), 1 if i else 0) == 11 + i
+    assert log.after(10) == [Event(11, b"11", 0), Event(12, b"12", 1), Event(13, b"13", 1)]
+    assert [e.seq for e in log.after(12)] == [13]
+    with pytest.raises(ResumeExpired):
+        log.after(9)
+    for i in range(14, 30):
+        log.append(b"%d" % i)
+    assert [e.wire for e in log.after(log.first_seq - 1)] == [b"26", b"27", b"28", b"29"]
+    with pytest.raises(AssertionError):
+        log.begin_at(5)
