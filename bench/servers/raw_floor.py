@@ -10,7 +10,6 @@ Timing matches the synthetic engine: TTFT, then one token every ITL on a fixed s
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -24,6 +23,7 @@ import orjson
 import uvloop
 
 from bench.expected import chat_prompt
+from bench.servers.baseline_cli import parse_serve_args
 from firsttoken.engines.synthetic import synthetic_tokens
 
 __all__ = ["main"]
@@ -205,14 +205,7 @@ async def _serve(host: str, port: int, settings: Settings) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.servers.raw_floor")
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--synthetic-ttft-ms", type=float, default=200.0)
-    parser.add_argument("--synthetic-itl-ms", type=float, default=20.0)
-    parser.add_argument("--heartbeat-s", type=float, default=15.0)
-    args = parser.parse_args(argv)
+    args = parse_serve_args("python -m bench.servers.raw_floor", argv)
     settings = Settings(
         args.synthetic_ttft_ms / 1000, args.synthetic_itl_ms / 1000, args.heartbeat_s
     )

@@ -9,10 +9,8 @@ it. Served by uvicorn with uvloop and httptools; the access log is off, as first
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import socket
 import time
 import uuid
 from collections.abc import AsyncIterator, Sequence
@@ -23,6 +21,7 @@ from fastapi import FastAPI
 from pydantic import BaseModel
 from sse_starlette.sse import EventSourceResponse
 
+from bench.servers.baseline_cli import listening_socket, parse_serve_args
 from firsttoken.engines.synthetic import synthetic_tokens
 
 __all__ = ["build_app", "main"]
@@ -100,18 +99,8 @@ async def _chunks(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.servers.tutorial")
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--synthetic-ttft-ms", type=float, default=200.0)
-    parser.add_argument("--synthetic-itl-ms", type=float, default=20.0)
-    parser.add_argument("--heartbeat-s", type=float, default=15.0)
-    args = parser.parse_args(argv)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(4096)  # queue connections from the start; uvicorn accepts once it runs
+    args = parse_serve_args("python -m bench.servers.tutorial", argv)
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     app = build_app(
         args.synthetic_ttft_ms, args.synthetic_itl_ms, args.heartbeat_s, [f"http://{host}:{port}"]

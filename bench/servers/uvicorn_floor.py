@@ -14,11 +14,9 @@ any server on uvicorn, not a design. Same schedule, text and options as `raw_flo
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import math
-import socket
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -28,6 +26,7 @@ import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from bench.expected import chat_prompt
+from bench.servers.baseline_cli import listening_socket, parse_serve_args
 from firsttoken.engines.synthetic import synthetic_tokens
 
 __all__ = ["main"]
@@ -177,18 +176,8 @@ def build_app(ttft_s: float, itl_s: float, heartbeat_s: float) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m bench.servers.uvicorn_floor")
-    parser.add_argument("command", choices=["serve"])
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=0)
-    parser.add_argument("--synthetic-ttft-ms", type=float, default=200.0)
-    parser.add_argument("--synthetic-itl-ms", type=float, default=20.0)
-    parser.add_argument("--heartbeat-s", type=float, default=15.0)
-    args = parser.parse_args(argv)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((args.host, args.port))
-    sock.listen(4096)  # queue connections from the start; uvicorn accepts once it runs
+    args = parse_serve_args("python -m bench.servers.uvicorn_floor", argv)
+    sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
     app = build_app(args.synthetic_ttft_ms / 1000, args.synthetic_itl_ms / 1000, args.heartbeat_s)
     config = uvicorn.Config(

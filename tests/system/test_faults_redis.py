@@ -8,7 +8,6 @@ again; and a backlog past its bound is counted, never stitched over.
 
 from __future__ import annotations
 
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import httpx
 import pytest
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from tests.events import tokens_of
 from tests.rawhttp import RawStream
 from tests.redis_server import RedisServer, redis_server
 from tests.servers import Server, run_server, wait_for
@@ -73,20 +72,6 @@ def create(server: Server, prompt: str, max_tokens: int) -> dict:
     )
     assert r.status_code == 201, r.text
     return r.json()
-
-
-def tokens_of(body: bytes) -> tuple[list[str], str, bool, dict | None]:
-    """(tokens, last event id, [DONE] seen, error object) of a native event stream body."""
-    decoder = EventDecoder()
-    tokens, done, error = [], False, None
-    for event in decoder.feed(body):
-        if event.data == "[DONE]":
-            done = True
-        elif event.event == "error":
-            error = json.loads(event.data or "")["error"]
-        elif event.event is None:
-            tokens.append(json.loads(event.data or "")["token"])
-    return tokens, decoder.last_event_id, done, error
 
 
 def read(server: Server, created: dict, last_id: str = "0") -> tuple[int, list, bool, dict | None]:

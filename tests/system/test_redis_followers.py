@@ -6,7 +6,6 @@ Also: the owner killed under its followers ends them with `stream_lost`."""
 from __future__ import annotations
 
 import asyncio
-import json
 import threading
 import time
 from collections.abc import Iterator
@@ -18,7 +17,7 @@ import pytest
 import redis
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from tests.events import tokens_of
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server
@@ -33,19 +32,6 @@ class Burst:
     peak_b: int = 0  # B's own connections to Redis, sampled
     peak_clients: int = 0  # Redis `connected_clients` (everyone's), sampled
     peak_blocked: int = 0  # Redis `blocked_clients`: connections held by a blocking read
-
-
-def tokens_of(body: bytes) -> tuple[list[str], bool, dict | None]:
-    decoder = EventDecoder()
-    tokens, done, error = [], False, None
-    for event in decoder.feed(body):
-        if event.data == "[DONE]":
-            done = True
-        elif event.event == "error":
-            error = json.loads(event.data or "")["error"]
-        elif event.event is None:
-            tokens.append(json.loads(event.data or "")["token"])
-    return tokens, done, error
 
 
 async def _get(port: int, path: str) -> tuple[int, bytes]:
@@ -123,7 +109,7 @@ def read_through_b(a: Server, b: Server, url: str, streams: int, stagger_s: floa
         probe.close()
     for prompt, (status, body) in zip(prompts, answers, strict=True):
         burst.statuses.append(status)
-        tokens, done, error = tokens_of(body)
+        tokens, _, done, error = tokens_of(body)
         if (tokens, done, error) == (synthetic_tokens(prompt, None, TOKENS)[0], True, None):
             burst.exact += 1
     return burst
@@ -188,6 +174,6 @@ def test_owner_killed_under_its_followers() -> None:
             for r in readers:
                 r.sock.settimeout(20)
                 ends.append(tokens_of(r.read_all()))
-    for tokens, done, error in ends:
+    for tokens, _, done, error in ends:
         assert len(tokens) >= 3 and not done
         assert error is not None and error["code"] == "stream_lost"
