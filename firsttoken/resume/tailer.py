@@ -16,7 +16,7 @@ the block. At most one wake is sent per read.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -115,6 +115,11 @@ class Tailer:
     def count(self) -> int:
         """Followers now (a stream read by two readers here counts twice)."""
         return sum(len(group) for lane in self._lanes for group in lane.followers.values())
+
+    def _all(self) -> Iterator[Follower]:
+        for lane in self._lanes:
+            for group in lane.followers.values():
+                yield from group
 
     def keys(self) -> set[str]:
         """The stream keys read now."""
@@ -224,20 +229,18 @@ class Tailer:
                     self._deliver(follower, entries)
 
     def _deliver(self, follower: Follower, entries: list[Any]) -> None:
+        # Entries at or before its last were read for another follower further behind.
+        new = [e for e in entries if entry_id(e[0]) > follower.last]
+        if not new:
+            return
+        follower.last = entry_id(new[-1][0])
+        follower.heard = True
         try:
-            for raw_id, fields in entries:
-                eid = entry_id(raw_id)
-                if eid <= follower.last:
-                    continue  # read for another follower of the same stream, further behind
-                follower.last = eid
-                follower.heard = True
-                if b"end" in fields:
-                    follower.log.close()
-                    self._end(follower)
-                    return
-                follower.log.append(fields[b"w"], int(fields.get(b"t", 0)))
+            ended = apply_entries(new, follower.log)
         except Exception as exc:  # one follower's failure is its own, not its lane's
             follower.error = exc
+            ended = True
+        if ended:
             self._end(follower)
 
     # -- presence and the owners' liveness -------------------------------------------------
@@ -253,7 +256,7 @@ class Tailer:
             fresh, self._fresh = self._fresh, []
             if check:
                 next_check = now + UPKEEP_S
-                followers = [f for lane in self._lanes for g in lane.followers.values() for f in g]
+                followers = list(self._all())
             else:  # joiners only: the owner hears of them at once, not within a second
                 followers = [f for f in fresh if not f.done.is_set()]
             if not followers:
@@ -271,10 +274,8 @@ class Tailer:
                 self.on_error(exc)
                 self._fresh[:0] = fresh
                 # Through an outage the owner's key cannot be seen: no follower is lost.
-                for lane in self._lanes:
-                    for group in lane.followers.values():
-                        for f in group:
-                            f.missing_since = None
+                for f in self._all():
+                    f.missing_since = None
                 continue
             if check:
                 alive = dict(zip(owners, results[len(presence) :], strict=True))
