@@ -89,13 +89,27 @@ class EngineError(Exception):
     """Generation failed; `code` and `message` go to the client as they are."""
 
     def __init__(
-        self, code: str, message: str, *, retryable: bool = False, type_: str = "server_error"
+        self,
+        code: str,
+        message: str,
+        *,
+        retryable: bool = False,
+        type_: str = "server_error",
+        status: int | None = None,
+        client_fault: bool = False,
+        retry_after_s: float | None = None,
     ) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
         self.retryable = retryable
         self.type = type_  # the error object's "type": whose doing it was
+        # The HTTP status an upstream answered with (a whole answer passes a 4xx through).
+        self.status = status
+        # The request's own doing (an upstream's 4xx, a client-set fault, a bad
+        # continuation): it says nothing about the engine, so health and the breaker ignore it.
+        self.client_fault = client_fault
+        self.retry_after_s = retry_after_s  # an upstream's Retry-After, when it sent one
 
 
 class Engine(Protocol):
