@@ -1,18 +1,18 @@
-"""`firsttoken serve | diag | replay` — a thin dispatcher, and the parser every command uses.
+"""`firsttoken serve | diag | replay` — a thin dispatcher (the parser every command uses is
+`config.Parser`, on the ground floor).
 
 Exit status 2 is a usage problem (a bad flag or setting), told in one line plus a hint.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
-from typing import NoReturn
 
 from firsttoken import __version__
+from firsttoken.config import usage_error
 
-__all__ = ["Parser", "main"]
+__all__ = ["main"]
 
 _USAGE = """usage: firsttoken {serve,diag,replay} [options]
 
@@ -22,19 +22,6 @@ _USAGE = """usage: firsttoken {serve,diag,replay} [options]
 
 'firsttoken COMMAND --help' lists a command's options; 'firsttoken --version' the version.
 """
-
-
-class Parser(argparse.ArgumentParser):
-    """argparse that answers a bad flag with the error and a hint, not the whole usage."""
-
-    def error(self, message: str) -> NoReturn:
-        usage_error(self.prog, message)
-
-
-def usage_error(prog: str, message: str) -> NoReturn:
-    print(f"{prog}: {message}", file=sys.stderr)
-    print(f"try '{prog} --help' for the options", file=sys.stderr)
-    raise SystemExit(2)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

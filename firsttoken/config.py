@@ -12,16 +12,42 @@ import difflib
 import math
 import os
 import re
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
 from firsttoken import __version__
-from firsttoken.cli import Parser
 
-__all__ = ["Range", "SettingError", "Settings", "env_var", "flag", "unknown_variables"]
+__all__ = [
+    "Parser",
+    "Range",
+    "SettingError",
+    "Settings",
+    "env_var",
+    "flag",
+    "unknown_variables",
+    "usage_error",
+]
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse that answers a bad flag with the error and a hint, not the whole usage.
+
+    It lives here, on the ground floor, because `serve`'s flags are the settings; `cli`,
+    `diag` and `replay` import it from here."""
+
+    def error(self, message: str) -> NoReturn:
+        usage_error(self.prog, message)
+
+
+def usage_error(prog: str, message: str) -> NoReturn:
+    """A usage problem: the error and a hint on stderr, exit status 2."""
+    print(f"{prog}: {message}", file=sys.stderr)
+    print(f"try '{prog} --help' for the options", file=sys.stderr)
+    raise SystemExit(2)
 
 
 class SettingError(ValueError):

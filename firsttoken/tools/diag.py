@@ -18,7 +18,7 @@ import httpx
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-from firsttoken.cli import Parser
+from firsttoken.config import Parser
 from firsttoken.tools._capture import CaptureWriter
 from firsttoken.tools._load import LoadRun, limits, make_client, run_load
 from firsttoken.tools._measure import Kind, RequestSpec, StreamResult, detect_kind

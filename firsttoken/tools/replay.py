@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from typing import IO, Any
 
-from firsttoken.cli import Parser
+from firsttoken.config import Parser
 from firsttoken.tools._capture import Recorded, load_capture
 from firsttoken.tools._measure import Event, classify
 from firsttoken.wire.sse import ServerSentEvent, comment
