@@ -35,10 +35,16 @@ __all__ = [
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse that answers a bad flag with the error and a hint, not the whole usage.
+    """argparse that answers a bad flag with the error and a hint, not the whole usage, and
+    takes no abbreviations: `--po 70000` is a mistake, not `--port` (and an abbreviation that
+    works today breaks when a flag with the same start is added).
 
     It lives here, on the ground floor, because `serve`'s flags are the settings; `cli`,
     `diag` and `replay` import it from here."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         usage_error(self.prog, message)

@@ -187,6 +187,25 @@ def test_bad_flag_is_the_error_and_a_hint_not_the_usage() -> None:
     assert proc.returncode == 2 and len(proc.stderr.splitlines()) == 2
 
 
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["serve", "--po", "70000"], "firsttoken serve: unrecognized arguments: --po 70000"),
+        (
+            ["diag", "--conc", "2", "http://127.0.0.1:9/v1/streams"],
+            "firsttoken diag: unrecognized arguments: --conc",
+        ),
+        (["replay", "--spe", "2", "x.jsonl"], "firsttoken replay: unrecognized arguments: --spe"),
+    ],
+)
+def test_abbreviated_flags_are_refused(args: list[str], line: str) -> None:
+    # argparse would read `--po` as `--port` (and then refuse 70000 for a reason the user
+    # did not expect); a flag must be spelled out.
+    proc = firsttoken(*args)
+    assert proc.returncode == 2
+    assert proc.stderr.splitlines()[0].startswith(line), proc.stderr
+
+
 def test_version() -> None:
     for args in (["--version"], ["serve", "--version"]):
         proc = firsttoken(*args)
