@@ -9,6 +9,7 @@ request arrives.
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import signal
 import sys
@@ -195,8 +196,25 @@ def _handler(rec: Recorded, speed: float, stamp_all: bool) -> Callable[..., Any]
     return handle
 
 
+class CannotListen(Exception):
+    """The address cannot be bound; `str()` is the line a person reads."""
+
+
+def _cannot_listen(host: str, port: int, exc: OSError) -> CannotListen:
+    # The same words `serve` uses for the same mistakes.
+    where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    why = exc.strerror or str(exc)
+    if exc.errno == errno.EADDRINUSE:
+        why = "the address is already in use (another server? --port 0 picks a free port)"
+    return CannotListen(f"cannot listen on {where}: {why}")
+
+
 async def serve(rec: Recorded, speed: float, host: str, port: int, stamp_all: bool) -> None:
-    server = await asyncio.start_server(_handler(rec, speed, stamp_all), host, port)
+    """Serve until SIGINT/SIGTERM; raises CannotListen when the address cannot be bound."""
+    try:
+        server = await asyncio.start_server(_handler(rec, speed, stamp_all), host, port)
+    except OSError as exc:  # busy port, an address not on this host, a host that won't resolve
+        raise _cannot_listen(host, port, exc) from None
     bound = server.sockets[0].getsockname()
     shown = f"[{bound[0]}]" if ":" in bound[0] else bound[0]
     print(
@@ -223,6 +241,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.speed <= 0:
         print("firsttoken replay: --speed must be positive", file=sys.stderr)
         return 2
+    if not 0 <= args.port <= 65535:
+        print(
+            f"firsttoken replay: invalid --port {args.port}: must be from 0 to 65535",
+            file=sys.stderr,
+        )
+        return 2
     try:
         rec = load_capture(args.file, args.stream)
     except (OSError, ValueError) as exc:
@@ -233,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
             asyncio.run(serve(rec, args.speed, args.host, args.port, args.send_timestamps))
         else:
             play_stdout(rec, args.speed, args.format, sys.stdout.buffer)
+    except CannotListen as exc:
+        print(f"firsttoken replay: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
     except BrokenPipeError:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 import threading
@@ -201,3 +202,36 @@ def test_bad_input(tmp_path: Path) -> None:
     bad.write_text("not json\n")
     assert replay.main([str(bad)]) == 2
     assert replay.main([str(bad), "--speed", "0"]) == 2
+
+
+@pytest.mark.parametrize(
+    ("where", "line"),
+    [
+        ("busy", "cannot listen on 127.0.0.1:{port}: the address is already in use"),
+        (("--host", "192.0.2.1", "--port", "0"), "cannot listen on 192.0.2.1:0: "),
+        (("--port", "99999"), "invalid --port 99999: must be from 0 to 65535"),
+        (("--port", "-1"), "invalid --port -1: must be from 0 to 65535"),
+    ],
+)
+def test_serve_bind_errors_are_one_line_and_exit_2(
+    original: Path, where: str | tuple[str, ...], line: str
+) -> None:
+    """Like `serve`: a busy port (errno 98), an address not on this host (99, TEST-NET-1) and
+    a port out of range (OverflowError in the socket layer) are told in one line, exit 2."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        args = ("--port", str(port)) if where == "busy" else where
+        proc = subprocess.run(
+            [sys.executable, "-m", "firsttoken", "replay", str(original), "--serve", *args],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("firsttoken replay: " + line.format(port=port)), proc.stderr
