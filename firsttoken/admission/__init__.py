@@ -7,6 +7,8 @@ counted as a `rejected` stream.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import anyio
 from starlette.requests import Request
@@ -26,9 +28,16 @@ from firsttoken.core.stream import Outcome
 from firsttoken.observability import Metrics
 from firsttoken.wire.errors import APIError
 
-__all__ = ["Admission", "ApiKey", "KeyRing", "LoadShedder", "Ticket"]
+__all__ = ["Admission", "ApiKey", "KeyRing", "LoadShedder", "Ticket", "sets_own_latency"]
 
 _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
+
+
+def sets_own_latency(options: Mapping[str, Any]) -> bool:
+    """Whether a request's engine options chose its own time to first token (the synthetic
+    engine's `ttft_ms`): its TTFT measures the request, not the engine, so the guard skips it."""
+    synthetic = options.get("synthetic")
+    return isinstance(synthetic, Mapping) and synthetic.get("ttft_ms") is not None
 
 
 class Ticket:
@@ -42,9 +51,16 @@ class Ticket:
         self.lease = lease
         self.probe = probe  # the half-open breaker's probe: its outcome decides
         self.released = False
+        # What the request decided for itself says nothing about the engine, so the guards
+        # ignore it: a latency it asked for (`own_latency`, see `sets_own_latency`) and an
+        # error it caused (`client_fault`: the stream ended with EngineError.client_fault).
+        # Otherwise one key could trip the breaker or the TTFT guard for everyone.
+        self.own_latency = False
+        self.client_fault = False
 
     def first_token(self, ttft_s: float) -> None:
-        self.admission.shedder.record_ttft(ttft_s)
+        if not self.own_latency:
+            self.admission.shedder.record_ttft(ttft_s)
 
     async def release(self, outcome: Outcome, tokens: int = 0) -> None:
         if self.released:
@@ -52,8 +68,10 @@ class Ticket:
         self.released = True
         if self.key.tokens_per_minute and tokens:
             await self.admission.limits.spend(self.key.name, tokens)
-        ran = outcome in (Outcome.COMPLETED, Outcome.ERROR)
-        failed = outcome is Outcome.ERROR
+        failed = outcome is Outcome.ERROR and not self.client_fault
+        # A client-caused error counts as neither: the breaker learns nothing from it (and a
+        # probe that ended so gives its turn back).
+        ran = outcome is Outcome.COMPLETED or failed
         if self.probe:
             self.admission.shedder.probe_done(ran, failed)
         elif ran:

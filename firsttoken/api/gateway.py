@@ -12,7 +12,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from firsttoken.admission import Admission, Ticket
+from firsttoken.admission import Admission, Ticket, sets_own_latency
 from firsttoken.api.bodies import APIError, read_model
 from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
@@ -76,6 +76,7 @@ class Gateway:
             window=s.stream_buffer_events,
         )
         stream.ticket = ticket
+        ticket.own_latency = sets_own_latency(generation.options)
         stream.coalesce = self.coalesce_policy(coalesce)
         if meta:
             stream.meta_interval_s = s.meta_interval_ms / 1000

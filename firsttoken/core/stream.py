@@ -84,6 +84,8 @@ class Renderer(Protocol):
 class AdmissionTicket(Protocol):
     """What admission hands a stream: told of its first token and of its end."""
 
+    client_fault: bool  # set when the stream's error was the request's own doing
+
     def first_token(self, ttft_s: float) -> None: ...
 
     async def release(self, outcome: Outcome, tokens: int = 0) -> None: ...
@@ -394,6 +396,8 @@ class Stream:
             for name, data in self.renderer.error(error.code, error.message, error.type):
                 self._append(name, data)
             self.error_code = error.code
+            if error.client_fault and self.ticket is not None:
+                self.ticket.client_fault = True
         self.log.on_room = None
         self.log.close()
         if self.on_end is not None:

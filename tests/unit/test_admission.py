@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from firsttoken.admission import Admission, ApiKey, shedding
+from firsttoken.admission import Admission, ApiKey, sets_own_latency, shedding
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome
@@ -80,3 +80,77 @@ def test_a_failed_probe_reopens_and_an_old_stream_changes_nothing(clock: FakeClo
         assert adm.shedder.breaker == LoadShedder.OPEN
 
     asyncio.run(body())
+
+
+def guarded() -> Admission:
+    """A server with the breaker and the TTFT guard at their defaults' shape."""
+    settings = Settings(
+        breaker_min_streams=20,
+        breaker_error_rate=0.5,
+        breaker_window_s=30.0,
+        ttft_slo_ms=500,
+        rate_limit_per_s=0,
+    )
+    return Admission(settings, Metrics())
+
+
+def test_errors_a_request_caused_do_not_open_the_breaker(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = guarded()
+        for _ in range(25):  # e.g. synthetic fail_after 0, or an upstream's 400
+            ticket = await adm.admit(ANYONE)
+            ticket.client_fault = True
+            await ticket.release(Outcome.ERROR)
+            clock.advance(0.01)
+        assert adm.shedder.breaker == LoadShedder.CLOSED
+        assert adm.shedder.refusal() is None
+        for _ in range(20):  # the engine's own failures still do
+            ticket = await adm.admit(ANYONE)
+            await ticket.release(Outcome.ERROR)
+        assert adm.shedder.breaker == LoadShedder.OPEN
+
+    asyncio.run(body())
+
+
+def test_a_probe_that_fails_by_its_own_request_gives_the_probe_back(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = admission()
+        await open_breaker(adm)
+        clock.advance(10.0)
+        probe = await adm.admit(ANYONE)
+        probe.client_fault = True
+        await probe.release(Outcome.ERROR)
+        assert adm.shedder.breaker == LoadShedder.HALF_OPEN  # undecided, not reopened
+        again = await adm.admit(ANYONE)
+        assert again.probe
+
+    asyncio.run(body())
+
+
+def test_a_latency_the_request_set_does_not_trip_the_ttft_guard(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = guarded()
+        for _ in range(20):  # e.g. synthetic ttft_ms 700
+            ticket = await adm.admit(ANYONE)
+            ticket.own_latency = sets_own_latency({"synthetic": {"ttft_ms": 700}})
+            ticket.first_token(0.7)
+            await ticket.release(Outcome.COMPLETED)
+        clock.advance(0.2)
+        assert adm.shedder.refusal() is None
+        for _ in range(20):  # the engine's own slowness still does
+            ticket = await adm.admit(ANYONE)
+            ticket.own_latency = sets_own_latency({"synthetic": None})
+            ticket.first_token(0.7)
+            await ticket.release(Outcome.COMPLETED)
+        clock.advance(0.2)
+        refusal = adm.shedder.refusal()
+        assert refusal is not None and refusal[0] == "overloaded"
+
+    asyncio.run(body())
+
+
+def test_only_a_chosen_ttft_is_the_requests_own_latency() -> None:
+    assert sets_own_latency({"synthetic": {"ttft_ms": 0}})
+    assert not sets_own_latency({"synthetic": {"ttft_ms": None, "fail_after": 0}})
+    assert not sets_own_latency({"synthetic": None})
+    assert not sets_own_latency({})

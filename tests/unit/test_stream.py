@@ -86,6 +86,26 @@ def test_an_engine_error_keeps_the_coalesced_text_before_it() -> None:
     asyncio.run(body())
 
 
+class _Ticket:
+    def __init__(self) -> None:
+        self.client_fault = False
+
+    def first_token(self, ttft_s: float) -> None:
+        pass
+
+    async def release(self, outcome: Outcome, tokens: int = 0) -> None:
+        pass
+
+
+@pytest.mark.parametrize("client_fault", [True, False])
+def test_an_error_the_request_caused_is_told_to_its_ticket(client_fault: bool) -> None:
+    stream = make()
+    stream.ticket = ticket = _Ticket()
+    stream.begin()
+    stream.fail(EngineError("upstream_400", "bad request", client_fault=client_fault))
+    assert ticket.client_fault is client_fault  # the breaker ignores the request's own errors
+
+
 def test_an_abandoned_stream_stops_after_its_grace() -> None:
     async def body() -> None:
         clock = FakeClock()
