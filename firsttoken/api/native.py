@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import anyio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -15,6 +17,9 @@ from firsttoken.engines import GenerationRequest
 from firsttoken.wire.render import NativeRenderer
 
 __all__ = ["cancel_stream", "create_stream", "stream_events"]
+
+_SEQ_DIGITS = 18  # under 2**63: any event id this server can have given
+_SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
 
 # Sent first on every native connection: EventSource reconnects after 1 s instead of ~3 s.
 _PREAMBLE = b"retry: 1000\n\n"
@@ -126,11 +131,13 @@ def _last_event_id(request: Request) -> int:
     raw = request.headers.get("last-event-id") or request.query_params.get("last_event_id")
     if raw is None or raw == "":
         return 0
-    if not raw.isdigit():
+    # ASCII digits only, and few enough for any log: str.isdigit() passes "²", and int() of
+    # thousands of digits raises past Python's limit. Either was a 500.
+    if _SEQ.fullmatch(raw) is None:
         raise APIError(
             400,
             "invalid_last_event_id",
-            "Last-Event-ID must be a sequence number",
+            f"Last-Event-ID must be a sequence number (at most {_SEQ_DIGITS} digits 0-9)",
             param="last_event_id",
         )
     return int(raw)

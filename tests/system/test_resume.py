@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from urllib.parse import quote
 
 import httpx
 
@@ -107,3 +108,22 @@ def test_resume_older_than_the_buffer_is_a_clear_error() -> None:
         events = EventDecoder().feed(body)
         assert [e.event for e in events] == ["error"]
         assert json.loads(events[0].data)["error"]["code"] == "resume_expired"
+
+
+def test_a_bad_last_event_id_is_400_not_500(server: Server) -> None:
+    created = httpx.post(
+        server.v1 + "/streams", json={"prompt": "bad id", "max_tokens": 3}, timeout=10
+    ).json()
+    url = server.url + created["events_url"]
+    # "²" passes str.isdigit(); 5,000 digits pass it too but exceed int()'s limit.
+    for bad in ("²", "5" * 5000, "-1", "1.0", "7a"):
+        # A header's bytes are read as Latin-1, where "²" is one byte.
+        header = {"Last-Event-ID": bad.encode("latin-1")}
+        for r in (
+            httpx.get(url, headers=header, timeout=10),
+            httpx.get(url + "&last_event_id=" + quote(bad), timeout=10),
+        ):
+            assert r.status_code == 400, (bad[:10], r.url.query[:80], r.text[:200])
+            error = r.json()["error"]
+            assert error["code"] == "invalid_last_event_id"
+            assert error["param"] == "last_event_id"
