@@ -23,10 +23,11 @@ from firsttoken.api.gateway import Gateway, gateway, trace_id
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.engines import Engine, build_engine
+from firsttoken.engines import Engine
 from firsttoken.observability import Metrics
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
+from firsttoken.routes import build_engine
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.errors import APIError
@@ -56,11 +57,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         store=store,
         max_events=settings.resume_max_events,
     )
+    registry.max_response_bytes = settings.max_response_bytes
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     admission = Admission(settings, metrics)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
-    for part in (store, admission.limits, RuntimeCollector(), registry.pacer):
+    routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
+    for part in (store, admission.limits, RuntimeCollector(), registry.pacer, routed):
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
@@ -94,7 +97,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),
-        Mount("/", StaticFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
+        Mount("/", WebFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
     app = Starlette(
         routes=routes,
@@ -108,6 +111,29 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.gateway = gw
     return app
+
+
+# The chat page loads its scripts, styles and streams from this server only, and renders
+# model output as text (web/markdown.js): a policy of 'self' costs it nothing, and stops what
+# an injected answer might load or where it might send data. No framing (clickjacking).
+PAGE_HEADERS = {
+    "content-security-policy": (
+        "default-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+        "frame-ancestors 'none'"
+    ),
+    "x-content-type-options": "nosniff",
+    "x-frame-options": "DENY",
+    "referrer-policy": "no-referrer",
+}
+
+
+class WebFiles(StaticFiles):
+    """The page's files, each with `PAGE_HEADERS`."""
+
+    async def get_response(self, path: str, scope: Scope) -> Response:
+        response = await super().get_response(path, scope)
+        response.headers.update(PAGE_HEADERS)
+        return response
 
 
 # What a page on another origin may read of our answers (the resume handles among them).

@@ -300,6 +300,12 @@ class Settings:
         choices=("prose", "markdown", "hostile"),
         needs=(SYNTHETIC,),
     )
+    synthetic_fail_rate: float = _knob(
+        0.0,
+        "synthetic engine: share of streams that fail on their own (an engine fault)",
+        range=Range(0, 1),
+        needs=(SYNTHETIC,),
+    )
     resume_grace_s: float = _knob(
         10.0,
         "native streams: keep generating this long after the last reader left "
@@ -338,8 +344,20 @@ class Settings:
     )
     resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
     resume_max_events: int = _knob(8192, "events kept per stream for resume", range=AT_LEAST_1)
+    resume_max_bytes: int = _knob(
+        256 * 1024 * 1024,
+        "bytes of finished streams' resume buffers kept, server-wide (keys file: per key); "
+        "the oldest are dropped first, and resuming one gets resume_expired",
+        range=AT_LEAST_1,
+    )
     max_body_bytes: int = _knob(
         1_048_576, "largest request body accepted (413 above)", range=AT_LEAST_1
+    )
+    max_response_bytes: int = _knob(
+        16 * 1024 * 1024,
+        "largest whole (non-streaming) answer, bytes of text; above it the stream stops with "
+        "400 response_too_large (a streamed answer has no such limit)",
+        range=AT_LEAST_1,
     )
     header_timeout_s: float = _knob(
         10.0, "close connections whose request headers take longer", range=POSITIVE

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import secrets
@@ -20,7 +21,7 @@ from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import Engine, GenerationRequest
-from firsttoken.observability import Metrics
+from firsttoken.observability import Metrics, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.response import ARRIVED_KEY, EventStreamResponse
 
@@ -64,17 +65,22 @@ class Gateway:
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings."""
         s = self.settings
-        stream = Stream(
-            generation,
-            renderer,
-            kind=kind,
-            trace_id=trace,
-            grace_s=s.resume_grace_s if kind == "native" else s.openai_grace_s,
-            prompt_tokens=self.engine.prompt_tokens(generation.prompt),
-            max_events=s.resume_max_events,
-            accepted_at=accepted_at,
-            window=s.stream_buffer_events,
-        )
+        try:
+            stream = Stream(
+                generation,
+                renderer,
+                kind=kind,
+                trace_id=trace,
+                grace_s=s.resume_grace_s if kind == "native" else s.openai_grace_s,
+                prompt_tokens=self.engine.prompt_tokens(generation.prompt),
+                max_events=s.resume_max_events,
+                accepted_at=accepted_at,
+                window=s.stream_buffer_events,
+            )
+        except Exception as exc:  # admitted, but no stream to end: give the ticket back here
+            self.registry.unstarted(ticket)
+            log_event("stream.open_failed", logging.ERROR, trace_id=trace, error=repr(exc))
+            raise APIError(500, "internal_error", "the stream could not be set up") from None
         stream.ticket = ticket
         ticket.own_latency = sets_own_latency(generation.options)
         stream.coalesce = self.coalesce_policy(coalesce)

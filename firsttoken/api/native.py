@@ -54,7 +54,11 @@ async def create_stream(request: Request) -> Response:
         coalesce=body.coalesce,
         meta=body.meta,
     )
-    await gw.registry.start(stream)
+    failed = await gw.registry.start(stream)
+    if failed is not None:
+        # Failed before its id was handed out: nobody could read the error event.
+        gw.registry.forget(stream)
+        return APIError(failed.status or 500, failed.code, failed.message).response(trace)
     events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
     return JSONResponse(
         {

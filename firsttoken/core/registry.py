@@ -19,7 +19,7 @@ from anyio.abc import TaskGroup, TaskStatus
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import AdmissionTicket, Outcome, Stream
 from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventStore, MemoryStore
@@ -90,6 +90,7 @@ class StreamRegistry:
         self.max_events = max_events
         self.schedule = Schedule()  # heartbeats, send timeouts and grace periods
         self.pacer: Pacer | None = None  # --max-stream-bytes-per-s: every writer's budget
+        self.max_response_bytes: int | None = None  # --max-response-bytes: a whole answer's
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
@@ -142,35 +143,59 @@ class StreamRegistry:
         if stream is not None:
             stream.stop(Outcome.CANCELLED)
 
-    async def start(self, stream: Stream) -> None:
+    async def start(self, stream: Stream) -> EngineError | None:
+        """Start generating `stream`. It never raises for the engine's sake: whatever fails
+        before the engine runs (the store's registration, the opening events, a step engine's
+        `open`) fails the stream instead, so its one end releases everything it took (ticket,
+        active gauge, store registration) and counts `error`. Returns that error (a handler
+        that has sent nothing yet answers it as JSON), or None."""
         assert self._tg is not None, "registry is not running"
         self._streams[stream.id] = stream
-        if self.store.replicates:
-            await self.store.register(stream.record(), self.ttl_s)
-            stream.log.replica = partial(self.store.replicate, stream.id)
         self.metrics.active_streams += 1
         stream.on_end = self._on_end
         stream.on_first_token = self._on_first_token
-        log_event(
-            "stream.accepted",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            model=stream.request.model,
-            max_tokens=stream.request.max_tokens,
-        )
-        stream.begin()
         request = stream.request
-        if self._steps:
-            stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
-        else:
-            pulled = _Pulled(self.engine, stream, request)
-            stream.generation = pulled
-            self._tg.start_soon(pulled.run)
-        # The engine holds what it still needs (a relay forwards the raw body when its task
-        # runs); the stream keeps only the model and the limits.
-        stream.request = request.without_inputs()
+        try:
+            if self.store.replicates:
+                await self.store.register(stream.record(), self.ttl_s)
+                stream.log.replica = partial(self.store.replicate, stream.id)
+            log_event(
+                "stream.accepted",
+                stream=stream.id,
+                trace_id=stream.trace_id,
+                model=request.model,
+                max_tokens=request.max_tokens,
+            )
+            stream.begin()
+            if self._steps:
+                stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
+            else:
+                pulled = _Pulled(self.engine, stream, request)
+                stream.generation = pulled
+                self._tg.start_soon(pulled.run)
+        except EngineError as exc:
+            stream.fail(exc)
+            return exc
+        except Exception as exc:
+            log_event("stream.open_failed", logging.ERROR, stream=stream.id, error=repr(exc))
+            error = EngineError("internal_error", "the engine failed to start this stream")
+            stream.fail(error)
+            return error
+        except BaseException:  # cancelled while registering: nobody is left to read it
+            stream.stop(Outcome.DISCONNECTED)
+            raise
+        finally:
+            # The engine holds what it still needs (a relay forwards the raw body when its
+            # task runs); the stream keeps only the model and the limits.
+            stream.request = request.without_inputs()
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
+        return None
+
+    def forget(self, stream: Stream) -> None:
+        """Drop an ended stream nobody can ask for (it failed before its id was handed out)."""
+        if stream.outcome is not None and self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
 
     def discard(self, stream: Stream) -> None:
         """A stream admitted but never started (its client left first): what it took from
@@ -181,6 +206,12 @@ class StreamRegistry:
         self.metrics.streams[Outcome.DISCONNECTED.value] += 1
         if stream.ticket is not None:
             self._spawn(stream.ticket.release, Outcome.DISCONNECTED, 0, inline=True)
+
+    def unstarted(self, ticket: AdmissionTicket) -> None:
+        """An admitted request failed before it had a stream: its ticket goes back, and it
+        counts as `error`."""
+        self.metrics.streams[Outcome.ERROR.value] += 1
+        self._spawn(ticket.release, Outcome.ERROR, 0, inline=True)
 
     def attach(self, stream: Stream) -> None:
         stream.readers += 1

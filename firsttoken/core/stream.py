@@ -299,6 +299,14 @@ class Stream:
             return self.outcome is None
         if self.outcome is not None:
             return False
+        if delta.meta is not None:
+            # News about the stream (a splice), not a token: native readers see it.
+            if self.kind == "native":
+                self._flush_pending()
+                self._in_text = False
+                self._frame = None
+                self._append("meta", _dumps(delta.meta))
+            return self._room()
         first = self.first_token_at is None
         if first:
             self.first_token_at = time.perf_counter()

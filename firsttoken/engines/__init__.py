@@ -18,6 +18,7 @@ __all__ = [
 
 
 def build_engine(settings: Settings) -> Engine:
+    """One engine in this process (the routes build relays and wrap several of these)."""
     engine: Engine
     if settings.engine == "synthetic" and settings.batch_max > 0:
         from firsttoken.engines.batching import BatchingEngine
@@ -28,11 +29,8 @@ def build_engine(settings: Settings) -> Engine:
             ttft_ms=settings.synthetic_ttft_ms,
             itl_ms=settings.synthetic_itl_ms,
             style=settings.synthetic_style,
+            fail_rate=settings.synthetic_fail_rate,
         )
-    elif settings.engine == "openai":
-        from firsttoken.engines.relay import RelayEngine
-
-        engine = RelayEngine(settings)
     elif settings.engine == "llamacpp":
         from firsttoken.engines.llamacpp import LlamaCppEngine
 

@@ -37,6 +37,9 @@ class GenerationRequest:
     body: Mapping[str, Any] | None = None
     # Engine-specific extras, e.g. the synthetic engine's per-request timing and faults.
     options: Mapping[str, Any] = field(default_factory=dict)
+    # The API key's name that asked ("" on an open server), for engines that keep state per
+    # caller: the answer cache keys its entries by it unless `--cache-scope shared`.
+    tenant: str = ""
 
     def without_inputs(self) -> GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
@@ -76,12 +79,19 @@ class Delta:
     logprobs: Any = None  # the chunk's logprobs object, as the upstream sent it
     extra: Mapping[str, Any] | None = None
     usage: Mapping[str, Any] | None = None  # on the last delta: the engine's own count
+    # Not a token: news about the stream for native readers' `event: meta` (a splice).
+    meta: Mapping[str, Any] | None = None
 
     @property
     def structured(self) -> bool:
         """More than answer text: goes through `Sink.push_delta`, not the token path."""
         return bool(
-            self.reasoning or self.tool_calls or self.refusal or self.logprobs or self.extra
+            self.reasoning
+            or self.tool_calls
+            or self.refusal
+            or self.logprobs
+            or self.extra
+            or self.meta
         )
 
 

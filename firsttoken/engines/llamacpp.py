@@ -184,12 +184,13 @@ class _Job:
 class LlamaCppEngine:
     """Streams a GGUF model's tokens; one generation at a time, in a worker thread."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, path: str | None = None) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise RuntimeError(
                 "engine llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'"
             )
-        self.path = Path(settings.model) if settings.model else default_model_path()
+        given = path or settings.model
+        self.path = Path(given) if given else default_model_path()
         if not self.path.is_file():
             raise RuntimeError(f"--model {self.path}: no such file")
         self.models: tuple[str, ...] = (model_id(self.path),)

@@ -1,17 +1,19 @@
-"""The relay engine: stream from OpenAI-compatible upstreams (vLLM, TGI, Ollama, llama.cpp
-server, OpenAI), one delta per upstream chunk, with errors normalised to `EngineError`.
+"""The relay engine: stream from one OpenAI-compatible upstream (vLLM, SGLang, TGI, Ollama,
+llama.cpp server, OpenAI), one delta per upstream chunk, with errors normalised to
+`EngineError`.
 
-Several upstreams are balanced by least outstanding streams; a request fails over to the next
-upstream only while nothing has been yielded, so a client never sees text twice.
+Choosing among upstreams, failing over and splicing a cut answer onto another are the routes'
+(`firsttoken/routes/`): this engine is one target.
 """
 
 from __future__ import annotations
 
+import email.utils
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -19,7 +21,6 @@ import anyio
 import httpx
 import orjson
 
-from firsttoken.config import Settings
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.text import count_words
 from firsttoken.engines.upstream import (
@@ -33,26 +34,13 @@ from firsttoken.engines.upstream import (
 from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
-__all__ = ["RelayEngine", "Upstream", "normalise_error", "upstream_base"]
+__all__ = ["RelayEngine", "normalise_error", "retry_after", "upstream_base"]
 
-# An upstream that refused or timed out a connect is tried last for this long.
-COOLDOWN_S = 5.0
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_ERROR_BODY = 64 * 1024
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
-
-
-@dataclass(slots=True)
-class Upstream:
-    base: str  # ends with the API root, e.g. http://host:8000/v1
-    models: tuple[str, ...] | None = None  # None: /models did not answer at start
-    outstanding: int = 0
-    down_until: float = 0.0
-
-    def serves(self, model: str) -> bool:
-        return self.models is None or model in self.models
 
 
 def upstream_base(url: str) -> str:
@@ -64,25 +52,36 @@ def upstream_base(url: str) -> str:
 
 
 class RelayEngine:
-    """`--engine openai`: relays to `--upstream URL[,URL...]`."""
+    """kind = "openai": one OpenAI-compatible upstream.
 
-    def __init__(self, settings: Settings) -> None:
-        if not settings.upstream:
-            raise ValueError("--engine openai needs --upstream URL[,URL...]")
-        self.upstreams = [upstream_base(u) for u in settings.upstream.split(",") if u.strip()]
-        self._ups = [Upstream(u) for u in self.upstreams]
-        self.models: tuple[str, ...] = ()
+    `model`, when given, is the name the upstream knows (sent instead of the client's).
+    `completions_template`, when given, continues a cut chat answer through `/completions`
+    with the conversation rendered here (for servers without `continue_final_message`).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        api_key: str | None = None,
+        model: str | None = None,
+        connect_timeout_s: float = 5.0,
+        read_timeout_s: float = 60.0,
+        completions_template: str | None = None,
+    ) -> None:
+        self.base = upstream_base(url)
+        self.model = model
+        self.models: tuple[str, ...] = (model,) if model else ()
         self.tokens_generated = 0
-        self.failovers = 0
-        self._api_key = settings.upstream_api_key
-        self._connect_timeout = settings.upstream_connect_timeout_s
-        self._read_timeout = settings.upstream_read_timeout_s
-        # httpx for GET /models at start; the streaming POSTs go through the lean client.
+        self._api_key = api_key
+        self._connect_timeout = connect_timeout_s
+        self._read_timeout = read_timeout_s
+        self._template = completions_template
+        # httpx for GET /models; the streaming POSTs go through the lean client.
         self._client: httpx.AsyncClient | None = None
         self._pool: UpstreamPool | None = None
         self._inflight: dict[str, UpstreamResponse] = {}
         self._aborted: set[str] = set()
-        self._turn = 0
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -100,34 +99,23 @@ class RelayEngine:
             read_timeout=self._read_timeout,
             headers={**headers, "content-type": "application/json", "accept": "text/event-stream"},
         )
-        errors: dict[str, str] = {}
-        async with anyio.create_task_group() as tg:
-            for up in self._ups:
-                tg.start_soon(self._fetch_models, up, errors)
-        if not any(up.models is not None for up in self._ups):
-            await self.close()
-            detail = "; ".join(f"{url}: {err}" for url, err in errors.items())
-            raise RuntimeError(f"relay: no upstream answered GET /models ({detail})")
-        models: dict[str, None] = {}
-        for up in self._ups:
-            models.update(dict.fromkeys(up.models or ()))
-        if not models:
-            await self.close()
-            raise RuntimeError("relay: the upstreams list no models")
-        self.models = tuple(models)
+        await self.fetch_models()
 
-    async def _fetch_models(self, up: Upstream, errors: dict[str, str]) -> None:
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        """GET /models: the ids the upstream serves, or None when it did not answer (an
+        upstream down at start is the routes' health checks' business, not fatal here)."""
         assert self._client is not None
         try:
-            resp = await self._client.get(up.base + "/models")
+            resp = await self._client.get(self.base + "/models")
             resp.raise_for_status()
             ids = tuple(str(m["id"]) for m in resp.json()["data"])
         except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            errors[up.base] = f"{type(exc).__name__}: {exc}"
-            log_event("relay.upstream_down", logging.WARNING, upstream=up.base, error=str(exc))
-            return
-        up.models = ids
-        log_event("relay.upstream", upstream=up.base, models=list(ids))
+            log_event("relay.upstream_down", logging.WARNING, upstream=self.base, error=str(exc))
+            return None
+        if not self.model:
+            self.models = ids
+        log_event("relay.upstream", upstream=self.base, models=list(ids))
+        return ids
 
     async def close(self) -> None:
         if self._client is not None:
@@ -140,7 +128,7 @@ class RelayEngine:
     # -- the Engine protocol ---------------------------------------------------------------
 
     def counters(self) -> dict[str, int]:
-        return {"failovers": self.failovers}
+        return {}
 
     def prompt_tokens(self, prompt: str) -> int:
         return count_words(prompt)
@@ -154,51 +142,20 @@ class RelayEngine:
             resp.close()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        last: EngineError | None = None
-        for i, up in enumerate(self._order(request.model)):
-            if i:
-                self.failovers += 1
-                log_event("relay.failover", stream=request.request_id, upstream=up.base)
-            yielded = False
-            try:
-                async with aclosing(self._stream(up, request)) as deltas:
-                    async for delta in deltas:
-                        yielded = True
-                        yield delta
-                return
-            except EngineError as exc:
-                log_event(
-                    "relay.upstream_error",
-                    logging.WARNING,
-                    stream=request.request_id,
-                    upstream=up.base,
-                    code=exc.code,
-                    error=exc.message[:200],
-                )
-                if yielded or not exc.retryable:
-                    raise
-                last = exc
-        raise last or EngineError("model_not_found", f"no upstream serves {request.model!r}")
+        async with aclosing(self._stream(request)) as deltas:
+            async for delta in deltas:
+                yield delta
 
     # -- internals -------------------------------------------------------------------------
-
-    def _order(self, model: str) -> list[Upstream]:
-        """Upstreams to try: least outstanding first, ties taken in turn, cooling down last."""
-        now = anyio.current_time()
-        n = len(self._ups)
-        self._turn = (self._turn + 1) % n
-        candidates = [
-            (up.down_until > now, up.outstanding, (i - self._turn) % n, up)
-            for i, up in enumerate(self._ups)
-            if up.serves(model)
-        ]
-        candidates.sort(key=lambda c: c[:3])
-        return [c[3] for c in candidates]
 
     def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
         """The upstream request: the client's body as it came (every field: tools, content
         parts, response_format...), changed only where the gateway must: the model it
         routes to, streaming on, usage on, and firsttoken's own stream options off."""
+        model = self.model or request.model
+        continuing = "continuation" in request.options
+        if continuing and self._template is not None and request.messages is not None:
+            return self._completions_body(request, model)
         if request.body is not None:
             body = dict(request.body)
             chat = "messages" in body or "prompt" not in body
@@ -207,17 +164,38 @@ class RelayEngine:
             for own in _OWN_STREAM_OPTIONS:
                 options.pop(own, None)
             options["include_usage"] = True
-            body.update(model=request.model, stream=True, stream_options=options)
+            body.update(model=model, stream=True, stream_options=options)
             if request.max_tokens is not None and "max_tokens" not in body:
                 body.setdefault("max_completion_tokens", request.max_tokens)
             return ("/chat/completions" if chat else "/completions"), orjson.dumps(body)
-        body = {"model": request.model, "stream": True}
+        body = {"model": model, "stream": True}
         if request.messages is not None:
             path = "/chat/completions"
             body["messages"] = [dict(m) for m in request.messages]
+            if continuing:  # vLLM's and SGLang's way to continue the last message
+                body["continue_final_message"] = True
+                body["add_generation_prompt"] = False
         else:
             path = "/completions"
             body["prompt"] = request.prompt
+        self._sampling(request, body)
+        return path, orjson.dumps(body)
+
+    def _completions_body(self, request: GenerationRequest, model: str) -> tuple[str, bytes]:
+        """A cut chat answer continued through /completions: the conversation rendered with
+        the target's chat template, the assistant's text left open at its end."""
+        assert request.messages is not None and self._template is not None
+        body: dict[str, Any] = {
+            "model": model,
+            "stream": True,
+            "prompt": render_open_chat(request.messages, self._template),
+            "stream_options": {"include_usage": True},
+        }
+        self._sampling(request, body)
+        return "/completions", orjson.dumps(body)
+
+    @staticmethod
+    def _sampling(request: GenerationRequest, body: dict[str, Any]) -> None:
         if request.max_tokens is not None:
             body["max_tokens"] = request.max_tokens
         if request.seed is not None:
@@ -232,32 +210,30 @@ class RelayEngine:
             knobs = {k: v for k, v in synthetic.items() if v is not None}
             if knobs:
                 body["synthetic"] = knobs
-        return path, orjson.dumps(body)
 
-    async def _stream(self, up: Upstream, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def _stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         if self._pool is None:
             raise EngineError("engine_unavailable", "the relay engine is not started")
         rid = request.request_id
         path, body = self._body(request)
         chat = path == "/chat/completions"
-        up.outstanding += 1
         resp: UpstreamResponse | None = None
         try:
-            resp = await self._pool.request("POST", up.base + path, body, {"x-request-id": rid})
+            resp = await self._pool.request("POST", self.base + path, body, {"x-request-id": rid})
             self._inflight[rid] = resp
             if resp.status_code >= 400:
                 raw = await _read_bounded(resp)
-                raise normalise_error(raw, resp.status_code)
+                raise normalise_error(raw, resp.status_code, resp.headers.get("retry-after"))
             async with aclosing(self._deltas(resp, chat)) as deltas:
                 async for delta in deltas:
                     yield delta
         except (ConnectError, ConnectTimeout) as exc:
-            up.down_until = anyio.current_time() + COOLDOWN_S
             code = "upstream_timeout" if isinstance(exc, ConnectTimeout) else None
             raise EngineError(
                 code or "upstream_unavailable",
                 f"could not connect to the upstream ({type(exc).__name__})",
                 retryable=True,
+                status=503,
             ) from exc
         except ReadTimeout as exc:
             raise EngineError(
@@ -274,7 +250,6 @@ class RelayEngine:
         finally:
             if resp is not None:
                 resp.close()  # before the body's end: the upstream sees us leave at once
-            up.outstanding -= 1
             self._inflight.pop(rid, None)
             self._aborted.discard(rid)
 
@@ -437,11 +412,30 @@ def _plain_text(raw: bytes) -> str:
     return _SPACE.sub(" ", text).strip()[:500]
 
 
-def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
+def retry_after(value: str | None) -> float | None:
+    """A Retry-After header's seconds (delta-seconds or an HTTP date); None if absent or
+    unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit() and len(value) < 10:
+        return float(value)
+    try:
+        when = email.utils.parsedate_to_datetime(value)
+    except (TypeError, ValueError, IndexError):
+        return None
+    return max(0.0, when.timestamp() - time.time())
+
+
+def normalise_error(
+    raw: bytes, status: int | None = None, retry_after_header: str | None = None
+) -> EngineError:
     """Any upstream error body (OpenAI, vLLM, TGI, llama.cpp, or not JSON) → EngineError.
 
-    The code is the upstream's code string when it has one, else `upstream_<status>` (HTTP or
-    the body's numeric code), else the error type; the message is kept as sent.
+    An HTTP 4xx other than 429 is the request's own fault: `upstream_rejected`, carrying the
+    upstream's status and message. Otherwise the code is the upstream's code string when it
+    has one, else `upstream_<status>` (HTTP or the body's numeric code), else the error type;
+    the message is kept as sent.
     """
     try:
         obj: Any = orjson.loads(raw)
@@ -465,6 +459,15 @@ def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
                 code_num = int(code)
     if message is None:
         message = _plain_text(raw) or "the upstream failed"
+    message = str(message)[:2000]
+    if status is not None and 400 <= status < 500 and status != 429:
+        return EngineError(
+            "upstream_rejected",
+            f"the upstream answered {status}: {message}",
+            type_="invalid_request_error",
+            status=status,
+            client_fault=True,
+        )
     if code_str and _CODE.match(code_str):
         code = code_str
     elif status is not None or code_num is not None:
@@ -474,6 +477,25 @@ def normalise_error(raw: bytes, status: int | None = None) -> EngineError:
     else:
         code = "upstream_error"
     # Another upstream may do better after overload, a server error, or an in-stream error
-    # (vLLM labels those 400 whatever broke); a 4xx answer is the request's own fault.
-    retryable = status is None or status == 429 or status >= 500
-    return EngineError(code, str(message), retryable=retryable)
+    # (vLLM labels those 400 whatever broke).
+    return EngineError(
+        code,
+        message,
+        retryable=True,
+        status=status,
+        retry_after_s=retry_after(retry_after_header),
+    )
+
+
+def render_open_chat(messages: Any, template: str) -> str:
+    """The conversation as a completion prompt whose last (assistant) message stays open, so
+    the model writes on from its last character. Only ChatML is known (Qwen, SmolLM2, ...)."""
+    if template != "chatml":
+        raise ValueError(f"unknown chat template {template!r}")
+    parts = [f"<|im_start|>{m['role']}\n{m.get('content') or ''}<|im_end|>\n" for m in messages]
+    last = messages[-1]
+    if last.get("role") == "assistant":
+        parts[-1] = f"<|im_start|>assistant\n{last.get('content') or ''}"
+    else:
+        parts.append("<|im_start|>assistant\n")
+    return "".join(parts)

@@ -246,8 +246,8 @@ def test_failure_after_tokens_is_not_retried(relay: Server, ups: tuple[Server, S
         ("hang-before", "upstream_timeout", "nothing for too long", ""),
         ("http-500", "upstream_500", LLAMACPP_ERROR["message"], ""),
         ("http-503", "upstream_503", "503 Service Unavailable", ""),
-        ("http-400", "upstream_400", VLLM_FLAT_ERROR["message"], ""),
-        ("http-422", "upstream_422", TGI_VALIDATION["error"], ""),
+        ("http-400", "upstream_rejected", VLLM_FLAT_ERROR["message"], ""),
+        ("http-422", "upstream_rejected", TGI_VALIDATION["error"], ""),
         ("http-429", "rate_limit_exceeded", OPENAI_429["error"]["message"], ""),
     ],
 )
@@ -304,12 +304,25 @@ def test_failover_before_the_first_token(ups: tuple[Server, Server]) -> None:
             assert text == "".join(chat_tokens("hi", seed, 20))
         # Each broken upstream was tried, and each time the next one took over.
         assert refusing.posts and early.posts
+        # The shorthand names its targets upstream-1, upstream-2, ... in the given order.
         failed = {
-            r["upstream"] for r in relay.log_records() if r["event"] == "relay.upstream_error"
+            r["target"] for r in relay.log_records() if r["event"] == "route.target_failed"
         }
-        assert failed == {upstream_base(u) for u in (dead, refusing.url, early.url)}
-        failovers = [r for r in relay.log_records() if r["event"] == "relay.failover"]
+        assert failed == {"upstream-1", "upstream-2", "upstream-3"}
+        failovers = [r for r in relay.log_records() if r["event"] == "route.failover"]
         assert len(failovers) >= 3
+        metrics = relay.metrics()
+        assert metrics["firsttoken_relay_failovers_total"] == len(failovers)
+        by_phase = {
+            phase: metrics.get(
+                f'firsttoken_failovers_total{{phase="{phase}",route="default"}}', 0.0
+            )
+            for phase in ("connect", "first_token", "mid_stream")
+        }
+        # The refused connect and the 503 are `connect`; the error event before any token
+        # is `first_token`; nothing was spliced.
+        assert by_phase["connect"] >= 2 and by_phase["first_token"] >= 1
+        assert by_phase["mid_stream"] == 0
 
 
 def test_start_fails_loudly_without_an_upstream() -> None:

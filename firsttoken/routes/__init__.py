@@ -1,0 +1,17 @@
+"""Routes: many engines behind one gateway, with health, phase deadlines and the splice."""
+
+from firsttoken.routes.build import build_engine, build_routes, shorthand
+from firsttoken.routes.config import ModelRoute, RoutesError, RouteTable, TargetConfig, load_routes
+from firsttoken.routes.engine import RoutedEngine
+
+__all__ = [
+    "ModelRoute",
+    "RouteTable",
+    "RoutedEngine",
+    "RoutesError",
+    "TargetConfig",
+    "build_engine",
+    "build_routes",
+    "load_routes",
+    "shorthand",
+]

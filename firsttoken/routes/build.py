@@ -1,0 +1,115 @@
+"""From settings to the engine the server runs: one engine, or routes over many."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+
+from firsttoken.config import Settings
+from firsttoken.engines import Engine
+from firsttoken.engines import build_engine as build_single
+from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig, load_routes
+from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routes.target import Target
+
+__all__ = ["build_engine", "build_routes", "shorthand"]
+
+# The shorthand has no total deadline (a relay never had one): a day stands for none.
+_NO_TOTAL_S = 86_400.0
+# How long past the router's own deadlines the upstream client waits for bytes: a backstop
+# only (the router cancels a leg at its phase deadline).
+_READ_SLACK_S = 5.0
+
+
+def build_engine(settings: Settings) -> Engine:
+    """The server's engine: routes (`--routes`, or `--engine openai --upstream` as a
+    one-route shorthand), else the one engine `--engine` names; the prompt cache around it."""
+    engine: Engine
+    if settings.routes:
+        engine = build_routes(load_routes(settings.routes), settings)
+    elif settings.engine == "openai":
+        engine = build_routes(shorthand(settings), settings)
+    else:
+        return build_single(settings)
+    if settings.cache_ttl_s > 0 or settings.canned_answers:
+        from firsttoken.engines.cache import CachedEngine
+
+        engine = CachedEngine(engine, settings)
+    return engine
+
+
+def shorthand(settings: Settings) -> RouteTable:
+    """`--engine openai --upstream A,B`: one route over `upstream-1`, `upstream-2`, … that
+    serves whatever models they list, balanced by streams in flight."""
+    assert settings.upstream
+    urls = [u.strip() for u in settings.upstream.split(",") if u.strip()]
+    targets = {
+        f"upstream-{i}": TargetConfig(
+            name=f"upstream-{i}",
+            kind="openai",
+            url=url,
+            connect_timeout_s=settings.upstream_connect_timeout_s,
+            first_token_timeout_s=settings.upstream_read_timeout_s,
+            idle_timeout_s=settings.upstream_read_timeout_s,
+            total_timeout_s=_NO_TOTAL_S,
+            eject_s=5.0,
+        )
+        for i, url in enumerate(urls, 1)
+    }
+    name = "default"
+    route = ModelRoute(
+        name=name,
+        targets=tuple(targets),
+        max_splices=0,
+        balance="least_busy",
+        passthrough=True,
+    )
+    return RouteTable(targets=targets, routes={name: route})
+
+
+def build_routes(
+    table: RouteTable, settings: Settings, env: Mapping[str, str] | None = None
+) -> RoutedEngine:
+    env = os.environ if env is None else env
+    targets = {
+        name: Target(cfg, _engine(cfg, settings, env)) for name, cfg in table.targets.items()
+    }
+    return RoutedEngine(table, targets)
+
+
+def _engine(cfg: TargetConfig, settings: Settings, env: Mapping[str, str]) -> Engine:
+    read_timeout = max(cfg.first_token_timeout_s, cfg.idle_timeout_s) + _READ_SLACK_S
+    if cfg.kind == "openai":
+        from firsttoken.engines.relay import RelayEngine
+
+        assert cfg.url is not None
+        return RelayEngine(
+            cfg.url,
+            api_key=cfg.api_key(env) or settings.upstream_api_key,
+            model=cfg.model,
+            connect_timeout_s=cfg.connect_timeout_s,
+            read_timeout_s=read_timeout,
+            completions_template="chatml" if cfg.continuation == "completions" else None,
+        )
+    if cfg.kind == "anthropic":
+        from firsttoken.engines.anthropic_relay import AnthropicRelay
+
+        assert cfg.url is not None
+        return AnthropicRelay(
+            cfg.url,
+            api_key=cfg.api_key(env),
+            model=cfg.model,
+            connect_timeout_s=cfg.connect_timeout_s,
+            read_timeout_s=read_timeout,
+        )
+    if cfg.kind == "llamacpp":
+        from firsttoken.engines.llamacpp import LlamaCppEngine
+
+        return LlamaCppEngine(settings, path=cfg.model)
+    from firsttoken.engines.synthetic import SyntheticEngine
+
+    return SyntheticEngine(
+        ttft_ms=settings.synthetic_ttft_ms if cfg.ttft_ms is None else cfg.ttft_ms,
+        itl_ms=settings.synthetic_itl_ms if cfg.itl_ms is None else cfg.itl_ms,
+        style=settings.synthetic_style,
+    )

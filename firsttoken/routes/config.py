@@ -1,0 +1,270 @@
+"""The routes file: which engines (targets) stand behind which model names (routes).
+
+A TOML file read once at start. Every mistake is refused there as one line naming the file,
+the table and the field, because a route that silently falls back to something else sends a
+user's prompt to a model they did not choose.
+"""
+
+from __future__ import annotations
+
+import math
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+__all__ = [
+    "CONTINUATIONS",
+    "KINDS",
+    "ModelRoute",
+    "RouteTable",
+    "RoutesError",
+    "TargetConfig",
+    "load_routes",
+    "parse_routes",
+]
+
+KINDS = ("openai", "anthropic", "llamacpp", "synthetic")
+# How a target continues a cut answer. Our own engines (synthetic, llamacpp) continue
+# natively; "none" is never spliced onto.
+CONTINUATIONS = ("vllm", "anthropic", "completions", "none", "native")
+_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/-")
+
+
+class RoutesError(ValueError):
+    """The routes file is wrong; `str()` is the one line a person reads."""
+
+
+@dataclass(frozen=True, slots=True)
+class TargetConfig:
+    """One engine the gateway can send to."""
+
+    name: str
+    kind: str
+    url: str | None = None
+    model: str | None = None  # the name the target knows; None: the route's name
+    api_key_env: str | None = None
+    continuation: str = "none"
+    connect_timeout_s: float = 5.0
+    first_token_timeout_s: float = 30.0
+    idle_timeout_s: float = 30.0  # longest silence between two chunks once the answer began
+    total_timeout_s: float = 600.0
+    max_concurrency: int | None = None  # None: no limit
+    queue_timeout_s: float = 30.0
+    # Passive health (as Envoy's outlier detection): ejected after this many failures in a
+    # row, for eject_s (longer each time it is ejected again), then one real request probes.
+    eject_after: int = 3
+    eject_s: float = 10.0
+    health_check_interval_s: float = 0.0  # active: GET {url}/models this often (0: off)
+    # kind synthetic: the engine's pace (None: the server's --synthetic-* settings)
+    ttft_ms: float | None = None
+    itl_ms: float | None = None
+
+    def api_key(self, env: Mapping[str, str]) -> str | None:
+        return env.get(self.api_key_env) if self.api_key_env else None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRoute:
+    """What clients send as `model`: an ordered list of targets."""
+
+    name: str
+    targets: tuple[str, ...]
+    max_splices: int = 1
+    # "order": the first healthy target takes every request (failover); "least_busy": the
+    # one with the fewest streams in flight (the --upstream shorthand's balancing).
+    balance: str = "order"
+    # Also route these names here (the shorthand: whatever models its upstreams list).
+    aliases: tuple[str, ...] = ()
+    passthrough: bool = False  # the client's model name goes to the targets as it is
+
+
+@dataclass(frozen=True, slots=True)
+class RouteTable:
+    targets: Mapping[str, TargetConfig]
+    routes: Mapping[str, ModelRoute]  # in the file's order: the first is the default
+
+    @property
+    def default(self) -> ModelRoute:
+        return next(iter(self.routes.values()))
+
+
+# field: (type, check) — a check answers None or what is wrong
+_NUMBER = (int, float)
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be > 0"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _at_least_1(v: Any) -> str | None:
+    return None if v >= 1 else "must be >= 1"
+
+
+def _url(v: str) -> str | None:
+    parts = urlsplit(v)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        return "must be an http(s)://HOST[:PORT][/PATH] URL"
+    try:
+        parts.port  # noqa: B018  (raises on a port out of range)
+    except ValueError:
+        return "has a bad port"
+    return None
+
+
+def _one_of(*allowed: str) -> Any:
+    def check(v: str) -> str | None:
+        return None if v in allowed else "must be one of " + ", ".join(allowed)
+
+    return check
+
+
+_TARGET_FIELDS: dict[str, tuple[Any, Any]] = {
+    "kind": (str, _one_of(*KINDS)),
+    "url": (str, _url),
+    "model": (str, None),
+    "api_key_env": (str, None),
+    "continuation": (str, _one_of("vllm", "anthropic", "completions", "none")),
+    "connect_timeout_s": (_NUMBER, _positive),
+    "first_token_timeout_s": (_NUMBER, _positive),
+    "idle_timeout_s": (_NUMBER, _positive),
+    "total_timeout_s": (_NUMBER, _positive),
+    "max_concurrency": (int, _at_least_1),
+    "queue_timeout_s": (_NUMBER, _non_negative),
+    "eject_after": (int, _at_least_1),
+    "eject_s": (_NUMBER, _positive),
+    "health_check_interval_s": (_NUMBER, _non_negative),
+    "ttft_ms": (_NUMBER, _non_negative),
+    "itl_ms": (_NUMBER, _non_negative),
+}
+_ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
+    "targets": (list, None),
+    "max_splices": (int, _non_negative),
+    "balance": (str, _one_of("order", "least_busy")),
+}
+
+
+def load_routes(path: str | Path) -> RouteTable:
+    """Read and check a routes file; raises RoutesError (one line, naming the file)."""
+    path = Path(path).expanduser()
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RoutesError(f"{path}: cannot read: {exc}") from None
+    try:
+        data = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RoutesError(f"{path}: not TOML: {exc}") from None
+    return parse_routes(data, str(path))
+
+
+def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
+    def fail(where: str, message: str) -> RoutesError:
+        return RoutesError(f"{source}: {where}: {message}")
+
+    unknown = set(data) - {"targets", "models"}
+    if unknown:
+        raise fail(f"[{sorted(unknown)[0]}]", "unknown table (expected [targets.*], [models.*])")
+    raw_targets = _table(data, "targets", source)
+    raw_routes = _table(data, "models", source)
+    if not raw_targets:
+        raise fail("[targets]", "at least one target is needed")
+    if not raw_routes:
+        raise fail("[models]", "at least one model route is needed")
+
+    targets: dict[str, TargetConfig] = {}
+    for name, raw in raw_targets.items():
+        where = f"[targets.{name}]"
+        _check_name(name, where, fail)
+        if not isinstance(raw, dict):
+            raise fail(where, "must be a table")
+        values = _fields(raw, _TARGET_FIELDS, where, fail)
+        kind = values.get("kind")
+        if kind is None:
+            raise fail(f"{where} kind", "is required (" + " | ".join(KINDS) + ")")
+        if kind in ("openai", "anthropic") and "url" not in values:
+            raise fail(f"{where} url", f"is required for kind {kind!r}")
+        if kind in ("llamacpp", "synthetic"):
+            if "url" in values:
+                raise fail(f"{where} url", f"kind {kind!r} runs in this process: no url")
+            given = values.pop("continuation", "native")
+            if given not in ("none", "native"):
+                raise fail(
+                    f"{where} continuation",
+                    f"kind {kind!r} continues natively; only 'none' turns that off",
+                )
+            values["continuation"] = given
+        elif "continuation" not in values:
+            values["continuation"] = "anthropic" if kind == "anthropic" else "none"
+        elif kind == "anthropic" and values["continuation"] not in ("anthropic", "none"):
+            raise fail(f"{where} continuation", "kind 'anthropic' continues by 'anthropic' prefill")
+        if kind != "synthetic":
+            for own in ("ttft_ms", "itl_ms"):
+                if own in values:
+                    raise fail(f"{where} {own}", "applies to kind 'synthetic' only")
+        if kind in ("llamacpp", "synthetic") and values.get("health_check_interval_s"):
+            raise fail(f"{where} health_check_interval_s", f"kind {kind!r} has no URL to check")
+        if kind == "llamacpp" and "model" in values and not Path(values["model"]).is_file():
+            raise fail(f"{where} model", f"no such GGUF file: {values['model']!r}")
+        targets[name] = TargetConfig(name=name, **values)
+
+    routes: dict[str, ModelRoute] = {}
+    for name, raw in raw_routes.items():
+        where = f"[models.{name}]"
+        _check_name(name, where, fail)
+        if not isinstance(raw, dict):
+            raise fail(where, "must be a table")
+        values = _fields(raw, _ROUTE_FIELDS, where, fail)
+        listed = values.get("targets")
+        if not listed:
+            raise fail(f"{where} targets", "must list at least one target")
+        for item in listed:
+            if not isinstance(item, str):
+                raise fail(f"{where} targets", "must be a list of target names")
+            if item not in targets:
+                known = ", ".join(targets)
+                raise fail(f"{where} targets", f"no target named {item!r} (targets: {known})")
+        if len(set(listed)) != len(listed):
+            raise fail(f"{where} targets", "lists a target twice")
+        values["targets"] = tuple(listed)
+        routes[name] = ModelRoute(name=name, **values)
+    return RouteTable(targets=targets, routes=routes)
+
+
+def _table(data: Mapping[str, Any], key: str, source: str) -> dict[str, Any]:
+    table = data.get(key, {})
+    if not isinstance(table, dict):
+        raise RoutesError(f"{source}: [{key}]: must be a table of tables")
+    return table
+
+
+def _check_name(name: str, where: str, fail: Any) -> None:
+    if not name or len(name) > 128 or not set(name) <= _NAME_CHARS:
+        raise fail(where, "a name is 1-128 of A-Z a-z 0-9 . _ : / -")
+
+
+def _fields(
+    raw: Mapping[str, Any], known: Mapping[str, tuple[Any, Any]], where: str, fail: Any
+) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in known:
+            raise fail(f"{where} {key}", "unknown field (known: " + ", ".join(known) + ")")
+        kind, check = known[key]
+        bad_bool = isinstance(value, bool)
+        if bad_bool or not isinstance(value, kind):
+            expected = {int: "an integer", str: "a string", list: "a list"}.get(kind, "a number")
+            raise fail(f"{where} {key}", f"must be {expected}, not {value!r}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise fail(f"{where} {key}", "must be a finite number")
+        complaint = check(value) if check else None
+        if complaint:
+            raise fail(f"{where} {key}", f"{complaint}, not {value!r}")
+        values[key] = float(value) if kind is _NUMBER else value
+    return values

@@ -1,0 +1,351 @@
+"""The routed engine: an engine made of engines.
+
+A request names a model; its route lists targets in order. The router sends the request to
+the first healthy one, watches each phase's deadline (connect, first token, silence between
+chunks, total), fails over while nothing was sent, and, once the answer has begun, splices:
+the next target that can continue gets the conversation plus the text already sent, and its
+deltas carry on the same stream. The client sees one answer: the stream and its log are the
+core's, and only deltas leave this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import aclosing, suppress
+
+import anyio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.observability import log_event
+from firsttoken.routes.config import ModelRoute, RouteTable
+from firsttoken.routes.splice import Transcript, continuation, spliced_usage
+from firsttoken.routes.target import Target
+
+__all__ = ["PHASES", "RoutedEngine"]
+
+PHASES = ("connect", "first_token", "mid_stream")
+
+
+class RoutedEngine:
+    """`--routes FILE` (or the `--upstream` shorthand): model names → ordered targets."""
+
+    def __init__(self, table: RouteTable, targets: Mapping[str, Target]) -> None:
+        self.table = table
+        self.targets = dict(targets)
+        self.routes: dict[str, ModelRoute] = dict(table.routes)
+        self.models: tuple[str, ...] = tuple(table.routes)
+        self.failovers: dict[tuple[str, str], int] = {
+            (route, phase): 0 for route in table.routes for phase in PHASES
+        }
+        self._current: dict[str, Target] = {}
+        self._turn = 0
+        self._checks: list[asyncio.Task[None]] = []
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        async with anyio.create_task_group() as tg:
+            for target in self.targets.values():
+                tg.start_soon(self._start_target, target)
+        names: dict[str, None] = dict.fromkeys(self.table.routes)
+        for route in self.table.routes.values():
+            if not route.passthrough:
+                continue
+            # The shorthand serves whatever its upstreams list, under their own names.
+            listed: dict[str, None] = {}
+            for name in route.targets:
+                listed.update(dict.fromkeys(self.targets[name].engine.models))
+            if not listed:
+                await self.close()
+                urls = ", ".join(str(self.targets[n].config.url) for n in route.targets)
+                raise RuntimeError(f"relay: no upstream answered GET /models ({urls})")
+            for model in listed:
+                self.routes.setdefault(model, route)
+            names.pop(route.name, None)
+            names.update(listed)
+        self.models = tuple(names)
+        for target in self.targets.values():
+            if target.config.health_check_interval_s > 0:
+                self._checks.append(asyncio.create_task(self._watch(target)))
+
+    async def _start_target(self, target: Target) -> None:
+        try:
+            await target.engine.start()
+        except Exception as exc:
+            raise RuntimeError(f"target {target.name!r}: {exc}") from exc
+
+    async def close(self) -> None:
+        for task in self._checks:
+            task.cancel()
+        for task in self._checks:
+            with suppress(asyncio.CancelledError):
+                await task
+        self._checks.clear()
+        for target in self.targets.values():
+            await target.engine.close()
+
+    # -- the Engine protocol ---------------------------------------------------------------
+
+    @property
+    def tokens_generated(self) -> int:
+        return sum(t.engine.tokens_generated for t in self.targets.values())
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return next(iter(self.targets.values())).engine.prompt_tokens(prompt)
+
+    def counters(self) -> dict[str, int]:
+        counts: dict[str, int] = {"failovers": sum(self.failovers.values())}
+        for target in self.targets.values():
+            for name, value in target.engine.counters().items():
+                counts[name] = counts.get(name, 0) + value
+        return counts
+
+    async def abort(self, request_id: str) -> None:
+        target = self._current.pop(request_id, None)
+        if target is not None:
+            await target.engine.abort(request_id)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        route = self.routes.get(request.model) or self.table.default
+        transcript = Transcript()
+        tried: set[str] = set()
+        splices = 0
+        cut: EngineError | None = None  # what broke the answer off, once it had begun
+        last: EngineError | None = None
+        failed: tuple[Target, str] | None = None  # the leg that failed, and in which phase
+        leg_request = request
+        while True:
+            splicing = transcript.tokens > 0
+            if splicing:
+                assert cut is not None
+                why = transcript.why_not()
+                if why is None and splices >= route.max_splices:
+                    why = f"the route allows {route.max_splices} splice(s)"
+                if why is not None:
+                    log_event(
+                        "route.no_splice",
+                        logging.WARNING,
+                        stream=request.request_id,
+                        route=route.name,
+                        reason=why,
+                    )
+                    raise cut
+                next_request = continuation(request, transcript)
+                if next_request is None:  # cut exactly at max_tokens: it is complete
+                    yield Delta("", "length")
+                    return
+                leg_request = next_request
+            target = self._pick(route, tried, splicing)
+            if target is None:
+                if cut is not None:
+                    raise cut
+                raise last or self._unavailable(route)
+            tried.add(target.name)
+            if failed is not None:
+                self._count_failover(route, request, failed, target, transcript)
+                failed = None
+            before_tokens, before_text = transcript.tokens, transcript.text_tokens
+            started = False
+            try:
+                async with aclosing(self._leg(target, leg_request, route)) as deltas:
+                    async for delta in deltas:
+                        if not started:
+                            started = True
+                            target.health.success()
+                            if splicing:
+                                splices += 1
+                                yield _failover_meta(failed_from(cut), target, before_tokens)
+                        transcript.add(delta)
+                        if delta.finish_reason is not None and splices:
+                            delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
+                        yield delta
+                return
+            except EngineError as exc:
+                error = exc
+            now = asyncio.get_running_loop().time()
+            # Health hears only what says something about the target: not a full queue,
+            # not the request's own fault, not a continuation it refused (prefill).
+            if error.code == "queue_timeout" or error.client_fault:
+                target.health.release()
+            else:
+                target.health.failure(now)
+            if error.retry_after_s is not None and error.status in (429, 503, 529):
+                target.health.hold(now, error.retry_after_s)
+            log_event(
+                "route.target_failed",
+                logging.WARNING,
+                stream=request.request_id,
+                route=route.name,
+                target=target.name,
+                code=error.code,
+                error=error.message[:200],
+                at_token=transcript.tokens,
+            )
+            if error.client_fault and not splicing:
+                raise error  # another target would refuse the same request
+            if not (error.retryable or error.client_fault):
+                raise error
+            if started:
+                cut = _named(error, target)
+            if started or splicing:
+                failed = (target, "mid_stream")
+            else:
+                failed = (target, "connect" if error.status is not None else "first_token")
+                last = error
+
+    # -- choosing a target -----------------------------------------------------------------
+
+    def _pick(self, route: ModelRoute, tried: set[str], splicing: bool) -> Target | None:
+        now = asyncio.get_running_loop().time()
+        candidates = [self.targets[n] for n in route.targets if n not in tried]
+        if splicing:
+            candidates = [t for t in candidates if t.continues]
+        if route.balance == "least_busy" and len(candidates) > 1:
+            self._turn += 1
+            n = len(candidates)
+            turn = {t.name: (i - self._turn) % n for i, t in enumerate(candidates)}
+            candidates.sort(key=lambda t: (t.outstanding, turn[t.name]))
+        # Healthy with room first; then healthy but full (it queues); then, when every
+        # target is ejected, one anyway: a guess beats a certain refusal.
+        for target in candidates:
+            if target.has_room() and target.health.acquire(now):
+                return target
+        for target in candidates:
+            if target.health.acquire(now):
+                return target
+        for target in candidates:
+            if now >= target.health.held_until:
+                return target
+        return None
+
+    def _unavailable(self, route: ModelRoute) -> EngineError:
+        now = asyncio.get_running_loop().time()
+        waits = [max(0.0, self.targets[n].health.held_until - now) for n in route.targets]
+        return EngineError(
+            "upstream_unavailable",
+            f"no target of the route {route.name!r} can take the request now",
+            retryable=True,
+            status=503,
+            retry_after_s=max(1.0, min(waits)) if waits else 1.0,
+        )
+
+    # -- one leg: one target, with its phase deadlines -------------------------------------
+
+    async def _leg(
+        self, target: Target, request: GenerationRequest, route: ModelRoute
+    ) -> AsyncIterator[Delta]:
+        cfg = target.config
+        await target.take_slot()
+        rid = request.request_id
+        self._current[rid] = target
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        total_at = start + cfg.total_timeout_s
+        due = min(start + cfg.first_token_timeout_s, total_at)
+        waiting_for = f"first token within {cfg.first_token_timeout_s:g} s"
+        try:
+            deltas = target.generate(request, self._model(route, target, request))
+            async with aclosing(deltas) as it:
+                while True:
+                    try:
+                        async with asyncio.timeout_at(due):
+                            delta = await anext(it)
+                    except StopAsyncIteration:
+                        return
+                    except TimeoutError:
+                        raise EngineError(
+                            "upstream_timeout",
+                            f"the upstream sent nothing for too long (target "
+                            f"{target.name!r}: no {waiting_for})",
+                            retryable=True,
+                        ) from None
+                    now = loop.time()
+                    due = min(now + cfg.idle_timeout_s, total_at)
+                    waiting_for = (
+                        f"chunk within {cfg.idle_timeout_s:g} s"
+                        if due < total_at
+                        else f"end within {cfg.total_timeout_s:g} s"
+                    )
+                    yield delta
+        finally:
+            target.give_slot()
+            if self._current.get(rid) is target:
+                del self._current[rid]
+
+    def _model(self, route: ModelRoute, target: Target, request: GenerationRequest) -> str:
+        if route.passthrough:
+            if request.model != route.name:
+                return request.model
+            models = target.engine.models
+            return models[0] if models else route.name
+        return target.config.model or route.name
+
+    # -- bookkeeping -----------------------------------------------------------------------
+
+    def _count_failover(
+        self,
+        route: ModelRoute,
+        request: GenerationRequest,
+        failed: tuple[Target, str],
+        to: Target,
+        transcript: Transcript,
+    ) -> None:
+        source, phase = failed
+        self.failovers[(route.name, phase)] += 1
+        log_event(
+            "route.splice" if phase == "mid_stream" else "route.failover",
+            stream=request.request_id,
+            route=route.name,
+            phase=phase,
+            **{"from": source.name},
+            to=to.name,
+            at_token=transcript.tokens,
+        )
+
+    async def _watch(self, target: Target) -> None:
+        """Active health: GET /models every `health_check_interval_s`."""
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(target.config.health_check_interval_s)
+            if await target.check():
+                if target.health.state != target.health.UP:
+                    target.health.success()
+            else:
+                target.health.failure(loop.time())
+
+    def collect(self) -> Iterator[Metric]:
+        failovers = CounterMetricFamily(
+            "firsttoken_failovers",
+            "Streams moved to another target, by route and phase.",
+            labels=["route", "phase"],
+        )
+        for (route, phase), value in self.failovers.items():
+            failovers.add_metric([route, phase], value)
+        yield failovers
+        up = GaugeMetricFamily(
+            "firsttoken_target_up", "1 while a target is not ejected.", labels=["target"]
+        )
+        queue = GaugeMetricFamily(
+            "firsttoken_queue_length", "Streams waiting for a target's slot.", labels=["target"]
+        )
+        for target in self.targets.values():
+            up.add_metric([target.name], int(target.health.up))
+            queue.add_metric([target.name], target.queued)
+        yield up
+        yield queue
+
+
+def _named(error: EngineError, target: Target) -> EngineError:
+    error.target = target.name  # type: ignore[attr-defined]
+    return error
+
+
+def failed_from(error: EngineError | None) -> str | None:
+    return getattr(error, "target", None)
+
+
+def _failover_meta(source: str | None, to: Target, at_token: int) -> Delta:
+    return Delta(meta={"failover": {"from": source, "to": to.name, "at_token": at_token}})

@@ -1,0 +1,89 @@
+"""What one client can do to everyone else (issue 25): each unfriendly client, for real.
+
+A stream whose engine fails to open, answers too large to hold, readers that never read and
+resume buffers nobody reads: each is sent to a real server, and what it leaves behind (slots,
+gauges, memory, writers) is read back from /metrics.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.redis_server import run_redis
+from tests.servers import Server, run_server, wait_for
+
+KEYS = """
+[[keys]]
+name = "mallory"
+key = "sk-mallory"
+max_streams = 2
+
+[[keys]]
+name = "alice"
+key = "sk-alice"
+"""
+
+
+def auth(key: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {key}"}
+
+
+def nested(depth: int) -> dict[str, Any]:
+    value: dict[str, Any] = {}
+    for _ in range(depth):
+        value = {"a": value}
+    return value
+
+
+# Past orjson's 254 levels, which the request parser (1024 levels) lets through.
+DEEP_CALL = {"tool_call": {"name": "f", "arguments": nested(300)}}
+
+
+@pytest.fixture(params=["memory", "redis"])
+def keyed(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Server]:
+    path = tmp_path / "keys.toml"
+    path.write_text(KEYS)
+    args = ["--api-keys", str(path), "--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1"]
+    if request.param == "memory":
+        with run_server(*args) as server:
+            yield server
+        return
+    with run_redis() as url, run_server(*args, "--redis", url) as server:
+        yield server
+
+
+def test_streams_whose_engine_fails_to_open_give_back_their_slot(keyed: Server) -> None:
+    """Each of these used to stay active for good: after `max_streams` of them the key got
+    429 forever (and with Redis, on every instance)."""
+    opened = 0  # requests that surely reached the engine (a 400 may come before admission)
+    with httpx.Client(base_url=keyed.v1, headers=auth("sk-mallory"), timeout=10) as client:
+        for _ in range(5):
+            r = client.post("/streams", json={"prompt": "x", "synthetic": DEEP_CALL})
+            assert r.status_code in (400, 500), r.text  # never a 201 for a stream that died
+            assert r.json()["error"]["code"] != "concurrency_limit_exceeded"
+            opened += r.status_code == 500
+        # The streaming and whole-answer paths: an error either way, never a hang or a leak.
+        body = {"messages": [{"role": "user", "content": "x"}], "synthetic": DEEP_CALL}
+        for stream in (True, False):
+            r = client.post("/chat/completions", json={**body, "stream": stream})
+            if r.status_code == 200:
+                assert "event: error" in r.text
+                opened += 1
+            else:
+                assert r.status_code in (400, 500) and "error" in r.json()
+                opened += r.status_code == 500
+        wait_for(lambda: keyed.metric("firsttoken_active_streams") == 0, timeout=5)
+        r = client.post("/streams", json={"prompt": "fine", "max_tokens": 3})
+        assert r.status_code == 201, r.text
+        events = client.get(keyed.url + r.json()["events_url"])
+        assert events.status_code == 200 and "[DONE]" in events.text
+    metrics = keyed.metrics()
+    assert metrics['firsttoken_streams_total{outcome="completed"}'] == 1
+    # Each counted once at most: an `error` if it was admitted, nothing if refused before.
+    assert opened <= metrics['firsttoken_streams_total{outcome="error"}'] <= 7
+

@@ -1,0 +1,207 @@
+"""The registry: a stream whose engine fails to open releases everything, once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import anyio
+import anyio.lowlevel
+import pytest
+
+from firsttoken.config import Settings
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.stream import Outcome, Stream
+from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.engines.base import Delta, Engine, Generation, Sink
+from firsttoken.engines.cache import CachedEngine
+from firsttoken.observability import Metrics
+from firsttoken.resume import MemoryStore, StreamRecord
+from firsttoken.wire.render import NativeRenderer
+
+
+class _Ticket:
+    def __init__(self) -> None:
+        self.releases: list[Outcome] = []
+        self.client_fault = False
+
+    def first_token(self, ttft_s: float) -> None:
+        pass
+
+    async def release(self, outcome: Outcome, tokens: int = 0, **_: object) -> None:
+        self.releases.append(outcome)
+
+
+class _Store(MemoryStore):
+    """A store that replicates (as Redis does): registrations and ends are written down."""
+
+    replicates = True
+
+    def __init__(self) -> None:
+        self.registered: list[str] = []
+        self.finished: list[tuple[str, str]] = []
+
+    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+        self.registered.append(record.id)
+
+    def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
+        self.finished.append((stream_id, outcome))
+
+
+class _FailingSteps:
+    """A step engine whose `open` raises `error`."""
+
+    models = ("synthetic",)
+    tokens_generated = 0
+
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+    def open(self, request: GenerationRequest, sink: Sink) -> Generation:
+        raise self.error
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        from firsttoken.engines.steps import pull
+
+        return pull(self, request)  # type: ignore[arg-type]
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return 1
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+
+class _FailingPull:
+    """An iterator engine whose first pull raises (a relay that cannot connect)."""
+
+    models = ("synthetic",)
+    tokens_generated = 0
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        raise EngineError("upstream_unavailable", "no upstream answered")
+        yield Delta("never")  # pragma: no cover
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+
+def _relay() -> Engine:
+    from firsttoken.engines.relay import RelayEngine
+
+    # Port 9 on loopback refuses: its first pull cannot connect (started in the test).
+    return RelayEngine("http://127.0.0.1:9/v1", connect_timeout_s=2)  # type: ignore[return-value]
+
+
+def _llamacpp() -> Engine:
+    pytest.importorskip("llama_cpp")
+    from firsttoken.engines.llamacpp import LlamaCppEngine, default_model_path
+
+    if not default_model_path().is_file():
+        pytest.skip("no GGUF model installed")
+    # Never started: its first pull finds no worker.
+    return LlamaCppEngine(Settings(engine="llamacpp"))  # type: ignore[return-value]
+
+
+def _cache() -> Engine:
+    inner = _FailingSteps(ValueError("boom"))
+    return CachedEngine(inner, Settings(cache_ttl_s=60))  # type: ignore[arg-type, return-value]
+
+
+ENGINES: dict[str, Callable[[], Engine]] = {
+    "step open raises EngineError": lambda: _FailingSteps(EngineError("bad", "bad")),  # type: ignore[dict-item]
+    "step open raises a bug": lambda: _FailingSteps(RecursionError("nested too deep")),  # type: ignore[dict-item]
+    "iterator first pull": lambda: _FailingPull(),  # type: ignore[dict-item]
+    "relay first pull": _relay,
+    "llama.cpp first pull": _llamacpp,
+    "cache over a failing step engine": _cache,
+}
+
+
+def _stream(stream_id: str = "s1") -> Stream:
+    return Stream(
+        GenerationRequest(stream_id, "hi", "synthetic", max_tokens=10, seed=1, temperature=0),
+        NativeRenderer(),
+        kind="native",
+        trace_id="t",
+        grace_s=10.0,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=0.0,
+    )
+
+
+@pytest.mark.parametrize("kind", sorted(ENGINES))
+def test_an_engine_that_fails_to_open_releases_everything_once(kind: str) -> None:
+    engine = ENGINES[kind]()
+
+    async def body() -> None:
+        metrics, store, ticket = Metrics(), _Store(), _Ticket()
+        registry = StreamRegistry(engine, metrics, ttl_s=10, store=store)
+        if kind.startswith("relay"):
+            await engine.start()
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream()
+            stream.ticket = ticket
+            await registry.start(stream)  # never raises for the engine's sake
+            with anyio.fail_after(5):
+                while stream.outcome is None or not ticket.releases:
+                    await anyio.sleep(0.001)
+            for _ in range(10):  # anything released twice would show by now
+                await anyio.lowlevel.checkpoint()
+            registry.discard(stream)  # a handler's `finally` after a failed start: no-op
+            tg.cancel_scope.cancel()
+        if kind.startswith("relay"):
+            await engine.close()
+        assert stream.outcome is Outcome.ERROR
+        assert ticket.releases == [Outcome.ERROR]
+        assert metrics.active_streams == 0
+        assert metrics.streams["error"] == 1 and metrics.streams["disconnected"] == 0
+        assert store.registered == ["s1"] and store.finished == [("s1", "error")]
+        last = stream.log.after(0)[-1].wire
+        assert b"event: error" in last
+
+    asyncio.run(body())
+
+
+def test_a_failed_open_answers_with_its_error_and_can_be_forgotten() -> None:
+    async def body() -> None:
+        error = EngineError("invalid_synthetic", "nested too deep", status=400)
+        registry = StreamRegistry(_FailingSteps(error), Metrics(), ttl_s=10)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream()
+            assert await registry.start(stream) is error
+            assert await registry.find("s1") is stream
+            registry.forget(stream)  # its id was never handed out
+            assert await registry.find("s1") is None
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+def test_five_failed_opens_leave_no_stream_active() -> None:
+    """The issue's trigger, in the registry: each failure used to stay active forever."""
+
+    async def body() -> None:
+        metrics = Metrics()
+        registry = StreamRegistry(_FailingSteps(ValueError("x")), metrics, ttl_s=10)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            tickets = []
+            for i in range(5):
+                stream = _stream(f"s{i}")
+                stream.ticket = ticket = _Ticket()
+                tickets.append(ticket)
+                await registry.start(stream)
+            for _ in range(10):
+                await anyio.lowlevel.checkpoint()
+            tg.cancel_scope.cancel()
+        assert metrics.active_streams == 0
+        assert [t.releases for t in tickets] == [[Outcome.ERROR]] * 5
+
+    asyncio.run(body())
