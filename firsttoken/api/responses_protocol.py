@@ -12,6 +12,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
 
 from firsttoken.api.protocol import Coalesce, SyntheticKnobs, _Body
+from firsttoken.wire.errors import echo
 
 __all__ = [
     "FunctionCallItem",
@@ -83,7 +84,7 @@ def _known_part(value: Any) -> Any:
     kind = value.get("type") if isinstance(value, dict) else None
     if isinstance(value, dict) and kind not in _PARTS:
         raise ValueError(
-            f"unsupported content part type {kind!r}: this server takes {', '.join(_PARTS)}"
+            f"unsupported content part type {echo(kind)}: this server takes {', '.join(_PARTS)}"
         )
     return value
 
@@ -127,7 +128,7 @@ class FunctionCallOutputItem(_Body):
             for part in value:
                 if not isinstance(part, InputText | OutputText):
                     raise ValueError(
-                        f"a function call's output takes text parts only, not {part.type!r}"
+                        f"a function call's output takes text parts only, not {echo(part.type)}"
                     )
         return value
 
@@ -162,7 +163,7 @@ def _known_item(value: Any) -> Any:
             )
         if kind not in _ITEMS:
             raise ValueError(
-                f"unsupported input item type {kind!r}: this server takes {', '.join(_ITEMS)}"
+                f"unsupported input item type {echo(kind)}: this server takes {', '.join(_ITEMS)}"
             )
     return value
 
@@ -188,7 +189,8 @@ class FunctionTool(_Body):
 def _function_tool(value: Any) -> Any:
     if isinstance(value, dict) and value.get("type") != "function":
         raise ValueError(
-            f"unsupported tool type {value.get('type')!r}: this server takes function tools only"
+            f"unsupported tool type {echo(value.get('type'))}: "
+            "this server takes function tools only"
         )
     return value
 

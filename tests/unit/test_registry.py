@@ -24,12 +24,14 @@ class _Ticket:
     def __init__(self) -> None:
         self.releases: list[Outcome] = []
         self.client_fault = False
+        self.released = anyio.Event()
 
     def first_token(self, ttft_s: float) -> None:
         pass
 
     async def release(self, outcome: Outcome, tokens: int = 0, **_: object) -> None:
         self.releases.append(outcome)
+        self.released.set()
 
 
 class _Store(MemoryStore):
@@ -149,8 +151,7 @@ def test_an_engine_that_fails_to_open_releases_everything_once(kind: str) -> Non
             stream.ticket = ticket
             await registry.start(stream)  # never raises for the engine's sake
             with anyio.fail_after(5):
-                while stream.outcome is None or not ticket.releases:
-                    await anyio.sleep(0.001)
+                await ticket.released.wait()
             for _ in range(10):  # anything released twice would show by now
                 await anyio.lowlevel.checkpoint()
             registry.discard(stream)  # a handler's `finally` after a failed start: no-op
