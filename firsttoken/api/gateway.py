@@ -23,6 +23,7 @@ from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import Engine, GenerationRequest
 from firsttoken.observability import Metrics, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
+from firsttoken.wire.errors import echo
 from firsttoken.wire.response import ARRIVED_KEY, EventStreamResponse
 
 __all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id"]
@@ -132,7 +133,7 @@ class Gateway:
             raise APIError(
                 404,
                 "model_not_found",
-                f"the model {requested!r} does not exist; this server serves: {shown} "
+                f"the model {echo(requested)} does not exist; this server serves: {shown} "
                 "(GET /v1/models lists them)",
                 param="model",
             )

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import socket
+import time
 
 import httpx
 import pytest
 
-from tests.servers import Server, run_server
+from tests.servers import Server, run_server, wait_for
 
 MSG = [{"role": "user", "content": "hi"}]
 
@@ -57,6 +58,42 @@ def test_unknown_model(server: Server) -> None:
         server.v1 + "/chat/completions", json={"model": "nope", "messages": MSG}, timeout=10
     )
     check(r, 404, "model_not_found")
+
+
+def test_a_huge_value_is_not_repeated_back_or_logged_whole() -> None:
+    name = "m" * 1_000_000  # under the body limit below, so it reaches the model lookup
+    with run_server("--max-body-bytes", str(2 << 20)) as srv:
+        for _ in range(3):
+            r = httpx.post(
+                srv.v1 + "/chat/completions", json={"model": name, "messages": MSG}, timeout=10
+            )
+            err = check(r, 404, "model_not_found")
+            assert len(err["message"]) < 1000 and "…" in err["message"]
+        refused = [x for x in srv.log_records() if x["event"] == "request.refused"]
+        assert refused and all(len(x["message"]) < 1000 for x in refused)
+        assert sum(len(line) for line in srv.log) < 20_000
+
+
+def test_refusal_log_lines_are_rate_limited() -> None:
+    def refused() -> list[dict]:
+        return [x for x in srv.log_records() if x["event"] == "request.refused"]
+
+    with run_server() as srv:
+        with httpx.Client(timeout=10) as client:
+            for _ in range(400):  # refused before admission: no limit answers them
+                r = client.post(srv.v1 + "/chat/completions", json={"model": "x"})
+                assert r.status_code == 400
+            time.sleep(0.2)  # a token for one more line, which counts the unlogged
+            client.post(srv.v1 + "/chat/completions", json={"model": "x"})
+
+        def counted() -> int:
+            return sum(1 + x.get("unlogged", 0) for x in refused())
+
+        # Every refusal is logged or counted in a later line (the last one's, here).
+        wait_for(lambda: counted() >= 401, timeout=5)
+        assert counted() == 401
+        # A burst of 100 lines, then 10 a second.
+        assert 100 <= len(refused()) < 300
 
 
 def test_body_over_limit_is_413() -> None:
