@@ -58,6 +58,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         max_events=settings.resume_max_events,
     )
     registry.max_response_bytes = settings.max_response_bytes
+    registry.max_response_bytes = settings.max_response_bytes
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     admission = Admission(settings, metrics)

@@ -103,7 +103,7 @@ async def _complete(
     except EngineError as exc:
         return Response(
             error_body(error_type(exc.code, exc.type), exc.message, headers["x-request-id"]),
-            status_code=500,
+            status_code=exc.status or 500,
             media_type="application/json",
             headers=headers,
         )

@@ -43,6 +43,7 @@ async def create_stream(request: Request) -> Response:
         temperature=body.temperature,
         stop=body.stop_strings(),
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        tenant=ticket.key.name,
     )
     stream = gw.open_stream(
         generation,

@@ -113,7 +113,7 @@ async def _complete(
     try:
         answer = await Collector(stream).answer(gw.registry, request)
     except EngineError as exc:
-        return APIError(500, exc.code, exc.message).response(trace)
+        return APIError(exc.status or 500, exc.code, exc.message).response(trace)
     if answer is None:
         return Response(status_code=499)  # nobody is left to read it
     choice: dict[str, object] = {"index": 0}

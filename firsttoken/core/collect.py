@@ -1,47 +1,70 @@
-"""A non-streaming answer: one more reader of the stream's event log, collecting it.
+"""A non-streaming answer: one more reader of the stream's event log, folding it.
 
 The request runs the same lifecycle as a streaming one (admission ticket, engine, outcome,
-metrics, TTFT, cancel, shedding); this reader keeps the rendered chunks and, when the log
-closes, folds them into the one JSON body the API returns.
+metrics, TTFT, cancel, shedding); this reader folds each rendered chunk into the answer as it
+arrives (the chunk itself is not kept) and stops the stream with `response_too_large` once
+the answer passes the registry's `max_response_bytes`: a whole answer is held in memory, a
+streamed one is not.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import orjson
 from starlette.requests import Request
 
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Stream
+from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines.base import EngineError
-from firsttoken.wire.assemble import ChatAnswer, assemble_chat
+from firsttoken.wire.assemble import ChatAnswer, ChatFold
 
 __all__ = ["Collector"]
 
 
 class Collector:
-    """A log reader that is always caught up: it keeps each event's data payload."""
+    """A log reader that is always caught up: it folds each event's data payload."""
 
-    def __init__(self, stream: Stream) -> None:
+    def __init__(self, stream: Stream, max_bytes: int | None = None) -> None:
         self.stream = stream
         self.cursor = 0
-        self.payloads: list[tuple[str | None, bytes]] = []  # (event name, data)
+        self.fold = ChatFold()
+        self.max_bytes = max_bytes  # None: the registry's max_response_bytes
         self.tokens = 0
+        self.failure: EngineError | None = None  # the stream's error event, or our own stop
         self._closed = asyncio.get_running_loop().create_future()
 
     def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
         self.cursor = seq
         self.tokens += tokens
-        name: str | None = None
-        data = b""
-        for line in wire.split(b"\n"):
-            if line.startswith(b"event: "):
-                name = line[7:].decode()
-            elif line.startswith(b"data: "):
-                data = line[6:]
-        self.payloads.append((name, data))
+        name, data = _payload(wire)
+        if name == "error":
+            if self.failure is None:
+                error = orjson.loads(data)["error"]
+                self.failure = EngineError(
+                    error.get("code") or "engine_error",
+                    error.get("message") or "",
+                    type_=error.get("type") or "server_error",
+                )
+            return
+        if not data or data == b"[DONE]" or self.failure is not None:
+            return
+        self.fold.add(orjson.loads(data))
+        if self.max_bytes is not None and self.fold.size > self.max_bytes:
+            self._too_large()
+
+    def _too_large(self) -> None:
+        limit = self.max_bytes
+        self.failure = EngineError(
+            "response_too_large",
+            f"the answer passed the server's limit for a whole answer ({limit} bytes, "
+            "--max-response-bytes); ask for it with stream: true, or with a lower max_tokens",
+            type_="invalid_request_error",
+            status=400,
+            client_fault=True,
+        )
+        # Stopped in the producer's own call: the engine hears it before its next step.
+        self.stream.stop(Outcome.ERROR, self.failure)
 
     def log_closed(self) -> None:
         if not self._closed.done():
@@ -55,6 +78,8 @@ class Collector:
         """Start the stream and collect it; False if the client left first (the stream is
         then stopped, as a streaming reader's departure would)."""
         stream = self.stream
+        if self.max_bytes is None:
+            self.max_bytes = registry.max_response_bytes
         registry.attach(stream)
         stream.log.attach(self)
         try:
@@ -72,30 +97,26 @@ class Collector:
             registry.detach(stream)
 
     async def answer(self, registry: StreamRegistry, request: Request) -> ChatAnswer | None:
-        """Run the stream and fold what it said into one answer: None if the client left
-        first; raises the engine's error if it failed."""
+        """Run the stream and return what it said as one answer: None if the client left
+        first; raises the engine's error (or `response_too_large`) if it failed."""
         if not await self.run(registry, request):
             return None
-        error = self.error()
-        if error is not None:
-            raise EngineError(
-                error.get("code") or "engine_error",
-                error.get("message") or "",
-                type_=error.get("type") or "server_error",
-            )
+        if self.failure is not None:
+            raise self.failure
         registry.metrics.tokens_sent += self.tokens
-        return assemble_chat(self.chunks())
+        return self.fold.done()
 
-    def chunks(self) -> list[dict[str, Any]]:
-        """The JSON chunks, in order (the error event's body included)."""
-        return [orjson.loads(data) for _, data in self.payloads if data and data != b"[DONE]"]
 
-    def error(self) -> dict[str, Any] | None:
-        for name, data in self.payloads:
-            if name == "error":
-                error: dict[str, Any] = orjson.loads(data)["error"]
-                return error
-        return None
+def _payload(wire: bytes) -> tuple[str | None, bytes]:
+    """An SSE event's name and data (one `data:` line: JSON has no raw line breaks)."""
+    name: str | None = None
+    data = b""
+    for line in wire.split(b"\n"):
+        if line.startswith(b"data: "):
+            data = line[6:]
+        elif line.startswith(b"event: "):
+            name = line[7:].decode()
+    return name, data
 
 
 async def _disconnected(request: Request) -> None:

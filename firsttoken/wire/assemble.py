@@ -8,7 +8,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["ChatAnswer", "assemble_chat"]
+__all__ = ["ChatAnswer", "ChatFold", "assemble_chat"]
 
 
 @dataclass(slots=True)
@@ -48,38 +48,63 @@ class ChatAnswer:
         return message
 
 
-def assemble_chat(chunks: Iterable[Mapping[str, Any]]) -> ChatAnswer:
-    answer = ChatAnswer()
-    content: list[str] = []
-    reasoning: list[str] = []
-    refusal: list[str] = []
-    calls: dict[int, ToolCall] = {}
-    arguments: dict[int, list[str]] = {}
-    for chunk in chunks:
+class ChatFold:
+    """Chunks folded into one answer as they arrive: nothing of a chunk is kept but its
+    pieces of text, and `size` counts them (UTF-8 bytes) for a whole answer's byte cap."""
+
+    __slots__ = ("_arguments", "_calls", "_content", "_reasoning", "_refusal", "answer", "size")
+
+    def __init__(self) -> None:
+        self.answer = ChatAnswer()
+        self.size = 0
+        self._content: list[str] = []
+        self._reasoning: list[str] = []
+        self._refusal: list[str] = []
+        self._calls: dict[int, ToolCall] = {}
+        self._arguments: dict[int, list[str]] = {}
+
+    def add(self, chunk: Mapping[str, Any]) -> None:
+        answer = self.answer
         if chunk.get("usage"):
             answer.usage = dict(chunk["usage"])
         for choice in chunk.get("choices", ()):
             delta = choice.get("delta") or {}
             piece = delta.get("content") if "delta" in choice else choice.get("text")
             if piece:
-                content.append(piece)
+                self._keep(self._content, piece)
             thought = delta.get("reasoning_content") or delta.get("reasoning")
             if thought:
-                reasoning.append(thought)
+                self._keep(self._reasoning, thought)
             if delta.get("refusal"):
-                refusal.append(delta["refusal"])
+                self._keep(self._refusal, delta["refusal"])
             for fragment in delta.get("tool_calls") or ():
                 index = fragment.get("index", 0)
-                call = calls.setdefault(index, ToolCall())
+                call = self._calls.setdefault(index, ToolCall())
                 function = fragment.get("function") or {}
                 call.id = fragment.get("id") or call.id
                 call.name = function.get("name") or call.name
-                arguments.setdefault(index, []).append(function.get("arguments") or "")
+                self._keep(self._arguments.setdefault(index, []), function.get("arguments") or "")
             answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
-    answer.content = "".join(content)
-    answer.reasoning = "".join(reasoning)
-    answer.refusal = "".join(refusal)
-    for index in sorted(calls):
-        calls[index].arguments = "".join(arguments[index])
-        answer.tool_calls.append(calls[index])
-    return answer
+
+    def _keep(self, pieces: list[str], piece: str) -> None:
+        pieces.append(piece)
+        # Characters are bytes for ASCII; only text with more pays for the encode.
+        self.size += len(piece) if piece.isascii() else len(piece.encode())
+
+    def done(self) -> ChatAnswer:
+        answer = self.answer
+        answer.content = "".join(self._content)
+        answer.reasoning = "".join(self._reasoning)
+        answer.refusal = "".join(self._refusal)
+        answer.tool_calls = [
+            ToolCall(call.id, call.name, "".join(self._arguments.get(index, ())))
+            for index, call in sorted(self._calls.items())
+        ]
+        return answer
+
+
+def assemble_chat(chunks: Iterable[Mapping[str, Any]]) -> ChatAnswer:
+    fold = ChatFold()
+    for chunk in chunks:
+        fold.add(chunk)
+    return fold.done()

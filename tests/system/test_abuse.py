@@ -87,3 +87,42 @@ def test_streams_whose_engine_fails_to_open_give_back_their_slot(keyed: Server) 
     # Each counted once at most: an `error` if it was admitted, nothing if refused before.
     assert opened <= metrics['firsttoken_streams_total{outcome="error"}'] <= 7
 
+
+@pytest.fixture(scope="module")
+def capped() -> Iterator[Server]:
+    with run_server(
+        "--max-response-bytes", "4000", "--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0"
+    ) as server:
+        yield server
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions", "/responses", "/messages"])
+def test_a_whole_answer_past_max_response_bytes_stops_with_a_clear_error(
+    capped: Server, path: str
+) -> None:
+    if path == "/completions":
+        body: dict[str, Any] = {"prompt": "long"}
+    elif path == "/responses":
+        body = {"input": "long"}
+    else:
+        body = {"messages": [{"role": "user", "content": "long"}]}
+    body.update(model="synthetic", synthetic={"answer_tokens": 5000})
+    if path == "/messages":
+        body["max_tokens"] = 100_000
+    before = capped.metric('firsttoken_streams_total{outcome="error"}')
+    r = httpx.post(capped.v1 + path, json=body, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    code = error.get("code") or error.get("type")  # Anthropic's shape names it by type
+    assert code in ("response_too_large", "invalid_request_error")
+    assert "--max-response-bytes" in error["message"]
+    assert capped.metric('firsttoken_streams_total{outcome="error"}') == before + 1
+    wait_for(lambda: capped.metric("firsttoken_active_streams") == 0, timeout=5)
+    # Under the cap, the same route answers whole; streamed, the long answer is not capped.
+    body["synthetic"] = {"answer_tokens": 20}
+    assert httpx.post(capped.v1 + path, json=body, timeout=30).status_code == 200
+    body["synthetic"] = {"answer_tokens": 5000}
+    with httpx.stream("POST", capped.v1 + path, json={**body, "stream": True}) as streamed:
+        assert streamed.status_code == 200
+        text = "".join(streamed.iter_text())
+    assert "response_too_large" not in text and len(text) > 4000
