@@ -3,10 +3,14 @@
 Cache: a request is *deterministic* when its temperature is 0 or it gives a seed. The complete
 answer of a deterministic request is kept for `cache_ttl_s` seconds after it finished; an
 identical request in that time (same model, normalised prompt or chat messages, max_tokens,
-seed, temperature, stop, engine options) is served from the cache. Answers that errored, were
-aborted or were cut off by the reader are never stored. Hits are streamed *instantly* (one
-delta per original token, with a loop checkpoint between them so they stay cancellable): the
-point of a hit is the TTFT it saves, and pacing it would only hold a slot for show.
+seed, temperature, stop, engine options) is served from the cache. Entries belong to the API
+key that made them (`cache_scope` "key", the default): a hit of one key's entry by another
+would tell it, by the answer's speed and the public hit counter, what the first one asked.
+`cache_scope` "shared" shares them (an edge serving public hot prompts). Answers that
+errored, were aborted or were cut off by the reader are never stored. Hits are streamed
+*instantly* (one delta per original token, with a loop checkpoint between them so they stay
+cancellable): the point of a hit is the TTFT it saves, and pacing it would only hold a slot
+for show.
 
 Canned answers: a TOML file (`canned_answers`) maps greetings to answers. A request whose
 prompt (or, for chat, its single user message) matches after normalising (lowercase, spaces
@@ -85,6 +89,7 @@ class CachedEngine:
     def __init__(self, inner: Engine, settings: Settings) -> None:
         self.inner = inner
         self.ttl_s = settings.cache_ttl_s
+        self.per_key = settings.cache_scope == "key"
         self.canned = load_canned(settings.canned_answers) if settings.canned_answers else {}
         self.cache_hits = 0
         self.canned_hits = 0
@@ -169,6 +174,7 @@ class CachedEngine:
         rest = {k: v for k, v in (request.body or {}).items() if k not in _KEYED}
         options = orjson.dumps([request.options, rest], option=orjson.OPT_SORT_KEYS, default=repr)
         return (
+            request.tenant if self.per_key else None,
             request.model,
             _text(request.prompt) if messages is None else None,
             messages,

@@ -106,3 +106,44 @@ def test_canned_greeting(cached: Server) -> None:
     # Word tokens, and max_tokens still applies.
     _, short = stream(cached, "hi", max_tokens=2)
     assert short == "Hello! How"
+
+
+KEYS = """
+[[keys]]
+name = "alice"
+key = "sk-alice"
+
+[[keys]]
+name = "bob"
+key = "sk-bob"
+"""
+
+
+@pytest.mark.parametrize("scope", ["key", "shared"])
+def test_one_keys_entry_is_not_another_keys_hit(tmp_path: Path, scope: str) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
+    hits = "firsttoken_cache_hits_total"
+    body = {"messages": [{"role": "user", "content": "alice's secret"}], "temperature": 0}
+    with run_server(
+        "--api-keys", str(keys), "--cache-ttl-s", "30", "--cache-scope", scope,
+        "--synthetic-ttft-ms", "1", "--synthetic-itl-ms", "1",
+    ) as srv:  # fmt: skip
+        def ask(key: str) -> str:
+            r = httpx.post(
+                srv.v1 + "/chat/completions",
+                json=body,
+                headers={"Authorization": f"Bearer {key}"},
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        first = ask("sk-alice")
+        assert srv.metric(hits) == 0
+        assert ask("sk-bob") == first  # the same deterministic answer, either way
+        # Per key (the default): bob's identical prompt went to the engine, and the public
+        # counter did not move, so it tells bob nothing of what alice asked.
+        assert srv.metric(hits) == (0 if scope == "key" else 1)
+        assert ask("sk-alice") == first
+        assert srv.metric(hits) == (1 if scope == "key" else 2)  # alice's own entry

@@ -26,3 +26,14 @@ def test_only_deterministic_requests_have_a_key() -> None:
     assert cached.key(GenerationRequest(**base, temperature=0)) == cached.key(
         GenerationRequest(**{**base, "request_id": "other"}, temperature=0)
     )
+
+
+def test_entries_belong_to_a_key_unless_the_cache_is_shared() -> None:
+    base = {"request_id": "r", "prompt": "p", "model": "synthetic", "temperature": 0}
+    alice = GenerationRequest(**base, tenant="alice")
+    bob = GenerationRequest(**base, tenant="bob")
+    per_key = CachedEngine(SyntheticEngine(), Settings(cache_ttl_s=5))
+    assert per_key.key(alice) != per_key.key(bob)
+    assert per_key.key(alice) == per_key.key(GenerationRequest(**base, tenant="alice"))
+    shared = CachedEngine(SyntheticEngine(), Settings(cache_ttl_s=5, cache_scope="shared"))
+    assert shared.key(alice) == shared.key(bob)
