@@ -15,6 +15,8 @@ from pydantic import (
     model_validator,
 )
 
+from firsttoken.engines.synthetic import MAX_KNOB_TOKENS
+
 __all__ = [
     "MAX_STOP",
     "ChatCompletionRequest",
@@ -44,8 +46,8 @@ class SyntheticKnobs(_Body):
     itl_ms: Annotated[float, Field(ge=0, le=60_000)] | None = None
     fail_after: Annotated[int, Field(ge=0)] | None = None
     error_code: Annotated[str, Field(pattern=r"^[a-z0-9_]{1,64}$")] | None = None
-    answer_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
-    reasoning_tokens: Annotated[int, Field(ge=0, le=1_000_000)] | None = None
+    answer_tokens: Annotated[int, Field(ge=0, le=MAX_KNOB_TOKENS)] | None = None
+    reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_KNOB_TOKENS)] | None = None
     tool_call: SyntheticToolCall | None = None
     style: Literal["prose", "markdown", "hostile"] | None = None
 

@@ -18,9 +18,9 @@ mysteriously drops" incident: abandoned streams used to hold their slots until t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import anyio
 from anyio.abc import TaskGroup
@@ -30,26 +30,31 @@ from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRe
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
+    Failure,
+    Faults,
     Part,
+    Plan,
     SyntheticEngine,
-    SyntheticOptions,
-    answer_parts,
+    finish_empty,
+    options,
     push_part,
 )
 
 __all__ = ["BatchingEngine"]
+
+_CHUNK = 64  # parts a sequence takes from its plan at a time
 
 
 @dataclass(eq=False, slots=True)
 class _Seq:
     engine: BatchingEngine
     request_id: str
-    tokens: Sequence[Part]
-    finish: str
-    fail_after: int | None
-    error_code: str | None
+    plan: Plan
+    failure: Failure | None
     sink: Sink
-    pos: int = 0
+    chunk: list[Part] = field(default_factory=list)
+    pos: int = 0  # in the chunk
+    sent: int = 0
 
     def resume(self) -> None:
         # A batched sequence never pauses for a slow reader (a GPU batch doesn't either);
@@ -78,6 +83,7 @@ class BatchingEngine:
         self._wake = anyio.Event()
         self._exit: AsyncExitStack | None = None
         self._words = SyntheticEngine(style=settings.synthetic_style)  # words and style
+        self.faults = Faults(settings.synthetic_fail_rate)
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -121,14 +127,15 @@ class BatchingEngine:
         if seq is not None:
             self._leave(seq)
 
+    def check(self, request: GenerationRequest) -> None:
+        self._words.check(request)
+
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
-        opts = request.options.get("synthetic")
-        if not isinstance(opts, SyntheticOptions):
-            opts = SyntheticOptions.from_mapping(opts)
-        tokens, finish = answer_parts(request, opts, self._words.style)
-        seq = _Seq(self, request.request_id, tokens, finish, opts.fail_after, opts.error_code, sink)
-        if not tokens:
-            sink.finish(finish)
+        opts = options(request)
+        plan = Plan.of(request, opts, self._words.style)
+        seq = _Seq(self, request.request_id, plan, self.faults.draw(opts), sink)
+        if plan.finish is not None and (seq.failure is None or seq.failure.client_fault):
+            finish_empty(sink, plan.finish, plan.usage())  # an empty answer
             return seq
         if self._exit is None:
             sink.fail(EngineError("engine_unavailable", "the batching engine is not running"))
@@ -182,20 +189,22 @@ class BatchingEngine:
         for seq in list(self._running.values()):
             if seq.request_id not in self._running:
                 continue  # left during this step (its stream was cut by a write)
-            if seq.fail_after is not None and seq.pos >= seq.fail_after:
+            plan, failure = seq.plan, seq.failure
+            if seq.pos >= len(seq.chunk) and plan.finish is None:
+                seq.chunk, seq.pos = plan.take(_CHUNK), 0
+            last = plan.finish is not None and seq.pos >= len(seq.chunk) - 1
+            if failure is not None and (
+                seq.sent >= failure.at or (last and not failure.client_fault)
+            ):
                 self._leave(seq)
-                seq.sink.fail(
-                    EngineError(
-                        seq.error_code or "engine_error",
-                        f"synthetic engine failure after {seq.pos} tokens",
-                    )
-                )
+                seq.sink.fail(failure.error(seq.sent))
                 continue
-            text = seq.tokens[seq.pos]
+            part = seq.chunk[seq.pos]
             seq.pos += 1
+            seq.sent += 1
             self.tokens_generated += 1
-            if seq.pos == len(seq.tokens):
+            if last:
                 self._leave(seq)
-                push_part(seq.sink, text, seq.finish)
+                push_part(seq.sink, part, plan.finish, plan.usage())
             else:
-                push_part(seq.sink, text)
+                push_part(seq.sink, part)

@@ -13,9 +13,9 @@ from __future__ import annotations
 
 import random
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
-__all__ = ["STYLES", "styled_answer", "tokenize"]
+__all__ = ["STYLES", "styled_answer", "styled_pieces", "tokenize"]
 
 STYLES = ("prose", "markdown", "hostile")
 
@@ -39,15 +39,21 @@ def tokenize(text: str) -> list[str]:
 def styled_answer(style: str, rng: random.Random, target: int) -> tuple[str, ...]:
     """About `target` tokens in `style` ("markdown" or "hostile"): exactly `target` when it
     is at least 1."""
+    return tuple(token for piece in styled_pieces(style, rng, target) for token in piece)
+
+
+def styled_pieces(style: str, rng: random.Random, target: int) -> Iterator[list[str]]:
+    """`styled_answer`'s tokens a block at a time, drawn only as they are asked for: the
+    engine builds no more of an answer than a request reads."""
     blocks = _hostile_blocks(rng) if style == "hostile" else _markdown_blocks(rng)
-    tokens: list[str] = []
+    built = 0
     target = max(target, 1)
-    while len(tokens) < target:
+    while built < target:
         block = tokenize(next(blocks))
-        if len(tokens) + len(block) > target:
-            block = _filler(rng, target - len(tokens))
-        tokens += block
-    return tuple(tokens)
+        if built + len(block) > target:
+            block = _filler(rng, target - built)
+        built += len(block)
+        yield block
 
 
 # ---- words ------------------------------------------------------------------------------------

@@ -9,10 +9,12 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import random
-from collections.abc import AsyncIterator, Mapping, Sequence
+import sys
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
-from functools import lru_cache
+from itertools import chain, islice
 from typing import Any
 
 import orjson
@@ -26,12 +28,25 @@ from firsttoken.engines.base import (
     ToolCallDelta,
 )
 from firsttoken.engines.steps import pull
-from firsttoken.engines.styles import styled_answer
-from firsttoken.engines.text import apply_stop, count_words
+from firsttoken.engines.styles import styled_pieces
+from firsttoken.engines.text import StopCut, count_words
 
-__all__ = ["SyntheticEngine", "SyntheticOptions", "answer_parts", "push_part", "synthetic_tokens"]
+__all__ = [
+    "CACHE_BYTES",
+    "MAX_KNOB_TOKENS",
+    "Plan",
+    "SyntheticEngine",
+    "SyntheticOptions",
+    "answer_parts",
+    "push_part",
+    "synthetic_tokens",
+]
 
 MODEL_ID = "synthetic"
+# `answer_tokens` and `reasoning_tokens` above this are refused (400): no test needs more,
+# and an answer that long is ~7 MB of tokens once built.
+MAX_KNOB_TOKENS = 100_000
+CACHE_BYTES = 32 * 1024 * 1024  # the natural answers kept for reuse, all together
 
 _WORDS = (
     "the stream model token answer server client reader browser network latency buffer "
@@ -91,23 +106,9 @@ def synthetic_tokens(
     style: str = "prose",
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
-    tokens, finish = _answer(prompt, seed, max_tokens, answer_tokens, style)
-    return list(tokens), finish
-
-
-@lru_cache(maxsize=1024)
-def _answer(
-    prompt: str,
-    seed: int | None,
-    max_tokens: int | None,
-    answer_tokens: int | None,
-    style: str = "prose",
-) -> tuple[Sequence[str], str]:
-    # Cached, cut or whole: a waiting stream holds no copy of its answer.
-    natural = _natural_answer(prompt, seed or 0, answer_tokens, style)
-    if max_tokens is not None and max_tokens < len(natural):
-        return natural[:max_tokens], "length"
-    return natural, "stop"
+    request = GenerationRequest("", prompt, MODEL_ID, max_tokens=max_tokens, seed=seed)
+    parts, finish = answer_parts(request, SyntheticOptions(answer_tokens=answer_tokens), style)
+    return parts, finish  # type: ignore[return-value]  # text only: no reasoning, no tool
 
 
 Part = str | Delta  # answer text, or a structured delta (reasoning, a tool-call fragment)
@@ -115,41 +116,198 @@ Part = str | Delta  # answer text, or a structured delta (reasoning, a tool-call
 
 def answer_parts(
     request: GenerationRequest, opts: SyntheticOptions, style: str = "prose"
-) -> tuple[Sequence[Part], str]:
-    """What the engine emits for this request, one part per step, and the finish reason:
-    reasoning first (`reasoning_tokens`), then the answer text or one tool call
-    (`tool_call`), cut by stop strings (in the text) and `max_tokens` (over all of it)."""
-    style = opts.style or style
-    if not opts.reasoning_tokens and not opts.tool_call:
-        tokens, finish = _answer(
-            request.prompt, request.seed, request.max_tokens, opts.answer_tokens, style
-        )
-        tokens, stopped = apply_stop(tokens, request.stop)
-        return tokens, "stop" if stopped else finish
-    seed = request.seed or 0
-    parts: list[Part] = []
-    if opts.reasoning_tokens:
-        n = opts.reasoning_tokens
-        thoughts = _natural_answer("reasoning\x00" + request.prompt, seed, n)[:n]
-        parts.extend(Delta(reasoning=t) for t in thoughts)
-    finish = "stop"
-    if opts.tool_call:
-        parts.extend(_tool_call_parts(request.prompt, seed, opts.tool_call))
-        finish = "tool_calls"
+) -> tuple[list[Part], str]:
+    """What the engine emits for this request, one part per step, and the finish reason
+    (`Plan`, read whole)."""
+    plan = Plan.of(request, opts, style)
+    parts = plan.take(sys.maxsize)
+    assert plan.finish is not None
+    return parts, plan.finish
+
+
+def push_part(
+    sink: Sink, part: Part, finish: str | None = None, usage: Mapping[str, Any] | None = None
+) -> bool:
+    if usage is not None and finish is not None:
+        # The engine's own count rides on a bare finish (a token's push drops it).
+        push_part(sink, part)
+        return sink.push_delta(Delta("", finish, usage=usage))
+    if part.__class__ is str:
+        return sink.push(part, finish)  # type: ignore[arg-type]
+    assert isinstance(part, Delta)
+    if finish is not None:
+        part = Delta(part.text, finish, part.reasoning, part.tool_calls, part.refusal)
+    return sink.push_delta(part)
+
+
+def finish_empty(sink: Sink, finish: str, usage: Mapping[str, Any] | None) -> None:
+    """End an answer that has no parts at all."""
+    if usage is None:
+        sink.finish(finish)
     else:
-        tokens = _natural_answer(request.prompt, seed, opts.answer_tokens, style)
-        tokens, _ = apply_stop(tokens, request.stop)
-        parts.extend(tokens)
-    if request.max_tokens is not None and request.max_tokens < len(parts):
-        return parts[: request.max_tokens], "length"
-    return parts, finish
+        sink.push_delta(Delta("", finish, usage=usage))
+
+
+# ---- the plan: what one request gets ----------------------------------------------------------
+
+_END: Any = object()
+
+
+class Plan:
+    """The parts one request gets, made as they are read, and its finish reason.
+
+    First reasoning (`reasoning_tokens`), then the answer: its text or one tool call
+    (`tool_call`); `max_tokens` counts every part, and stop strings cut the text within that
+    limit, as an engine checks them on what it generated. Nothing is made before it is read
+    (bar one part of lookahead, to know whether the answer goes on), so `max_tokens: 1` of a
+    100,000-token answer builds one sentence.
+
+    A continuation (`options["continuation"]`: the text of the final assistant message, as
+    vLLM's `continue_final_message` or an Anthropic prefill gives it) is the rest of the
+    answer this request would get without that message: the text must be the answer text's
+    first k tokens exactly, `max_tokens` counts what remains (the whole answer's limit is the
+    reasoning, the k tokens and that), and reasoning is not repeated. Its usage is vLLM's:
+    the prompt counts the k tokens, the completion only what is generated now.
+    """
+
+    __slots__ = ("_ahead", "_finish", "_parts", "_stop", "cut", "finish", "prompt_tokens", "taken")
+
+    def __init__(self) -> None:
+        self._parts: Iterator[Part] = iter(())
+        self._ahead: Any = _END
+        self._finish = "stop"  # the finish of an answer not cut short
+        self._stop: StopCut | None = None
+        self.cut = False  # `max_tokens` left parts out
+        self.finish: str | None = None  # known once the last part is taken
+        self.prompt_tokens: int | None = None  # a continuation's, for its usage
+        self.taken = 0
+
+    @classmethod
+    def of(cls, request: GenerationRequest, opts: SyntheticOptions, style: str) -> Plan:
+        """The plan for `request`; EngineError (the client's fault) for a continuation that
+        is not a prefix of the answer, or tool-call arguments that do not serialise."""
+        plan = cls()
+        seed = request.seed or 0
+        limit = request.max_tokens
+        prefix = request.options.get("continuation")
+        thinking = opts.reasoning_tokens or 0
+        answer: _Answer | None = None
+        if opts.tool_call:
+            body: Iterator[Part] = iter(_tool_call_parts(request.prompt, seed, opts.tool_call))
+            plan._finish = "tool_calls"
+        else:
+            answer = _ANSWERS.get(request.prompt, seed, opts.answer_tokens, opts.style or style)
+            body = _text(answer)
+        lead: Iterator[Part] = iter(())
+        if prefix is None:
+            shown = thinking if limit is None else min(thinking, limit)
+            plan.cut = shown < thinking
+            if shown:
+                thoughts = _ANSWERS.get("reasoning\x00" + request.prompt, seed, thinking, "prose")
+                lead = (Delta(reasoning=t) for t in islice(_text(thoughts), shown))
+            body_limit = None if limit is None else limit - shown
+        else:
+            if not isinstance(prefix, str):
+                raise _bad_continuation("the final assistant message must be text")
+            k = _prefix_tokens(answer, prefix)
+            body_limit = None if limit is None else k + limit
+            plan.prompt_tokens = count_words(request.prompt) + k
+        if body_limit is not None:
+            body = _upto(body, body_limit, plan)
+        if request.stop and answer is not None:
+            body = plan._stop = StopCut(body, request.stop)  # type: ignore[arg-type]
+        if prefix is not None and prefix:
+            # The prefix as this request's answer has it: a stop string inside it, or a
+            # limit, would make the answer shorter than the text given.
+            if "".join(islice(body, k)) != prefix:  # type: ignore[arg-type]
+                raise _bad_continuation("the answer ends inside the final assistant message")
+        plan._parts = chain(lead, body) if thinking and prefix is None else body
+        plan._ahead = next(plan._parts, _END)
+        if plan._ahead is _END:
+            plan._end()
+        return plan
+
+    def take(self, n: int) -> list[Part]:
+        """The next (at most) `n` parts; after the last one, `finish` is set."""
+        ahead = self._ahead
+        if ahead is _END:
+            return []
+        out = [ahead]
+        out += islice(self._parts, n - 1)
+        self.taken += len(out)
+        self._ahead = next(self._parts, _END)
+        if self._ahead is _END:
+            self._end()
+        return out
+
+    def usage(self) -> dict[str, int] | None:
+        """A continuation's usage (the engine's own count); None for the stream to count."""
+        if self.prompt_tokens is None:
+            return None
+        total = self.prompt_tokens + self.taken
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.taken,
+            "total_tokens": total,
+        }
+
+    def _end(self) -> None:
+        if self._stop is not None and self._stop.stopped:
+            self.finish = "stop"
+        else:
+            self.finish = "length" if self.cut else self._finish
+
+
+def _upto(parts: Iterator[Part], limit: int, plan: Plan) -> Iterator[Part]:
+    """The first `limit` parts; marks the plan cut when there were more."""
+    yield from islice(parts, limit)
+    if next(parts, _END) is not _END:
+        plan.cut = True
+
+
+def _bad_continuation(why: str) -> EngineError:
+    return EngineError(
+        "invalid_continuation",
+        f"cannot continue: the final assistant message is not the start of this "
+        f"conversation's answer at a token boundary ({why})",
+        type_="invalid_request_error",
+        status=400,
+        client_fault=True,
+    )
+
+
+def _prefix_tokens(answer: _Answer | None, prefix: str) -> int:
+    """How many of the answer's first tokens make up `prefix` exactly."""
+    if answer is None:  # a tool call: only an empty text comes before it
+        if prefix:
+            raise _bad_continuation("this answer is a tool call")
+        return 0
+    pos = k = 0
+    while pos < len(prefix):
+        token = _ANSWERS.token(answer, k)
+        if token is None:
+            raise _bad_continuation("the text is longer than the answer")
+        if not prefix.startswith(token, pos):
+            raise _bad_continuation(f"it differs from the answer within its token {k}")
+        pos += len(token)
+        k += 1
+    return k
 
 
 def _tool_call_parts(prompt: str, seed: int, call: Mapping[str, Any]) -> list[Delta]:
     """One tool call: its id and name, then its arguments' JSON in fragments of 3-8
     characters (split inside strings and keys, as real engines stream them)."""
     name = str(call.get("name") or "tool")
-    arguments = orjson.dumps(call.get("arguments") or {}).decode()
+    try:
+        arguments = orjson.dumps(call.get("arguments") or {}).decode()
+    except (TypeError, orjson.JSONEncodeError) as exc:  # nested too deep, for one
+        raise EngineError(
+            "invalid_value",
+            f"synthetic.tool_call.arguments cannot be serialised: {exc}",
+            type_="invalid_request_error",
+            status=400,
+            client_fault=True,
+        ) from None
     digest = hashlib.sha256(f"{seed}\x00{prompt}\x00{name}".encode()).digest()
     rng = random.Random(int.from_bytes(digest[:8], "big"))
     parts = [Delta(tool_calls=(ToolCallDelta(0, "call_" + digest[8:20].hex(), name, ""),))]
@@ -162,43 +320,128 @@ def _tool_call_parts(prompt: str, seed: int, call: Mapping[str, Any]) -> list[De
     return parts
 
 
-def push_part(sink: Sink, part: Part, finish: str | None = None) -> bool:
-    if part.__class__ is str:
-        return sink.push(part, finish)  # type: ignore[arg-type]
-    assert isinstance(part, Delta)
-    if finish is not None:
-        part = Delta(part.text, finish, part.reasoning, part.tool_calls, part.refusal)
-    return sink.push_delta(part)
+# ---- natural answers: built lazily, shared, bounded in bytes ----------------------------------
 
 
-@lru_cache(maxsize=1024)
-def _natural_answer(
-    prompt: str, seed: int, length: int | None, style: str = "prose"
-) -> tuple[str, ...]:
-    digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
-    rng = random.Random(int.from_bytes(digest[:8], "big"))
-    target = rng.randint(270, 330)
-    if length is not None:  # drawn anyway, so a longer answer starts with the default one
-        target = length
-    if style != "prose":
-        return styled_answer(style, rng, target)
-    tokens: list[str] = []
+class _Answer:
+    """One natural answer (a prompt, a seed, a length, a style), built only as far as requests
+    have read it, a piece (a sentence, a Markdown block) at a time. `tokens` only grows, so a
+    plan reads it by index while another request's plan grows it."""
+
+    __slots__ = ("_pieces", "cached", "size", "tokens")
+
+    def __init__(self, pieces: Iterator[list[str]], size: int) -> None:
+        self.tokens: list[str] = []
+        self.size = size  # bytes held, about: the tokens, the key, the generator's state
+        self.cached = True
+        self._pieces: Iterator[list[str]] | None = pieces  # None: the answer is whole
+
+    def build(self, n: int) -> int:
+        """Build until there are `n` tokens or the answer is whole; the bytes it added."""
+        tokens = self.tokens
+        added = 0
+        while len(tokens) < n and self._pieces is not None:
+            piece = next(self._pieces, None)
+            if piece is None:
+                self._pieces = None  # its generator (and ~2.5 KiB of rng state) go
+                added -= _GENERATOR_BYTES
+                break
+            tokens += piece
+            added += _POINTER_BYTES * len(piece) + sum(map(sys.getsizeof, piece))
+        self.size += added
+        return added
+
+
+_POINTER_BYTES = 8
+_GENERATOR_BYTES = 3 * 1024  # a Random's state and a suspended generator frame
+
+
+class _Answers:
+    """The natural answers requests read, shared: least recently used out first, bounded by
+    the bytes they hold (not by their count: one answer may be 100,000 tokens)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self.held = 0
+        self._entries: OrderedDict[tuple[bytes, int | None, str], _Answer] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, prompt: str, seed: int, length: int | None, style: str) -> _Answer:
+        digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
+        key = (digest, length, style)  # a digest: a 900 KB prompt is not kept
+        answer = self._entries.get(key)
+        if answer is not None:
+            self._entries.move_to_end(key)
+            return answer
+        rng = random.Random(int.from_bytes(digest[:8], "big"))
+        target = rng.randint(270, 330)
+        if length is not None:  # drawn anyway, so a longer answer starts with the default one
+            target = length
+        if style == "prose":
+            pieces = _prose_pieces(rng, target)
+        else:
+            pieces = styled_pieces(style, rng, target)
+        answer = _Answer(pieces, _GENERATOR_BYTES + 200)
+        self._entries[key] = answer
+        self._grew(answer.size)
+        return answer
+
+    def token(self, answer: _Answer, i: int) -> str | None:
+        """The answer's token `i`, built if need be; None past its end."""
+        tokens = answer.tokens
+        if i >= len(tokens):
+            added = answer.build(i + 1)
+            if answer.cached:
+                self._grew(added)
+            if i >= len(tokens):
+                return None
+        return tokens[i]
+
+    def _grew(self, added: int) -> None:
+        self.held += added
+        while self.held > self.max_bytes and self._entries:
+            _, oldest = self._entries.popitem(last=False)
+            oldest.cached = False  # plans reading it keep it; nobody new finds it
+            self.held -= oldest.size
+
+
+_ANSWERS = _Answers(CACHE_BYTES)
+
+
+def _text(answer: _Answer) -> Iterator[str]:
+    tokens = answer.tokens
+    i = 0
+    while True:
+        if i >= len(tokens) and _ANSWERS.token(answer, i) is None:
+            return
+        yield tokens[i]
+        i += 1
+
+
+def _prose_pieces(rng: random.Random, target: int) -> Iterator[list[str]]:
+    """Prose of about `target` tokens (whole sentences: at least `target`), a sentence at a
+    time: paragraphs of 3-5 sentences, some of them Korean or Chinese."""
+    built = 0
     sentences_in_paragraph = 0
     paragraph_len = rng.randint(3, 5)
-    while len(tokens) < target:
-        if tokens and sentences_in_paragraph == paragraph_len:
-            tokens.append("\n\n")
+    while built < target:
+        piece: list[str] = []
+        if built and sentences_in_paragraph == paragraph_len:
+            piece.append("\n\n")
             sentences_in_paragraph = 0
             paragraph_len = rng.randint(3, 5)
         if rng.random() < 0.12:
             words, end = rng.choice(_FOREIGN)
-            tokens.append(" " + words[0])
-            tokens.extend(words[1:])
-            tokens.append(end)
+            piece.append(" " + words[0])
+            piece.extend(words[1:])
+            piece.append(end)
         else:
-            tokens.extend(_sentence(rng))
+            piece.extend(_sentence(rng))
         sentences_in_paragraph += 1
-    return tuple(tokens)
+        built += len(piece)
+        yield piece
 
 
 def _sentence(rng: random.Random) -> list[str]:
@@ -221,6 +464,51 @@ def _sentence(rng: random.Random) -> list[str]:
     return tokens
 
 
+# ---- failures ---------------------------------------------------------------------------------
+
+_NEVER = sys.maxsize
+_CHUNK = 64  # parts a run takes from its plan at a time (a waiting run holds none)
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """Where and how one stream fails: the request's own `fail_after` (the client's doing:
+    the breaker ignores it), or the engine's `--synthetic-fail-rate` (an engine fault, which
+    fails the stream at its last part at the latest)."""
+
+    at: int  # parts sent before it fails
+    code: str
+    client_fault: bool
+
+    def error(self, sent: int) -> EngineError:
+        what = "requested failure" if self.client_fault else "failure (--synthetic-fail-rate)"
+        return EngineError(
+            self.code,
+            f"synthetic engine {what} after {sent} tokens",
+            client_fault=self.client_fault,
+        )
+
+
+class Faults:
+    """The engine's own failures: a share `rate` of the streams it opens fail, after 0-19
+    parts. Drawn from a generator seeded with 0, in the order streams open: a server fed the
+    same requests in the same order fails the same ones."""
+
+    def __init__(self, rate: float = 0.0) -> None:
+        self.rate = rate
+        self._rng = random.Random(0)
+
+    def draw(self, opts: SyntheticOptions) -> Failure | None:
+        own = opts.fail_after
+        if self.rate > 0 and self._rng.random() < self.rate:
+            at = self._rng.randrange(20)
+            if own is None or at < own:
+                return Failure(at, "engine_error", client_fault=False)
+        if own is None:
+            return None
+        return Failure(own, opts.error_code or "engine_error", client_fault=True)
+
+
 _FAR_S = 0.1  # deadlines further than this wait in a bucket of their _FAR_S slot
 
 
@@ -237,11 +525,17 @@ class SyntheticEngine:
     models = (MODEL_ID,)
 
     def __init__(
-        self, *, ttft_ms: float = 200.0, itl_ms: float = 20.0, style: str = "prose"
+        self,
+        *,
+        ttft_ms: float = 200.0,
+        itl_ms: float = 20.0,
+        style: str = "prose",
+        fail_rate: float = 0.0,
     ) -> None:
         self.ttft_ms = ttft_ms
         self.itl_ms = itl_ms
         self.style = style
+        self.faults = Faults(fail_rate)
         self.tokens_generated = 0
         self.steps = 0  # ticks run (for the per-token cost table)
         self._ticks: dict[int, list[_Run]] = {}
@@ -267,17 +561,21 @@ class SyntheticEngine:
         if run is not None:
             run.cancel()
 
+    def check(self, request: GenerationRequest) -> None:
+        """Raise the EngineError `open` would fail this request with, before anything is
+        sent (a continuation that is not the answer's prefix): the API answers it as a 4xx."""
+        Plan.of(request, options(request), self.style)
+
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
-        opts = request.options.get("synthetic")
-        if not isinstance(opts, SyntheticOptions):
-            opts = SyntheticOptions.from_mapping(opts)
+        opts = options(request)
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
-        tokens, finish = answer_parts(request, opts, self.style)
+        plan = Plan.of(request, opts, self.style)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         loop = self._loop
-        run = _Run(self, request.request_id, tokens, finish, itl, opts, sink, loop.time() + ttft)
+        failure = self.faults.draw(opts)
+        run = _Run(self, request.request_id, plan, itl, failure, sink, loop.time() + ttft)
         self._running[run.request_id] = run
         self._at(run)
         return run
@@ -334,6 +632,13 @@ class SyntheticEngine:
                     run.sink.fail(EngineError("internal_error", f"internal error: {exc!r}"))
 
 
+def options(request: GenerationRequest) -> SyntheticOptions:
+    opts = request.options.get("synthetic")
+    if isinstance(opts, SyntheticOptions):
+        return opts
+    return SyntheticOptions.from_mapping(opts)
+
+
 class _State(Enum):
     RUNNING = "running"
     PAUSED = "paused"  # the sink asked for a pause (its readers are a window behind)
@@ -344,15 +649,17 @@ _RUNNING = _State.RUNNING
 
 
 class _Run:
-    """One request on the engine's clock."""
+    """One request on the engine's clock. It reads its plan a chunk at a time: `tokens` is
+    the chunk, `pos` the place in it, `base` the parts sent before it."""
 
     __slots__ = (
+        "base",
         "due",
         "engine",
-        "error_code",
         "fail_at",
-        "finish",
+        "failure",
         "itl",
+        "plan",
         "pos",
         "request_id",
         "sink",
@@ -365,30 +672,30 @@ class _Run:
         self,
         engine: SyntheticEngine,
         request_id: str,
-        tokens: Sequence[Part],
-        finish: str,
+        plan: Plan,
         itl: float,
-        opts: SyntheticOptions,
+        failure: Failure | None,
         sink: Sink,
         due: float,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
-        self.tokens = tokens
-        self.finish = finish
+        self.plan = plan
         self.itl = itl
-        self.error_code = opts.error_code  # not the options: a waiting run holds no more
+        self.failure = failure
         self.sink = sink
         self.due = due
+        self.tokens: list[Part] = []  # taken at the first step: a waiting run holds none
+        self.base = 0
         self.pos = 0
         self.state = _State.RUNNING
-        self.fail_at = len(tokens) + 1 if opts.fail_after is None else opts.fail_after
-        self.stop_at = min(self.fail_at, len(tokens) - 1)  # steps before this are plain
+        self.fail_at = _NEVER if failure is None else failure.at
+        self.stop_at = 0  # steps before this are plain
 
     def step(self, now: float) -> None:
         pos, tokens = self.pos, self.tokens
         if pos >= self.stop_at:
-            self._last_step(pos)
+            self._last_step(pos, now)
             return
         self.pos = pos + 1
         engine = self.engine
@@ -414,26 +721,30 @@ class _Run:
         else:
             bucket.append(self)
 
-    def _last_step(self, pos: int) -> None:
-        """The step that ends the run: an injected fault, the last token, or no answer."""
-        tokens = self.tokens
-        if pos >= self.fail_at:
+    def _last_step(self, pos: int, now: float) -> None:
+        """A step off the plain path: an injected fault, the next chunk, the last part."""
+        tokens, plan = self.tokens, self.plan
+        sent = self.base + pos
+        last = plan.finish is not None and pos >= len(tokens) - 1
+        failure = self.failure
+        if sent >= self.fail_at or (last and failure is not None and not failure.client_fault):
             self._end()
-            self.sink.fail(
-                EngineError(
-                    self.error_code or "engine_error",
-                    f"synthetic engine failure after {pos} tokens",
-                )
-            )
+            self.sink.fail(failure.error(sent))  # type: ignore[union-attr]
             return
-        last = len(tokens) - 1
-        if pos >= last:
-            self._end()
-            if pos == last:
-                self.engine.tokens_generated += 1
-                push_part(self.sink, tokens[pos], self.finish)
-            else:  # an empty answer
-                self.sink.finish(self.finish)
+        if not last:  # this chunk is read: the next one
+            self.base += len(tokens)
+            self.tokens = tokens = plan.take(_CHUNK)
+            self.pos = 0
+            end = len(tokens) - 1 if plan.finish is not None else len(tokens)
+            self.stop_at = min(self.fail_at - self.base, end)
+            self.step(now)
+            return
+        self._end()
+        if pos < len(tokens):
+            self.engine.tokens_generated += 1
+            push_part(self.sink, tokens[pos], plan.finish, plan.usage())
+        else:  # an empty answer
+            finish_empty(self.sink, plan.finish, plan.usage())  # type: ignore[arg-type]
 
     def resume(self) -> None:
         if self.state is _State.PAUSED:

@@ -1,17 +1,31 @@
 from __future__ import annotations
 
 import json
+import tracemalloc
+from typing import Any
+
+import pytest
 
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine, synthetic_tokens
 from firsttoken.engines.base import Delta
-from firsttoken.engines.synthetic import SyntheticOptions, answer_parts
+from firsttoken.engines.synthetic import (
+    _ANSWERS,
+    CACHE_BYTES,
+    Faults,
+    Part,
+    SyntheticOptions,
+    _Answers,
+    answer_parts,
+)
 from tests.unit.clock import FakeClock
 
 
 class Sink:
     def __init__(self, room: bool = True) -> None:
         self.tokens: list[tuple[float, str]] = []
+        self.deltas: list[Delta] = []
         self.finished: str | None = None
+        self.usage: Any = None
         self.error: EngineError | None = None
         self.room = room
         self.clock: FakeClock | None = None
@@ -21,6 +35,16 @@ class Sink:
         self.tokens.append((self.clock.now, text))
         if finish is not None:
             self.finished = finish
+        return self.room
+
+    def push_delta(self, delta: Delta) -> bool:
+        if delta.text:
+            return self.push(delta.text, delta.finish_reason)
+        if delta.structured:
+            self.deltas.append(delta)
+        if delta.finish_reason is not None:
+            self.finished = delta.finish_reason
+            self.usage = delta.usage
         return self.room
 
     def finish(self, reason: str) -> None:
@@ -153,3 +177,257 @@ def test_max_tokens_counts_reasoning_too() -> None:
     parts, finish = answer_parts(request, opts)
     assert finish == "length" and len(parts) == 7
     assert [type(p) for p in parts] == [Delta] * 5 + [str] * 2
+
+
+# ---- continuation: the rest of the answer, as vLLM's continue_final_message gives it ----------
+
+
+def continued(
+    prompt: str, prefix: str, max_tokens: int | None = None, seed: int = 5, **knobs: Any
+) -> tuple[list[Part], str]:
+    request = GenerationRequest(
+        "r",
+        prompt,
+        "synthetic",
+        max_tokens=max_tokens,
+        seed=seed,
+        options={"continuation": prefix},
+    )
+    return answer_parts(request, SyntheticOptions(**knobs))
+
+
+def whole(prompt: str, max_tokens: int | None = None, seed: int = 5, **knobs: Any):
+    request = GenerationRequest("r", prompt, "synthetic", max_tokens=max_tokens, seed=seed)
+    return answer_parts(request, SyntheticOptions(**knobs))
+
+
+@pytest.mark.parametrize("style", ["prose", "markdown", "hostile"])
+def test_a_prefix_at_every_token_boundary_continues_into_the_same_answer(style: str) -> None:
+    full, finish = whole("user: go on", style=style, answer_tokens=120)
+    assert finish == "stop" and all(isinstance(t, str) for t in full)
+    for k in range(len(full) + 1):
+        rest, rest_finish = continued(
+            "user: go on", "".join(full[:k]), style=style, answer_tokens=120
+        )  # type: ignore[arg-type]
+        assert full[:k] + rest == full, k
+        assert rest_finish == "stop"
+
+
+def test_max_tokens_counts_what_remains() -> None:
+    for k in (0, 1, 7, 40):
+        for remaining in (1, 3, 25, 500):
+            expected, finish = whole("user: limits", max_tokens=k + remaining)
+            prefix = "".join(expected[:k])  # type: ignore[arg-type]
+            rest, rest_finish = continued("user: limits", prefix, max_tokens=remaining)
+            assert expected[:k] + rest == expected and rest_finish == finish, (k, remaining)
+
+
+def test_reasoning_is_not_repeated_when_continuing() -> None:
+    full, finish = whole("user: think", max_tokens=60, reasoning_tokens=10)
+    text = full[10:]
+    assert all(isinstance(p, Delta) and p.reasoning for p in full[:10])
+    assert all(isinstance(p, str) for p in text)
+    for k in range(len(text) + 1):
+        # The prefix holds reasoning (10) and k text tokens; max_tokens counts the rest.
+        rest, rest_finish = continued(
+            "user: think",
+            "".join(text[:k]),
+            max_tokens=60 - 10 - k,
+            reasoning_tokens=10,  # type: ignore[arg-type]
+        )
+        assert text[:k] + rest == text and rest_finish == finish == "length", k
+
+
+def test_stop_strings_hold_across_the_splice() -> None:
+    full, _ = whole("user: stop here")
+    stop = full[30]
+    expected, finish = (
+        whole("user: stop here", max_tokens=None)[0],
+        "stop",
+    )
+    request = GenerationRequest("r", "user: stop here", "synthetic", seed=5, stop=(stop,))
+    cut, cut_finish = answer_parts(request, SyntheticOptions())
+    assert len(cut) <= 31 and cut_finish == finish and "".join(expected).startswith("".join(cut))  # type: ignore[arg-type]
+    request = GenerationRequest(
+        "r",
+        "user: stop here",
+        "synthetic",
+        seed=5,
+        stop=(stop,),
+        options={"continuation": "".join(cut[:5])},  # type: ignore[arg-type]
+    )
+    rest, rest_finish = answer_parts(request, SyntheticOptions())
+    assert cut[:5] + rest == cut and rest_finish == "stop"
+
+
+def mid_token_prefixes(texts: list[str]) -> list[str]:
+    """Texts that leave off inside a token: of the first, and of a later one."""
+    later = next(i for i, t in enumerate(texts) if i >= 3 and len(t.strip()) >= 3)
+    return [
+        texts[0][:2],
+        "".join(texts[:later]) + texts[later][:2],
+    ]
+
+
+def test_a_text_that_is_not_a_prefix_at_a_token_boundary_is_refused() -> None:
+    full, _ = whole("user: refuse")
+    texts = [t for t in full if isinstance(t, str)]
+    assert len(texts[0]) > 2
+    refused = [
+        " Not the answer at all",
+        *mid_token_prefixes(texts),
+        "".join(texts) + " and then some",  # longer than the answer
+        "".join(texts[:5]).upper(),
+    ]
+    for prefix in refused:
+        with pytest.raises(EngineError) as info:
+            continued("user: refuse", prefix)
+        error = info.value
+        assert error.code == "invalid_continuation" and error.status == 400, prefix
+        assert error.client_fault and error.type == "invalid_request_error"
+
+
+def test_a_tool_call_answer_continues_only_from_nothing() -> None:
+    call = {"name": "f", "arguments": {"x": 1}}
+    full, finish = whole("user: call", tool_call=call)
+    rest, rest_finish = continued("user: call", "", tool_call=call)
+    assert (rest, rest_finish) == (full, finish) == (full, "tool_calls")
+    with pytest.raises(EngineError):
+        continued("user: call", "Sure", tool_call=call)
+
+
+def test_a_continuation_reports_usage_as_vllm_counts_it() -> None:
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=1, itl_ms=1)
+    engine._loop = clock  # type: ignore[assignment]
+    full, _ = synthetic_tokens("user: usage", 2, 50)
+    sink = Sink()
+    sink.clock = clock
+    request = GenerationRequest(
+        "r",
+        "user: usage",
+        "synthetic",
+        max_tokens=30,
+        seed=2,
+        options={"continuation": "".join(full[:20])},
+    )
+    engine.open(request, sink)
+    clock.advance(1.0)
+    assert [t for _, t in sink.tokens] == full[20:50] and sink.finished == "length"
+    prompt = engine.prompt_tokens("user: usage") + 20  # the prefix counts as prompt
+    assert sink.usage == {
+        "prompt_tokens": prompt,
+        "completion_tokens": 30,
+        "total_tokens": prompt + 30,
+    }
+
+
+def test_the_check_refuses_what_open_would_fail() -> None:
+    engine = SyntheticEngine()
+    good = GenerationRequest("r", "p", "synthetic", options={"continuation": ""})
+    engine.check(good)
+    bad = GenerationRequest("r", "p", "synthetic", options={"continuation": "nope"})
+    with pytest.raises(EngineError):
+        engine.check(bad)
+    deep: Any = {}
+    for _ in range(300):
+        deep = {"a": deep}
+    nested = GenerationRequest(
+        "r",
+        "p",
+        "synthetic",
+        options={"synthetic": {"tool_call": {"name": "f", "arguments": deep}}},
+    )
+    with pytest.raises(EngineError) as info:
+        engine.check(nested)
+    assert info.value.status == 400 and info.value.client_fault
+
+
+# ---- lazy answers, bounded in bytes -----------------------------------------------------------
+
+
+def test_max_tokens_1_of_a_huge_answer_builds_one_sentence() -> None:
+    tracemalloc.start()
+    try:
+        tokens, finish = synthetic_tokens("user: huge", 1, 1, answer_tokens=100_000)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert len(tokens) == 1 and finish == "length"
+    # Building the whole answer took ~6 MB (60 MB at a million tokens); one sentence, ~20 KB.
+    assert peak < 200_000
+
+
+def test_a_long_answer_is_built_as_it_is_read() -> None:
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=1, itl_ms=1)
+    engine._loop = clock  # type: ignore[assignment]
+    sink = Sink()
+    sink.clock = clock
+    request = GenerationRequest(
+        "r", "user: long read", "synthetic", options={"synthetic": {"answer_tokens": 50_000}}
+    )
+    engine.open(request, sink)
+    clock.advance(0.1)
+    read = len(sink.tokens)
+    assert 90 <= read <= 101
+    built = len(_ANSWERS.get("user: long read", 0, 50_000, "prose").tokens)
+    assert built < 50_000 and built < read + 200  # a chunk and a sentence ahead, no more
+
+
+def test_the_answer_cache_is_bounded_in_bytes() -> None:
+    answers = _Answers(max_bytes=2_000_000)
+    for i in range(40):
+        answer = answers.get(f"prompt {i}", 0, 5_000, "prose")
+        assert answers.token(answer, 4_999) is not None
+        assert answers.held <= answers.max_bytes
+    assert 2 < len(answers) < 40  # the oldest went
+    assert sum(a.size for a in answers._entries.values()) == answers.held
+    assert _ANSWERS.max_bytes == CACHE_BYTES
+
+
+# ---- failures: the request's own, and the engine's ---------------------------------------------
+
+
+def test_a_requested_failure_is_the_clients_fault() -> None:
+    _, clock, sink, _ = start(fail_after=3, error_code="boom")
+    clock.advance(1.0)
+    assert sink.error is not None and sink.error.client_fault and len(sink.tokens) == 3
+
+
+def test_the_fail_rate_fails_that_share_as_engine_faults() -> None:
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=1, itl_ms=1, fail_rate=0.25)
+    engine._loop = clock  # type: ignore[assignment]
+    sinks = []
+    for i in range(400):
+        sink = Sink()
+        sink.clock = clock
+        sinks.append(sink)
+        engine.open(GenerationRequest(f"r{i}", "hi", "synthetic", max_tokens=30), sink)
+    clock.advance(1.0)
+    failed = [s for s in sinks if s.error is not None]
+    assert 70 <= len(failed) <= 130
+    assert all(s.error.code == "engine_error" and not s.error.client_fault for s in failed)  # type: ignore[union-attr]
+    assert all(s.finished == "length" and len(s.tokens) == 30 for s in sinks if s.error is None)
+    assert all(len(s.tokens) < 30 for s in failed)  # before the end: never a finished answer
+    # Seeded: a fresh engine fed the same streams in the same order fails the same ones.
+    again = Faults(0.25)
+    assert [again.draw(SyntheticOptions()) is not None for _ in sinks] == [
+        s.error is not None for s in sinks
+    ]
+
+
+def test_a_fail_rate_of_one_fails_even_a_short_answer() -> None:
+    faults = Faults(1.0)
+    for _ in range(20):
+        failure = faults.draw(SyntheticOptions(fail_after=50))  # the earlier failure wins
+        assert failure is not None and not failure.client_fault and failure.at < 20
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=1, itl_ms=1, fail_rate=1.0)
+    engine._loop = clock  # type: ignore[assignment]
+    sink = Sink()
+    sink.clock = clock
+    engine.open(GenerationRequest("r", "hi", "synthetic", max_tokens=1), sink)
+    clock.advance(1.0)
+    assert sink.error is not None and sink.finished is None and not sink.error.client_fault

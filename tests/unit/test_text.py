@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import random
+from collections.abc import Iterator
+
 from firsttoken.engines.synthetic import synthetic_tokens
-from firsttoken.engines.text import apply_stop, count_words, split_words
+from firsttoken.engines.text import StopCut, apply_stop, count_words, split_words
 
 
 def test_the_answer_is_cut_before_the_first_stop_string() -> None:
@@ -39,3 +42,46 @@ def test_split_words_joins_back() -> None:
 def test_count_words_counts_punctuation() -> None:
     assert count_words("Hello, world!") == 4
     assert count_words("") == 0
+
+
+def reference_stop(tokens: list[str], stop: tuple[str, ...]) -> tuple[list[str], bool]:
+    """apply_stop as it was, over the whole text at once: what the lazy cut must match."""
+    text = "".join(tokens)
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if not hits:
+        return tokens, False
+    end, out, pos = min(hits), [], 0
+    for token in tokens:
+        if pos + len(token) <= end:
+            out.append(token)
+            pos += len(token)
+            continue
+        if end > pos:
+            out.append(token[: end - pos])
+        break
+    return out, True
+
+
+def test_the_lazy_cut_is_the_whole_text_cut() -> None:
+    rng = random.Random(7)
+    alphabet = "ab c."
+    for _ in range(3000):
+        tokens = ["".join(rng.choices(alphabet, k=rng.randint(1, 4))) for _ in range(12)]
+        stop = tuple(
+            "".join(rng.choices(alphabet, k=rng.randint(1, 6))) for _ in range(rng.randint(1, 4))
+        )
+        cut = StopCut(iter(tokens), stop)
+        assert (list(cut), cut.stopped) == reference_stop(tokens, stop), (tokens, stop)
+
+
+def test_the_lazy_cut_reads_only_as_far_as_it_must() -> None:
+    read: list[str] = []
+
+    def tokens() -> Iterator[str]:
+        for i in range(1_000_000):
+            read.append(str(i))
+            yield f" w{i}"
+
+    cut = StopCut(tokens(), (" w5 w6", " w9"))
+    assert list(cut) == [" w0", " w1", " w2", " w3", " w4"] and cut.stopped
+    assert len(read) < 12  # the first stop, and the longest stop's length after it
