@@ -204,6 +204,11 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
             values["continuation"] = "anthropic" if kind == "anthropic" else "none"
         elif kind == "anthropic" and values["continuation"] not in ("anthropic", "none"):
             raise fail(f"{where} continuation", "kind 'anthropic' continues by 'anthropic' prefill")
+        elif kind == "openai" and values["continuation"] == "anthropic":
+            raise fail(
+                f"{where} continuation",
+                "kind 'openai' continues by 'vllm' or 'completions' (a prefill is 'anthropic's)",
+            )
         if kind != "synthetic":
             for own in ("ttft_ms", "itl_ms"):
                 if own in values:
