@@ -21,6 +21,7 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpcore._backends.anyio  # noqa: F401  (see below)
 import httpx
 
+from firsttoken.tools._tcpinfo import content_marker
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = [
@@ -313,6 +314,7 @@ class _Body:
         self._pending_t: float | None = None
         self._seq = 0
         self._after_cr = False
+        self.content_events = 0
 
     def decode(self, raw: bytes) -> bytes:
         if self._zlib is None:
@@ -374,14 +376,23 @@ class _Body:
         classify(ev)
         result = self._result
         result.events.append(ev)
+        self.content_events += ev.role == "content"
         if ev.role == "error":
             result.error = _error_of(ev.data, default_code="stream_error")
-        elif ev.role in ("content", "other", "usage", "done"):
-            _note_openai_fields(ev.data, result)
+        elif ev.role in ("content", "other", "usage", "done", "meta"):
+            _note_end_fields(ev.data, result)
 
 
-def _note_openai_fields(data: str, result: StreamResult) -> None:
-    if '"usage"' not in data and '"finish_reason"' not in data and '"stop_reason"' not in data:
+def _note_end_fields(data: str, result: StreamResult) -> None:
+    """Usage and why the answer ended, in whichever API's words: Chat/Completions
+    `finish_reason`, native `event: meta` `finish_reason`, Anthropic `stop_reason`, Responses
+    `status` (`completed`, or the `incomplete_details.reason`, e.g. `max_output_tokens`)."""
+    if (
+        '"usage"' not in data
+        and '"finish_reason"' not in data
+        and '"stop_reason"' not in data
+        and '"status"' not in data
+    ):
         return
     try:
         obj = json.loads(data)
@@ -391,9 +402,18 @@ def _note_openai_fields(data: str, result: StreamResult) -> None:
         return
     if isinstance(obj.get("usage"), dict):
         result.usage = obj["usage"]
+    if isinstance(obj.get("finish_reason"), str):  # native: the closing `event: meta`
+        result.finish_reason = obj["finish_reason"]
     response = obj.get("response")  # Responses: response.completed carries usage
-    if isinstance(response, dict) and isinstance(response.get("usage"), dict):
-        result.usage = response["usage"]
+    if isinstance(response, dict):
+        if isinstance(response.get("usage"), dict):
+            result.usage = response["usage"]
+        status = response.get("status")
+        details = response.get("incomplete_details")
+        if status == "incomplete" and isinstance(details, dict) and details.get("reason"):
+            result.finish_reason = str(details["reason"])
+        elif status in ("completed", "incomplete"):
+            result.finish_reason = str(status)
     delta = obj.get("delta")  # Anthropic: message_delta carries the stop reason
     if isinstance(delta, dict) and delta.get("stop_reason"):
         result.finish_reason = str(delta["stop_reason"])
@@ -520,11 +540,18 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
                 result.error = _answer_error(raw.decode("utf-8", "replace"), code)
                 return result
             decoder = _Body(resp.headers.get("content-encoding", ""), result)
+            # `diag --packet-loss` is told which reads carried content, so that its gaps are
+            # inter-chunk gaps, not the wait for the first token.
+            mark = content_marker(resp.extensions.get("network_stream"))
+            seen = 0
             async for raw in resp.aiter_raw():
                 t = rel()
                 data = decoder.decode(raw)
                 decoder.feed(t, data)
                 result.reads.append(Read(t=t, done_t=rel(), wire=len(raw), decoded=len(data)))
+                if mark is not None and decoder.content_events > seen:
+                    mark(seen == 0)
+                    seen = decoder.content_events
     except httpx.TimeoutException as exc:
         result.error = {"code": "timeout", "message": f"{type(exc).__name__}: {exc}"}
     except httpx.HTTPError as exc:

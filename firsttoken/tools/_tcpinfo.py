@@ -8,9 +8,12 @@ beside what TCP did during it.
 A stream's data flows to the client, so most repairs are the server's; the client sees them as
 segments that arrive behind a hole (`tcpi_rcv_ooopack`) or twice (`tcpi_dsack_dups`). With its
 own retransmissions (`tcpi_total_retrans`: the request, a SYN) they make `retransmits`. `lost`
-counts loss episodes: reads during which any of those moved. A gap whose closing read saw one
-is a *retransmission gap*; the share of the inter-chunk p99 they explain is the p99 minus the
-p99 without them, over the p99.
+counts loss episodes: reads during which any of those moved. The gaps are those between the
+reads that carried a response's content, from the read with its first content event to the one
+with its last (the measuring code marks them: `content_marker`); the wait for the first token
+and the time between requests on a kept-alive connection are not inter-chunk gaps. A gap whose
+closing read saw a repair is a *retransmission gap*; the share of the inter-chunk p99 they
+explain is the p99 minus the p99 without them, over the p99.
 
 The tail is named as theirs when removing those gaps lowers the p99 by a fifth or more, or
 when they make up a third or more of the gaps at or above it (they are a few percent of all).
@@ -23,6 +26,7 @@ from __future__ import annotations
 import socket
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +35,7 @@ import httpx
 
 from firsttoken.tools._stats import percentile
 
-__all__ = ["TcpInfo", "TcpWatch", "read_tcp_info", "watched_transport"]
+__all__ = ["TcpInfo", "TcpWatch", "content_marker", "read_tcp_info", "watched_transport"]
 
 # Offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h), stable since they were added.
 _U32 = struct.Struct("=I")
@@ -82,6 +86,31 @@ def read_tcp_info(sock: socket.socket) -> TcpInfo | None:
 class _Connection:
     samples: list[tuple[float, int, TcpInfo]] = field(default_factory=list)  # (t, bytes, info)
     start: TcpInfo | None = None
+    # Per response on this connection: the indexes in `samples` of the reads that delivered
+    # its first and its last content event (so far).
+    content: list[list[int]] = field(default_factory=list)
+
+    def note_content(self, first: bool) -> None:
+        """The latest read delivered content: the response's first, or a further one."""
+        last = len(self.samples) - 1
+        if last < 0:
+            return
+        if first or not self.content:
+            self.content.append([last, last])
+        else:
+            self.content[-1][1] = last
+
+
+_MARKER = "firsttoken.note_content"
+
+
+def content_marker(network_stream: Any) -> Callable[[bool], None] | None:
+    """What the measuring code calls when a read delivered content (True: the response's
+    first), for the stream httpx reports in `response.extensions["network_stream"]`; None
+    when that stream is not watched."""
+    get = getattr(network_stream, "get_extra_info", None)
+    marker = get(_MARKER) if get is not None else None
+    return marker if callable(marker) else None
 
 
 class TcpWatch:
@@ -105,16 +134,20 @@ class TcpWatch:
             sent += end.total_retrans - conn.start.total_retrans
             dups += end.dsack_dups - conn.start.dsack_dups
             ooo += end.rcv_ooopack - conn.start.rcv_ooopack
+            moved: list[bool] = []
             previous = conn.start
-            prev_t: float | None = None
-            for t, size, info in conn.samples:
-                moved = info.repairs() > previous.repairs()
-                episodes += moved
-                if size and prev_t is not None:
-                    gaps.append((t - prev_t, moved))
-                if size:
-                    prev_t = t
+            for _, _, info in conn.samples:
+                moved.append(info.repairs() > previous.repairs())
                 previous = info
+            episodes += sum(moved)
+            for first, final in conn.content:
+                prev_t: float | None = None
+                for i in range(first, final + 1):
+                    t, size, _ = conn.samples[i]
+                    if size and prev_t is not None:
+                        gaps.append((t - prev_t, moved[i]))
+                    if size:
+                        prev_t = t
         out: dict[str, Any] = {
             "retransmits": sent + dups + ooo,
             "lost": episodes,
@@ -213,6 +246,8 @@ class _WatchedStream(httpcore.AsyncNetworkStream):
         return _WatchedStream(inner, self._conn)
 
     def get_extra_info(self, info: str) -> Any:
+        if info == _MARKER:
+            return self._conn.note_content
         return self._inner.get_extra_info(info)
 
 

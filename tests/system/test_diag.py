@@ -182,13 +182,20 @@ def test_kind_from_url() -> None:
 
 
 @pytest.mark.parametrize(
-    "path",
-    ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages", "/v1/streams"],
+    ("path", "cut_short"),
+    [
+        ("/v1/chat/completions", "length"),
+        ("/v1/completions", "length"),
+        ("/v1/responses", "max_output_tokens"),
+        ("/v1/messages", "max_tokens"),
+        ("/v1/streams", "length"),
+    ],
 )
-def test_clean_stream_all_endpoint_kinds(slow_server: Server, path: str) -> None:
+def test_clean_stream_all_endpoint_kinds(slow_server: Server, path: str, cut_short: str) -> None:
     rc, d = run_diag(slow_server.url + path, "--max-tokens", "12")
     assert rc == 0, d
     assert d["status"] == 200 and d["done"] is True and d["truncated"] is False
+    assert d["finish_reason"] == cut_short  # each API's own word for "hit max_tokens"
     assert d["chunks"] == 12 and d["tokens"] == 12
     assert d["ttft_ms"] >= 95
     # The mean is the stream's pace; a stall on a busy machine shortens some gaps after it.
@@ -201,6 +208,19 @@ def test_clean_stream_all_endpoint_kinds(slow_server: Server, path: str) -> None
     assert checks["content-encoding"]
     assert 15 <= d["tokens_per_s"] <= 70  # 50 tokens/s nominal; slower on a busy machine
     assert d["bytes"] > 0 and d["heartbeats"]["count"] == 0
+
+
+def test_packet_loss_gaps_are_the_inter_chunk_gaps(slow_server: Server) -> None:
+    """The TCP view's read intervals are the content's: the wait for the first token (100 ms
+    here, 20 ms per token) is no gap, for a single stream or a native one (POST, then GET on
+    the same connection)."""
+    for path in ("/v1/chat/completions", "/v1/streams"):
+        rc, d = run_diag(slow_server.url + path, "--max-tokens", "12", "--packet-loss")
+        assert rc == 0, d
+        tcp = d["tcp"]
+        assert tcp is not None and 1 <= tcp["gaps"] <= 11, tcp
+        assert d["ttft_ms"] >= 95
+        assert tcp["itl_p99_ms"] <= d["itl_ms"]["max"] + 5, (tcp, d["itl_ms"])
 
 
 def test_diag_agrees_with_server_histograms() -> None:
