@@ -63,7 +63,7 @@ async def messages(request: Request) -> Response:
 async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
     body, model, ticket = await gw.accept(request, MessagesRequest)
     stream_id = new_stream_id()
-    generation = generation_request(body, model, stream_id)
+    generation = generation_request(body, model, stream_id, ticket.key.name)
     message_id = "msg_" + stream_id
     renderer: MessagesRenderer | ChatRenderer
     if body.stream:
@@ -131,7 +131,9 @@ def _refusal(exc: APIError, trace: str) -> Response:
 # -- the request, as the engines and a relay see it ---------------------------------------------
 
 
-def generation_request(body: MessagesRequest, model: str, stream_id: str) -> GenerationRequest:
+def generation_request(
+    body: MessagesRequest, model: str, stream_id: str, tenant: str = ""
+) -> GenerationRequest:
     """The engine's request: the plain-text prompt, the limits, and the Chat Completions
     body a relay forwards."""
     chat = chat_body(body, model)
@@ -147,6 +149,7 @@ def generation_request(body: MessagesRequest, model: str, stream_id: str) -> Gen
         messages=tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
         body=chat,
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        tenant=tenant,
     )
 
 

@@ -66,6 +66,7 @@ async def _serve(
         else None,
         options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
         body=body.raw,
+        tenant=ticket.key.name,
     )
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
     created = int(time.time())

@@ -84,7 +84,7 @@ async def responses(request: Request) -> Response:
         renderer = ChatRenderer("chatcmpl-" + stream_id, model, created, True)
         coalesce = "off"
     stream = gw.open_stream(
-        generation_request(body, stream_id, model),
+        generation_request(body, stream_id, model, ticket.key.name),
         renderer,
         kind="responses",
         trace=trace,
@@ -120,7 +120,9 @@ async def _complete(
 # -- the request, converted ---------------------------------------------------------------
 
 
-def generation_request(req: ResponsesRequest, stream_id: str, model: str) -> GenerationRequest:
+def generation_request(
+    req: ResponsesRequest, stream_id: str, model: str, tenant: str = ""
+) -> GenerationRequest:
     lines = transcript(req)
     return GenerationRequest(
         request_id=stream_id,
@@ -132,6 +134,7 @@ def generation_request(req: ResponsesRequest, stream_id: str, model: str) -> Gen
         messages=tuple({"role": role, "content": text} for role, text in lines),
         body=chat_body(req, model),
         options={"synthetic": req.synthetic.model_dump() if req.synthetic else None},
+        tenant=tenant,
     )
 
 
