@@ -238,7 +238,9 @@ async def _plain(client: httpx.AsyncClient, rng: random.Random) -> None:
 
 async def _bad(client: httpx.AsyncClient, rng: random.Random) -> None:
     body = rng.choice([b"{", b"[]", b'{"prompt": 5}', b'{"messages": []}', b"\xff"])
-    r = await client.post("/v1/chat/completions", content=body)
+    r = await client.post(
+        "/v1/chat/completions", content=body, headers={"content-type": "application/json"}
+    )
     if r.status_code != 400:
         raise Lost(f"bad request answered {r.status_code}")
 

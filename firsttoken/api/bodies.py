@@ -11,18 +11,37 @@ from starlette.requests import Request
 
 from firsttoken.wire.errors import APIError, error_body
 
-__all__ = ["APIError", "error_body", "read_model"]
+__all__ = ["APIError", "error_body", "is_json_type", "read_model"]
 
 M = TypeVar("M", bound=BaseModel)
+
+
+def is_json_type(content_type: str) -> bool:
+    """application/json or any +json type, with any parameters (a charset).
+
+    Only JSON, because the other types a form or fetch() may send across origins without a
+    CORS preflight (text/plain, form encodings) would let any web page post to an open or
+    loopback server; a missing type is refused for the same reason (fetch() of a Blob)."""
+    media = content_type.partition(";")[0].strip().lower()
+    return media == "application/json" or media.endswith("+json")
 
 
 async def read_model(
     request: Request, model: type[M], max_bytes: int, timeout_s: float = 30.0
 ) -> M:
-    """Read, size-check, parse and validate a JSON body; every failure is a clear 4xx."""
-    declared = request.headers.get("content-length")
+    """Read, size-check, type-check, parse and validate a JSON body; every failure is a
+    clear 4xx (415 for a body that is not declared JSON)."""
+    headers = request.headers
+    declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
         raise APIError(413, "request_too_large", f"request body is over {max_bytes} bytes")
+    has_body = (declared is not None and declared != "0") or "transfer-encoding" in headers
+    if has_body and not is_json_type(headers.get("content-type", "")):
+        raise APIError(
+            415,
+            "unsupported_media_type",
+            "send the body as JSON, with Content-Type: application/json",
+        )
     chunks: list[bytes] = []
     size = 0
     try:

@@ -48,9 +48,47 @@ def test_malformed_json(server: Server) -> None:
         headers={"content-type": "application/json"},
     )
     check(r, 400, "invalid_json")
-    check(
-        httpx.post(server.v1 + "/completions", content=b"[1,2]", timeout=10), 400, "invalid_request"
+    r = httpx.post(
+        server.v1 + "/completions",
+        content=b"[1,2]",
+        headers={"content-type": "application/json; charset=utf-8"},
+        timeout=10,
     )
+    check(r, 400, "invalid_request")
+
+
+@pytest.mark.parametrize(
+    "ctype",
+    [
+        None,  # fetch() of a Blob sends none
+        "text/plain",
+        "text/plain; charset=utf-8",
+        "application/x-www-form-urlencoded",
+        "multipart/form-data; boundary=x",
+        "application/jsonx",
+    ],
+)
+def test_a_body_that_is_not_declared_json_is_415(server: Server, ctype: str | None) -> None:
+    # The types a page on any origin may post without a CORS preflight are refused, even
+    # when the body is valid JSON: otherwise any web page could use an open local server.
+    headers = {} if ctype is None else {"content-type": ctype}
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    for path in ("/chat/completions", "/completions", "/streams", "/responses"):
+        r = httpx.post(server.v1 + path, content=body, headers=headers, timeout=10)
+        err = check(r, 415, "unsupported_media_type")
+        assert "application/json" in err["message"], path
+    r = httpx.post(server.v1 + "/messages", content=body, headers=headers, timeout=10)
+    assert r.status_code == 415  # in Anthropic's error shape
+    assert "application/json" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    "ctype", ["application/json", "Application/JSON; charset=UTF-8", "application/vnd.x+json"]
+)
+def test_json_content_types_are_taken(server: Server, ctype: str) -> None:
+    body = b'{"prompt": "hi", "max_tokens": 2}'
+    r = httpx.post(server.v1 + "/completions", content=body, headers={"content-type": ctype})
+    assert r.status_code == 200, r.text
 
 
 def test_unknown_model(server: Server) -> None:

@@ -168,13 +168,15 @@ def test_bodies_at_and_over_the_limit(server: Server) -> None:
     prompt = "a" * (limit - 100)
     body = json.dumps({"prompt": prompt, "max_tokens": 1}).encode()
     assert len(body) <= limit
-    r = httpx.post(server.v1 + "/completions", content=body, timeout=30)
+    json_type = {"content-type": "application/json"}
+    r = httpx.post(server.v1 + "/completions", content=body, headers=json_type, timeout=30)
     assert r.status_code == 200
     over = json.dumps({"prompt": prompt + "a" * 200, "max_tokens": 1}).encode()
-    r = httpx.post(server.v1 + "/completions", content=over, timeout=30)
+    r = httpx.post(server.v1 + "/completions", content=over, headers=json_type, timeout=30)
     assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
     # Chunked, with no Content-Length to refuse up front: counted as it arrives.
-    r = httpx.post(server.v1 + "/completions", content=iter([over[:600_000], over[600_000:]]))
+    chunks = iter([over[:600_000], over[600_000:]])
+    r = httpx.post(server.v1 + "/completions", content=chunks, headers=json_type)
     assert (r.status_code, r.json()["error"]["code"]) == (413, "request_too_large")
     # A Content-Length past any integer the parser takes.
     status, _ = raw(
@@ -186,7 +188,12 @@ def test_bodies_at_and_over_the_limit(server: Server) -> None:
 
 def test_json_nesting_and_encoding_limits(server: Server) -> None:
     def post(raw_body: bytes) -> httpx.Response:
-        return httpx.post(server.v1 + "/streams", content=raw_body, timeout=10)
+        return httpx.post(
+            server.v1 + "/streams",
+            content=raw_body,
+            headers={"content-type": "application/json"},
+            timeout=10,
+        )
 
     deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
     r = post(deep)
