@@ -8,7 +8,16 @@
 
 A dropped connection is resumed from the last event id with backoff; a stream that ends
 without `[DONE]` and cannot be resumed raises `StreamInterrupted`; an `event: error` raises
-`StreamError`. Both carry the text received so far. `AsyncClient` is the same with `async for`.
+`StreamError`. Both carry the text received so far.
+
+`AsyncClient` has the shape of the openai SDK's async client: every call is awaited, and what
+it returns is iterated with `async for`:
+
+    async with AsyncClient("http://127.0.0.1:8000") as client:
+        answer = await client.chat([{"role": "user", "content": "hi"}])  # or .stream, .resume
+        async for delta in answer:
+            print(delta, end="")
+
 It depends only on the wire format.
 """
 
@@ -16,7 +25,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
 from typing import Any, TypeVar
 
 import anyio
@@ -335,11 +344,17 @@ class AsyncClient(_Base):
     async def aclose(self) -> None:
         await self._http.aclose()
 
+    # Every call is awaited (`answer = await client.chat(...)`), as in the openai SDK. `chat`
+    # and `resume` send nothing until the first `async for` step, so they return an answer
+    # that awaits to itself: `async for delta in client.chat(...)`, the older form, works too.
+
     def chat(self, messages: Sequence[Mapping[str, Any]], **params: Any) -> AsyncAnswer:
+        """Stream `/v1/chat/completions`; params are the OpenAI body fields."""
         body = self._chat_body(messages, params)
         return AsyncAnswer(self, ("POST", f"{self.base_url}/v1/chat/completions", body))
 
     async def stream(self, prompt: str, **params: Any) -> AsyncAnswer:
+        """Create a native stream (`POST /v1/streams`: errors raise here) and read it."""
         r = await self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
         self._check(r)
         info = r.json()
@@ -350,7 +365,16 @@ class AsyncClient(_Base):
 
 
 class AsyncAnswer(_Answer):
+    """`async for` text deltas; `.text`, `.finish_reason`, `.usage` afterwards. Awaiting it
+    gives itself, so that every `AsyncClient` call has one shape: `await`, then `async for`."""
+
     client: AsyncClient
+
+    def __await__(self) -> Generator[Any, None, AsyncAnswer]:
+        async def itself() -> AsyncAnswer:
+            return self
+
+        return itself().__await__()
 
     async def __aiter__(self) -> AsyncIterator[str]:
         state = self.state

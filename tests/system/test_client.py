@@ -36,6 +36,32 @@ def test_async_client(server: Server) -> None:
     assert asyncio.run(run()) == "".join(synthetic_tokens("async prompt", None, 15)[0])
 
 
+def test_async_client_every_call_is_awaited(server: Server) -> None:
+    """One shape for every call, the openai SDK's: `answer = await client.X(...)`, then
+    `async for`. (`await client.chat(...)` raised TypeError; issue 26.)"""
+
+    async def run() -> tuple[list[str], str, str, list[str]]:
+        async with AsyncClient(server.url) as c:
+            chat = await c.chat(MSG, max_tokens=30, seed=2)
+            deltas = [d async for d in chat]
+            assert chat.done and chat.finish_reason == "length"
+            native = await c.stream("native prompt", max_tokens=12)
+            first = ""
+            async for delta in native:
+                first = delta
+                break  # read one token, then resume the stream from where it was left
+            again = await c.resume(native.stream_id, native.resume_token)
+            whole = "".join([d async for d in again])
+            # The older form, without await, still iterates.
+            old_form = [d async for d in c.chat(MSG, max_tokens=30, seed=2)]
+            return deltas, first, whole, old_form
+
+    deltas, first, whole, old_form = asyncio.run(run())
+    assert deltas == synthetic_tokens("user: client", 2, 30)[0] == old_form
+    native = "".join(synthetic_tokens("native prompt", None, 12)[0])
+    assert first and whole == native
+
+
 def test_error_event_raises_with_partial_text(server: Server) -> None:
     with Client(server.url) as c:
         answer = c.chat(MSG, max_tokens=40, synthetic={"fail_after": 6, "error_code": "boom"})

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import pytest
 
-from firsttoken.client import StreamError, TextStream
+from firsttoken.client import AsyncAnswer, AsyncClient, StreamError, TextStream
 
 
 def sse(*events: tuple[int, str | None, object]) -> bytes:
@@ -60,3 +61,18 @@ def test_chat_chunks_reasoning_tool_calls_and_an_error_keep_the_partial_text() -
     with pytest.raises(StreamError) as info:
         state._feed(sse((5, "error", {"error": {"code": "boom", "message": "no"}})))
     assert info.value.code == "boom" and info.value.text == "Hi"
+
+
+def test_async_calls_all_await_to_an_answer_without_a_request() -> None:
+    """`await client.chat(...)` and `await client.resume(...)` give the answer itself; nothing
+    is sent before the first `async for` step (port 9: nothing listens there)."""
+
+    async def run() -> None:
+        async with AsyncClient("http://127.0.0.1:9") as client:
+            chat = client.chat([{"role": "user", "content": "hi"}], max_tokens=3)
+            assert await chat is chat
+            resumed = await client.resume("s1", "token", last_event_id="4")
+            assert isinstance(resumed, AsyncAnswer)
+            assert (resumed.stream_id, resumed.last_event_id) == ("s1", "4")
+
+    asyncio.run(run())
