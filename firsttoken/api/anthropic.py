@@ -138,9 +138,15 @@ def generation_request(
     body a relay forwards."""
     chat = chat_body(body, model)
     messages = chat["messages"]
+    options: dict[str, Any] = {
+        "synthetic": body.synthetic.model_dump() if body.synthetic else None
+    }
+    prefill = _prefill(body)
+    if prefill is not None:  # the answer continues it; the prompt is the rest
+        options["continuation"] = prefill
     return GenerationRequest(
         request_id=stream_id,
-        prompt=prompt_text(messages),
+        prompt=prompt_text(messages[:-1] if prefill is not None else messages),
         model=model,
         max_tokens=body.max_tokens,
         seed=None,  # the Messages API has none
@@ -148,7 +154,7 @@ def generation_request(
         stop=tuple(body.stop_sequences or ()),
         messages=tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
         body=chat,
-        options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        options=options,
         tenant=tenant,
     )
 
@@ -196,7 +202,24 @@ def chat_body(body: MessagesRequest, model: str | None = None) -> dict[str, Any]
         chat["user"] = user
     if body.synthetic is not None:
         chat["synthetic"] = body.synthetic.model_dump(exclude_none=True)
+    if _prefill(body) is not None:
+        # vLLM's (and firsttoken's) way to continue the final assistant message.
+        chat["continue_final_message"] = True
+        chat["add_generation_prompt"] = False
     return chat
+
+
+def _prefill(body: MessagesRequest) -> str | None:
+    """The text of a final assistant message (a prefill: the answer continues it), or None.
+    A final turn with tool uses is not a prefill."""
+    last = body.messages[-1]
+    if last.role != "assistant":
+        return None
+    if isinstance(last.content, str):
+        return last.content
+    if any(isinstance(b, ToolUseBlock) for b in last.content):
+        return None
+    return "".join(b.text for b in last.content if isinstance(b, TextBlock))
 
 
 def chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:

@@ -20,7 +20,7 @@ from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Renderer, Stream
-from firsttoken.engines import Engine, GenerationRequest
+from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.errors import echo
@@ -66,6 +66,7 @@ class Gateway:
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings."""
         s = self.settings
+        self._check(generation, ticket)
         try:
             stream = Stream(
                 generation,
@@ -88,6 +89,20 @@ class Gateway:
         if meta:
             stream.meta_interval_s = s.meta_interval_ms / 1000
         return stream
+
+    def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:
+        """Refuse before the first byte what the engine can tell at once it would fail (a
+        continuation that does not start its answer), as a 4xx with the ticket given back."""
+        check = getattr(self.engine, "check", None)
+        if check is None:
+            return
+        try:
+            check(generation)
+        except EngineError as exc:
+            ticket.client_fault = exc.client_fault
+            self.registry.unstarted(ticket)
+            param = "messages" if exc.code == "invalid_continuation" else None
+            raise APIError(exc.status or 400, exc.code, exc.message, param=param) from None
 
     def reader(self, stream: Stream, request: Request, **options: Any) -> EventStreamResponse:
         """A connection reading `stream`, with this server's heartbeat, send timeout and

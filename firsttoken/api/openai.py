@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import orjson
 from starlette.requests import Request
@@ -64,7 +65,7 @@ async def _serve(
         messages=tuple({"role": m.role, "content": m.text()} for m in body.messages)
         if isinstance(body, ChatCompletionRequest)
         else None,
-        options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        options=_options(body),
         body=body.raw,
         tenant=ticket.key.name,
     )
@@ -99,6 +100,15 @@ async def _serve(
         start=True,
         timestamps=bool(options and options.timestamps),
     )
+
+
+def _options(body: ChatCompletionRequest | CompletionRequest) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "synthetic": body.synthetic.model_dump() if body.synthetic else None
+    }
+    if isinstance(body, ChatCompletionRequest) and body.continue_final_message:
+        options["continuation"] = body.continuation()  # engines that continue natively
+    return options
 
 
 async def _complete(

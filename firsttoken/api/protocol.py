@@ -153,9 +153,32 @@ class _OpenAIGeneration(_Generation):
 
 class ChatCompletionRequest(_OpenAIGeneration):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    # vLLM's way to continue an answer: the final assistant message is its start, and the
+    # engine writes the rest (no new assistant turn is opened).
+    continue_final_message: bool = False
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _continues(self) -> ChatCompletionRequest:
+        if not self.continue_final_message:
+            return self
+        if self.add_generation_prompt:
+            raise ValueError(
+                "continue_final_message needs add_generation_prompt: false (as vLLM asks)"
+            )
+        if self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be the assistant's")
+        return self
+
+    def continuation(self) -> str | None:
+        """The text the answer continues, when it continues one."""
+        return self.messages[-1].text() if self.continue_final_message else None
 
     def prompt(self) -> str:
-        return "\n".join(f"{m.role}: {m.text()}" for m in self.messages)
+        """The conversation as `role: text` lines; a message being continued is not in it
+        (the answer to the rest is what continues it)."""
+        messages = self.messages[:-1] if self.continue_final_message else self.messages
+        return "\n".join(f"{m.role}: {m.text()}" for m in messages)
 
 
 class CompletionRequest(_OpenAIGeneration):

@@ -117,6 +117,11 @@ class CachedEngine:
     def prompt_tokens(self, prompt: str) -> int:
         return self.inner.prompt_tokens(prompt)
 
+    def check(self, request: GenerationRequest) -> None:
+        check = getattr(self.inner, "check", None)  # what the engine refuses up front
+        if check is not None:
+            check(request)
+
     async def start(self) -> None:
         await self.inner.start()
 
