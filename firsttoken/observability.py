@@ -109,6 +109,8 @@ class Metrics:
         self.shedding = dict.fromkeys(("ttft", "memory"), 0)  # the breaker has its own state
         self.breaker_state = "closed"
         self.memory_rss_bytes = 0
+        self.readers_paused = 0  # writers whose socket is full (the transport paused them)
+        self.readers_stalled = 0  # readers cut off for taking no bytes for --send-timeout-s
         self.tokens_generated = tokens_generated
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
@@ -172,6 +174,18 @@ class Metrics:
             "firsttoken_memory_rss_bytes",
             "Resident memory of the process.",
             self.memory_rss_bytes,
+        )
+        yield _one(
+            GaugeMetricFamily,
+            "firsttoken_readers_paused",
+            "Readers whose socket takes no more bytes now (their writer waits).",
+            self.readers_paused,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "firsttoken_readers_stalled",
+            "Readers cut off for taking no bytes for --send-timeout-s.",
+            self.readers_stalled,
         )
 
     def render(self) -> bytes:

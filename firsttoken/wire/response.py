@@ -73,6 +73,10 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 # inter-chunk histograms with 0.5 ms buckets.
 _clock = time.perf_counter
 _REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
+# Set-up's writes are held back for one system call (see `EventWriter.hold`), but only this
+# many bytes of them: past it a long replay goes to the transport, whose high-water mark
+# pauses the writer, so a reader that never reads holds that mark plus the kernel's buffer.
+_HOLD_MAX_BYTES = 65536
 _MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
 
 
@@ -171,7 +175,9 @@ class EventWriter:
 
     def hold(self, head: bytes) -> None:
         """Keep writes back, after the response head, until `release`: set-up's writes (the
-        head, the preamble, the opening events) leave in one system call."""
+        head, the preamble, the opening events) leave in one system call. A replay longer than
+        `_HOLD_MAX_BYTES` is released as it goes (`catch_up`), so the transport's flow
+        control bounds it as it bounds every later write."""
         self.transport = _Held(self.transport, head)
 
     def release(self) -> None:
@@ -180,13 +186,18 @@ class EventWriter:
             return
         self.transport = held.real
         if held.parts and not held.real.is_closing():
-            self.transport.write(b"".join(held.parts))
+            try:
+                self.transport.write(b"".join(held.parts))  # may pause us, right here
+            except RuntimeError:
+                self.close(End.DISCONNECTED)
 
     def close(self, end: End) -> None:
         """Detach (once): the registry may stop an abandoned stream's engine right here."""
         if self.done.done():
             return
         self.done.set_result(end)
+        if self.paused:
+            self.metrics.readers_paused -= 1
         if self._call is not None:
             self._call.cancel()
             self._call = None
@@ -296,6 +307,9 @@ class EventWriter:
             self.cursor = events[-1].seq
             self.last_write = _clock()
             self._account(events)
+            held = self.transport
+            if type(held) is _Held and held.size > _HOLD_MAX_BYTES:
+                self.release()  # from here the transport's flow control bounds the replay
             log.advanced()
 
     def _account(self, events: list[Event]) -> None:
@@ -326,14 +340,16 @@ class EventWriter:
     # -- the connection's callbacks --------------------------------------------------------
 
     def pause_writing(self) -> None:
-        if not self.paused:
+        if not self.paused and not self.done.done():
             self.paused = True
+            self.metrics.readers_paused += 1
             self._paused_since = _clock()
             self._arm(min(self.send_timeout_s, self.heartbeat_s))
 
     def resume_writing(self) -> None:
         if self.paused:
             self.paused = False
+            self.metrics.readers_paused -= 1
             self.catch_up()
             # Caught up: the producer may be waiting for room.
             self.log.advanced()
@@ -459,27 +475,43 @@ class EventStreamResponse:
             await self.registry.start(self.stream)
 
     async def _finish(self, end: End, writer: EventWriter, scope: Scope, send: Send) -> None:
-        stream = self.stream
         if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
             last = {"type": "http.response.body", "body": tail, "more_body": False}
-            if writer.terminated:
-                await _held_send(send, send, last)  # the bytes are out: uvicorn's are dropped
-            else:
-                await send(last)
-        elif end is End.STALLED:
-            # The reader takes no bytes: a graceful close would wait on it forever.
+            # uvicorn's send waits for a paused transport to drain, with no limit of its own.
+            with anyio.move_on_after(self.send_timeout_s) as waited:
+                if writer.terminated:
+                    await _held_send(send, send, last)  # the bytes are out: uvicorn's dropped
+                else:
+                    await send(last)
+            if not waited.cancelled_caught:
+                schedule, cut = self.registry.schedule, self._stalled_after(scope)
+                _cut_if_unread(writer.transport, schedule, self.send_timeout_s, cut)
+                return
+        elif end is not End.STALLED:
+            return
+        # The reader takes no bytes: a graceful close would wait on it forever.
+        self._stalled_after(scope)()
+        await anyio.lowlevel.checkpoint()  # let the server see the connection go
+
+    def _stalled_after(self, scope: Scope) -> Callable[[], None]:
+        """What cuts this response's reader for taking no bytes for `send_timeout_s`: reset
+        the connection (a graceful close would wait for it to read, forever), log, count."""
+        stream, metrics, timeout = self.stream, self.metrics, self.send_timeout_s
+        abort = scope.get(ABORT_KEY)
+
+        def cut() -> None:
+            metrics.readers_stalled += 1
             log_event(
                 "stream.reader_stalled",
                 stream=stream.id,
                 trace_id=stream.trace_id,
-                send_timeout_s=self.send_timeout_s,
+                send_timeout_s=timeout,
             )
-            abort = scope.get(ABORT_KEY)
             if abort is not None:
                 abort()
-                # Let the server see the connection go before we return.
-                await anyio.lowlevel.checkpoint()
+
+        return cut
 
     async def _serve_over_asgi(self, receive: Receive, send: Send) -> None:
         """Under another ASGI server (no transport to reach): the same writer, with its
@@ -540,17 +572,45 @@ def _cycle(raw_send: Send) -> Any:
     return cycle
 
 
+def _cut_if_unread(
+    transport: Any, schedule: Schedule, timeout_s: float, cut: Callable[[], None]
+) -> None:
+    """After the response's last byte was handed over: if the transport still holds bytes the
+    reader has not taken, cut it once `timeout_s` passes without progress. The transport is
+    under its high-water mark, so nothing else waits on it, and uvicorn's keep-alive close
+    would wait for those bytes to leave, forever."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    if size is None or not size():
+        return
+    left = size()
+
+    def check() -> None:
+        nonlocal left
+        now = size()
+        if not now:
+            return
+        if now < left:  # a slow reader, not a stalled one
+            left = now
+            schedule.call_later(timeout_s, check)
+            return
+        cut()
+
+    schedule.call_later(timeout_s, check)
+
+
 class _Held:
     """A transport stand-in that keeps what is written (see `EventWriter.hold`)."""
 
-    __slots__ = ("parts", "real")
+    __slots__ = ("parts", "real", "size")
 
     def __init__(self, real: Any, head: bytes = b"") -> None:
         self.real = real
         self.parts: list[bytes] = [head] if head else []
+        self.size = len(head)
 
     def write(self, data: bytes) -> None:
         self.parts.append(data)
+        self.size += len(data)
 
     def is_closing(self) -> bool:
         return bool(self.real.is_closing())

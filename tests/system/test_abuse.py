@@ -7,6 +7,7 @@ gauges, memory, writers) is read back from /metrics.
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,59 @@ def test_a_whole_answer_past_max_response_bytes_stops_with_a_clear_error(
         assert streamed.status_code == 200
         text = "".join(streamed.iter_text())
     assert "response_too_large" not in text and len(text) > 4000
+
+
+def _rss_kib(server: Server) -> int:
+    status = Path(f"/proc/{server.proc.pid}/status").read_text()
+    return int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
+
+
+def test_readers_that_never_read_hold_a_bounded_part_of_the_backlog() -> None:
+    """50 connections ask for a finished 20,000-token stream and never read. The transport's
+    high-water mark pauses each writer during the replay (it used to take the whole backlog
+    in one write), and past --send-timeout-s without a byte taken each is cut."""
+    readers, tokens = 50, 20_000
+    with run_server(
+        "--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0", "--send-timeout-s", "3",
+        "--resume-max-events", str(tokens + 100), "--resume-grace-s", "60",
+    ) as server:  # fmt: skip
+        created = httpx.post(
+            server.v1 + "/streams",
+            json={"prompt": "long", "synthetic": {"answer_tokens": tokens}, "max_tokens": tokens},
+        ).json()
+        wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=30)
+        url = server.url + created["events_url"]
+        backlog = len(httpx.get(url, timeout=30).content)
+        assert backlog > 500_000
+        before = _rss_kib(server)
+        socks = []
+        for _ in range(readers):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connect
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(f"GET {created['events_url']} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            socks.append(sock)
+        try:
+            wait_for(lambda: server.metric("firsttoken_readers_paused") == readers, timeout=10)
+            held_mib = (_rss_kib(server) - before) / 1024
+            # Each holds at most the transport's high-water mark and a replay batch: ~80 KiB
+            # (the whole backlog each, ~1 MiB, before).
+            assert held_mib < readers * backlog / 4 / 2**20, held_mib
+            wait_for(lambda: server.metric("firsttoken_readers_stalled_total") == readers, 15)
+            assert server.metric("firsttoken_readers_paused") == 0
+            for sock in socks:  # what reached each: the kernel's buffers, not the backlog
+                assert _drain(sock) < backlog / 2
+        finally:
+            for sock in socks:
+                sock.close()
+
+
+def _drain(sock: socket.socket) -> int:
+    sock.settimeout(5)
+    got = 0
+    try:
+        while data := sock.recv(65536):
+            got += len(data)
+    except (ConnectionResetError, TimeoutError):
+        pass
+    return got
