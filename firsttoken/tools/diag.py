@@ -120,9 +120,13 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
     kind = detect_kind(args.url) if args.kind == "auto" else Kind(args.kind)
     extra: dict[str, Any] = {}
     if args.extra_body:
-        extra = json.loads(args.extra_body)
+        bad = f"invalid --extra-body {args.extra_body!r}"
+        try:
+            extra = json.loads(args.extra_body)
+        except ValueError as exc:  # the parser's words alone do not say which option
+            raise ValueError(f"{bad}: not JSON ({exc})") from None
         if not isinstance(extra, dict):
-            raise ValueError("--extra-body must be a JSON object")
+            raise ValueError(f"{bad}: must be a JSON object")
     headers: dict[str, str] = {}
     for h in args.header:
         name, sep, value = h.partition(":")

@@ -446,10 +446,16 @@ def test_cli_entry_points(fast_server: Server) -> None:
     assert proc.returncode == 0 and "verdict" in proc.stdout and "TTFT" in proc.stdout
 
 
-def test_bad_arguments() -> None:
+def test_bad_arguments(capsys: pytest.CaptureFixture[str]) -> None:
     assert diag.main(["not-a-url"]) == 2
-    assert diag.main(["http://127.0.0.1:9/x", "--extra-body", "[1]"]) == 2
     assert diag.main(["http://127.0.0.1:9/x", "-H", "nocolon"]) == 2
+    capsys.readouterr()
+    # A bad --extra-body is named, not only the JSON parser's words (issue 26).
+    for body, why in (("{bad", "not JSON (Expecting property name"), ("[1]", "a JSON object")):
+        assert diag.main(["http://127.0.0.1:9/x", "--extra-body", body]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"firsttoken diag: invalid --extra-body {body!r}: "), err
+        assert why in err and len(err.splitlines()) == 1, err
 
 
 # --- the verdict on constructed arrivals (no network) -----------------------------------------
