@@ -27,6 +27,8 @@ def preflight(settings: Settings) -> None:
         _keys(settings.api_keys)
     if settings.canned_answers:
         _canned(settings.canned_answers)
+    if settings.routes:
+        _routes(settings.routes)
     if settings.redis:
         _redis(settings.redis)
     if settings.engine == "openai" and settings.upstream:
@@ -49,6 +51,15 @@ def _canned(path: str) -> None:
         load_canned(path)
     except (OSError, ValueError) as exc:
         raise StartupError(f"--canned-answers {path}: {_file_error(exc, path)}") from exc
+
+
+def _routes(path: str) -> None:
+    from firsttoken.routes.config import RoutesError, load_routes
+
+    try:
+        load_routes(path)
+    except RoutesError as exc:
+        raise StartupError(f"--routes {exc}") from exc
 
 
 def _file_error(exc: Exception, path: str) -> str:

@@ -123,8 +123,14 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
         return 400, "application/json", [json.dumps(VLLM_FLAT_ERROR).encode()]
     if name == "http-422":
         return 422, "application/json", [json.dumps(TGI_VALIDATION).encode()]
-    if name == "http-429":
+    if name in ("http-429", "http-429-retry"):
         return 429, "application/json", [json.dumps(OPENAI_429).encode()]
+    if name == "rejects-prefill":  # answers whole; refuses a continuation (above)
+        return script("ok", chat)
+    if name == "cut-in-tool":  # the connection drops inside a tool call's arguments
+        return 200, sse, [_data(c) for c in VLLM_CHUNKS["vllm-tools"][:6]] + [CUT]
+    if name == "cut-in-reasoning":
+        return 200, sse, [_data(c) for c in VLLM_CHUNKS["vllm-tools"][:3]] + [CUT]
     # Faults: what a broken upstream, or a proxy in front of one, puts on the wire.
     if name == "html-502":  # nginx in front of a dead upstream
         return 502, "text/html", [NGINX_502]
@@ -145,6 +151,47 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     if name == "binary":  # bytes that are neither UTF-8 nor SSE, then the end
         return 200, sse, [bytes(range(256)) * 4]
     raise KeyError(name)
+
+
+def continuation_prefix(request: Mapping[str, object]) -> str | None:
+    """The assistant text a vLLM-style continuation asks to go on from, if it is one; for a
+    completion, the prompt's end when it is a start of the scripted answer (a base model
+    simply continues its prompt)."""
+    prompt = request.get("prompt")
+    if isinstance(prompt, str):
+        starts = ("".join(TOKENS[:k]) for k in range(len(TOKENS), 0, -1))
+        return next((p for p in starts if prompt.endswith(p)), None)
+    messages = request.get("messages")
+    if not request.get("continue_final_message") or not isinstance(messages, list):
+        return None
+    last = messages[-1] if messages else None
+    if not isinstance(last, dict) or last.get("role") != "assistant":
+        return None
+    return str(last.get("content") or "")
+
+
+def continue_script(name: str, prefix: str, chat: bool) -> tuple[int, str, list[object]]:
+    """How a scripted upstream continues `prefix` (vLLM's continue_final_message): the rest
+    of TOKENS when the prefix ends at a token boundary; a 400 otherwise, or always for
+    `rejects-prefill` (a server that does not take an assistant prefix)."""
+    sse = "text/event-stream"
+    cuts = {"".join(TOKENS[:k]): k for k in range(len(TOKENS) + 1)}
+    if name == "rejects-prefill" or prefix not in cuts:
+        return 400, "application/json", [json.dumps(PREFILL_400).encode()]
+    if name in ("hang-before", "http-503", "http-429-retry"):
+        return script(name, chat)
+    rest = [_chunk(chat, t) for t in TOKENS[cuts[prefix] :]]
+    return 200, sse, [_chunk(chat, None), *rest, _chunk(chat, None, "stop"), b"data: [DONE]\n\n"]
+
+
+PREFILL_400 = {
+    "error": {
+        "message": "continue_final_message is not supported",
+        "type": "BadRequestError",
+        "param": None,
+        "code": 400,
+    }
+}
 
 
 def _vllm(delta: dict, finish: str | None = None, **choice: object) -> dict:
@@ -222,7 +269,7 @@ SCENARIOS = (
     "openai-event-error early-error cut cut-chunked hang hang-before "
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
-    "vllm-tools vllm-reasoning"
+    "vllm-tools vllm-reasoning http-429-retry rejects-prefill cut-in-tool cut-in-reasoning"
 ).split()
 
 
@@ -266,11 +313,18 @@ class ScriptedUpstream:
         request = json.loads(body)
         self.posts.append(request)
         model = request.get("model", "")
-        status, ctype, steps = script(self.scenarios.get(model, model), "messages" in request)
+        name = self.scenarios.get(model, model)
+        chat = "messages" in request
+        continued = continuation_prefix(request)
+        if continued is not None:
+            status, ctype, steps = continue_script(name, continued, chat)
+        else:
+            status, ctype, steps = script(name, chat)
+        extra = b"retry-after: 2\r\n" if name == "http-429-retry" else b""
         if status:
             writer.write(
-                b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n\r\n"
-                % (status, ctype.encode())
+                b"HTTP/1.1 %d X\r\ncontent-type: %s\r\ntransfer-encoding: chunked\r\n%s\r\n"
+                % (status, ctype.encode(), extra)
             )
         for step in steps:
             if step is HANG:

@@ -45,6 +45,7 @@ class Collector:
                     error.get("code") or "engine_error",
                     error.get("message") or "",
                     type_=error.get("type") or "server_error",
+                    status=self.stream.error_status,
                 )
             return
         if not data or data == b"[DONE]" or self.failure is not None:

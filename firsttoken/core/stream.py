@@ -108,6 +108,7 @@ class Stream:
         "coalesce",
         "delivered_seq",
         "error_code",
+        "error_status",
         "first_generated_at",
         "first_token_at",
         "generation",
@@ -167,6 +168,7 @@ class Stream:
         self.readers = 0
         self.outcome: Outcome | None = None
         self.error_code: str | None = None
+        self.error_status: int | None = None  # an upstream's HTTP status, for a whole answer
         self.logged_finish = False
         self.ticket: AdmissionTicket | None = None
         self.coalesce: CoalescePolicy | None = None  # None: one event per token
@@ -401,9 +403,10 @@ class Stream:
         self.outcome = outcome
         if error is not None:
             assert self.renderer is not None
+            self.error_code = error.code
+            self.error_status = error.status  # before the event: a collector reads it there
             for name, data in self.renderer.error(error.code, error.message, error.type):
                 self._append(name, data)
-            self.error_code = error.code
             if error.client_fault and self.ticket is not None:
                 self.ticket.client_fault = True
         self.log.on_room = None
