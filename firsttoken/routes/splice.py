@@ -10,7 +10,7 @@ a target cannot be asked to finish someone else's half-written JSON or thought.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -75,15 +75,20 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
     if remaining is not None and remaining <= 0:
         return None
     options = dict(request.options)
-    options["continuation"] = text
     body: dict[str, Any] | None = dict(request.body) if request.body is not None else None
     messages = request.messages
     if messages is not None or (body is not None and "messages" in body):
+        # A client's own prefill (continue_final_message, an Anthropic prefill) is the
+        # answer's start: the one assistant message is it plus what was sent.
+        prefill = request.options.get("continuation")
+        if isinstance(prefill, str):
+            text = prefill + text
         assistant = {"role": "assistant", "content": text}
         if messages is not None:
-            messages = (*messages, assistant)
+            messages = (*_unless_prefill(messages, prefill), assistant)
         if body is not None:
-            body["messages"] = [*(body.get("messages") or ()), assistant]
+            listed = list(body.get("messages") or ())
+            body["messages"] = [*_unless_prefill(listed, prefill), assistant]
             body["continue_final_message"] = True
             body["add_generation_prompt"] = False
         prompt = request.prompt
@@ -92,6 +97,7 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
         prompt = request.prompt + text
         if body is not None and isinstance(body.get("prompt"), str):
             body["prompt"] = body["prompt"] + text
+    options["continuation"] = text
     if body is not None and remaining is not None:
         for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int):
@@ -104,6 +110,14 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
         body=body,
         options=options,
     )
+
+
+def _unless_prefill(messages: Sequence[Any], prefill: object) -> Sequence[Any]:
+    """The messages less a final assistant one that is the client's prefill."""
+    last = messages[-1] if messages else None
+    if isinstance(prefill, str) and isinstance(last, Mapping) and last.get("role") == "assistant":
+        return messages[:-1]
+    return messages
 
 
 def spliced_usage(
