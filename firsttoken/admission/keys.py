@@ -38,10 +38,18 @@ class KeyRing:
         """
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
+        where: dict[str, int] = {}
         for i, entry in enumerate(raw.get("keys", [])):
             secret, name = entry.get("key"), entry.get("name")
             if not isinstance(secret, str) or not secret or not isinstance(name, str):
                 raise ValueError(f"{path}: keys[{i}] needs a string 'name' and 'key'")
+            if secret in keys:  # one secret, two names: which limits would apply?
+                first = where[secret]
+                raise ValueError(
+                    f"{path}: keys[{i}] ({name!r}) has the same key as keys[{first}] "
+                    f"({keys[secret].name!r}); each key must be listed once"
+                )
+            where[secret] = i
             limit = entry.get("max_streams")
             if limit is not None and (not isinstance(limit, int) or limit < 1):
                 raise ValueError(f"{path}: keys[{i}].max_streams must be a positive integer")

@@ -33,3 +33,19 @@ def test_a_bad_keys_file_names_what_is_wrong(tmp_path: Path, body: str) -> None:
     path.write_text(body)
     with pytest.raises(ValueError, match="keys"):
         KeyRing.load(path)
+
+
+def test_the_same_key_under_two_names_is_refused(tmp_path: Path) -> None:
+    # Which name's limits would a request with it get? The file must say one.
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[[keys]]\nname = "alice"\nkey = "sk-a"\nmax_streams = 2\n\n'
+        '[[keys]]\nname = "bob"\nkey = "sk-b"\n\n'
+        '[[keys]]\nname = "carol"\nkey = "sk-a"\nmax_streams = 50\n'
+    )
+    with pytest.raises(ValueError) as refused:
+        KeyRing.load(path)
+    assert str(refused.value) == (
+        f"{path}: keys[2] ('carol') has the same key as keys[0] ('alice'); "
+        "each key must be listed once"
+    )
