@@ -87,6 +87,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/responses", responses.responses, methods=["POST"]),
         Route("/messages", anthropic.messages, methods=["POST"]),
         Route("/models", openai.models, methods=["GET"]),
+        Route("/models/{model_id:path}", openai.model, methods=["GET"]),
         Route("/streams", native.create_stream, methods=["POST"]),
         Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
         Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),

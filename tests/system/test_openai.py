@@ -23,6 +23,20 @@ def test_models_lists_synthetic(server: Server) -> None:
     assert [m.id for m in client(server).models.list()] == ["synthetic"]
 
 
+def test_models_retrieve(server: Server) -> None:
+    """The SDK's `models.retrieve`: the model served, or 404 `model_not_found` in the error
+    shape (it answered the page's 404 before, issue 26); an id with a slash is one id."""
+    model = client(server).models.retrieve("synthetic")
+    assert (model.id, model.object, model.owned_by) == ("synthetic", "model", "firsttoken")
+    for unknown in ("gpt-9", "org/model"):
+        with pytest.raises(openai.NotFoundError) as info:
+            client(server).models.retrieve(unknown)
+        assert info.value.code == "model_not_found"
+        assert "this server serves: synthetic" in info.value.message
+    r = httpx.post(server.v1 + "/models/synthetic", timeout=10)
+    assert r.status_code == 405 and r.json()["error"]["code"] == "method_not_allowed"
+
+
 def test_stream_chat_token_exact_with_usage(server: Server) -> None:
     expected, finish = synthetic_tokens(PROMPT, 7, 40)
     stream = client(server).chat.completions.create(
