@@ -35,12 +35,12 @@ import uvloop
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Stream
+from firsttoken.core.writer import EventWriter
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import SyntheticEngine, SyntheticOptions, _Run
 from firsttoken.observability import Metrics
 from firsttoken.resume import EventLog
 from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.response import EventWriter
 
 __all__ = ["main", "measure", "render_table", "stages"]
 

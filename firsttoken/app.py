@@ -31,7 +31,7 @@ from firsttoken.routes import build_engine
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.errors import APIError
-from firsttoken.wire.response import RAW_SEND_KEY
+from firsttoken.wire.connection import RAW_SEND_KEY
 
 __all__ = ["RawSendApp", "asgi_app", "create_app"]
 
@@ -166,7 +166,7 @@ class RawSendApp:
     """The outermost ASGI layer.
 
     - It leaves the server's own `send` in the scope, so a streaming response can end its body
-      past the middleware (see `response.RAW_SEND_KEY`).
+      past the middleware (see `connection.RAW_SEND_KEY`).
     - The streaming endpoints skip Starlette's router and middleware stack (`HOT_ROUTES`):
       those layers cost ~150 µs per request, as much as the stream's own set-up. They get the
       same handlers, gzip for whole answers and the same API error answers.

@@ -20,11 +20,12 @@ from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Renderer, Stream
+from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
+from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
-from firsttoken.wire.response import ARRIVED_KEY, EventStreamResponse
 
 __all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id"]
 

@@ -8,16 +8,35 @@ import socket
 import time
 from typing import Any, Protocol
 
+from starlette.types import Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from firsttoken.wire.response import ABORT_KEY, ARRIVED_KEY, CONNECTION_KEY
+__all__ = [
+    "ABORT_KEY",
+    "ARRIVED_KEY",
+    "CONNECTION_KEY",
+    "RAW_SEND_KEY",
+    "ConnectionListener",
+    "Held",
+    "StreamingProtocol",
+    "held_send",
+    "lean_event",
+]
 
-__all__ = ["ConnectionListener", "StreamingProtocol", "lean_event"]
+# The scope key under which the app's outermost layer leaves the server's own `send`.
+RAW_SEND_KEY = "firsttoken.raw_send"
+# The scope key of a callable that resets the connection (set by our uvicorn protocol).
+ABORT_KEY = "firsttoken.abort"
+# The scope key of when the request's first byte arrived (perf_counter): TTFT starts there.
+ARRIVED_KEY = "firsttoken.arrived"
+# The scope key of the connection itself (our uvicorn protocol): its transport, and the
+# `listener` slot through which it reports pause/resume/loss to the writer.
+CONNECTION_KEY = "firsttoken.wire.connection"
 
 
 class ConnectionListener(Protocol):
-    """What an event-stream writer hears from its connection (see `response.EventWriter`)."""
+    """What an event-stream writer hears from its connection (see `core.writer.EventWriter`)."""
 
     def pause_writing(self) -> None: ...
 
@@ -166,3 +185,50 @@ _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY)
 )
+
+
+async def held_send(raw_send: Send, send: Send, message: dict[str, Any]) -> bytes:
+    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`)
+    would write: the caller writes them with its own, or already has. Elsewhere than
+    uvicorn's httptools cycle the message is just sent, and b"" comes back."""
+    cycle = uvicorn_cycle(raw_send)
+    if cycle is None:
+        await send(message)
+        return b""
+    real = cycle.transport
+    held = cycle.transport = Held(real)  # a close still goes through
+    try:
+        await send(message)
+    finally:
+        cycle.transport = real
+    return b"".join(held.parts)
+
+
+def uvicorn_cycle(raw_send: Send) -> Any:
+    """uvicorn's request-response cycle behind its own `send` (pinned: uvicorn 0.54)."""
+    cycle = getattr(raw_send, "__self__", None)
+    if cycle is None or not hasattr(cycle, "transport") or not hasattr(cycle, "response_started"):
+        return None
+    return cycle
+
+
+class Held:
+    """A transport stand-in that keeps what is written, to leave in one system call later
+    (`held_send`; `core.writer.EventWriter.hold`)."""
+
+    __slots__ = ("parts", "real", "size")
+
+    def __init__(self, real: Any, head: bytes = b"") -> None:
+        self.real = real
+        self.parts: list[bytes] = [head] if head else []
+        self.size = len(head)
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+        self.size += len(data)
+
+    def is_closing(self) -> bool:
+        return bool(self.real.is_closing())
+
+    def close(self) -> None:
+        self.real.close()

@@ -8,14 +8,14 @@ from typing import Any
 
 import pytest
 
+from firsttoken.core import writer as writer_module
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.observability import Metrics
-from firsttoken.wire import response
 from firsttoken.wire.render import NativeRenderer
-from firsttoken.wire.response import End, EventWriter
 from tests.unit.clock import FakeClock
 
 
@@ -38,7 +38,7 @@ def setup(
     monkeypatch: pytest.MonkeyPatch, *, grace_s: float = 0.0, window: int = 4
 ) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventWriter]:
     clock = FakeClock()
-    monkeypatch.setattr(response, "_clock", clock)
+    monkeypatch.setattr(writer_module, "_clock", clock)
     registry = StreamRegistry(SyntheticEngine(), Metrics(), ttl_s=10)
     registry.schedule = Schedule(clock=clock, call_at=clock.call_at)
     stream = Stream(

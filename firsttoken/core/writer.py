@@ -1,0 +1,601 @@
+"""The event writer: one reader of a stream's event log, writing to one socket, and the
+streaming ASGI response that hands it the connection. It is the reader side of the log (as
+`collect.Collector` is for whole answers); `wire/` below it knows only bytes and formats.
+
+The response sends its headers through ASGI, then hands the connection to an `EventWriter`
+and waits for one future. From then on the writer is driven by callbacks, never by a task:
+
+- the log's `deliver` (a new event, inside the engine's step): written at once when the
+  reader is caught up and the socket takes bytes, with the HTTP chunk framing;
+- the protocol's `pause_writing` / `resume_writing`: a paused reader stops writing and falls
+  behind (the stream's window then pauses the engine); on resume it writes what piled up;
+- the protocol's `connection_lost`: the reader detaches at once, so an abandoned stream's
+  engine stops before its next step;
+- the server's shared `Schedule`: heartbeats after `heartbeat_s` without a write, and a cut
+  after `send_timeout_s` of a socket that takes nothing.
+
+The last body message (the terminating chunk) goes back through ASGI, so uvicorn's own
+bookkeeping of the response (keep-alive, completion) stays right.
+
+Writes are system calls, and a short stream made five: the head, the opening event, its
+tokens, the closing events, the terminating chunk. The head waits for the opening events
+(`EventWriter.hold`), and the terminating chunk rides with the closing events (uvicorn's
+bookkeeping is then told the response ended, and writes nothing): three.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any
+
+import anyio
+import anyio.lowlevel
+from starlette.types import Receive, Scope, Send
+
+from firsttoken.core.eventlog import Event, ResumeExpired
+from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.schedule import Schedule, ScheduledCall
+from firsttoken.core.stream import Stream
+from firsttoken.observability import Metrics, log_event
+from firsttoken.wire.compression import StreamCompressor
+from firsttoken.wire.connection import ABORT_KEY, CONNECTION_KEY, RAW_SEND_KEY, Held, held_send
+from firsttoken.wire.errors import error_body
+from firsttoken.wire.sse import PING, encode_event
+
+__all__ = ["SSE_HEADERS", "End", "EventStreamResponse", "EventWriter", "sse_headers"]
+
+
+SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache, no-transform"),
+    (b"x-accel-buffering", b"no"),
+)
+
+# perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
+# inter-chunk histograms with 0.5 ms buckets.
+_clock = time.perf_counter
+_REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
+# Set-up's writes are held back for one system call (see `EventWriter.hold`), but only this
+# many bytes of them: past it a long replay goes to the transport, whose high-water mark
+# pauses the writer, so a reader that never reads holds that mark plus the kernel's buffer.
+_HOLD_MAX_BYTES = 65536
+_MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
+
+
+def sse_headers(stream: Stream, extra: dict[str, str] | None = None) -> list[tuple[bytes, bytes]]:
+    headers = [
+        *SSE_HEADERS,
+        (b"x-stream-id", stream.id.encode()),
+        (b"x-request-id", stream.trace_id.encode()),
+    ]
+    for name, value in (extra or {}).items():
+        headers.append((name.lower().encode(), value.encode()))
+    return headers
+
+
+class End(Enum):
+    FINISHED = "finished"  # the log closed and everything was written
+    DISCONNECTED = "disconnected"
+    STALLED = "stalled"  # the socket took nothing for send_timeout_s
+
+
+class EventWriter:
+    """Writes one stream's events to one connection's transport; the log's reader."""
+
+    __slots__ = (
+        "_call",
+        "_paused_since",
+        "chunked",
+        "compressor",
+        "cursor",
+        "done",
+        "heartbeat_s",
+        "last_write",
+        "log",
+        "metrics",
+        "pacer",
+        "paused",
+        "plain",
+        "registry",
+        "schedule",
+        "send_timeout_s",
+        "stream",
+        "terminated",
+        "throttled",
+        "timestamps",
+        "transport",
+    )
+
+    def __init__(
+        self,
+        stream: Stream,
+        registry: StreamRegistry,
+        metrics: Metrics,
+        transport: Any,
+        *,
+        chunked: bool,
+        after: int,
+        heartbeat_s: float,
+        send_timeout_s: float,
+        timestamps: bool,
+        compressor: StreamCompressor | None,
+    ) -> None:
+        self.stream = stream
+        self.log = stream.log
+        self.registry = registry
+        self.metrics = metrics
+        self.transport = transport
+        self.chunked = chunked  # HTTP/1.1 chunk framing (uvicorn's choice for our responses)
+        self.schedule: Schedule = registry.schedule
+        self.cursor = after
+        self.heartbeat_s = heartbeat_s
+        self.send_timeout_s = send_timeout_s
+        self.timestamps = timestamps  # `: t=<unix time>` before each event, for diagnosis
+        self.compressor = compressor
+        self.pacer = registry.pacer  # --max-stream-bytes-per-s, or None
+        self.throttled = False  # waiting for its turn in the pacer's line
+        # Nothing between the event and the socket but the chunk framing: the hot path.
+        self.plain = chunked and compressor is None and not timestamps and self.pacer is None
+        self.paused = False
+        self.terminated = False  # the terminating chunk went out with the last events
+        self._paused_since = 0.0
+        self.last_write = 0.0
+        self.done: asyncio.Future[End] = asyncio.get_running_loop().create_future()
+        self._call: ScheduledCall | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------
+
+    def open(self, preamble: bytes) -> None:
+        """Attach to the stream and its log, write the preamble and any backlog."""
+        self.registry.attach(self.stream)
+        self.log.attach(self)
+        self.last_write = _clock()
+        if preamble:
+            self._write(preamble)
+        self._arm(self.heartbeat_s)
+        self.catch_up()
+
+    def hold(self, head: bytes) -> None:
+        """Keep writes back, after the response head, until `release`: set-up's writes (the
+        head, the preamble, the opening events) leave in one system call. A replay longer than
+        `_HOLD_MAX_BYTES` is released as it goes (`catch_up`), so the transport's flow
+        control bounds it as it bounds every later write."""
+        self.transport = Held(self.transport, head)
+
+    def release(self) -> None:
+        held = self.transport
+        if not isinstance(held, Held):
+            return
+        self.transport = held.real
+        if held.parts and not held.real.is_closing():
+            try:
+                self.transport.write(b"".join(held.parts))  # may pause us, right here
+            except RuntimeError:
+                self.close(End.DISCONNECTED)
+
+    def close(self, end: End) -> None:
+        """Detach (once): the registry may stop an abandoned stream's engine right here."""
+        if self.done.done():
+            return
+        self.done.set_result(end)
+        if self.paused:
+            self.metrics.readers_paused -= 1
+        if self._call is not None:
+            self._call.cancel()
+            self._call = None
+        if self.pacer is not None:
+            self.pacer.forget(self)
+        self.log.detach(self)
+        self.registry.detach(self.stream)
+
+    # -- the log's reader (hot path) -------------------------------------------------------
+
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        if self.paused or seq != self.cursor + 1:
+            if not self.paused and seq > self.cursor + 1:
+                self.catch_up()
+            return  # behind: catch_up() writes it when the socket takes bytes again
+        if self.plain:
+            try:
+                self.transport.write(b"%x\r\n%b\r\n" % (len(wire), wire))
+            except RuntimeError:  # the transport closed under us; connection_lost follows
+                self.close(End.DISCONNECTED)
+                return
+        else:
+            data = wire if not self.timestamps else _stamped((Event(seq, wire, tokens),))
+            if not self._paced(len(data)):
+                return  # behind until its turn: resume_paced() catches up
+            self._write(data)
+        self.cursor = seq
+        stream = self.stream
+        now = _clock()
+        self.last_write = now
+        if seq > stream.delivered_seq:
+            stream.delivered_seq = seq
+            if tokens:  # first delivery of content (a replay is not counted again)
+                if stream.last_content_at:
+                    self.metrics.inter_chunk.observe(now - stream.last_content_at)
+                stream.last_content_at = now
+                stream.tokens_sent += tokens
+                self.metrics.tokens_sent += tokens
+
+    def log_closed(self) -> None:
+        if not self.paused and self.cursor >= self.log.last_seq:
+            self.close(End.FINISHED)
+
+    def _write(self, data: bytes) -> None:
+        if self.compressor is not None:
+            data = self.compressor.compress(data)
+        try:
+            if self.chunked:
+                self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+            else:
+                self.transport.write(data)
+        except RuntimeError:  # the transport closed under us; connection_lost is on its way
+            self.close(End.DISCONNECTED)
+
+    def _write_last(self, data: bytes) -> None:
+        """The closing events with the terminating chunk, in one write."""
+        try:
+            self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+            self.terminated = True
+        except RuntimeError:
+            self.close(End.DISCONNECTED)
+
+    def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
+        """Metrics for a first delivery (a replay to a resuming reader is not new). `deliver`
+        does the same inline: it runs once per token."""
+        metrics = self.metrics
+        if stream.last_content_at:
+            metrics.inter_chunk.observe(now - stream.last_content_at)
+        stream.last_content_at = now
+        stream.tokens_sent += tokens
+        metrics.tokens_sent += tokens
+
+    # -- behind: replays and paused sockets ------------------------------------------------
+
+    def catch_up(self) -> None:
+        """Write what the reader has not seen, in batches, until caught up or paused."""
+        log = self.log
+        while not self.paused and not self.throttled and not self.done.done():
+            try:
+                events = log.after(self.cursor, _REPLAY_BATCH)
+            except ResumeExpired as exc:
+                self._write(
+                    encode_event(
+                        log.next_seq,
+                        error_body("resume_expired", str(exc), "invalid_request_error"),
+                        "error",
+                    )
+                )
+                self.close(End.FINISHED)
+                return
+            if not events:
+                if log.closed:
+                    self.close(End.FINISHED)
+                return
+            if self.timestamps:
+                data = _stamped(events)
+            elif len(events) == 1:
+                data = events[0].wire
+            else:
+                data = b"".join(e.wire for e in events)
+            if not self._paced(len(data)):
+                return
+            if log.closed and self.plain and events[-1].seq == log.last_seq:
+                self._write_last(data)
+            else:
+                self._write(data)
+            self.cursor = events[-1].seq
+            self.last_write = _clock()
+            self._account(events)
+            held = self.transport
+            if type(held) is Held and held.size > _HOLD_MAX_BYTES:
+                self.release()  # from here the transport's flow control bounds the replay
+            log.advanced()
+
+    def _account(self, events: list[Event]) -> None:
+        stream = self.stream
+        if events[-1].seq <= stream.delivered_seq:
+            return
+        now = _clock()
+        for event in events:
+            if event.seq > stream.delivered_seq and event.tokens:
+                self._account_tokens(stream, event.tokens, now)
+        stream.delivered_seq = events[-1].seq
+
+    # -- pacing (--max-stream-bytes-per-s) -------------------------------------------------
+
+    def _paced(self, size: int) -> bool:
+        pacer = self.pacer
+        if pacer is None or pacer.take(size):
+            return True
+        self.throttled = True
+        pacer.wait(self)
+        return False
+
+    def resume_paced(self) -> None:
+        self.throttled = False
+        self.catch_up()
+        self.log.advanced()
+
+    # -- the connection's callbacks --------------------------------------------------------
+
+    def pause_writing(self) -> None:
+        if not self.paused and not self.done.done():
+            self.paused = True
+            self.metrics.readers_paused += 1
+            self._paused_since = _clock()
+            self._arm(min(self.send_timeout_s, self.heartbeat_s))
+
+    def resume_writing(self) -> None:
+        if self.paused:
+            self.paused = False
+            self.metrics.readers_paused -= 1
+            self.catch_up()
+            # Caught up: the producer may be waiting for room.
+            self.log.advanced()
+
+    def connection_lost(self) -> None:
+        self.close(End.DISCONNECTED)
+
+    # -- heartbeats and the send timeout, from the shared schedule -------------------------
+
+    def _arm(self, delay: float) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        self._call = self.schedule.call_later(max(delay, _MIN_TICK_S), self._tick)
+
+    def _tick(self) -> None:
+        self._call = None
+        if self.done.done():
+            return
+        now = _clock()
+        if self.paused:
+            waited = now - self._paused_since
+            if waited >= self.send_timeout_s:
+                self.close(End.STALLED)
+                return
+            self._arm(self.send_timeout_s - waited)
+            return
+        idle = now - self.last_write
+        if idle >= self.heartbeat_s:
+            self._write(PING)
+            self.last_write = now
+            idle = 0.0
+        self._arm(self.heartbeat_s - idle)
+
+
+class EventStreamResponse:
+    def __init__(
+        self,
+        stream: Stream,
+        registry: StreamRegistry,
+        metrics: Metrics,
+        *,
+        after: int = 0,
+        heartbeat_s: float = 15.0,
+        preamble: bytes = b"",
+        headers: dict[str, str] | None = None,
+        start: bool = False,
+        send_timeout_s: float = 30.0,
+        timestamps: bool = False,
+        compressor: StreamCompressor | None = None,
+    ) -> None:
+        self.stream = stream
+        self.registry = registry
+        self.metrics = metrics
+        self.after = after
+        self.heartbeat_s = heartbeat_s
+        self.preamble = preamble
+        self.headers = sse_headers(stream, headers)
+        self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
+        self.send_timeout_s = send_timeout_s
+        self.timestamps = timestamps
+        self.compressor = compressor
+        if compressor is not None:
+            self.headers += [
+                (b"content-encoding", compressor.encoding.encode()),
+                (b"vary", b"accept-encoding"),
+            ]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # The last body message skips the middleware's send wrappers (GZip, error handlers):
+        # they only act on the start message.
+        body_send: Send = scope.get(RAW_SEND_KEY, send)
+        start = {"type": "http.response.start", "status": 200, "headers": self.headers}
+        head = b""
+        if scope.get(CONNECTION_KEY) is not None:  # the writer can reach the connection
+            head = await held_send(body_send, send, start)
+        else:
+            await send(start)
+        # Sent: a waiting stream's frame keeps neither the message nor its headers.
+        del start
+        self.headers = []
+        connection = _connection(scope)
+        if connection is None:
+            await self._serve_over_asgi(receive, body_send)
+            return
+        writer = self._writer(connection.transport, chunked=bool(connection.cycle.chunked_encoding))
+        connection.listener = writer
+        try:
+            if connection.transport.is_closing():
+                writer.close(End.DISCONNECTED)
+            else:
+                writer.hold(head)
+                del head
+                try:
+                    await self._run(writer)
+                finally:
+                    writer.release()
+            end = await writer.done
+        finally:
+            writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
+            connection.listener = None
+            if self.start:
+                self.registry.discard(self.stream)  # never started: give back its ticket
+        await self._finish(end, writer, scope, body_send)
+
+    def _writer(self, transport: Any, *, chunked: bool) -> EventWriter:
+        return EventWriter(
+            self.stream,
+            self.registry,
+            self.metrics,
+            transport,
+            chunked=chunked,
+            after=self.after,
+            heartbeat_s=self.heartbeat_s,
+            send_timeout_s=self.send_timeout_s,
+            timestamps=self.timestamps,
+            compressor=self.compressor,
+        )
+
+    async def _run(self, writer: EventWriter) -> None:
+        # Attached before the stream starts, so it never runs without a reader.
+        writer.open(self.preamble)
+        if self.start:
+            await self.registry.start(self.stream)
+
+    async def _finish(self, end: End, writer: EventWriter, scope: Scope, send: Send) -> None:
+        if end is End.FINISHED:
+            tail = self.compressor.finish() if self.compressor is not None else b""
+            last = {"type": "http.response.body", "body": tail, "more_body": False}
+            # uvicorn's send waits for a paused transport to drain, with no limit of its own.
+            with anyio.move_on_after(self.send_timeout_s) as waited:
+                if writer.terminated:
+                    await held_send(send, send, last)  # the bytes are out: uvicorn's dropped
+                else:
+                    await send(last)
+            if not waited.cancelled_caught:
+                schedule, cut = self.registry.schedule, self._stalled_after(scope)
+                _cut_if_unread(writer.transport, schedule, self.send_timeout_s, cut)
+                return
+        elif end is not End.STALLED:
+            return
+        # The reader takes no bytes: a graceful close would wait on it forever.
+        self._stalled_after(scope)()
+        await anyio.lowlevel.checkpoint()  # let the server see the connection go
+
+    def _stalled_after(self, scope: Scope) -> Callable[[], None]:
+        """What cuts this response's reader for taking no bytes for `send_timeout_s`: reset
+        the connection (a graceful close would wait for it to read, forever), log, count."""
+        stream, metrics, timeout = self.stream, self.metrics, self.send_timeout_s
+        abort = scope.get(ABORT_KEY)
+
+        def cut() -> None:
+            metrics.readers_stalled += 1
+            log_event(
+                "stream.reader_stalled",
+                stream=stream.id,
+                trace_id=stream.trace_id,
+                send_timeout_s=timeout,
+            )
+            if abort is not None:
+                abort()
+
+        return cut
+
+    async def _serve_over_asgi(self, receive: Receive, send: Send) -> None:
+        """Under another ASGI server (no transport to reach): the same writer, with its
+        writes queued for a task that awaits `send`. Slower, and never paused."""
+        outlet = _AsgiOutlet()
+        writer = self._writer(outlet, chunked=False)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(outlet.pump, send)
+            tg.start_soon(_watch_disconnect, receive, writer.connection_lost)
+            try:
+                await self._run(writer)
+                end = await writer.done
+            finally:
+                writer.close(End.DISCONNECTED)
+                if self.start:
+                    self.registry.discard(self.stream)
+            await outlet.drained()
+            tg.cancel_scope.cancel()
+        if end is End.FINISHED:
+            tail = self.compressor.finish() if self.compressor is not None else b""
+            await send({"type": "http.response.body", "body": tail, "more_body": False})
+
+
+def _connection(scope: Scope) -> Any:
+    connection = scope.get(CONNECTION_KEY)
+    if connection is None:
+        return None
+    cycle = connection.cycle
+    # Only while this request's response is the connection's current one: a pipelined
+    # request behind it would already own `cycle`, with no response started yet.
+    if cycle is None or not cycle.response_started or cycle.response_complete:
+        return None
+    return connection
+
+
+def _cut_if_unread(
+    transport: Any, schedule: Schedule, timeout_s: float, cut: Callable[[], None]
+) -> None:
+    """After the response's last byte was handed over: if the transport still holds bytes the
+    reader has not taken, cut it once `timeout_s` passes without progress. The transport is
+    under its high-water mark, so nothing else waits on it, and uvicorn's keep-alive close
+    would wait for those bytes to leave, forever."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    if size is None or not size():
+        return
+    left = size()
+
+    def check() -> None:
+        nonlocal left
+        now = size()
+        if not now:
+            return
+        if now < left:  # a slow reader, not a stalled one
+            left = now
+            schedule.call_later(timeout_s, check)
+            return
+        cut()
+
+    schedule.call_later(timeout_s, check)
+
+
+def _stamped(events: Sequence[Event]) -> bytes:
+    stamp = b": t=%.6f\n" % time.time()
+    return b"".join(stamp + e.wire for e in events)
+
+
+class _AsgiOutlet:
+    """A transport stand-in that feeds ASGI `send` from a task (the fallback path)."""
+
+    def __init__(self) -> None:
+        self._parts: list[bytes] = []
+        self._wakeup = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def write(self, data: bytes) -> None:
+        self._parts.append(data)
+        self._idle.clear()
+        self._wakeup.set()
+
+    def is_closing(self) -> bool:
+        return False
+
+    async def pump(self, send: Send) -> None:
+        while True:
+            await self._wakeup.wait()
+            self._wakeup.clear()
+            body, self._parts = b"".join(self._parts), []
+            await send({"type": "http.response.body", "body": body, "more_body": True})
+            if not self._parts:
+                self._idle.set()
+
+    async def drained(self) -> None:
+        await self._idle.wait()
+
+
+async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            on_disconnect()
+            return
