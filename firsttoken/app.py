@@ -12,7 +12,7 @@ from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import FileResponse, JSONResponse, Response
 from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -99,6 +99,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),
+        Route("/favicon.ico", _favicon, methods=["GET", "HEAD"]),
         Mount("/", WebFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
     app = Starlette(
@@ -127,6 +128,11 @@ PAGE_HEADERS = {
     "x-frame-options": "DENY",
     "referrer-policy": "no-referrer",
 }
+
+
+async def _favicon(request: Request) -> Response:
+    # Where browsers and tools look without a <link rel="icon">: the page's icon, not a 404.
+    return FileResponse(WEB_DIR / "favicon.svg", media_type="image/svg+xml")
 
 
 class WebFiles(StaticFiles):

@@ -94,7 +94,8 @@ def web_server() -> Iterator[Server]:
 
 @pytest.fixture
 def open_page(browser: Browser) -> Iterator[Callable[..., Page]]:
-    """Open a URL in a fresh browser context; fail the test on any uncaught page error."""
+    """Open a URL in a fresh browser context; fail the test on any uncaught page error, and
+    on anything the page's Content-Security-Policy refused (Chromium says so on the console)."""
     contexts = []
     errors: list[str] = []
 
@@ -104,6 +105,10 @@ def open_page(browser: Browser) -> Iterator[Callable[..., Page]]:
         contexts.append(context)
         page = context.new_page()
         page.on("pageerror", lambda exc: errors.append(str(exc)))
+        page.on(
+            "console",
+            lambda m: errors.append(m.text) if "Content Security Policy" in m.text else None,
+        )
         page.goto(url)
         return page
 
@@ -208,6 +213,54 @@ def test_answer_streams_progressively_without_replacing_blocks(
     assert paragraphs.count() == len([p for p in "".join(expected).split("\n\n") if p.strip()])
     stats = page.inner_text("#stats")
     assert "TTFT" in stats and "tok/s" in stats and f"{len(expected)} tokens" in stats
+
+
+def test_the_page_runs_under_a_policy_of_self_with_security_headers(
+    web_server: Server, browser: Browser, open_page: Callable[..., Page]
+) -> None:
+    for path in ("/", "/index.html", "/app.js", "/markdown.js", "/style.css"):
+        r = httpx.get(web_server.url + path, timeout=10)
+        assert r.status_code == 200, path
+        csp = r.headers["content-security-policy"]
+        assert "default-src 'self'" in csp and "frame-ancestors 'none'" in csp, path
+        assert r.headers["x-content-type-options"] == "nosniff"
+        assert r.headers["x-frame-options"] == "DENY"
+        assert r.headers["referrer-policy"] == "no-referrer"
+    # Under that policy the page still loads its module scripts and styles and streams an
+    # answer; the fixture fails the test if the browser refused anything on the way.
+    page = open_page(page_url(web_server.url, max_tokens=60))
+    send(page)
+    wait_for_state(page, "done")
+    assert answer(page)
+    # And the browser enforces it: an inline script (what an injection would add) is refused.
+    context = browser.new_context()
+    try:
+        probe = context.new_page()
+        probe.goto(web_server.url + "/")
+        refused = probe.evaluate(
+            """() => new Promise((resolve) => {
+                document.addEventListener('securitypolicyviolation', () => resolve(true));
+                const s = document.createElement('script');
+                s.textContent = 'window.inlineRan = true';
+                document.body.append(s);
+                setTimeout(() => resolve(false), 1000);
+            })"""
+        )
+        assert refused and not probe.evaluate("() => window.inlineRan === true")
+    finally:
+        context.close()
+
+
+def test_the_page_has_an_icon_where_browsers_look(web_server: Server) -> None:
+    """The page names its icon, and `/favicon.ico` (where a browser looks without one)
+    answers it: no 404 in the console or the server's log (issue 26)."""
+    page = httpx.get(web_server.url + "/", timeout=10).text
+    assert '<link rel="icon" href="favicon.svg" type="image/svg+xml">' in page
+    for path in ("/favicon.svg", "/favicon.ico"):
+        r = httpx.get(web_server.url + path, timeout=10)
+        assert r.status_code == 200, path
+        assert r.headers["content-type"].startswith("image/svg+xml"), path
+        assert r.content.startswith(b"<svg") and len(r.content) < 1024
 
 
 def test_stop_cancels_generation_on_the_server(
