@@ -8,8 +8,9 @@ for a batch to fill (or until `batch_max` requests are waiting).
 
 A joining sequence's first step is its prefill: its first token comes out of that step, so
 TTFT = time queued (+ the idle batch wait) + one step. Per-request `ttft_ms`/`itl_ms` knobs
-are ignored here (the scheduler sets the pace); `answer_tokens`, `fail_after` and
-`error_code` are honoured, and the text is token-exact with the plain synthetic engine.
+are ignored here (the scheduler sets the pace); `answer_tokens`, `fail_after`, `error_code`,
+continuations and `--synthetic-fail-rate` are honoured, and the text is token-exact with the
+plain synthetic engine.
 
 A sequence whose consumer goes away (generator closed or cancelled, or `abort(id)`) leaves
 the batch before the next step and frees its slot. That is the fix for the seeds' "concurrency
