@@ -86,6 +86,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/completions", openai.completions, methods=["POST"]),
         Route("/responses", responses.responses, methods=["POST"]),
         Route("/messages", anthropic.messages, methods=["POST"]),
+        Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
         Route("/models", openai.models, methods=["GET"]),
         Route("/models/{model_id:path}", openai.model, methods=["GET"]),
         Route("/streams", native.create_stream, methods=["POST"]),

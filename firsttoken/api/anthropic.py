@@ -19,6 +19,7 @@ from starlette.responses import Response
 
 from firsttoken.api.anthropic_protocol import (
     Base64Source,
+    CountTokensRequest,
     ImageBlock,
     MessageParam,
     MessagesRequest,
@@ -27,7 +28,7 @@ from firsttoken.api.anthropic_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from firsttoken.api.bodies import APIError
+from firsttoken.api.bodies import APIError, read_model
 from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
@@ -45,6 +46,7 @@ __all__ = [
     "chat_body",
     "chat_messages",
     "chat_tool_choice",
+    "count_tokens",
     "generation_request",
     "messages",
     "prompt_text",
@@ -58,6 +60,25 @@ async def messages(request: Request) -> Response:
         return await _serve(request, gateway(request), trace, accepted_at)
     except APIError as exc:
         return _refusal(exc, trace)
+
+
+async def count_tokens(request: Request) -> Response:
+    """`POST /v1/messages/count_tokens` (the SDK's `messages.count_tokens`): `{"input_tokens"}`,
+    the engine's count of the prompt `/v1/messages` would give it for the same body, so it
+    equals that answer's `usage.input_tokens`. No stream, so no admission: only the key."""
+    trace = trace_id(request)
+    gw = gateway(request)
+    try:
+        gw.admission.authenticate(request)
+        s = gw.settings
+        body = await read_model(request, CountTokensRequest, s.max_body_bytes, s.body_timeout_s)
+        model = gw.model(body.model)
+    except APIError as exc:
+        return _refusal(exc, trace)
+    prompt = generation_request(body, model, "count_tokens").prompt
+    count = {"input_tokens": gw.engine.prompt_tokens(prompt)}
+    headers = {"x-request-id": trace, "request-id": trace}
+    return Response(orjson.dumps(count), media_type="application/json", headers=headers)
 
 
 async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:

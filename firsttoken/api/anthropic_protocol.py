@@ -12,6 +12,7 @@ from firsttoken.api.protocol import SyntheticKnobs
 
 __all__ = [
     "Base64Source",
+    "CountTokensRequest",
     "ImageBlock",
     "MessageParam",
     "MessagesRequest",
@@ -140,3 +141,10 @@ class MessagesRequest(_Body):
         if isinstance(self.system, str):
             return self.system
         return "\n".join(block.text for block in self.system)
+
+
+class CountTokensRequest(MessagesRequest):
+    """`POST /v1/messages/count_tokens`: a Messages request without `max_tokens` (the answer's
+    length is no input)."""
+
+    max_tokens: Annotated[int, Field(ge=1)] = 1

@@ -110,6 +110,44 @@ def test_non_streaming_text(server: Server) -> None:
     assert natural.stop_reason == "end_turn"
 
 
+def test_count_tokens_is_the_input_a_message_would_use(server: Server) -> None:
+    """The SDK's `messages.count_tokens` (it got a 404, issue 26): `input_tokens` is what the
+    same request's answer reports, system prompt and tools' conversation included."""
+    sdk = client(server)
+    conversation: list[Any] = [
+        *MESSAGES,
+        {"role": "assistant", "content": "Let me look that up for you."},
+        {"role": "user", "content": [{"type": "text", "text": "And tomorrow, in Paris?"}]},
+    ]
+    for kwargs in (
+        {"messages": MESSAGES},
+        {"messages": conversation, "system": "Be brief, and answer in French."},
+    ):
+        counted = sdk.messages.count_tokens(model="synthetic", **kwargs)
+        answered = sdk.messages.create(model="synthetic", max_tokens=3, **kwargs)
+        assert counted.input_tokens == answered.usage.input_tokens > 0
+    longer = sdk.messages.count_tokens(model="synthetic", messages=conversation)
+    assert longer.input_tokens > sdk.messages.count_tokens(
+        model="synthetic", messages=MESSAGES
+    ).input_tokens
+    with pytest.raises(anthropic.NotFoundError) as info:
+        sdk.messages.count_tokens(model="claude-9", messages=MESSAGES)
+    assert info.value.body["type"] == "error"  # type: ignore[index]
+    with pytest.raises(anthropic.BadRequestError):
+        sdk.messages.count_tokens(model="synthetic", messages=[])
+
+
+def test_count_tokens_needs_a_key_like_messages(keyed: Server) -> None:
+    counted = client(keyed, api_key="sk-alice").messages.count_tokens(
+        model="synthetic", messages=MESSAGES
+    )
+    assert counted.input_tokens > 0
+    with pytest.raises(anthropic.AuthenticationError):
+        client(keyed, api_key="sk-nobody").messages.count_tokens(
+            model="synthetic", messages=MESSAGES
+        )
+
+
 def test_system_prompt_is_part_of_the_prompt(server: Server) -> None:
     expected, _ = synthetic_tokens("system: Be brief.\n" + PROMPT, None, 10)
     message = client(server).messages.create(
