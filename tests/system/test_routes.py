@@ -379,3 +379,31 @@ def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "--routes" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_anthropic_and_responses_clients_see_one_stream_through_a_splice(
+    tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    import anthropic
+
+    a, b = ups
+    targets = {"a": scripted(a.url, "cut-chunked"), "b": scripted(b.url, "ok")}
+    with gateway(tmp_path, targets, {"chat": {"targets": ["a", "b"]}}) as gw:
+        server = gw.server  # type: ignore[attr-defined]
+        client = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        with client.messages.stream(
+            model="chat", max_tokens=50, messages=[{"role": "user", "content": "hi"}]
+        ) as s:
+            events = list(s)
+            message = s.get_final_message()
+        assert [e.type for e in events].count("message_start") == 1
+        starts = [e for e in events if e.type == "content_block_start"]
+        assert [e.index for e in starts] == [0]  # one text block, carried on over the seam
+        assert message.content[0].text == WHOLE and message.stop_reason == "end_turn"
+        oa = openai.OpenAI(base_url=server.v1, api_key="x", max_retries=0)
+        with oa.responses.stream(model="chat", input="hi") as rs:
+            kinds = [e.type for e in rs]
+            final = rs.get_final_response()
+        assert kinds.count("response.created") == 1 and kinds.count("response.completed") == 1
+        assert final.output_text == WHOLE
+        assert failovers(server, "mid_stream") == 2
