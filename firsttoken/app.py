@@ -27,11 +27,12 @@ from firsttoken.engines import Engine
 from firsttoken.observability import Metrics
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
+from firsttoken.resume.budget import ResumeBudget
 from firsttoken.routes import build_engine
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
-from firsttoken.wire.errors import APIError
 from firsttoken.wire.connection import RAW_SEND_KEY
+from firsttoken.wire.errors import APIError
 
 __all__ = ["RawSendApp", "asgi_app", "create_app"]
 
@@ -58,13 +59,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         max_events=settings.resume_max_events,
     )
     registry.max_response_bytes = settings.max_response_bytes
-    registry.max_response_bytes = settings.max_response_bytes
+    admission = Admission(settings, metrics)
+    per_key = admission.keys.resume_limits() if admission.keys is not None else {}
+    registry.budget = ResumeBudget(settings.resume_max_bytes, per_key)
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
-    admission = Admission(settings, metrics)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
     routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
-    for part in (store, admission.limits, RuntimeCollector(), registry.pacer, routed):
+    parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
+    for part in parts:
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(

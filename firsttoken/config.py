@@ -359,12 +359,6 @@ class Settings:
         "400 response_too_large (a streamed answer has no such limit)",
         range=AT_LEAST_1,
     )
-    max_response_bytes: int = _knob(
-        16 * 1024 * 1024,
-        "largest whole (non-streaming) answer, bytes of text; above it the stream stops with "
-        "400 response_too_large (a streamed answer has no such limit)",
-        range=AT_LEAST_1,
-    )
     header_timeout_s: float = _knob(
         10.0, "close connections whose request headers take longer", range=POSITIVE
     )

@@ -15,6 +15,7 @@ class ApiKey:
     name: str
     max_streams: int | None = None  # None: the server's --max-streams-per-key
     tokens_per_minute: int | None = None  # None: no token budget
+    resume_max_bytes: int | None = None  # None: only the server's --resume-max-bytes
 
 
 def _digest(secret: str) -> bytes:
@@ -35,6 +36,7 @@ class KeyRing:
         key = "sk-alice-..."
         max_streams = 5      # optional
         tokens_per_minute = 20000   # optional
+        resume_max_bytes = 33554432   # optional
         """
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
@@ -56,10 +58,23 @@ class KeyRing:
             budget = entry.get("tokens_per_minute")
             if budget is not None and (not isinstance(budget, int) or budget < 1):
                 raise ValueError(f"{path}: keys[{i}].tokens_per_minute must be a positive integer")
-            keys[secret] = ApiKey(name=name, max_streams=limit, tokens_per_minute=budget)
+            kept = entry.get("resume_max_bytes")
+            if kept is not None and (not isinstance(kept, int) or kept < 1):
+                raise ValueError(f"{path}: keys[{i}].resume_max_bytes must be a positive integer")
+            keys[secret] = ApiKey(
+                name=name, max_streams=limit, tokens_per_minute=budget, resume_max_bytes=kept
+            )
         if not keys:
             raise ValueError(f"{path}: no [[keys]] entries")
         return cls(keys)
 
     def find(self, secret: str) -> ApiKey | None:
         return self._by_digest.get(_digest(secret))
+
+    def resume_limits(self) -> dict[str, int]:
+        """Each key's own bound on its finished streams' resume buffers, by key name."""
+        return {
+            k.name: k.resume_max_bytes
+            for k in self._by_digest.values()
+            if k.resume_max_bytes is not None
+        }

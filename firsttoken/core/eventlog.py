@@ -159,6 +159,17 @@ class EventLog:
             for i in range(start, stop)
         ]
 
+    def nbytes(self) -> int:
+        """Bytes of the events kept (what the resume budget counts, once, at the end)."""
+        return sum(map(len, self._wires))
+
+    def drop(self) -> None:
+        """Let go of every kept event (a finished stream's buffer, for the resume budget): a
+        reader that asks for any of them gets `ResumeExpired`, as if they had expired."""
+        self._wires = []
+        self._wires_seq = self.last_seq + 1
+        self._counts = None
+
     def _counts_between(self, lo: int, hi: int) -> dict[int, int]:
         """The counts other than 1 of events lo..hi-1. A coalesced stream has one per event:
         a replay batch finds its first by bisection, not by reading the whole log's."""

@@ -23,6 +23,7 @@ from firsttoken.core.stream import AdmissionTicket, Outcome, Stream
 from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
 from firsttoken.observability import Metrics, log_event
 from firsttoken.resume import EventStore, MemoryStore
+from firsttoken.resume.budget import ResumeBudget
 
 __all__ = ["StreamRegistry"]
 
@@ -91,9 +92,11 @@ class StreamRegistry:
         self.schedule = Schedule()  # heartbeats, send timeouts and grace periods
         self.pacer: Pacer | None = None  # --max-stream-bytes-per-s: every writer's budget
         self.max_response_bytes: int | None = None  # --max-response-bytes: a whole answer's
+        self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
+        self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self._tg: TaskGroup | None = None
         # Work that callbacks (engine steps, the schedule) hand to the task group.
         self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...], bool]] = (
@@ -196,6 +199,8 @@ class StreamRegistry:
         """Drop an ended stream nobody can ask for (it failed before its id was handed out)."""
         if stream.outcome is not None and self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
+            if self.budget is not None:
+                self.budget.forget(stream.id)
 
     def discard(self, stream: Stream) -> None:
         """A stream admitted but never started (its client left first): what it took from
@@ -291,14 +296,27 @@ class StreamRegistry:
         assert outcome is not None
         self.metrics.active_streams -= 1
         self.metrics.streams[outcome.value] += 1
-        self._expiry.append((time.monotonic() + self.ttl_s, stream.id))
+        self._expiry.append((self.clock() + self.ttl_s, stream.id))
         self.store.finish(stream.id, outcome.value, stream.log.last_seq, self.ttl_s)
+        if self.budget is not None:
+            # Oldest first, server-wide or of the key that went over (this one may be among them).
+            for stream_id in self.budget.add(stream.id, stream.request.tenant, stream.log.nbytes()):
+                self._drop_buffer(stream_id)
         if stream.readers == 0:
             self._log_finished(stream)
         if stream.ticket is not None:
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
             self._spawn(stream.ticket.release, outcome, stream.tokens_generated, inline=True)
+
+    def _drop_buffer(self, stream_id: str) -> None:
+        """A finished stream's events go before its TTL (the resume budget): it stays known,
+        and a resume of it gets `resume_expired`."""
+        stream = self._streams.get(stream_id)
+        if stream is not None:
+            stream.log.drop()
+        self.store.release(stream_id)
+        log_event("stream.buffer_dropped", stream=stream_id)
 
     def _spawn(
         self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
@@ -345,7 +363,13 @@ class StreamRegistry:
     async def _sweep(self) -> None:
         while True:
             await anyio.sleep(min(1.0, max(self.ttl_s, 0.05)))
-            now = time.monotonic()
-            while self._expiry and self._expiry[0][0] <= now:
-                _, stream_id = self._expiry.popleft()
-                self._streams.pop(stream_id, None)
+            self.expire()
+
+    def expire(self) -> None:
+        """Forget the finished streams whose TTL is over."""
+        now = self.clock()
+        while self._expiry and self._expiry[0][0] <= now:
+            _, stream_id = self._expiry.popleft()
+            self._streams.pop(stream_id, None)
+            if self.budget is not None:
+                self.budget.forget(stream_id)

@@ -248,6 +248,15 @@ class RedisStore:
         rep.expires_at = time.monotonic() + ttl_s
         self._mark(rep)
 
+    def release(self, stream_id: str) -> None:
+        """Keep only what Redis has not confirmed yet (it still has to go out)."""
+        rep = self._replicas.get(stream_id)
+        if rep is None:
+            return
+        events = rep.events
+        while events and events[0][_SEQ] <= rep.flushed:
+            events.popleft()
+
     def _mark(self, rep: _Replica) -> None:
         self._dirty[rep.record.id] = rep
         self._wake.set()

@@ -52,6 +52,11 @@ class EventStore(Protocol):
 
     async def has_remote_readers(self, stream_id: str) -> bool: ...
 
+    def release(self, stream_id: str) -> None:
+        """The process's own copy of a finished stream's events may go (the resume budget
+        dropped its buffer); what another instance reads from the shared store stays."""
+        ...
+
 
 class MemoryStore:
     """One process: nothing to share."""
@@ -82,3 +87,6 @@ class MemoryStore:
 
     async def has_remote_readers(self, stream_id: str) -> bool:
         return False
+
+    def release(self, stream_id: str) -> None:
+        return None

@@ -183,3 +183,58 @@ def _drain(sock: socket.socket) -> int:
     except (ConnectionResetError, TimeoutError):
         pass
     return got
+
+
+RESUME_KEYS = """
+[[keys]]
+name = "mallory"
+key = "sk-mallory"
+max_streams = 20
+resume_max_bytes = 150000
+
+[[keys]]
+name = "alice"
+key = "sk-alice"
+"""
+
+
+def test_resume_buffers_nobody_reads_are_bounded_per_key_and_in_all(tmp_path: Path) -> None:
+    """A key that creates streams and never opens them keeps at most its own resume bytes;
+    the oldest of its buffers go first, a resume of one gets resume_expired, and another
+    key's buffer is untouched."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text(RESUME_KEYS)
+    with run_server(
+        "--api-keys", str(keys), "--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0",
+        "--resume-grace-s", "30", "--resume-max-bytes", "600000",
+    ) as server:  # fmt: skip
+
+        def create(key: str) -> dict[str, Any]:
+            body = {"prompt": "keep", "synthetic": {"answer_tokens": 1500}, "max_tokens": 1500}
+            r = httpx.post(server.v1 + "/streams", json=body, headers=auth(key), timeout=10)
+            assert r.status_code == 201, r.text
+            return r.json()
+
+        alice = create("sk-alice")
+        wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=10)
+        one = server.metric("firsttoken_resume_buffer_bytes")
+        assert 20_000 < one < 150_000  # one finished buffer
+        mallory = [create("sk-mallory") for _ in range(10)]
+        wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=20)
+        held = server.metric("firsttoken_resume_buffer_bytes")
+        assert held <= one + 150_000  # alice's, and at most mallory's own bound
+        assert server.metric("firsttoken_resume_buffers_dropped_total") >= 5
+
+        def read(created: dict[str, Any]) -> str:
+            return httpx.get(server.url + created["events_url"], timeout=10).text
+
+        first, last = read(mallory[0]), read(mallory[-1])
+        assert "event: error" in first and "resume_expired" in first and "[DONE]" not in first
+        assert "[DONE]" in last
+        assert "[DONE]" in read(alice)  # the other key's buffer was not touched
+        # The server-wide bound: more keys' worth than it holds, and the oldest go.
+        for _ in range(12):
+            create("sk-alice")
+        wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=20)
+        assert server.metric("firsttoken_resume_buffer_bytes") <= 600_000
+        assert "resume_expired" in read(alice)

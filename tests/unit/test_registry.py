@@ -16,8 +16,10 @@ from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.base import Delta, Engine, Generation, Sink
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.observability import Metrics
-from firsttoken.resume import MemoryStore, StreamRecord
+from firsttoken.resume import MemoryStore, ResumeExpired, StreamRecord
+from firsttoken.resume.budget import ResumeBudget
 from firsttoken.wire.render import NativeRenderer
+from tests.unit.clock import FakeClock
 
 
 class _Ticket:
@@ -204,5 +206,59 @@ def test_five_failed_opens_leave_no_stream_active() -> None:
             tg.cancel_scope.cancel()
         assert metrics.active_streams == 0
         assert [t.releases for t in tickets] == [[Outcome.ERROR]] * 5
+
+    asyncio.run(body())
+
+
+def _finished(registry: StreamRegistry, stream_id: str, tenant: str, tokens: int) -> Stream:
+    """A stream that ran to its end, as `start` would register it, with `tokens` events."""
+    stream = Stream(
+        GenerationRequest(stream_id, "", "synthetic", tenant=tenant),
+        NativeRenderer(),
+        kind="native",
+        trace_id="t",
+        grace_s=0.0,
+        prompt_tokens=1,
+        max_events=10_000,
+        accepted_at=0.0,
+    )
+    registry._streams[stream_id] = stream
+    registry.metrics.active_streams += 1
+    stream.on_end = registry._ended
+    stream.begin()
+    for _ in range(tokens):
+        stream.push("0123456789")
+    stream.finish("stop")
+    return stream
+
+
+def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
+    async def body() -> None:
+        clock = FakeClock()
+        registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
+        registry.clock = clock
+        registry.budget = budget = ResumeBudget(25_000, per_key={"mallory": 10_000})
+        a = _finished(registry, "a", "alice", 100)
+        size = a.log.nbytes()
+        assert 3000 < size < 6000 and budget.held == size
+        clock.advance(1)
+        m = [_finished(registry, f"m{i}", "mallory", 100) for i in range(3)]
+        # mallory's own bound: its oldest went, alice's stayed.
+        assert budget.held_by("mallory") <= 10_000 and budget.held_by("alice") == size
+        with pytest.raises(ResumeExpired):
+            m[0].log.after(0)
+        assert m[2].log.after(0)[-1].wire.endswith(b"[DONE]\n\n")
+        assert await registry.find("m0") is m[0]  # still known: a resume gets resume_expired
+        clock.advance(1)
+        for i in range(4):  # bob fills the server-wide bound: the oldest of all go first
+            _finished(registry, f"b{i}", "bob", 100)
+        assert budget.held <= 25_000
+        with pytest.raises(ResumeExpired):
+            a.log.after(0)
+        assert budget.dropped == 2  # m0 for its key, then a for the server
+        # The TTL still applies: expired streams leave the budget.
+        clock.advance(300)
+        registry.expire()
+        assert budget.held == 0 and await registry.find("b3") is None
 
     asyncio.run(body())

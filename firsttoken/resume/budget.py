@@ -1,0 +1,86 @@
+"""How many bytes of finished streams' resume buffers this process keeps, in all and per key.
+
+A finished stream keeps its events for `--resume-ttl-s` so that a reader can come back for
+them. Each buffer is bounded (`--resume-max-events`), but their number is not: one key that
+creates streams and never reads them would otherwise fill the process for the whole TTL. The
+budget counts each buffer once, when its stream ends (a live stream is bounded by its window,
+its grace and the key's concurrency), and past a bound names the oldest buffers to drop,
+server-wide or of the key that went over. A dropped buffer's stream stays known (a resume of it
+gets `resume_expired`, as an expired one does), but holds no events.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterator, Mapping
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+__all__ = ["ResumeBudget"]
+
+
+class ResumeBudget:
+    """Bytes of kept buffers, oldest first: in all (`max_bytes`) and per key (`per_key`)."""
+
+    def __init__(self, max_bytes: int, per_key: Mapping[str, int] | None = None) -> None:
+        self.max_bytes = max_bytes
+        self.per_key = dict(per_key or {})  # a key's own bound (keys file: resume_max_bytes)
+        self.held = 0
+        self.dropped = 0  # buffers dropped for the bound, ever
+        self._kept: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (key, bytes)
+        self._by_key: dict[str, OrderedDict[str, int]] = {}
+        self._key_held: dict[str, int] = {}
+
+    def held_by(self, key: str) -> int:
+        return self._key_held.get(key, 0)
+
+    def add(self, stream_id: str, key: str, size: int) -> list[str]:
+        """A finished stream's buffer of `size` bytes, kept from now: returns the ids of the
+        buffers to drop to stay within the bounds, oldest first (it may be among them)."""
+        if stream_id in self._kept:
+            self.forget(stream_id)
+        self._kept[stream_id] = (key, size)
+        self._by_key.setdefault(key, OrderedDict())[stream_id] = size
+        self._key_held[key] = self._key_held.get(key, 0) + size
+        self.held += size
+        drop: list[str] = []
+        limit = self.per_key.get(key)
+        if limit is not None:
+            own = self._by_key[key]
+            while self._key_held[key] > limit and own:
+                drop.append(self._drop(next(iter(own))))
+        while self.held > self.max_bytes and self._kept:
+            drop.append(self._drop(next(iter(self._kept))))
+        return drop
+
+    def forget(self, stream_id: str) -> None:
+        """The stream expired (or its buffer went another way): it counts no more."""
+        entry = self._kept.pop(stream_id, None)
+        if entry is None:
+            return
+        key, size = entry
+        self.held -= size
+        own = self._by_key[key]
+        del own[stream_id]
+        self._key_held[key] -= size
+        if not own:
+            del self._by_key[key]
+            del self._key_held[key]
+
+    def collect(self) -> Iterator[Metric]:
+        held = GaugeMetricFamily(
+            "firsttoken_resume_buffer_bytes", "Bytes of finished streams' resume buffers kept."
+        )
+        held.add_metric([], self.held)
+        yield held
+        dropped = CounterMetricFamily(
+            "firsttoken_resume_buffers_dropped",
+            "Finished streams' resume buffers dropped before their TTL (--resume-max-bytes).",
+        )
+        dropped.add_metric([], self.dropped)
+        yield dropped
+
+    def _drop(self, stream_id: str) -> str:
+        self.forget(stream_id)
+        self.dropped += 1
+        return stream_id
