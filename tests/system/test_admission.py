@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import time
 from collections.abc import Iterator
@@ -345,6 +346,42 @@ def test_engine_errors_open_the_breaker_then_it_recovers() -> None:
         assert httpx.get(srv.url + "/readyz", timeout=10).status_code == 200
         assert srv.metric('firsttoken_breaker_state{state="closed"}') == 1
         assert any(r["event"] == "shed.breaker" and r["state"] == "open" for r in srv.log_records())
+
+
+def test_what_a_request_causes_itself_trips_neither_guard() -> None:
+    guards = (
+        "--breaker-min-streams", "20", "--breaker-window-s", "30", "--ttft-slo-ms", "500",
+        "--synthetic-ttft-ms", "1", "--synthetic-itl-ms", "1",
+    )  # fmt: skip
+
+    def tripped(srv: Server) -> bool:
+        m = srv.metrics()
+        if m['firsttoken_breaker_state{state="open"}'] or m['firsttoken_shedding{reason="ttft"}']:
+            return True
+        return httpx.get(srv.url + "/readyz", timeout=10).status_code != 200
+
+    async def at_once(srv: Server, body: dict, n: int) -> list[int]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            post = [client.post(srv.v1 + "/completions", json=body) for _ in range(n)]
+            return [r.status_code for r in await asyncio.gather(*post)]
+
+    with run_server(*guards) as srv:
+        # One key's own faults and chosen latencies (issue 25: these shut everyone out).
+        failing = {"prompt": "f", "max_tokens": 3, "synthetic": {"fail_after": 0}}
+        assert asyncio.run(at_once(srv, failing, 25)) == [500] * 25
+        slow = {"prompt": "s", "max_tokens": 1, "synthetic": {"ttft_ms": 700}}
+        assert asyncio.run(at_once(srv, slow, 20)) == [200] * 20
+        time.sleep(0.2)  # the TTFT guard looks at most ten times a second
+        assert not tripped(srv)
+        ok = httpx.post(srv.v1 + "/completions", json={"prompt": "o", "max_tokens": 1})
+        assert ok.status_code == 200  # everyone else is still served
+    with run_server(*guards, "--synthetic-fail-rate", "1") as srv:
+        # The engine's own faults still open the breaker.
+        plain = {"prompt": "f", "max_tokens": 3}
+        assert asyncio.run(at_once(srv, plain, 20)) == [500] * 20
+        assert tripped(srv)
+        shed = httpx.post(srv.v1 + "/completions", json=plain, timeout=10)
+        assert (shed.status_code, shed.json()["error"]["code"]) == (503, "engine_unavailable")
 
 
 def test_slow_ttft_refuses_new_streams_until_it_recovers() -> None:
