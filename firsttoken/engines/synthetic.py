@@ -192,8 +192,11 @@ class Plan:
         prefix = request.options.get("continuation")
         thinking = opts.reasoning_tokens or 0
         answer: _Answer | None = None
-        if opts.tool_call:
-            body: Iterator[Part] = iter(_tool_call_parts(request.prompt, seed, opts.tool_call))
+        call = opts.tool_call
+        if call and _answered(request.body, str(call.get("name") or "tool")):
+            call = None  # it has the result it asked for: it answers in text now
+        if call:
+            body: Iterator[Part] = iter(_tool_call_parts(request.prompt, seed, call))
             plan._finish = "tool_calls"
         else:
             answer = _ANSWERS.get(request.prompt, seed, opts.answer_tokens, opts.style or style)
@@ -263,6 +266,30 @@ def _upto(parts: Iterator[Part], limit: int, plan: Plan) -> Iterator[Part]:
     yield from islice(parts, limit)
     if next(parts, _END) is not _END:
         plan.cut = True
+
+
+def _answered(body: Mapping[str, Any] | None, name: str) -> bool:
+    """Whether the conversation ends with the result of a call to `name`: its last messages
+    are tool results, and one of them answers the assistant's call of that name. An agent
+    framework sends the same `tool_call` knob on every turn; a model answers once it has the
+    result, and so does this engine (else the agent would loop until its turn limit)."""
+    messages = body.get("messages") if body is not None else None
+    if not isinstance(messages, list):
+        return False
+    results = set()
+    i = len(messages) - 1
+    while i >= 0 and isinstance(messages[i], Mapping) and messages[i].get("role") == "tool":
+        results.add(messages[i].get("tool_call_id"))
+        i -= 1
+    if not results or i < 0 or not isinstance(messages[i], Mapping):
+        return False
+    calls = messages[i].get("tool_calls") if messages[i].get("role") == "assistant" else None
+    for call in calls if isinstance(calls, list) else ():
+        function = call.get("function") if isinstance(call, Mapping) else None
+        if isinstance(function, Mapping) and function.get("name") == name:
+            if call.get("id") in results:
+                return True
+    return False
 
 
 def _bad_continuation(why: str) -> EngineError:

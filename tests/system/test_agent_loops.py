@@ -1,15 +1,19 @@
 """An agent loop — reasoning, a tool call, the tool's result, the final answer — streamed with
 each official SDK, against the synthetic engine directly and through the relay (a firsttoken
 relay in front of another firsttoken): the Anthropic and Responses requests are translated to
-Chat Completions on the way up, and their events rendered back from the relayed chunks."""
+Chat Completions on the way up, and their events rendered back from the relayed chunks. And
+the OpenAI Agents SDK's own loop, which sends the same `tool_call` knob on every turn: the
+engine answers the tool's result in text, so the run ends after two turns."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import agents
 import anthropic
 import openai
 import pytest
@@ -105,3 +109,52 @@ def test_responses_agent_loop(path: str, servers: dict[str, Server]) -> None:
         final = stream.get_final_response()
     assert final.status == "completed" and final.output_text == "".join(text)
     assert len(final.output_text) > 100
+
+
+AGENT_CALL = {"name": "get_weather", "arguments": {"city": "Zürich"}}
+
+
+@pytest.mark.parametrize("path", ["direct", "relay"])
+@pytest.mark.parametrize("kind", ["responses", "chat"])
+def test_an_agents_sdk_run_ends_once_the_tool_answered(
+    kind: str, path: str, servers: dict[str, Server]
+) -> None:
+    agents.set_tracing_disabled(True)  # nothing leaves for OpenAI's trace exporter
+    calls: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return f"Sunny in {city}, 21 C"
+
+    client = openai.AsyncOpenAI(base_url=servers[path].v1, api_key="unused", max_retries=0)
+    model: agents.Model
+    if kind == "responses":
+        model = agents.OpenAIResponsesModel(model="synthetic", openai_client=client)
+    else:
+        model = agents.OpenAIChatCompletionsModel(model="synthetic", openai_client=client)
+    agent = agents.Agent(
+        name="weather",
+        instructions="Answer with the weather.",
+        tools=[get_weather],
+        model=model,
+        # The same settings, knob included, go with every turn of the loop.
+        model_settings=agents.ModelSettings(
+            extra_body={"synthetic": {**KNOBS, "tool_call": AGENT_CALL}}
+        ),
+    )
+
+    async def run() -> tuple[Any, list[str]]:
+        result = agents.Runner.run_streamed(agent, input="Weather in Zürich?", max_turns=4)
+        kinds = [event.type async for event in result.stream_events()]
+        return result, kinds
+
+    result, kinds = asyncio.run(run())
+    assert calls == ["Zürich"]  # called once, by the first turn
+    assert "raw_response_event" in kinds  # streamed
+    assert isinstance(result.final_output, str) and len(result.final_output) > 100
+    assert result.current_turn == 2
+    items = [item.type for item in result.new_items]
+    assert items.count("tool_call_item") == 1 and items.count("tool_call_output_item") == 1
+    assert items[-1] == "message_output_item"

@@ -431,3 +431,40 @@ def test_a_fail_rate_of_one_fails_even_a_short_answer() -> None:
     engine.open(GenerationRequest("r", "hi", "synthetic", max_tokens=1), sink)
     clock.advance(1.0)
     assert sink.error is not None and sink.finished is None and not sink.error.client_fault
+
+
+# ---- agent loops: a tool's result gets an answer, not the same call again ---------------------
+
+
+def turn(messages: list[dict[str, Any]], call: dict[str, Any]) -> tuple[list[Part], str]:
+    body = {"model": "synthetic", "messages": messages}
+    request = GenerationRequest("r", "user: weather", "synthetic", seed=1, body=body)
+    return answer_parts(request, SyntheticOptions(reasoning_tokens=3, tool_call=call))
+
+
+def test_the_result_of_its_own_call_gets_an_answer_in_text() -> None:
+    call = {"name": "get_weather", "arguments": {"city": "Bern"}}
+    question = [{"role": "user", "content": "Weather in Bern?"}]
+    first, finish = turn(question, call)
+    assert finish == "tool_calls"
+    made = first[3]
+    assert isinstance(made, Delta) and made.tool_calls[0].name == "get_weather"
+    asked = {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": made.tool_calls[0].id, "type": "function",
+             "function": {"name": "get_weather", "arguments": "{}"}},
+        ],
+    }  # fmt: skip
+    result = {"role": "tool", "tool_call_id": made.tool_calls[0].id, "content": "sunny"}
+    answer, finish = turn([*question, asked, result], call)
+    assert finish == "stop" and all(isinstance(p, str) for p in answer[3:])
+    assert len(answer) > 100 and all(isinstance(p, Delta) and p.reasoning for p in answer[:3])
+    # Anything else still gets the call: another tool's result, or a new question after it.
+    other = {**asked, "tool_calls": [{**asked["tool_calls"][0], "function": {"name": "other"}}]}
+    assert turn([*question, other, result], call)[1] == "tool_calls"
+    later = [*question, asked, result, {"role": "assistant", "content": "Sunny."}, *question]
+    assert turn(later, call)[1] == "tool_calls"
+    stray = {**result, "tool_call_id": "call_elsewhere"}
+    assert turn([*question, asked, stray], call)[1] == "tool_calls"
