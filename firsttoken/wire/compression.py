@@ -18,6 +18,13 @@ __all__ = ["GZipResponses", "StreamCompressor", "negotiate"]
 
 ZSTD_LEVEL = 3
 GZIP_LEVEL = 6
+# Level 3 with gzip's 32 KiB window, and tables to match: every live reader keeps its own
+# compressor, and level 3's own (a 2 MiB window) allocates ~3.5 MiB and keeps ~1.1 MiB resident
+# after a long stream, against gzip's ~0.2 MiB. Each event is flushed on its own, so a longer
+# window buys little: 2% more bytes than level 3 on a chat stream (gzip: 12% fewer).
+ZSTD_PARAMS = zstandard.ZstdCompressionParameters.from_level(
+    ZSTD_LEVEL, window_log=15, hash_log=13, chain_log=14
+)
 
 
 def negotiate(accept_encoding: str) -> str | None:
@@ -49,7 +56,8 @@ class StreamCompressor:
     def __init__(self, encoding: str) -> None:
         self.encoding = encoding
         if encoding == "zstd":
-            self._zstd = zstandard.ZstdCompressor(level=ZSTD_LEVEL).compressobj()
+            self._context = zstandard.ZstdCompressor(compression_params=ZSTD_PARAMS)
+            self._zstd = self._context.compressobj()
         elif encoding == "gzip":
             self._gzip = zlib.compressobj(GZIP_LEVEL, zlib.DEFLATED, 16 + zlib.MAX_WBITS)
         else:
@@ -60,6 +68,13 @@ class StreamCompressor:
         if self.encoding == "zstd":
             return self._zstd.compress(data) + self._zstd.flush(zstandard.COMPRESSOBJ_FLUSH_BLOCK)
         return self._gzip.compress(data) + self._gzip.flush(zlib.Z_SYNC_FLUSH)
+
+    def memory_bytes(self) -> int:
+        """What this reader's compressor has allocated (zlib's is fixed by its parameters:
+        the window's 4 bytes a position plus its 128 KiB hash, as zlib's docs say)."""
+        if self.encoding == "zstd":
+            return int(self._context.memory_size())
+        return (1 << (zlib.MAX_WBITS + 2)) + (1 << (8 + 9))
 
     def finish(self) -> bytes:
         if self.encoding == "zstd":
