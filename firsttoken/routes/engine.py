@@ -165,15 +165,20 @@ class RoutedEngine:
                 return
             except EngineError as exc:
                 error = exc
+            except BaseException:
+                if not started:  # the client left (or a bug): a half-open probe goes back
+                    target.health.release()
+                raise
             now = asyncio.get_running_loop().time()
             # Health hears only what says something about the target: not a full queue,
-            # not the request's own fault, not a continuation it refused (prefill).
+            # not the request's own fault, not a continuation it refused (prefill); an
+            # upstream's Retry-After is a pause it asked for, not a failure.
             if error.code == "queue_timeout" or error.client_fault:
                 target.health.release()
+            elif error.retry_after_s is not None and error.status in (429, 503, 529):
+                target.health.hold(now, error.retry_after_s)
             else:
                 target.health.failure(now)
-            if error.retry_after_s is not None and error.status in (429, 503, 529):
-                target.health.hold(now, error.retry_after_s)
             log_event(
                 "route.target_failed",
                 logging.WARNING,

@@ -1,0 +1,605 @@
+"""The router on virtual time, with scripted targets: failover before the first token, phase
+deadlines that cancel the slow leg, the splice (no seam, one meta, usage over both legs), where
+it must not splice, health as the router feeds it, balance and the slot queue."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import pytest
+
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routes.health import TargetHealth
+from firsttoken.routes.target import Target
+from tests.unit import virtual_loop
+from tests.unit.scripted import ANSWER, PROMPT_TOKENS, Fail, Scripted, answer, cut, tokens
+
+WHOLE = "".join(ANSWER)
+USER = {"role": "user", "content": "Tell me a story."}
+START = virtual_loop.START
+
+
+def chat(request_id: str = "s1", max_tokens: int | None = None) -> GenerationRequest:
+    body: dict[str, Any] = {"model": "chat", "messages": [USER], "stream": True}
+    if max_tokens is not None:
+        body["max_tokens"] = max_tokens
+    return GenerationRequest(
+        request_id=request_id,
+        prompt="user: Tell me a story.",
+        model="chat",
+        max_tokens=max_tokens,
+        messages=(USER,),
+        body=body,
+    )
+
+
+def router(
+    engines: dict[str, Scripted], *, max_splices: int = 1, balance: str = "order", **configs: Any
+) -> RoutedEngine:
+    """A route `chat` over `engines` in order; every target continues natively unless its
+    entry in `configs` (keyed by target name) says otherwise."""
+    table = RouteTable(
+        targets={
+            name: TargetConfig(
+                name=name, kind="synthetic", **{"continuation": "native", **configs.get(name, {})}
+            )
+            for name in engines
+        },
+        routes={
+            "chat": ModelRoute(
+                name="chat", targets=tuple(engines), max_splices=max_splices, balance=balance
+            )
+        },
+    )
+    return RoutedEngine(table, {n: Target(table.targets[n], e) for n, e in engines.items()})
+
+
+@dataclass
+class Outcome:
+    deltas: list[Delta] = field(default_factory=list)
+    error: EngineError | None = None
+    took: float = 0.0
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for d in self.deltas)
+
+    @property
+    def metas(self) -> list[Any]:
+        return [d.meta for d in self.deltas if d.meta is not None]
+
+    @property
+    def finish(self) -> Delta:
+        assert self.deltas and self.deltas[-1].finish_reason is not None
+        return self.deltas[-1]
+
+
+async def play(engine: RoutedEngine, request: GenerationRequest | None = None) -> Outcome:
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    out = Outcome()
+    try:
+        async for delta in engine.generate(request or chat()):
+            out.deltas.append(delta)
+    except EngineError as exc:
+        out.error = exc
+    out.took = loop.time() - start
+    return out
+
+
+def go(engine: RoutedEngine, request: GenerationRequest | None = None) -> Outcome:
+    return virtual_loop.run(play(engine, request))
+
+
+def health(engine: RoutedEngine, name: str) -> TargetHealth:
+    return engine.targets[name].health
+
+
+def failovers(engine: RoutedEngine) -> dict[str, int]:
+    return {phase: n for (_, phase), n in engine.failovers.items() if n}
+
+
+def no_splice_left(out: Outcome, code: str = "upstream_truncated") -> None:
+    """A cut answer is never passed off as finished: the error, no finish reason."""
+    assert out.error is not None and out.error.code == code
+    assert all(d.finish_reason is None for d in out.deltas)
+
+
+# -- before the first token: failover ------------------------------------------------------------
+
+
+def test_an_answer_comes_from_the_first_target() -> None:
+    a, b = Scripted(answer), Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"model": "Qwen/Qwen3-8B"})
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE and out.metas == []
+    assert out.finish.finish_reason == "stop"
+    assert out.finish.usage == {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": len(ANSWER),
+        "total_tokens": PROMPT_TOKENS + len(ANSWER),
+    }
+    assert a.requests[0].model == "Qwen/Qwen3-8B"  # the name the target knows
+    assert b.requests == []
+    assert failovers(engine) == {}
+    assert engine.targets["a"].outstanding == 0 and engine._current == {}
+
+
+def test_a_refused_connection_fails_over_as_connect() -> None:
+    a = Scripted([Fail("upstream_unavailable", status=503)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b})
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == []  # a failover before any token is not news for the client
+    assert failovers(engine) == {"connect": 1}
+    assert health(engine, "a")._failures == 1
+    assert b.requests[0].model == "chat" and "continuation" not in b.requests[0].options
+
+
+def test_a_late_first_token_cancels_the_slow_leg_and_fails_over() -> None:
+    a = Scripted([60.0, *tokens(10)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"first_token_timeout_s": 30})
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.took == 30.0
+    assert a.ended_early == ["CancelledError"]  # the slow request was stopped, not left
+    assert a.tokens_generated == 0
+    assert failovers(engine) == {"first_token": 1}
+    assert engine.targets["a"].outstanding == 0
+
+
+def test_every_target_failing_before_a_token_raises_the_last_error() -> None:
+    a = Scripted([Fail("upstream_unavailable", status=503)])
+    b = Scripted([Fail("upstream_502", status=502)])
+    out = go(router({"a": a, "b": b}))
+    assert out.deltas == []
+    assert out.error is not None and out.error.code == "upstream_502"
+
+
+def test_a_clients_fault_is_raised_without_failover_and_does_no_harm() -> None:
+    a = Scripted([Fail("upstream_rejected", retryable=False, status=400, client_fault=True)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"eject_after": 1})
+
+    async def body() -> list[Outcome]:
+        return [await play(engine) for _ in range(3)]
+
+    for out in virtual_loop.run(body()):
+        assert out.error is not None and out.error.code == "upstream_rejected"
+        assert out.error.status == 400
+    assert b.requests == []  # another target would refuse the same request
+    assert health(engine, "a").state == TargetHealth.UP and health(engine, "a")._failures == 0
+    assert failovers(engine) == {}
+
+
+def test_an_error_that_is_not_retryable_is_raised_at_once() -> None:
+    a = Scripted([Fail("engine_broken", retryable=False)])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}))
+    assert out.error is not None and out.error.code == "engine_broken"
+    assert b.requests == []
+
+
+# -- deadlines once the answer began -------------------------------------------------------------
+
+
+def test_silence_past_the_idle_deadline_is_a_cut_that_splices() -> None:
+    a = Scripted([*tokens(3), 100.0, *tokens(7, 3)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"idle_timeout_s": 30})
+    out = go(engine)
+    assert out.error is None
+    assert out.text == WHOLE
+    assert out.took == 30.0
+    assert a.ended_early == ["CancelledError"]
+    assert out.metas == [{"failover": {"from": "a", "to": "b", "at_token": 3}}]
+    assert failovers(engine) == {"mid_stream": 1}
+    assert b.requests[0].options["continuation"] == "Once upon a"
+
+
+def test_the_idle_deadline_starts_again_at_each_chunk() -> None:
+    a = Scripted(tokens(10, every_s=29.0))
+    out = go(router({"a": a}, a={"idle_timeout_s": 30}))
+    assert out.error is None and out.text == WHOLE
+    assert out.took == 290.0
+
+
+def test_the_total_deadline_ends_a_slow_answer() -> None:
+    a = Scripted(tokens(10, every_s=4.0))
+    out = go(router({"a": a}, a={"total_timeout_s": 10, "idle_timeout_s": 30}))
+    no_splice_left(out, "upstream_timeout")
+    assert out.text == "Once upon"  # at 4 s and 8 s; the third was due at 12 s
+    assert out.took == 10.0
+    assert out.error is not None and "end within 10 s" in out.error.message
+    assert a.ended_early == ["CancelledError"]
+
+
+def test_the_total_deadline_can_come_before_the_first_token() -> None:
+    a = Scripted([20.0, *tokens(10)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"total_timeout_s": 10, "first_token_timeout_s": 30})
+    out = go(engine)
+    assert out.text == WHOLE and out.took == 10.0
+    assert failovers(engine) == {"first_token": 1}
+
+
+def test_a_slow_answer_past_its_total_deadline_is_spliced() -> None:
+    a = Scripted(tokens(10, every_s=4.0))
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}, a={"total_timeout_s": 10}))
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [{"failover": {"from": "a", "to": "b", "at_token": 2}}]
+
+
+# -- the splice ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("k", range(1, len(ANSWER)))
+def test_a_cut_after_k_tokens_is_continued_with_no_seam(k: int) -> None:
+    a = Scripted([*tokens(k), cut()])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b})
+    out = go(engine)
+    assert out.error is None
+    texts = [d.text for d in out.deltas if d.text]
+    assert texts == list(ANSWER)  # every token once, in order: no character twice or missing
+    meta_at = next(i for i, d in enumerate(out.deltas) if d.meta is not None)
+    assert meta_at == k  # the news comes just before the first token of the next leg
+    assert out.metas == [{"failover": {"from": "a", "to": "b", "at_token": k}}]
+    assert out.finish.finish_reason == "stop"
+    # Usage as an uninterrupted answer's: the prompt once, every token delivered.
+    assert out.finish.usage == {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": len(ANSWER),
+        "total_tokens": PROMPT_TOKENS + len(ANSWER),
+    }
+    follow = b.requests[0]
+    assert follow.options["continuation"] == "".join(ANSWER[:k])
+    assert follow.body is not None and follow.body["continue_final_message"] is True
+    assert follow.body["messages"][-1] == {"role": "assistant", "content": "".join(ANSWER[:k])}
+    assert failovers(engine) == {"mid_stream": 1}
+    assert health(engine, "a")._failures == 1
+
+
+def test_the_continuation_asks_only_for_what_is_left_of_max_tokens() -> None:
+    a = Scripted([Delta(reasoning="Hmm."), *tokens(2), cut()])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}), chat(max_tokens=8))
+    assert out.error is None
+    assert out.text == "".join(ANSWER[:7])  # 1 reasoning + 2 + 5 = 8 tokens in all
+    assert out.finish.finish_reason == "length"
+    assert b.requests[0].max_tokens == 5
+    assert b.requests[0].body is not None and b.requests[0].body["max_tokens"] == 5
+    assert out.metas == [{"failover": {"from": "a", "to": "b", "at_token": 3}}]
+
+
+def test_a_cut_at_max_tokens_is_a_complete_answer() -> None:
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}), chat(max_tokens=3))
+    assert out.error is None and out.text == "Once upon a"
+    assert out.finish.finish_reason == "length"
+    assert b.requests == []
+
+
+def test_max_splices_0_raises_the_cut_after_the_partial_text() -> None:
+    a = Scripted([*tokens(4), cut()])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, max_splices=0)
+    out = go(engine)
+    no_splice_left(out)
+    assert out.text == "Once upon a time"
+    assert b.requests == []
+    assert failovers(engine) == {}
+
+
+def test_max_splices_caps_the_splices_of_one_stream() -> None:
+    def cut_at_5(request: GenerationRequest) -> list[Any]:
+        return [*answer(request)[:3], cut()]
+
+    def legs() -> dict[str, Scripted]:
+        return {"a": Scripted([*tokens(2), cut()]), "b": Scripted(cut_at_5), "c": Scripted()}
+
+    capped = legs()
+    out = go(router(capped, max_splices=1))
+    no_splice_left(out)
+    assert out.text == "".join(ANSWER[:5])
+    assert capped["c"].requests == []
+
+    two = legs()
+    engine = router(two, max_splices=2)
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [
+        {"failover": {"from": "a", "to": "b", "at_token": 2}},
+        {"failover": {"from": "b", "to": "c", "at_token": 5}},
+    ]
+    assert two["c"].requests[0].options["continuation"] == "".join(ANSWER[:5])
+    assert out.finish.usage is not None
+    assert out.finish.usage["completion_tokens"] == len(ANSWER)
+    assert out.finish.usage["prompt_tokens"] == PROMPT_TOKENS
+    assert failovers(engine) == {"mid_stream": 2}
+
+
+TOOL_START = Delta(tool_calls=(ToolCallDelta(0, id="call_1", name="get_weather"),))
+TOOL_ARGS = Delta(tool_calls=(ToolCallDelta(0, arguments='{"city": "Par'),))
+
+
+@pytest.mark.parametrize(
+    "script",
+    [
+        [TOOL_START, TOOL_ARGS, cut()],  # inside the arguments
+        [*tokens(2), TOOL_START, cut()],  # text, then a tool call began
+        [Delta(reasoning="Let me"), Delta(reasoning=" think"), cut()],  # open reasoning
+        [Delta(refusal="I can't"), cut()],
+    ],
+    ids=["tool_arguments", "text_then_tool", "reasoning", "refusal"],
+)
+def test_never_a_splice_inside_a_tool_call_or_reasoning(script: list[Any]) -> None:
+    b = Scripted(answer)
+    engine = router({"a": Scripted(script), "b": b})
+    out = go(engine)
+    no_splice_left(out)
+    assert len(out.deltas) == len(script) - 1
+    assert b.requests == []
+    assert out.metas == []
+
+
+def test_after_reasoning_then_text_it_splices() -> None:
+    a = Scripted([Delta(reasoning="Hmm."), *tokens(2), cut()])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}))
+    assert out.error is None and out.text == WHOLE
+    assert [d.reasoning for d in out.deltas if d.reasoning] == ["Hmm."]
+    assert b.requests[0].options["continuation"] == "Once upon"
+
+
+def test_a_continuation_refused_by_one_target_goes_to_the_next() -> None:
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted([Fail("invalid_continuation", retryable=False, status=400, client_fault=True)])
+    c = Scripted(answer)
+    engine = router({"a": a, "b": b, "c": c}, b={"eject_after": 1})
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+    assert len(b.requests) == 1
+    # A refused prefill says nothing about the target.
+    assert health(engine, "b").state == TargetHealth.UP and health(engine, "b")._failures == 0
+
+
+def test_a_continuation_that_stalls_moves_on_to_the_next() -> None:
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted([100.0])
+    c = Scripted(answer)
+    out = go(router({"a": a, "b": b, "c": c}, b={"first_token_timeout_s": 30}))
+    assert out.error is None and out.text == WHOLE and out.took == 30.0
+    assert b.ended_early == ["CancelledError"]
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+
+
+def test_targets_that_cannot_continue_take_new_requests_but_no_splice() -> None:
+    relay = {"continuation": "none"}
+    a = Scripted([Fail("upstream_unavailable", status=503)])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}, b=relay))
+    assert out.error is None and out.text == WHOLE  # a failover before any token: fine
+
+    a = Scripted([*tokens(3), cut()])
+    b, c = Scripted(answer), Scripted(answer)
+    out = go(router({"a": a, "b": b, "c": c}, b=relay))
+    assert out.error is None and out.text == WHOLE
+    assert b.requests == []
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+
+
+def test_with_nobody_to_continue_the_cut_is_raised_after_the_partial_text() -> None:
+    a = Scripted([*tokens(3), cut()])
+    out = go(router({"a": a, "b": Scripted(answer)}, b={"continuation": "none"}))
+    no_splice_left(out)
+    assert out.text == "Once upon a"
+
+
+# -- health as the router feeds it ---------------------------------------------------------------
+
+
+def test_an_ejected_target_is_skipped_then_probed() -> None:
+    a = Scripted([Fail("upstream_unavailable", status=503)], answer)
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"eject_after": 1, "eject_s": 10})
+
+    async def body() -> None:
+        assert (await play(engine)).text == WHOLE  # a fails, ejected: b answers
+        assert health(engine, "a").state == TargetHealth.EJECTED
+        await asyncio.sleep(9)
+        assert (await play(engine)).text == WHOLE
+        assert (len(a.requests), len(b.requests)) == (1, 2)  # a was skipped
+        await asyncio.sleep(1)
+        assert (await play(engine)).text == WHOLE  # the half-open probe, answered by a
+        assert len(a.requests) == 2
+        assert health(engine, "a").state == TargetHealth.UP
+
+    virtual_loop.run(body())
+
+
+def test_when_every_target_is_ejected_one_is_tried_anyway() -> None:
+    a, b = Scripted(answer), Scripted(answer)
+    engine = router({"a": a, "b": b})
+
+    async def body() -> None:
+        now = asyncio.get_running_loop().time()
+        for name in ("a", "b"):
+            for _ in range(3):
+                health(engine, name).failure(now)
+        assert (await play(engine)).text == WHOLE
+
+    virtual_loop.run(body())
+    assert len(a.requests) == 1 and b.requests == []
+    assert health(engine, "a").state == TargetHealth.UP
+
+
+def test_a_429_with_retry_after_holds_the_target_without_ejecting_it() -> None:
+    a = Scripted([Fail("upstream_429", status=429, retry_after_s=5)], answer)
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"eject_after": 1})
+
+    async def body() -> None:
+        assert (await play(engine)).text == WHOLE
+        assert failovers(engine) == {"connect": 1}
+        assert health(engine, "a").state == TargetHealth.UP  # a pause asked for, not a fault
+        await asyncio.sleep(4.9)
+        await play(engine)
+        assert (len(a.requests), len(b.requests)) == (1, 2)
+        await asyncio.sleep(0.1)
+        assert (await play(engine)).text == WHOLE
+        assert len(a.requests) == 2
+
+    virtual_loop.run(body())
+
+
+def test_a_route_whose_targets_are_all_held_is_unavailable() -> None:
+    a = Scripted([Fail("upstream_503", status=503, retry_after_s=7)])
+    engine = router({"a": a})
+
+    async def body() -> None:
+        first = await play(engine)
+        assert first.error is not None and first.error.code == "upstream_503"
+        await asyncio.sleep(2)
+        second = await play(engine)
+        assert second.error is not None and second.error.code == "upstream_unavailable"
+        assert (second.error.status, second.error.retry_after_s) == (503, 5.0)
+        assert len(a.requests) == 1
+
+    virtual_loop.run(body())
+
+
+def test_a_client_leaving_before_the_first_token_gives_the_probe_back() -> None:
+    a = Scripted([100.0])
+    engine = router({"a": a}, a={"eject_after": 1, "eject_s": 10})
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        health(engine, "a").failure(loop.time())
+        await asyncio.sleep(10)
+        reader = asyncio.create_task(play(engine))  # the half-open probe
+        await asyncio.sleep(5)
+        assert health(engine, "a").state == TargetHealth.HALF_OPEN
+        reader.cancel()  # the client left
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        assert a.ended_early == ["CancelledError"]
+        assert engine.targets["a"].outstanding == 0
+        assert health(engine, "a").available(loop.time())  # the next request may probe
+
+    virtual_loop.run(body())
+
+
+def test_a_client_leaving_mid_answer_closes_the_leg() -> None:
+    a = Scripted(tokens(10, every_s=1.0))
+    engine = router({"a": a})
+
+    async def body() -> None:
+        stream = engine.generate(chat())
+        assert (await anext(stream)).text == "Once"
+        await engine.abort("s1")
+        await stream.aclose()
+
+    virtual_loop.run(body())
+    assert a.aborted == ["s1"]
+    assert a.ended_early == ["GeneratorExit"]
+    assert engine.targets["a"].outstanding == 0 and engine._current == {}
+
+
+# -- choosing among targets ----------------------------------------------------------------------
+
+
+def test_least_busy_goes_to_the_target_with_fewest_streams() -> None:
+    a = Scripted(tokens(10, every_s=1.0))
+    b = Scripted(tokens(10, every_s=1.0))
+    engine = router({"a": a, "b": b}, balance="least_busy")
+
+    async def body() -> None:
+        together = await asyncio.gather(*(play(engine, chat(f"s{i}")) for i in range(4)))
+        assert all(out.text == WHOLE for out in together)
+        assert (len(a.requests), len(b.requests)) == (2, 2)
+        for i in range(4):  # one at a time: in turns
+            await play(engine, chat(f"t{i}"))
+        assert (len(a.requests), len(b.requests)) == (4, 4)
+
+    virtual_loop.run(body())
+
+
+def test_order_sends_everything_to_the_first_target() -> None:
+    a, b = Scripted(tokens(10, every_s=1.0)), Scripted(answer)
+    engine = router({"a": a, "b": b})
+
+    async def body() -> None:
+        await asyncio.gather(*(play(engine, chat(f"s{i}")) for i in range(4)))
+
+    virtual_loop.run(body())
+    assert (len(a.requests), len(b.requests)) == (4, 0)
+
+
+def test_a_full_target_queues_and_times_out_with_queue_timeout() -> None:
+    a = Scripted([*tokens(1), 40.0, *tokens(9, 1)])
+    engine = router({"a": a}, a={"max_concurrency": 1, "queue_timeout_s": 30, "idle_timeout_s": 60})
+
+    async def body() -> None:
+        first = asyncio.create_task(play(engine, chat("s1")))
+        await asyncio.sleep(1)
+        second = await play(engine, chat("s2"))  # waits in line from 1 s to 31 s
+        assert second.took == 30.0 and second.deltas == []
+        assert second.error is not None and second.error.code == "queue_timeout"
+        assert second.error.status == 503
+        # Our own full queue says nothing about the target: not a failure, not a hold.
+        assert health(engine, "a")._failures == 0
+        third = await play(engine, chat("s3"))  # from 31 s; the slot frees at 40 s
+        assert third.error is None and third.text == WHOLE
+        assert third.took == 9.0 + 40.0  # its wait, then its own answer's 40 s
+        assert (await first).text == WHOLE
+        assert engine.targets["a"].outstanding == 0
+
+    virtual_loop.run(body())
+    assert len(a.requests) == 2
+
+
+def test_a_full_target_is_passed_over_for_one_with_room() -> None:
+    a = Scripted([*tokens(1), 40.0, *tokens(9, 1)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"max_concurrency": 1, "idle_timeout_s": 60})
+
+    async def body() -> None:
+        first = asyncio.create_task(play(engine, chat("s1")))
+        await asyncio.sleep(1)
+        second = await play(engine, chat("s2"))
+        assert second.took == 0.0 and second.text == WHOLE
+        await first
+
+    virtual_loop.run(body())
+    assert (len(a.requests), len(b.requests)) == (1, 1)
+
+
+# -- what the router tells /metrics --------------------------------------------------------------
+
+
+def test_metrics_carry_failovers_target_state_and_queues() -> None:
+    a = Scripted([*tokens(3), cut()])
+    engine = router({"a": a, "b": Scripted(answer)}, a={"eject_after": 1})
+    go(engine)
+    families = {m.name: m for m in engine.collect()}
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for m in families.values()
+        for s in m.samples
+    }
+    mid = ("firsttoken_failovers_total", (("phase", "mid_stream"), ("route", "chat")))
+    assert samples[mid] == 1
+    assert samples[("firsttoken_target_up", (("target", "a"),))] == 0
+    assert samples[("firsttoken_target_up", (("target", "b"),))] == 1
+    assert samples[("firsttoken_queue_length", (("target", "a"),))] == 0
+    assert engine.counters()["failovers"] == 1
