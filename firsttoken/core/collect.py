@@ -83,18 +83,25 @@ class Collector:
             self.max_bytes = registry.max_response_bytes
         registry.attach(stream)
         stream.log.attach(self)
+        delivered = False
         try:
             await registry.start(stream)
             if stream.log.closed:
+                delivered = True
                 return True
             gone = asyncio.ensure_future(_disconnected(request))
             try:
                 await asyncio.wait({gone, self._closed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
                 gone.cancel()
-            return self._closed.done()
+            delivered = self._closed.done()
+            return delivered
         finally:
             stream.log.detach(self)
+            if delivered and self.failure is None:
+                # Counted before the detach logs the stream's end, so log and metric agree.
+                stream.tokens_sent = self.tokens
+                registry.metrics.tokens_sent += self.tokens
             registry.detach(stream)
 
     async def answer(self, registry: StreamRegistry, request: Request) -> ChatAnswer | None:
@@ -104,7 +111,6 @@ class Collector:
             return None
         if self.failure is not None:
             raise self.failure
-        registry.metrics.tokens_sent += self.tokens
         return self.fold.done()
 
 

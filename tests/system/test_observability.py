@@ -79,6 +79,27 @@ def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
     assert bad.headers["x-request-id"] == "req-42"
 
 
+def test_a_whole_answer_logs_the_tokens_it_sent_as_the_metric_counts_them() -> None:
+    with run_server("--synthetic-ttft-ms", "1", "--synthetic-itl-ms", "1") as srv:
+        sent = "firsttoken_tokens_sent_total"
+        before = srv.metric(sent)
+        body = {"messages": [{"role": "user", "content": "whole"}], "max_tokens": 7}
+        r = httpx.post(srv.v1 + "/chat/completions", json=body, timeout=10)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7
+        stream_id = r.headers["x-stream-id"]
+
+        def finished() -> list[dict]:
+            return [
+                x
+                for x in srv.log_records()
+                if x["event"] == "stream.finished" and x.get("stream") == stream_id
+            ]
+
+        [line] = wait_for(finished)
+        # The log said 0 while the metric rose by 7 (issue 26).
+        assert line["tokens_sent"] == srv.metric(sent) - before == 7
+
+
 def test_health_and_readiness(server: Server) -> None:
     assert httpx.get(server.url + "/healthz", timeout=10).json() == {"status": "ok"}
     assert httpx.get(server.url + "/readyz", timeout=10).status_code == 200
