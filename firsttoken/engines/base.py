@@ -7,6 +7,10 @@ from dataclasses import dataclass, field, replace
 from types import MappingProxyType
 from typing import Any, Protocol
 
+# The deltas are the floor every room shares (the wire renders them, the core logs them):
+# defined below the wire, named here too, where an engine looks for its interface.
+from firsttoken.delta import Delta, ToolCallDelta
+
 __all__ = [
     "Delta",
     "Engine",
@@ -49,50 +53,6 @@ class GenerationRequest:
 
 
 _NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
-
-
-@dataclass(frozen=True, slots=True)
-class ToolCallDelta:
-    """A fragment of one tool call: the first carries `id` and `name`, the rest pieces of
-    the arguments' JSON text, to be concatenated in order."""
-
-    index: int
-    id: str | None = None
-    name: str | None = None
-    arguments: str = ""
-
-
-@dataclass(slots=True)
-class Delta:
-    """One step of generation for one request; the last one carries `finish_reason`.
-
-    Most deltas are a token of answer text. The rest are structured: reasoning text, tool-call
-    fragments, a refusal, and what an upstream sent that has no field here (`extra`: passed
-    through to Chat Completions clients as it came). Each delta counts as one token.
-    """
-
-    text: str = ""
-    finish_reason: str | None = None
-    reasoning: str = ""
-    tool_calls: tuple[ToolCallDelta, ...] = ()
-    refusal: str = ""
-    logprobs: Any = None  # the chunk's logprobs object, as the upstream sent it
-    extra: Mapping[str, Any] | None = None
-    usage: Mapping[str, Any] | None = None  # on the last delta: the engine's own count
-    # Not a token: news about the stream for native readers' `event: meta` (a splice).
-    meta: Mapping[str, Any] | None = None
-
-    @property
-    def structured(self) -> bool:
-        """More than answer text: goes through `Sink.push_delta`, not the token path."""
-        return bool(
-            self.reasoning
-            or self.tool_calls
-            or self.refusal
-            or self.logprobs
-            or self.extra
-            or self.meta
-        )
 
 
 class EngineError(Exception):

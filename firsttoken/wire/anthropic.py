@@ -15,7 +15,7 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import Delta
+from firsttoken.delta import Delta
 from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.render import Events
 

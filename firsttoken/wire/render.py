@@ -12,7 +12,7 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.delta import Delta, ToolCallDelta
 from firsttoken.wire.errors import error_body
 
 __all__ = ["ChatRenderer", "CompletionRenderer", "Events", "NativeRenderer", "chat_tool_call"]

@@ -24,7 +24,7 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.delta import Delta, ToolCallDelta
 from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.render import Events
 
