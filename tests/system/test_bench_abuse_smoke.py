@@ -1,0 +1,30 @@
+"""`python -m bench.abuse` must not rot: a few seconds of it, every unfriendly client sent.
+
+Not a performance test: the figures are not checked against a target, only that both phases
+ran, the well-behaved key was served, and each unfriendly client reached the server."""
+
+from __future__ import annotations
+
+import asyncio
+
+from bench.abuse import abuse
+
+
+def test_a_short_abuse_run_serves_the_well_behaved_key() -> None:
+    result = asyncio.run(abuse(6))
+    summary = result.summary()
+    for phase in (result.baseline, result.abuse):
+        assert phase.attempted > 0 and phase.completed > 0, phase.summary()
+        assert phase.peak_rss_mib > 0
+    kinds = {name.split()[0] for name in result.unfriendly}
+    assert kinds >= {
+        "failed_open",
+        "huge_answer_tokens",
+        "huge_whole_answer",
+        "never_opened",
+        "bad_last_event_id",
+        "never_reader",
+    }, result.unfriendly
+    # No unfriendly request was answered with a server error.
+    assert not [k for k in result.unfriendly if k.split()[-1].startswith("5")], result.unfriendly
+    assert set(summary["ratios_abuse_to_baseline"]) == {"completion_rate", "ttft_p99", "peak_rss"}
