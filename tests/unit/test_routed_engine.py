@@ -383,6 +383,34 @@ def test_a_continuation_that_stalls_moves_on_to_the_next() -> None:
     assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
 
 
+def test_a_clients_own_prefill_is_kept_through_a_splice() -> None:
+    prefill = {"role": "assistant", "content": "Once upon"}
+    request = GenerationRequest(
+        request_id="s1",
+        prompt="user: Tell me a story.",
+        model="chat",
+        messages=(USER, prefill),
+        body={
+            "messages": [USER, prefill],
+            "continue_final_message": True,
+            "add_generation_prompt": False,
+        },
+        options={"continuation": "Once upon"},
+    )
+    a = Scripted(lambda r: [*answer(r)[:2], cut()])
+    b = Scripted(answer)
+    out = go(router({"a": a, "b": b}), request)
+    assert out.error is None
+    assert out.text == "".join(ANSWER[2:])  # the answer after the client's own start
+    follow = b.requests[0]
+    assert follow.options["continuation"] == "Once upon a time"
+    assert follow.messages is not None and follow.messages[-1]["content"] == "Once upon a time"
+    assert len(follow.messages) == 2
+    assert out.finish.usage is not None
+    assert out.finish.usage["prompt_tokens"] == PROMPT_TOKENS + 2
+    assert out.finish.usage["completion_tokens"] == len(ANSWER) - 2
+
+
 def test_targets_that_cannot_continue_take_new_requests_but_no_splice() -> None:
     relay = {"continuation": "none"}
     a = Scripted([Fail("upstream_unavailable", status=503)])
@@ -425,6 +453,26 @@ def test_an_ejected_target_is_skipped_then_probed() -> None:
         assert health(engine, "a").state == TargetHealth.UP
 
     virtual_loop.run(body())
+
+
+def test_while_the_probe_is_out_other_requests_go_elsewhere() -> None:
+    a = Scripted([Fail("upstream_unavailable", status=503)], [*tokens(10, every_s=1.0)])
+    b = Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"eject_after": 1, "eject_s": 10})
+
+    async def body() -> None:
+        await play(engine)  # a ejected
+        await asyncio.sleep(10)
+        probe = asyncio.create_task(play(engine, chat("probe")))
+        await asyncio.sleep(0.5)
+        assert health(engine, "a").state == TargetHealth.HALF_OPEN
+        other = await play(engine, chat("other"))
+        assert other.text == WHOLE and b.requests[-1].request_id == "other"
+        assert (await probe).text == WHOLE
+        assert health(engine, "a").state == TargetHealth.UP
+
+    virtual_loop.run(body())
+    assert len(a.requests) == 2
 
 
 def test_when_every_target_is_ejected_one_is_tried_anyway() -> None:
