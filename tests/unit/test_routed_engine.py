@@ -5,7 +5,7 @@ it must not splice, health as the router feeds it, balance and the slot queue.""
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -630,6 +630,43 @@ def test_a_full_target_is_passed_over_for_one_with_room() -> None:
 
     virtual_loop.run(body())
     assert (len(a.requests), len(b.requests)) == (1, 1)
+
+
+# -- start: the shorthand serves what its upstreams list ------------------------------------------
+
+
+def passthrough(engines: dict[str, Scripted]) -> RoutedEngine:
+    table = RouteTable(
+        targets={n: TargetConfig(name=n, kind="openai", url="http://h/v1") for n in engines},
+        routes={"default": ModelRoute(name="default", targets=tuple(engines), passthrough=True)},
+    )
+    return RoutedEngine(table, {n: Target(table.targets[n], e) for n, e in engines.items()})
+
+
+def test_the_shorthand_serves_the_models_its_upstreams_list() -> None:
+    a = Scripted(answer, models=("qwen", "llama"))
+    b = Scripted(answer, models=("llama", "phi"))
+    engine = passthrough({"a": a, "b": b})
+
+    async def body() -> None:
+        await engine.start()
+        assert engine.models == ("qwen", "llama", "phi")
+        await play(engine, replace(chat(), model="llama"))
+        await play(engine, replace(chat(), model="default"))
+        await engine.close()
+
+    virtual_loop.run(body())
+    assert a.started and a.closed and b.started
+    # As the client named it; the route's own name becomes the upstream's first model.
+    assert [r.model for r in a.requests] == ["llama", "qwen"]
+
+
+def test_the_shorthand_refuses_to_start_when_no_upstream_lists_a_model() -> None:
+    a = Scripted(answer, models=())
+    engine = passthrough({"a": a})
+    with pytest.raises(RuntimeError, match=r"relay: no upstream answered GET /models"):
+        virtual_loop.run(engine.start())
+    assert a.closed
 
 
 # -- what the router tells /metrics --------------------------------------------------------------
