@@ -669,6 +669,36 @@ def test_the_shorthand_refuses_to_start_when_no_upstream_lists_a_model() -> None
     assert a.closed
 
 
+def test_active_checks_eject_a_silent_target_and_bring_it_back() -> None:
+    class Remote(Scripted):
+        answering = False
+
+        async def fetch_models(self) -> tuple[str, ...] | None:
+            return ("m",) if self.answering else None
+
+    a = Remote(answer)
+    table = RouteTable(
+        targets={
+            "a": TargetConfig(name="a", kind="openai", url="http://h/v1", health_check_interval_s=5)
+        },
+        routes={"chat": ModelRoute(name="chat", targets=("a",))},
+    )
+    engine = RoutedEngine(table, {"a": Target(table.targets["a"], a)})
+
+    async def body() -> None:
+        await engine.start()
+        await asyncio.sleep(14)
+        assert health(engine, "a").state == TargetHealth.UP  # two failed checks of three
+        await asyncio.sleep(1)
+        assert health(engine, "a").state == TargetHealth.EJECTED
+        a.answering = True
+        await asyncio.sleep(5)
+        assert health(engine, "a").state == TargetHealth.UP
+        await engine.close()
+
+    virtual_loop.run(body())
+
+
 # -- what the router tells /metrics --------------------------------------------------------------
 
 
