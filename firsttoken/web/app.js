@@ -545,7 +545,8 @@ function completeToolCalls(s) {
 
 function renderStats(s) {
   const parts = [];
-  const ttft = s.meta.ttft_ms ?? (s.firstAt ? s.firstAt - s.sentAt : null);
+  // The server's meta events carry no TTFT: the page measures it, from Send to the first token.
+  const ttft = s.firstAt ? s.firstAt - s.sentAt : null;
   if (ttft != null) parts.push(`TTFT ${Math.round(ttft)} ms`);
   let speed = s.meta.speed;
   if (typeof speed !== "number" && s.received > 1 && s.lastAt > s.firstAt) {

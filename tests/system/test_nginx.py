@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from statistics import median
 from typing import Any
 
+import httpx
 import pytest
 
+from firsttoken.engines import synthetic_tokens
+from firsttoken.wire.sse import EventDecoder
 from tests.nginx import (
     DEPLOY_CONF,
     MULTI_CONF,
@@ -17,6 +21,7 @@ from tests.nginx import (
     render_config,
     run_nginx,
 )
+from tests.redis_server import run_redis
 from tests.servers import Server, run_server
 from tests.system.test_diag import run_diag
 
@@ -125,3 +130,43 @@ def test_multi_instance_config_balances_streams(tmp_path: Path) -> None:
         served = [s.metric('firsttoken_streams_total{outcome="completed"}') for s in (a, b)]
     assert rc == 0 and d["completed"] == 4 and d["buffered"] is False
     assert sum(served) >= 4 and min(served) >= 1, served
+
+
+def test_multi_instance_config_resumes_on_the_other_instance_with_redis(tmp_path: Path) -> None:
+    def tokens_of(body: bytes, after: int = 0) -> tuple[list[str], bool]:
+        events = EventDecoder().feed(body)
+        done = any(e.data == "[DONE]" for e in events)
+        texts = [
+            e.data
+            for e in events
+            if e.event is None and e.data != "[DONE]" and int(e.id or 0) > after
+        ]
+        return [json.loads(t)["token"] for t in texts], done
+
+    with run_redis() as redis_url:
+        args = ("--redis", redis_url, "--synthetic-ttft-ms", "10", "--synthetic-itl-ms", "5")
+        with (
+            run_server(*args) as a,
+            run_server(*args) as b,
+            run_nginx([a.port, b.port], tmp_path, base=MULTI_CONF) as ng,
+        ):
+            body = {"prompt": "through nginx", "max_tokens": 40}
+            created = httpx.post(ng.url + "/v1/streams", json=body, timeout=10).json()
+            events_url = ng.url + created["events_url"]
+            whole = httpx.get(events_url, timeout=20).content
+            tokens, done = tokens_of(whole)
+            assert done and tokens == synthetic_tokens("through nginx", None, 40)[0]
+            # The instance that made the stream goes away; nginx sends the resume to the
+            # other one, which reads the stream from Redis.
+            [owner] = [
+                s
+                for s in (a, b)
+                if any(
+                    x["event"] == "stream.accepted" and x.get("stream") == created["id"]
+                    for x in s.log_records()
+                )
+            ]
+            owner.kill()
+            r = httpx.get(events_url, headers={"Last-Event-ID": "10"}, timeout=20)
+            assert r.status_code == 200
+            assert tokens_of(r.content) == tokens_of(whole, after=10)
