@@ -200,14 +200,13 @@ class Plan:
             plan._finish = "tool_calls"
         else:
             answer = _ANSWERS.get(request.prompt, seed, opts.answer_tokens, opts.style or style)
-            body = _text(answer)
         lead: Iterator[Part] = iter(())
         if prefix is None:
             shown = thinking if limit is None else min(thinking, limit)
             plan.cut = shown < thinking
             if shown:
                 thoughts = _ANSWERS.get("reasoning\x00" + request.prompt, seed, thinking, "prose")
-                lead = (Delta(reasoning=t) for t in islice(_text(thoughts), shown))
+                lead = (Delta(reasoning=t) for t in _text(thoughts, shown))
             body_limit = None if limit is None else limit - shown
         else:
             if not isinstance(prefix, str):
@@ -215,7 +214,9 @@ class Plan:
             k = _prefix_tokens(answer, prefix)
             body_limit = None if limit is None else k + limit
             plan.prompt_tokens = count_words(request.prompt) + k
-        if body_limit is not None:
+        if answer is not None:
+            body = _text(answer, body_limit, plan)
+        elif body_limit is not None:
             body = _upto(body, body_limit, plan)
         if request.stop and answer is not None:
             body = plan._stop = StopCut(body, request.stop)  # type: ignore[arg-type]
@@ -390,18 +391,18 @@ class _Answers:
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self.held = 0
-        self._entries: OrderedDict[tuple[bytes, int | None, str], _Answer] = OrderedDict()
+        self._entries: OrderedDict[tuple[str, int, int | None, str], _Answer] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, prompt: str, seed: int, length: int | None, style: str) -> _Answer:
-        digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
-        key = (digest, length, style)  # a digest: a 900 KB prompt is not kept
+        key = (prompt, seed, length, style)
         answer = self._entries.get(key)
         if answer is not None:
             self._entries.move_to_end(key)
             return answer
+        digest = hashlib.sha256(f"{seed}\x00{prompt}".encode()).digest()
         rng = random.Random(int.from_bytes(digest[:8], "big"))
         target = rng.randint(270, 330)
         if length is not None:  # drawn anyway, so a longer answer starts with the default one
@@ -410,7 +411,7 @@ class _Answers:
             pieces = _prose_pieces(rng, target)
         else:
             pieces = styled_pieces(style, rng, target)
-        answer = _Answer(pieces, _GENERATOR_BYTES + 200)
+        answer = _Answer(pieces, _GENERATOR_BYTES + 200 + sys.getsizeof(prompt))  # the key too
         self._entries[key] = answer
         self._grew(answer.size)
         return answer
@@ -437,14 +438,18 @@ class _Answers:
 _ANSWERS = _Answers(CACHE_BYTES)
 
 
-def _text(answer: _Answer) -> Iterator[str]:
+def _text(answer: _Answer, limit: int | None = None, plan: Plan | None = None) -> Iterator[str]:
+    """The answer's tokens, built as they are read: the first `limit`, and `plan` is marked
+    cut when there were more."""
     tokens = answer.tokens
     i = 0
-    while True:
+    while limit is None or i < limit:
         if i >= len(tokens) and _ANSWERS.token(answer, i) is None:
             return
         yield tokens[i]
         i += 1
+    if plan is not None and _ANSWERS.token(answer, i) is not None:
+        plan.cut = True
 
 
 def _prose_pieces(rng: random.Random, target: int) -> Iterator[list[str]]:
@@ -591,7 +596,9 @@ class SyntheticEngine:
     def check(self, request: GenerationRequest) -> None:
         """Raise the EngineError `open` would fail this request with, before anything is
         sent (a continuation that is not the answer's prefix): the API answers it as a 4xx."""
-        Plan.of(request, options(request), self.style)
+        opts = options(request)
+        if opts.tool_call or request.options.get("continuation") is not None:
+            Plan.of(request, opts, self.style)  # nothing else can fail (and this costs µs)
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         opts = options(request)
