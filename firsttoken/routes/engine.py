@@ -144,7 +144,7 @@ class RoutedEngine:
                     raise cut
                 raise last or self._unavailable(route)
             tried.add(target.name)
-            if failed is not None:
+            if failed is not None and not splicing:
                 self._count_failover(route, request, failed, target, transcript)
                 failed = None
             before_tokens, before_text = transcript.tokens, transcript.text_tokens
@@ -156,7 +156,14 @@ class RoutedEngine:
                             started = True
                             target.health.success()
                             if splicing:
+                                # A splice is counted when it takes: a continuation that
+                                # a target refused is no seam.
                                 splices += 1
+                                if failed is not None:
+                                    self._count_failover(
+                                        route, request, failed, target, transcript
+                                    )
+                                    failed = None
                                 yield _failover_meta(failed_from(cut), target, before_tokens)
                         transcript.add(delta)
                         if delta.finish_reason is not None and splices:
@@ -195,8 +202,9 @@ class RoutedEngine:
                 raise error
             if started:
                 cut = _named(error, target)
-            if started or splicing:
                 failed = (target, "mid_stream")
+            elif splicing:
+                pass  # a continuation refused or failed: the seam is still the first cut
             else:
                 failed = (target, "connect" if error.status is not None else "first_token")
                 last = error

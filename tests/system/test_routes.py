@@ -231,6 +231,11 @@ def test_a_target_that_rejects_prefill_is_passed_over(
             seen = stream(gw.server)  # type: ignore[attr-defined]
             assert (seen["text"], seen["done"], seen["error"]) == (WHOLE, 1, None)
             assert len(c.posts) == 1 and c.posts[0]["continue_final_message"] is True
+            # One seam, from the target that cut to the one that took over.
+            server = gw.server  # type: ignore[attr-defined]
+            assert failovers(server, "mid_stream") == 1
+            splices = [r for r in server.log_records() if r["event"] == "route.splice"]
+            assert [(r["from"], r["to"]) for r in splices] == [("a", "c")]
 
 
 def test_no_target_can_continue_ends_as_a_cut(
