@@ -308,7 +308,8 @@ class LlamaCppEngine:
         llm = self._llm
         assert llm is not None
         request = job.request
-        prompt = self._prompt_tokens(llm, request.prompt, request.messages)
+        continuing = request.options.get("continuation") is not None
+        prompt = self._prompt_tokens(llm, request.prompt, request.messages, continuing)
         room = self.n_ctx - len(prompt)
         if room <= 0:
             job.handoff.put(
@@ -366,10 +367,21 @@ class LlamaCppEngine:
         job.handoff.put(Delta("" if stopped else stops.flush(), finish))
 
     def _prompt_tokens(
-        self, llm: Llama, prompt: str, messages: Sequence[Mapping[str, str]] | None
+        self,
+        llm: Llama,
+        prompt: str,
+        messages: Sequence[Mapping[str, str]] | None,
+        continuing: bool = False,
     ) -> list[int]:
         if messages is not None and self._chat is not None:
-            rendered = self._chat(messages=[dict(m) for m in messages]).prompt
+            given = [dict(m) for m in messages]
+            if continuing and given and given[-1].get("role") == "assistant":
+                # Continue the final message (vLLM's continue_final_message): the template
+                # opens the assistant's turn, and its text so far follows, left open.
+                last = given.pop()
+                rendered = self._chat(messages=given).prompt + (last.get("content") or "")
+            else:
+                rendered = self._chat(messages=given).prompt
             # The template writes BOS itself when the model has one.
             tokens = llm.tokenize(rendered.encode(), add_bos=False, special=True)
         else:

@@ -200,3 +200,23 @@ def test_temperature_zero_is_the_same_on_every_request() -> None:
         chat(fresh, "Something else entirely, please.", max_tokens=10, temperature=0)
         after_another = chat(fresh, ask, max_tokens=40, temperature=0)
     assert first and first == again == after_another
+
+
+def test_continues_the_final_assistant_message(llama: Server) -> None:
+    # vLLM's continue_final_message: the model writes on from the assistant's text (what a
+    # routes splice asks of a `llamacpp` target), it does not start a new answer.
+    messages = [{"role": "user", "content": "Write about the sea."}]
+    whole = chat(llama, messages[0]["content"], max_tokens=40, temperature=0)
+    prefix = whole[: whole.index(" ", 30)]
+    stream = client(llama).chat.completions.create(
+        model=MODEL,
+        messages=[*messages, {"role": "assistant", "content": prefix}],
+        stream=True,
+        max_tokens=10,
+        temperature=0,
+        extra_body={"continue_final_message": True, "add_generation_prompt": False},
+    )
+    rest = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    # Greedy from the same context: the next word is the uninterrupted answer's next word.
+    following = whole[len(prefix) :].split()[0]
+    assert rest.split()[0] == following, (prefix, rest, whole)
