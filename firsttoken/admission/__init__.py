@@ -116,7 +116,9 @@ class Admission:
             raise APIError(
                 401,
                 "invalid_api_key",
-                "missing or unknown API key (send Authorization: Bearer <key>)",
+                # Both, whichever route: Anthropic's clients send x-api-key.
+                "missing or unknown API key "
+                "(send Authorization: Bearer <key>, or x-api-key: <key>)",
             )
         return key
 

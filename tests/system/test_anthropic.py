@@ -354,6 +354,8 @@ def test_x_api_key_and_bearer_auth(keyed: Server) -> None:
         )
     assert info.value.type == "authentication_error"
     assert info.value.body["type"] == "error"  # type: ignore[index]
+    # The refusal names the header Anthropic's clients send, not only Bearer.
+    assert "x-api-key" in info.value.body["error"]["message"]  # type: ignore[index]
 
 
 def test_resume_continues_exactly() -> None:

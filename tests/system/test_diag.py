@@ -592,7 +592,8 @@ def test_error_status_is_not_judged(capsys: pytest.CaptureFixture[str], tmp_path
         assert rc == 1 and out == ""
         assert err.splitlines() == [
             f"firsttoken diag: {url} answered 401 (application/json), not an event stream: "
-            "invalid_api_key: missing or unknown API key (send Authorization: Bearer <key>)"
+            "invalid_api_key: missing or unknown API key "
+            "(send Authorization: Bearer <key>, or x-api-key: <key>)"
         ]
         assert "x-accel-buffering" not in err
         rc, d = run_diag(url, "--model", "synthetic")
