@@ -103,6 +103,15 @@ class RoutedEngine:
                 counts[name] = counts.get(name, 0) + value
         return counts
 
+    def check(self, request: GenerationRequest) -> None:
+        """What the route's first target would refuse before anything is sent (an
+        in-process engine's bad continuation): the API answers it as a 4xx."""
+        route = self.routes.get(request.model) or self.table.default
+        target = self.targets[route.targets[0]]
+        check = getattr(target.engine, "check", None)
+        if check is not None:
+            check(request)
+
     async def abort(self, request_id: str) -> None:
         target = self._current.pop(request_id, None)
         if target is not None:
