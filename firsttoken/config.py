@@ -129,6 +129,9 @@ BATCHING = Needs("batch_max", lambda n: n > 0, "--batch-max above 0")
 # The batching scheduler times every token itself (steps), so the plain engine's pace is unused.
 UNBATCHED = Needs("batch_max", lambda n: n == 0, "--batch-max 0 (batching sets its own pace)")
 REDIS = Needs("redis", lambda url: url is not None, "--redis")
+# TLS takes both files: a certificate without its key (or the reverse) cannot serve HTTPS.
+SSL_KEY = Needs("ssl_keyfile", lambda path: path is not None, "--ssl-keyfile")
+SSL_CERT = Needs("ssl_certfile", lambda path: path is not None, "--ssl-certfile")
 
 
 def _knob(
@@ -212,6 +215,18 @@ def _host(value: str) -> str | None:
 class Settings:
     host: str = _knob("127.0.0.1", "address to listen on", check=_host)
     port: int = _knob(8000, "port to listen on (0 picks a free one)", range=Range(0, 65535))
+    ssl_certfile: str | None = _knob(
+        None,
+        "serve HTTPS with this certificate chain (PEM); with --ssl-keyfile",
+        check=_existing_file,
+        needs=(SSL_KEY,),
+    )
+    ssl_keyfile: str | None = _knob(
+        None,
+        "the certificate's private key (PEM, not encrypted); with --ssl-certfile",
+        check=_existing_file,
+        needs=(SSL_CERT,),
+    )
     engine: str = _knob("synthetic", "token engine", choices=("synthetic", "openai", "llamacpp"))
     upstream: str | None = _knob(
         None,

@@ -23,6 +23,8 @@ class StartupError(Exception):
 
 def preflight(settings: Settings) -> None:
     """Raise StartupError with one line when something the settings name does not work."""
+    if settings.ssl_certfile and settings.ssl_keyfile:
+        _tls(settings.ssl_certfile, settings.ssl_keyfile)
     if settings.api_keys:
         _keys(settings.api_keys)
     if settings.canned_answers:
@@ -33,6 +35,27 @@ def preflight(settings: Settings) -> None:
         _redis(settings.redis)
     if settings.engine == "openai" and settings.upstream:
         _upstreams(settings)
+
+
+def _tls(certfile: str, keyfile: str) -> None:
+    """The pair must load as uvicorn will load it, once per worker; an encrypted key is
+    refused here rather than left to OpenSSL, which would ask for its password on the terminal."""
+    import ssl
+
+    def no_password() -> bytes:
+        raise StartupError(f"--ssl-keyfile {keyfile}: the key is encrypted; give it unencrypted")
+
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        context.load_cert_chain(certfile, keyfile, password=no_password)
+    except ssl.SSLError as exc:
+        why = exc.reason or "not PEM"  # OpenSSL names a mismatch; a wrong file is "PEM lib"
+        raise StartupError(
+            f"--ssl-certfile {certfile} / --ssl-keyfile {keyfile}: cannot load them ({why}); "
+            "both must be PEM, and the key the certificate's"
+        ) from exc
+    except OSError as exc:
+        raise StartupError(f"--ssl-certfile {certfile}: {_file_error(exc, certfile)}") from exc
 
 
 def _keys(path: str) -> None:

@@ -172,7 +172,7 @@ def serve(settings: Settings) -> None:
         _startup_failed(settings, exc)
     port = sock.getsockname()[1]
     host = f"[{settings.host}]" if ":" in settings.host else settings.host
-    url = f"http://{host}:{port}"
+    url = f"{'https' if settings.ssl_certfile else 'http'}://{host}:{port}"
     _warn_if_open(settings, sock)
     if settings.workers <= 1:
         _run(settings, sock, url)
@@ -235,6 +235,10 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         # only bounds the wait for their last bytes.
         timeout_graceful_shutdown=3,
         h11_max_incomplete_event_size=64 * 1024,
+        # HTTPS: each worker loads the pair into its own context; the socket stays plain TCP
+        # and uvicorn wraps each accepted connection (preflight has loaded the pair once).
+        ssl_certfile=settings.ssl_certfile,
+        ssl_keyfile=settings.ssl_keyfile,
     )
     _tune_gc()
     try:

@@ -206,3 +206,25 @@ def test_settings_built_in_code_are_refused_when_they_differ_from_the_default() 
     assert str(refused.value).startswith("--batch-timeout-ms: takes effect only with --batch-max")
     # A default passed on in code is not a choice (replace() and **vars() do that).
     assert Settings(engine="openai", upstream="http://127.0.0.1:9/v1", synthetic_ttft_ms=200.0)
+
+
+def test_tls_takes_both_files_or_neither(tmp_path) -> None:
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    cert.write_text("x")
+    key.write_text("x")
+    both = parse("--ssl-certfile", str(cert), FIRSTTOKEN_SSL_KEYFILE=str(key))
+    assert (both.ssl_certfile, both.ssl_keyfile) == (str(cert), str(key))
+    assert Settings().ssl_certfile is None and Settings().ssl_keyfile is None
+    with pytest.raises(SettingError) as alone:
+        parse("--ssl-certfile", str(cert))
+    assert str(alone.value) == (
+        "--ssl-certfile: takes effect only with --ssl-keyfile; --ssl-keyfile is not set"
+    )
+    with pytest.raises(SettingError) as alone:
+        parse(FIRSTTOKEN_SSL_KEYFILE=str(key))
+    assert str(alone.value) == (
+        "FIRSTTOKEN_SSL_KEYFILE: takes effect only with --ssl-certfile; --ssl-certfile is not set"
+    )
+    with pytest.raises(SettingError) as missing:
+        parse("--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key))
+    assert str(missing.value) == f"invalid --ssl-certfile '{tmp_path / 'nope.pem'}': no such file"
