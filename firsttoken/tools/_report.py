@@ -257,6 +257,9 @@ def load_json(run: LoadRun) -> dict[str, Any]:
         "url": run.url,
         "requests": len(results),
         "concurrency": run.concurrency,
+        # The versions the streams went over, e.g. "HTTP/2" ("HTTP/1.1, HTTP/2" when mixed).
+        "http_version": ", ".join(sorted({r.http_version for r in results if r.http_version}))
+        or None,
         "completed": completed,
         "completion_rate": round(completed / len(results), 4) if results else None,
         "errors": dict(sorted(run.error_counts().items())),
@@ -289,6 +292,7 @@ def render_load(console: Console, data: dict[str, Any]) -> None:
     summary_table.add_column("metric", style="bold")
     summary_table.add_column("value")
     summary_table.add_row("requests / concurrency", f"{data['requests']} / {data['concurrency']}")
+    summary_table.add_row("HTTP version", data["http_version"] or "-")
     rate = data["completion_rate"]
     summary_table.add_row("completed", f"{data['completed']} ({_fmt(rate and rate * 100)}%)")
     errors = ", ".join(f"{k}: {v}" for k, v in data["errors"].items()) or "none"

@@ -279,10 +279,15 @@ class _WatchedBackend(httpcore.AsyncNetworkBackend):
 
 
 def watched_transport(
-    watch: TcpWatch, limits: httpx.Limits, verify: bool = True
+    watch: TcpWatch,
+    limits: httpx.Limits,
+    verify: bool = True,
+    http1: bool = True,
+    http2: bool = False,
 ) -> httpx.AsyncHTTPTransport:
-    """An httpx transport whose connections report to `watch`."""
-    transport = httpx.AsyncHTTPTransport(limits=limits, verify=verify)
+    """An httpx transport whose connections report to `watch`; the versions as in
+    `_load.HttpVersions`."""
+    transport = httpx.AsyncHTTPTransport(limits=limits, verify=verify, http1=http1, http2=http2)
     # httpx builds its httpcore pool without a backend argument; the pool reads this one
     # field for every new connection.
     transport._pool._network_backend = _WatchedBackend(watch)  # type: ignore[attr-defined]

@@ -20,7 +20,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from firsttoken.config import Parser
 from firsttoken.tools._capture import CaptureWriter
-from firsttoken.tools._load import LoadRun, limits, make_client, run_load
+from firsttoken.tools._load import HttpVersions, LoadRun, limits, make_client, run_load
 from firsttoken.tools._measure import Kind, RequestSpec, StreamResult, detect_kind
 from firsttoken.tools._report import load_json, render_load, render_single, single_json
 from firsttoken.tools._tcpinfo import TcpWatch, watched_transport
@@ -106,6 +106,12 @@ def build_parser() -> Parser:
     )
     p.add_argument("--insecure", action="store_true", help="don't verify TLS certificates")
     p.add_argument(
+        "--http2",
+        action="store_true",
+        help="speak HTTP/2 to an http:// URL (h2c, prior knowledge); https:// URLs offer "
+        'HTTP/2 and HTTP/1.1 always, and the server picks (--json: "http_version")',
+    )
+    p.add_argument(
         "--progress",
         choices=["auto", "on", "off"],
         default="auto",
@@ -154,7 +160,9 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
     )
 
 
-async def resolve_model(spec: RequestSpec, timeout_s: float, verify: bool) -> None:
+async def resolve_model(
+    spec: RequestSpec, timeout_s: float, verify: bool, versions: HttpVersions | None = None
+) -> None:
     """Fill in the model when the server offers exactly one (or `synthetic`)."""
     endpoints = {
         Kind.CHAT: "/chat/completions",
@@ -166,7 +174,7 @@ async def resolve_model(spec: RequestSpec, timeout_s: float, verify: bool) -> No
         return
     base = spec.url.rstrip("/").rsplit(endpoints[spec.kind], 1)[0]
     try:
-        async with make_client(min(timeout_s, 10.0), 1, verify) as client:
+        async with make_client(min(timeout_s, 10.0), 1, verify, versions=versions) as client:
             resp = await client.get(base + "/models", headers=spec.headers)
         ids = [str(m["id"]) for m in resp.json().get("data", [])] if resp.status_code == 200 else []
     except (httpx.HTTPError, ValueError, KeyError, TypeError, AttributeError):
@@ -182,7 +190,8 @@ async def resolve_model(spec: RequestSpec, timeout_s: float, verify: bool) -> No
 
 async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
     verify = not args.insecure
-    await resolve_model(spec, args.timeout, verify)
+    versions = HttpVersions.for_url(spec.url, args.http2)
+    await resolve_model(spec, args.timeout, verify, versions)
     requests = args.requests or args.concurrency
     load_mode = requests > 1 or args.concurrency > 1
     writer: CaptureWriter | None = None
@@ -208,11 +217,20 @@ async def _run(args: argparse.Namespace, spec: RequestSpec) -> int:
     watch = TcpWatch() if args.packet_loss else None
     transport = None
     if watch is not None:
-        transport = watched_transport(watch, limits(args.concurrency), verify)
+        transport = watched_transport(
+            watch, limits(args.concurrency), verify, versions.http1, versions.http2
+        )
     try:
         with progress:
             run: LoadRun = await run_load(
-                spec, args.concurrency, requests, args.timeout, verify, on_result, transport
+                spec,
+                args.concurrency,
+                requests,
+                args.timeout,
+                verify,
+                on_result,
+                transport,
+                versions,
             )
     finally:
         if writer is not None:
