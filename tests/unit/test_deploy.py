@@ -16,6 +16,7 @@ from firsttoken.app import HOT_ROUTES
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 NGINX_CONFS = sorted(DEPLOY.glob("nginx*.conf"))
+CADDYFILES = sorted(DEPLOY.glob("Caddyfile*"))
 # The streaming route HOT_ROUTES finds by its shape rather than by key: a stream's events.
 EVENTS = "/v1/streams/0123abcd/events"
 _LOCATION = re.compile(r"^\s*location\s+(?:(=|~\*?|\^~)\s+)?(\S+)\s*\{(.*?)^\s*\}", re.M | re.S)
@@ -72,3 +73,17 @@ def test_the_location_rules_are_nginx_s() -> None:
     paths = ("/exact", "/static/a", "/v1/x", "/v1/z", "/other")
     pick = {p: chosen_location(text, p).strip() for p in paths}
     assert pick == {"/exact": "A;", "/static/a": "B;", "/v1/x": "C;", "/v1/z": "D;", "/other": "E;"}
+
+
+@pytest.mark.parametrize("conf", CADDYFILES, ids=lambda p: p.name)
+def test_caddy_proxies_every_route_unbuffered(conf: Path) -> None:
+    """Caddy: one catch-all `reverse_proxy` that flushes every chunk serves every streaming
+    route. A path matcher would need the routes' list checked here, as for nginx."""
+    text = "\n".join(line.split("#", 1)[0] for line in conf.read_text().splitlines())
+    targets = re.findall(r"^\s*reverse_proxy\s+(\S+)", text, re.M)
+    assert targets, f"{conf.name}: no reverse_proxy"
+    routed = [t for t in targets if t.startswith(("/", "@", "*"))]
+    routed += re.findall(r"^\s*(?:handle|handle_path|route)\s+\S+", text, re.M)
+    assert not routed, f"{conf.name} routes by path ({routed}): check {streaming_paths()}"
+    assert len(re.findall(r"^\s*flush_interval\s+-1\s*$", text, re.M)) == len(targets)
+    assert not re.search(r"^\s*encode\b", text, re.M), f"{conf.name} compresses the streams"
