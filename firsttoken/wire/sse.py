@@ -141,7 +141,8 @@ class EventDecoder:
             if "\0" not in value:
                 self.last_event_id = value
         elif name == "retry":
-            if value.isdigit():
+            # ASCII digits only (str.isdigit takes '²'), and few enough for int().
+            if 0 < len(value) <= 18 and value.isascii() and value.isdigit():
                 self.retry = int(value)
         return None
 

@@ -121,3 +121,15 @@ def test_exact_framing() -> None:
     assert encode_event(6, b"x\ny") == b"id: 6\ndata: x\ndata: y\n\n"
     assert comment("ping") == b": ping\n\n"
     assert ServerSentEvent(data="").encode() == b"data: \n\n"
+
+
+def test_decoder_ignores_a_retry_that_is_not_ascii_digits() -> None:
+    # '²' passes str.isdigit() and int() refuses it; 5,000 digits pass too and exceed int's
+    # limit: an upstream's garbage `retry:` must not raise in the relay's read path.
+    for bad in ("²", "1²", "9" * 5000, ""):
+        decoder = EventDecoder()
+        events = decoder.feed(f"retry: {bad}\ndata: x\n\n".encode())
+        assert [e.data for e in events] == ["x"] and decoder.retry is None
+    decoder = EventDecoder()
+    decoder.feed(b"retry: 2500\ndata: x\n\n")
+    assert decoder.retry == 2500
