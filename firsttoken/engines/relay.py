@@ -141,10 +141,8 @@ class RelayEngine:
             self._aborted.add(request_id)
             resp.close()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        async with aclosing(self._stream(request)) as deltas:
-            async for delta in deltas:
-                yield delta
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        return self._stream(request)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -21,6 +21,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
 from firsttoken.observability import log_event
 from firsttoken.routes.config import ModelRoute, RouteTable
+from firsttoken.routes.deadline import Deadline
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
@@ -264,35 +265,34 @@ class RoutedEngine:
         rid = request.request_id
         self._current[rid] = target
         loop = asyncio.get_running_loop()
-        start = loop.time()
-        total_at = start + cfg.total_timeout_s
-        due = min(start + cfg.first_token_timeout_s, total_at)
-        waiting_for = f"first token within {cfg.first_token_timeout_s:g} s"
+        # The total counts time spent waiting on the target, not time its client took to
+        # read (a slow reader slows the upstream through backpressure; that is no fault).
+        left = cfg.total_timeout_s
+        limit = min(cfg.first_token_timeout_s, left)
+        deadline = Deadline()
+        first = True
         try:
             deltas = target.generate(request, self._model(route, target, request))
             async with aclosing(deltas) as it:
                 while True:
+                    began = loop.time()
+                    deadline.wait_until(began + limit)
                     try:
-                        async with asyncio.timeout_at(due):
-                            delta = await anext(it)
+                        delta = await anext(it)
                     except StopAsyncIteration:
                         return
-                    except TimeoutError:
-                        raise EngineError(
-                            "upstream_timeout",
-                            f"the upstream sent nothing for too long (target "
-                            f"{target.name!r}: no {waiting_for})",
-                            retryable=True,
-                        ) from None
-                    now = loop.time()
-                    due = min(now + cfg.idle_timeout_s, total_at)
-                    waiting_for = (
-                        f"chunk within {cfg.idle_timeout_s:g} s"
-                        if due < total_at
-                        else f"end within {cfg.total_timeout_s:g} s"
-                    )
+                    except asyncio.CancelledError as exc:
+                        if not deadline.owns(exc):
+                            raise
+                        raise _silence(target, first, limit >= left) from None
+                    finally:
+                        deadline.done_waiting()
+                    left -= loop.time() - began
+                    limit = min(cfg.idle_timeout_s, left)
+                    first = False
                     yield delta
         finally:
+            deadline.close()
             target.give_slot()
             if self._current.get(rid) is target:
                 del self._current[rid]
@@ -358,6 +358,21 @@ class RoutedEngine:
             queue.add_metric([target.name], target.queued)
         yield up
         yield queue
+
+
+def _silence(target: Target, first: bool, total: bool) -> EngineError:
+    cfg = target.config
+    if total:
+        what = f"end within {cfg.total_timeout_s:g} s"
+    elif first:
+        what = f"first token within {cfg.first_token_timeout_s:g} s"
+    else:
+        what = f"chunk within {cfg.idle_timeout_s:g} s"
+    return EngineError(
+        "upstream_timeout",
+        f"the upstream sent nothing for too long (target {target.name!r}: no {what})",
+        retryable=True,
+    )
 
 
 def _named(error: EngineError, target: Target) -> EngineError:

@@ -210,6 +210,24 @@ def test_the_idle_deadline_starts_again_at_each_chunk() -> None:
     assert out.took == 290.0
 
 
+def test_time_the_client_takes_to_read_is_not_silence() -> None:
+    # A slow reader holds the router at its yield (backpressure): the upstream is not silent
+    # then, and the idle deadline must not run out on it.
+    a = Scripted(tokens(10, every_s=0.01))  # each read waits on the upstream a little
+    engine = router({"a": a}, a={"idle_timeout_s": 30})
+
+    async def slow_reader() -> Outcome:
+        out = Outcome()
+        async for delta in engine.generate(chat()):
+            out.deltas.append(delta)
+            await asyncio.sleep(100.0)  # the client reads one token every 100 s
+        return out
+
+    out = virtual_loop.run(slow_reader())
+    assert out.error is None and out.text == WHOLE
+    assert a.ended_early == [] and failovers(engine) == {}
+
+
 def test_the_total_deadline_ends_a_slow_answer() -> None:
     a = Scripted(tokens(10, every_s=4.0))
     out = go(router({"a": a}, a={"total_timeout_s": 10, "idle_timeout_s": 30}))
