@@ -1,0 +1,229 @@
+"""The front door: HTTPS straight to the gateway, and deploy/Caddyfile with a real Caddy serving
+HTTP/2 and HTTP/3 to real clients (httpx, an aioquic HTTP/3 client, Chromium).
+
+Every path checks the same four things: the answer arrives token-exact, heartbeats pass (a
+short --heartbeat-s and a slow token), nothing buffers (diag's verdict, or events that arrive
+one token interval apart), and a client that leaves still stops the engine. One gateway and
+one Caddy serve the module; each stream is short.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import ssl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from firsttoken.engines import synthetic_tokens
+from firsttoken.wire.sse import EventDecoder
+from tests.caddy import Caddy, run_caddy, self_signed
+from tests.h3client import h3_connect
+from tests.servers import ROOT, Server, run_server, wait_for
+from tests.system.test_diag import run_diag
+
+PROMPT = "Tell me how a lighthouse keeper spends the night."
+TOKENS = 8
+SLOW_ITL_MS = 60  # a slow token: heartbeats (every 20 ms of silence) come between tokens
+GENERATED = "firsttoken_tokens_generated_total"
+CHAT = "/v1/chat/completions"
+
+
+def chat_body(max_tokens: int = TOKENS, itl_ms: float = SLOW_ITL_MS) -> dict[str, Any]:
+    return {
+        "model": "synthetic",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+        "max_tokens": max_tokens,
+        "synthetic": {"itl_ms": itl_ms},
+    }
+
+
+def expected_tokens(max_tokens: int = TOKENS) -> list[str]:
+    return synthetic_tokens("user: " + PROMPT, max_tokens=max_tokens)[0]  # the chat as text
+
+
+class Arrivals:
+    """A chat stream's bytes as they came: content tokens with their arrival times, pings."""
+
+    def __init__(self) -> None:
+        self.decoder = EventDecoder()
+        self.tokens: list[str] = []
+        self.times: list[float] = []
+        self.done = False
+
+    def feed(self, data: bytes) -> None:
+        now = time.perf_counter()
+        for event in self.decoder.feed(data):
+            if event.data == "[DONE]":
+                self.done = True
+                continue
+            choices = json.loads(event.data).get("choices") or [{}]
+            text = choices[0].get("delta", {}).get("content")
+            if text:
+                self.tokens.append(text)
+                self.times.append(now)
+
+    @property
+    def pings(self) -> int:
+        return sum(1 for c in self.decoder.comments if c.strip() == "ping")
+
+    def check(self, max_tokens: int = TOKENS) -> None:
+        assert self.tokens == expected_tokens(max_tokens)
+        assert self.done
+        # 20 ms heartbeats and 60 ms tokens: at least one ping in most gaps, none dropped.
+        assert self.pings >= max_tokens - 2, self.pings
+        # Nothing held back: tokens came spread over the stream, not in one lump at its end.
+        gaps = [b - a for a, b in zip(self.times, self.times[1:], strict=False)]
+        assert sorted(gaps)[len(gaps) // 2] > SLOW_ITL_MS / 2000, gaps
+
+
+def outcome(server: Server, name: str) -> float:
+    return server.metric(f'firsttoken_streams_total{{outcome="{name}"}}')
+
+
+def assert_engine_stops(gateway: Server, disconnected: float) -> None:
+    """The gateway counted the leaving reader and generates nothing more for it."""
+    wait_for(lambda: outcome(gateway, "disconnected") >= disconnected + 1, timeout=10)
+    after = gateway.metric(GENERATED)
+    time.sleep(0.3)  # 15 token intervals of the cancelled stream
+    assert gateway.metric(GENERATED) == after
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Server]:
+    with run_server(
+        "--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "20", "--heartbeat-s", "0.02"
+    ) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def caddy(gateway: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Caddy]:
+    with run_caddy(f"127.0.0.1:{gateway.port}", tmp_path_factory.mktemp("caddy")) as c:
+        yield c
+
+
+# ---- HTTPS straight to the gateway ------------------------------------------------------------
+
+
+def test_https_straight_to_the_gateway_with_workers(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))
+    with run_server(*tls, "--workers", "2", "--heartbeat-s", "0.02") as server:
+        assert server.url.startswith("https://127.0.0.1:")
+        with httpx.Client(verify=ssl.create_default_context(cafile=cert), timeout=10) as client:
+            for _ in range(2):  # one per worker, most likely; each must speak TLS
+                arrivals = Arrivals()
+                with client.stream("POST", server.url + CHAT, json=chat_body()) as resp:
+                    assert resp.status_code == 200 and resp.http_version == "HTTP/1.1"
+                    for data in resp.iter_raw():
+                        arrivals.feed(data)
+                arrivals.check()
+            with pytest.raises(httpx.RemoteProtocolError):  # TLS only: plain HTTP gets no answer
+                httpx.get(server.url.replace("https://", "http://") + "/healthz", timeout=2)
+        rc, d = run_diag(server.url + CHAT, "--insecure", "--max-tokens", "10")
+        listening = [r for r in server.log_records() if r.get("event") == "listening"]
+    assert rc == 0 and d["buffered"] is False and d["http_version"] == "HTTP/1.1"
+    assert len(listening) == 2 and all(r["url"] == server.url for r in listening)
+
+
+def test_a_tls_pair_that_does_not_load_is_one_line(tmp_path: Path) -> None:
+    cert, _ = self_signed(tmp_path / "a")
+    _, other_key = self_signed(tmp_path / "b")
+    serve = [sys.executable, "-m", "firsttoken", "serve", "--port", "0"]
+    proc = subprocess.run(
+        [*serve, "--ssl-certfile", str(cert), "--ssl-keyfile", str(other_key)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    lines = proc.stdout.strip().splitlines()
+    assert proc.returncode == 1 and proc.stderr == ""
+    assert len(lines) == 1 and json.loads(lines[0])["event"] == "startup.failed"
+    assert "KEY_VALUES_MISMATCH" in lines[0] and "--ssl-keyfile" in lines[0]
+
+
+# ---- through Caddy: HTTP/2 ---------------------------------------------------------------------
+
+
+def test_http2_through_caddy(gateway: Server, caddy: Caddy) -> None:
+    arrivals = Arrivals()
+    with httpx.Client(http2=True, verify=caddy.tls(), timeout=10) as client:
+        with client.stream("POST", caddy.url + CHAT, json=chat_body()) as resp:
+            assert resp.status_code == 200 and resp.http_version == "HTTP/2"
+            # The anti-buffering headers reach the client, and nothing compressed the stream.
+            assert resp.headers["x-accel-buffering"] == "no"
+            assert "no-transform" in resp.headers["cache-control"]
+            assert "content-encoding" not in resp.headers
+            assert resp.headers["alt-svc"] == f'h3=":{caddy.port}"; ma=2592000'
+            for data in resp.iter_raw():
+                arrivals.feed(data)
+    arrivals.check()
+    rc, d = run_diag(caddy.url + CHAT, "--insecure", "--max-tokens", "20")
+    assert rc == 0 and d["http_version"] == "HTTP/2" and d["chunks"] == 20
+    assert d["buffered"] is False, d["reason"]
+
+
+def test_http2_reader_that_leaves_stops_the_engine(gateway: Server, caddy: Caddy) -> None:
+    disconnected = outcome(gateway, "disconnected")
+    with httpx.Client(http2=True, verify=caddy.tls(), timeout=10) as client:
+        with client.stream("POST", caddy.url + CHAT, json=chat_body(300, 20)) as resp:
+            arrivals = Arrivals()
+            for data in resp.iter_raw():
+                arrivals.feed(data)
+                if len(arrivals.tokens) >= 3:
+                    break
+    # httpx leaves: its connection closes. (Closing only the response would not do: httpcore
+    # sends no RST_STREAM for a response closed early, encode/httpcore#943; browsers do.)
+    assert_engine_stops(gateway, disconnected)
+
+
+# ---- through Caddy: HTTP/3 (aioquic) -----------------------------------------------------------
+
+
+async def h3_chat(
+    caddy: Caddy,
+    body: dict[str, Any],
+    leave_after: int | None = None,
+    gateway: Server | None = None,
+) -> Arrivals:
+    """One chat stream over HTTP/3; with `leave_after`, the stream is cancelled after that many
+    tokens and the gateway must stop its engine while the QUIC connection stays open."""
+    arrivals = Arrivals()
+    disconnected = outcome(gateway, "disconnected") if gateway else 0.0
+    async with h3_connect(caddy.port, str(caddy.root_ca)) as client:
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        resp = await client.request(
+            "POST", f"localhost:{caddy.port}", CHAT, headers, json.dumps(body).encode()
+        )
+        assert resp.status == 200, resp.headers
+        assert resp.headers["x-accel-buffering"] == "no"
+        assert "content-encoding" not in resp.headers
+        async for data in resp.chunks():
+            arrivals.feed(data)
+            if leave_after is not None and len(arrivals.tokens) >= leave_after:
+                resp.cancel()  # RESET_STREAM + STOP_SENDING; the connection stays open
+                assert gateway is not None
+                await asyncio.to_thread(assert_engine_stops, gateway, disconnected)
+                break
+    return arrivals
+
+
+def test_http3_through_caddy(gateway: Server, caddy: Caddy) -> None:
+    asyncio.run(h3_chat(caddy, chat_body())).check()
+
+
+def test_http3_reader_that_cancels_its_stream_stops_the_engine(
+    gateway: Server, caddy: Caddy
+) -> None:
+    arrivals = asyncio.run(h3_chat(caddy, chat_body(300, 20), leave_after=3, gateway=gateway))
+    assert arrivals.tokens == expected_tokens(300)[: len(arrivals.tokens)]
