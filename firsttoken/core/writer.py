@@ -88,6 +88,8 @@ class EventWriter:
     __slots__ = (
         "_call",
         "_paused_since",
+        "_stuck_since",
+        "_unsent_low",
         "chunked",
         "compressor",
         "cursor",
@@ -142,6 +144,8 @@ class EventWriter:
         self.paused = False
         self.terminated = False  # the terminating chunk went out with the last events
         self._paused_since = 0.0
+        self._stuck_since = 0.0  # bytes have waited in the transport, unread, since then
+        self._unsent_low = 0
         self.last_write = 0.0
         self.done: asyncio.Future[End] = asyncio.get_running_loop().create_future()
         self._call: ScheduledCall | None = None
@@ -361,12 +365,24 @@ class EventWriter:
                 return
             self._arm(self.send_timeout_s - waited)
             return
+        # Not paused, yet bytes wait in the transport: a reader that stopped reading below
+        # the high-water mark (a live stream's window keeps it there) is as stalled as a
+        # paused one, once they have not gone down for a send timeout.
+        unsent = _unsent(self.transport)
+        if not unsent:
+            self._stuck_since = 0.0
+        elif not self._stuck_since or unsent < self._unsent_low:
+            self._stuck_since, self._unsent_low = now, unsent
+        elif now - self._stuck_since >= self.send_timeout_s:
+            self.close(End.STALLED)
+            return
         idle = now - self.last_write
         if idle >= self.heartbeat_s:
             self._write(PING)
             self.last_write = now
             idle = 0.0
-        self._arm(self.heartbeat_s - idle)
+        delay = self.heartbeat_s - idle
+        self._arm(min(delay, self.send_timeout_s) if unsent else delay)
 
 
 class EventStreamResponse:
@@ -556,6 +572,12 @@ def _cut_if_unread(
         cut()
 
     schedule.call_later(timeout_s, check)
+
+
+def _unsent(transport: Any) -> int:
+    """Bytes waiting in a real transport (0 for the stand-ins, which wait for nobody)."""
+    size = getattr(transport, "get_write_buffer_size", None)
+    return int(size()) if size is not None else 0
 
 
 def _stamped(events: Sequence[Event]) -> bytes:

@@ -60,6 +60,7 @@ class StreamingProtocol(HttpToolsProtocol):
 
     header_timeout_s = 10.0
     send_buffer_bytes = 65536
+    write_buffer_high = 8192
     # httptools keeps every header byte it is given: a head past this is cut off while it is
     # parsed. Below it, a head over the API's limits is answered in full (requestlimits.py).
     max_head_bytes = 256 * 1024
@@ -88,6 +89,11 @@ class StreamingProtocol(HttpToolsProtocol):
         # read at accept: uvicorn asks the socket again (two system calls and two socket
         # objects per connection).
         self.connections.add(self)
+        # A reader that stops reading is paused after this many bytes wait in the transport.
+        # Counted in data bytes, but a token written while the socket is full waits as its own
+        # write request (~0.7 KiB of bookkeeping in uvloop and libuv for ~100 bytes of data):
+        # at the default 64 KiB a stalled reader of a live stream held ~1.4 MiB, here ~0.2.
+        transport.set_write_buffer_limits(high=self.write_buffer_high)
         self.transport = transport
         self.flow = FlowControl(transport)
         lean_event(self.flow._is_writable_event)

@@ -174,6 +174,36 @@ def test_readers_that_never_read_hold_a_bounded_part_of_the_backlog() -> None:
                 sock.close()
 
 
+def test_readers_that_never_read_a_live_stream_are_bounded_and_cut() -> None:
+    """The same readers attached while the stream still runs: each token used to wait in
+    the transport as its own write (~1.4 MiB a reader), and a reader the stream's window kept
+    under the high-water mark was never paused, so never cut."""
+    readers = 50
+    with run_server(
+        "--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0", "--send-timeout-s", "3",
+        "--heartbeat-s", "1", "--resume-grace-s", "60",
+    ) as server:  # fmt: skip
+        created = httpx.post(
+            server.v1 + "/streams", json={"prompt": "live", "synthetic": {"answer_tokens": 8000}}
+        ).json()
+        before = _rss_kib(server)
+        socks = []
+        for _ in range(readers):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", server.port))
+            sock.sendall(f"GET {created['events_url']} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            socks.append(sock)
+        try:
+            wait_for(lambda: server.metric("firsttoken_readers_stalled_total") == readers, 20)
+            held_mib = (_rss_kib(server) - before) / 1024
+            assert held_mib < readers * 0.4, held_mib  # ~1.4 MiB a reader before
+            assert server.metric("firsttoken_readers_paused") == 0
+        finally:
+            for sock in socks:
+                sock.close()
+
+
 def _drain(sock: socket.socket) -> int:
     sock.settimeout(5)
     got = 0

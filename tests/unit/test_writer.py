@@ -211,3 +211,58 @@ def test_a_replay_is_not_counted_as_sent_twice(monkeypatch: pytest.MonkeyPatch) 
         assert stream.tokens_sent == 3 and registry.metrics.tokens_sent == 3
 
     run(body)
+
+
+class _Unread(Transport):
+    """A transport whose reader stopped: `unsent` bytes wait in it, never taken."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.unsent = 0
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+
+def test_a_reader_stuck_below_the_high_water_mark_is_cut_after_the_send_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Never paused (a live stream's window holds it under the mark), yet taking nothing."""
+
+    async def body() -> None:
+        clock, stream, registry, _, writer = setup(monkeypatch)
+        transport = writer.transport = _Unread()
+        writer.open(b"")
+        stream.begin()
+        stream.push("Hello")
+        transport.unsent = 5000
+        clock.advance(5.0)  # the first check: bytes wait, the clock starts
+        assert not writer.done.done()
+        transport.unsent = 4000  # the reader took some: progress, the clock starts again
+        clock.advance(29.0)
+        assert not writer.done.done()
+        clock.advance(31.0)  # nothing taken for the send timeout
+        assert writer.done.result() is End.STALLED
+        assert not writer.paused
+
+    run(body)
+
+
+def test_a_long_replay_is_released_to_the_transport_past_the_hold_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A replay used to go whole into the held set-up write, where flow control never saw it."""
+
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch)
+        stream.log.capacity = stream.log.window = 5000
+        stream.begin()
+        for _ in range(3000):
+            stream.push("x" * 50)
+        writer.hold(b"HTTP/1.1 200 OK\r\n\r\n")
+        writer.open(b"")
+        assert transport.writes  # released mid-replay, not held to the end
+        writer.release()
+        assert sum(map(len, transport.writes)) > 3000 * 50
+
+    run(body)
