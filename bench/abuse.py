@@ -69,6 +69,7 @@ SERVER_ARGS = (
 ALICE_CONCURRENCY = 4
 ALICE_TOKENS = 40
 NEVER_READERS = 50  # raw sockets at once that never read
+READER_BATCH_S = 8.0  # a fresh batch of them this often
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
 
@@ -297,7 +298,8 @@ async def _huge_whole(client: httpx.AsyncClient, server: Server, seen: Counter[s
         "messages": [{"role": "user", "content": "everything, at once"}],
         "synthetic": {"answer_tokens": HUGE, "itl_ms": 0},
     }
-    r = await client.post("/v1/chat/completions", json=body)
+    # At the synthetic engine's fastest (a token a millisecond) it takes ~100 s to end.
+    r = await client.post("/v1/chat/completions", json=body, timeout=300)
     seen[f"huge_whole_answer {r.status_code}"] += 1
 
 
@@ -332,8 +334,9 @@ async def _loop(
 
 
 async def _never_readers(server: Server, seen: Counter[str], until: float) -> None:
-    """Keep NEVER_READERS raw sockets asking for a finished long stream, reading nothing;
-    one the server cuts is replaced."""
+    """NEVER_READERS raw sockets at a time ask for a long stream's events and read nothing;
+    a fresh batch replaces them every READER_BATCH_S (the server cuts a stalled one after its
+    send timeout, but the client is only told once the unread bytes drain)."""
     headers = {"authorization": "Bearer sk-mallory"}
     async with httpx.AsyncClient(base_url=server.url, headers=headers, timeout=TIMEOUT) as c:
         body = {"prompt": "long", "synthetic": {"answer_tokens": 8000, "itl_ms": 0}}
@@ -344,46 +347,39 @@ async def _never_readers(server: Server, seen: Counter[str], until: float) -> No
         path = r.json()["events_url"]
     loop = asyncio.get_running_loop()
     request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
-    open_socks: list[socket.socket] = []
+    batch: list[socket.socket] = []
     try:
         while time.monotonic() < until:
-            for sock in [s for s in open_socks if _closed(s)]:
-                open_socks.remove(sock)
+            for sock in batch:
                 sock.close()
-                seen["never_reader cut"] += 1
-            while len(open_socks) < NEVER_READERS:
+            batch = []
+            for _ in range(NEVER_READERS):
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 sock.setblocking(False)
                 await loop.sock_connect(sock, ("127.0.0.1", server.port))
                 await loop.sock_sendall(sock, request)
-                open_socks.append(sock)
+                batch.append(sock)
                 seen["never_reader opened"] += 1
-            await asyncio.sleep(0.5)
+            await asyncio.sleep(min(READER_BATCH_S, max(0.0, until - time.monotonic())))
     finally:
-        for sock in open_socks:
+        for sock in batch:
             sock.close()
-
-
-def _closed(sock: socket.socket) -> bool:
-    """Whether the server cut this socket (peeking reads nothing the reader would)."""
-    try:
-        return sock.recv(1, socket.MSG_PEEK) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 # -- the run ------------------------------------------------------------------------------------
 
 
-async def abuse(duration_s: float = 60.0, *, log: Path | None = None) -> AbuseResult:
-    """A third of `duration_s` for alice alone, the rest beside mallory."""
+async def abuse(
+    duration_s: float = 60.0, *, mallory_resume_bytes: int = 0, log: Path | None = None
+) -> AbuseResult:
+    """A third of `duration_s` for alice alone, the rest beside mallory (whose keys-file
+    `resume_max_bytes` is `mallory_resume_bytes`, when given)."""
     log = log or Path(tempfile.gettempdir()) / f"firsttoken-abuse-{int(time.time())}.log"
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.toml"
-        keys.write_text(KEYS)
+        own = f"resume_max_bytes = {mallory_resume_bytes}\n" if mallory_resume_bytes else ""
+        keys.write_text(KEYS + own)
         server = Server(log, keys)
         try:
             result = AbuseResult(Phase("baseline"), Phase("abuse"))
@@ -418,9 +414,15 @@ async def abuse(duration_s: float = 60.0, *, log: Path | None = None) -> AbuseRe
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.abuse", description=__doc__.split("\n")[0])
     p.add_argument("--duration-s", type=float, default=60.0, help="seconds in all (60)")
+    p.add_argument(
+        "--mallory-resume-bytes",
+        type=int,
+        default=0,
+        help="the unfriendly key's resume_max_bytes in the keys file (default: none)",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
-    result = asyncio.run(abuse(args.duration_s))
+    result = asyncio.run(abuse(args.duration_s, mallory_resume_bytes=args.mallory_resume_bytes))
     summary = result.summary()
     if args.json:
         args.json.write_text(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
