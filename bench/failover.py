@@ -557,27 +557,39 @@ class Fleet:
             p.stop()
 
     async def chaos(self, t0: float) -> None:
-        """Until cancelled: kill and restart `killed`, stall `stalling`, on the schedule."""
+        """Until cancelled: kill and restart `killed`, stall `stalling`, on the schedule.
+
+        A restart runs beside the schedule (a slow start must not delay the next stall), and
+        is waited for on the way out, so the next run starts with three upstreams."""
         loop = asyncio.get_running_loop()
         sizes = self.sizes
         stall_at = t0 + sizes.stall_every_s / 2  # the two schedules out of step
         kill_at = t0 + sizes.kill_every_s
-        while True:
-            await asyncio.sleep(max(0.0, min(stall_at, kill_at) - loop.time()))
-            now = loop.time()
-            if now >= stall_at:
-                assert self.proxy.server is not None
-                self.proxy.server.proc.send_signal(signal.SIGUSR1)
-                self.stalls.append(now - t0)
-                stall_at += sizes.stall_every_s
-            if now >= kill_at:
-                killed = self.upstreams["killed"]
-                killed.kill()
-                self.kills.append(now - t0)
-                server = killed.start()
-                await asyncio.to_thread(server.wait_ready, 60.0)
-                self.restart_s.append(loop.time() - now)
-                kill_at += sizes.kill_every_s
+        restarts: list[asyncio.Task[None]] = []
+        try:
+            while True:
+                await asyncio.sleep(max(0.0, min(stall_at, kill_at) - loop.time()))
+                now = loop.time()
+                if now >= stall_at:
+                    assert self.proxy.server is not None
+                    self.proxy.server.proc.send_signal(signal.SIGUSR1)
+                    self.stalls.append(now - t0)
+                    stall_at += sizes.stall_every_s
+                if now >= kill_at:
+                    self.upstreams["killed"].kill()
+                    self.kills.append(now - t0)
+                    restarts.append(asyncio.create_task(self._restart(now)))
+                    kill_at += sizes.kill_every_s
+        finally:
+            await asyncio.gather(*restarts, return_exceptions=True)
+
+    async def _restart(self, killed_at: float) -> None:
+        server = self.upstreams["killed"].start()
+        try:
+            await asyncio.to_thread(server.wait_ready, 60.0)
+        except RuntimeError:
+            return  # killed again before it was ready
+        self.restart_s.append(asyncio.get_running_loop().time() - killed_at)
 
 
 # --- one run: a front (the gateway or LiteLLM) under the schedule -----------------------------
