@@ -225,7 +225,10 @@ class RoutedEngine:
         now = asyncio.get_running_loop().time()
         candidates = [self.targets[n] for n in route.targets if n not in tried]
         if splicing:
+            # A seam should be short: a target failing other streams right now (not yet
+            # ejected) goes after those that are not.
             candidates = [t for t in candidates if t.continues]
+            candidates.sort(key=lambda t: t.health.failures > 0)
         if route.balance == "least_busy" and len(candidates) > 1:
             self._turn += 1
             n = len(candidates)

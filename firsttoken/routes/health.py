@@ -42,6 +42,11 @@ class TargetHealth:
         self._probing = False
 
     @property
+    def failures(self) -> int:
+        """Failures in a row so far (0 after any success)."""
+        return self._failures
+
+    @property
     def up(self) -> bool:
         """For `firsttoken_target_up`: not ejected (a Retry-After hold is not down)."""
         return self.state == self.UP

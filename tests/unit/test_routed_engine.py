@@ -736,3 +736,17 @@ def test_metrics_carry_failovers_target_state_and_queues() -> None:
     assert samples[("firsttoken_target_up", (("target", "b"),))] == 1
     assert samples[("firsttoken_queue_length", (("target", "a"),))] == 0
     assert engine.counters()["failovers"] == 1
+
+
+def test_a_splice_prefers_a_target_that_is_not_failing_right_now() -> None:
+    # b has just failed another stream (a silence, not yet enough to eject it): the splice
+    # goes to c, whose first token comes at once, rather than wait out b's deadline.
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted(answer)
+    c = Scripted(answer)
+    engine = router({"a": a, "b": b, "c": c})
+    engine.targets["b"].health.failure(START)
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+    assert b.requests == []
