@@ -44,6 +44,10 @@ class GenerationRequest:
     # The API key's name that asked ("" on an open server), for engines that keep state per
     # caller: the answer cache keys its entries by it unless `--cache-scope shared`.
     tenant: str = ""
+    # The key's place in a full target's queue (the keys file's `priority` and `weight`):
+    # admission hands them down with the request.
+    priority: int = 0
+    weight: float = 1.0
 
     def without_inputs(self) -> GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
