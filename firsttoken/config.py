@@ -360,7 +360,7 @@ class Settings:
     resume_ttl_s: float = _knob(300.0, "keep a finished stream's events this long for resume")
     resume_max_events: int = _knob(8192, "events kept per stream for resume", range=AT_LEAST_1)
     resume_max_bytes: int = _knob(
-        256 * 1024 * 1024,
+        128 * 1024 * 1024,
         "bytes of finished streams' resume buffers kept, server-wide (keys file: per key); "
         "the oldest are dropped first, and resuming one gets resume_expired",
         range=AT_LEAST_1,

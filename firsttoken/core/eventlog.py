@@ -9,6 +9,7 @@ wakeup. A reader that is behind (a resume replay, a paused socket) ignores the n
 from __future__ import annotations
 
 import asyncio
+import sys
 from bisect import bisect_left
 from collections.abc import Callable
 from typing import NamedTuple, Protocol
@@ -23,6 +24,7 @@ class Event(NamedTuple):
 
 
 _ONES: dict[int, int] = {}  # no event with a count other than 1
+_EVENT_OVERHEAD = sys.getsizeof(b"") + 8  # a bytes object's header, and its slot in the list
 
 
 def _pair_index(pairs: list[int], seq: int) -> int:
@@ -160,8 +162,10 @@ class EventLog:
         ]
 
     def nbytes(self) -> int:
-        """Bytes of the events kept (what the resume budget counts, once, at the end)."""
-        return sum(map(len, self._wires))
+        """What the kept events cost in memory (what the resume budget counts, once, at the
+        end): their bytes, and each one's object header and list slot."""
+        wires = self._wires
+        return sum(map(len, wires)) + len(wires) * _EVENT_OVERHEAD
 
     def drop(self) -> None:
         """Let go of every kept event (a finished stream's buffer, for the resume budget): a

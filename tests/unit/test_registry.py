@@ -237,14 +237,14 @@ def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
         clock = FakeClock()
         registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
         registry.clock = clock
-        registry.budget = budget = ResumeBudget(25_000, per_key={"mallory": 10_000})
+        registry.budget = budget = ResumeBudget(50_000, per_key={"mallory": 20_000})
         a = _finished(registry, "a", "alice", 100)
         size = a.log.nbytes()
-        assert 3000 < size < 6000 and budget.held == size
+        assert 6000 < size < 10_000 and budget.held == size
         clock.advance(1)
         m = [_finished(registry, f"m{i}", "mallory", 100) for i in range(3)]
         # mallory's own bound: its oldest went, alice's stayed.
-        assert budget.held_by("mallory") <= 10_000 and budget.held_by("alice") == size
+        assert budget.held_by("mallory") <= 20_000 and budget.held_by("alice") == size
         with pytest.raises(ResumeExpired):
             m[0].log.after(0)
         assert m[2].log.after(0)[-1].wire.endswith(b"[DONE]\n\n")
@@ -252,7 +252,7 @@ def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
         clock.advance(1)
         for i in range(4):  # bob fills the server-wide bound: the oldest of all go first
             _finished(registry, f"b{i}", "bob", 100)
-        assert budget.held <= 25_000
+        assert budget.held <= 50_000
         with pytest.raises(ResumeExpired):
             a.log.after(0)
         assert budget.dropped == 2  # m0 for its key, then a for the server
