@@ -82,15 +82,19 @@ class Histogram:
         self.counts[bisect_left(self.bounds, value)] += 1
         self.sum += value
 
-    def family(self, name: str, doc: str) -> HistogramMetricFamily:
-        cumulative: list[tuple[str, float]] = []
+    def cumulative(self) -> list[tuple[str, float]]:
+        """(upper bound, count at or below it) as Prometheus exposes buckets."""
+        out: list[tuple[str, float]] = []
         total = 0
         for bound, count in zip(self.bounds, self.counts, strict=False):
             total += count
-            cumulative.append((repr(bound), total))
+            out.append((repr(bound), total))
         total += self.counts[-1]
-        cumulative.append(("+Inf", total))
-        return HistogramMetricFamily(name, doc, buckets=cumulative, sum_value=self.sum)
+        out.append(("+Inf", total))
+        return out
+
+    def family(self, name: str, doc: str) -> HistogramMetricFamily:
+        return HistogramMetricFamily(name, doc, buckets=self.cumulative(), sum_value=self.sum)
 
 
 class Metrics:

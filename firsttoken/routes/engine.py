@@ -16,7 +16,12 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import aclosing, suppress
 
 import anyio
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
 from firsttoken.observability import log_event
@@ -170,9 +175,7 @@ class RoutedEngine:
                                 # a target refused is no seam.
                                 splices += 1
                                 if failed is not None:
-                                    self._count_failover(
-                                        route, request, failed, target, transcript
-                                    )
+                                    self._count_failover(route, request, failed, target, transcript)
                                     failed = None
                                 yield _failover_meta(failed_from(cut), target, before_tokens)
                         transcript.add(delta)
@@ -264,7 +267,7 @@ class RoutedEngine:
         self, target: Target, request: GenerationRequest, route: ModelRoute
     ) -> AsyncIterator[Delta]:
         cfg = target.config
-        await target.take_slot()
+        await target.take_slot(request)
         rid = request.request_id
         self._current[rid] = target
         loop = asyncio.get_running_loop()
@@ -356,11 +359,19 @@ class RoutedEngine:
         queue = GaugeMetricFamily(
             "firsttoken_queue_length", "Streams waiting for a target's slot.", labels=["target"]
         )
+        wait = HistogramMetricFamily(
+            "firsttoken_queue_wait_seconds",
+            "Time a stream waited for a target's slot.",
+            labels=["target"],
+        )
         for target in self.targets.values():
             up.add_metric([target.name], int(target.health.up))
             queue.add_metric([target.name], target.queued)
+            hist = target.queue_wait
+            wait.add_metric([target.name], buckets=hist.cumulative(), sum_value=hist.sum)
         yield up
         yield queue
+        yield wait
 
 
 def _silence(target: Target, first: bool, total: bool) -> EngineError:

@@ -4,30 +4,34 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
 from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest, delivers_steps
 from firsttoken.engines.steps import pull
-from firsttoken.observability import log_event
+from firsttoken.observability import TTFT_BUCKETS, Histogram, log_event
 from firsttoken.routes.config import TargetConfig
 from firsttoken.routes.health import TargetHealth
+from firsttoken.routes.queue import FairQueue, Waiter
 
-__all__ = ["Target"]
+__all__ = ["DEFAULT_ANSWER_TOKENS", "QUEUE_WAIT_BUCKETS", "Target"]
+
+# A request without max_tokens is charged this much answer in the fair queue.
+DEFAULT_ANSWER_TOKENS = 1024
+QUEUE_WAIT_BUCKETS = TTFT_BUCKETS  # fine to 0.5 s, coarse to 60 s
 
 
 class Target:
     """An engine behind a route, as the router sees it."""
 
     __slots__ = (
-        "_waiters",
         "config",
         "engine",
         "health",
         "name",
         "outstanding",
-        "queue_waits",
+        "queue",
+        "queue_wait",
         "steps",
     )
 
@@ -38,8 +42,8 @@ class Target:
         self.health = TargetHealth(eject_after=config.eject_after, eject_s=config.eject_s)
         self.outstanding = 0  # streams there now
         self.steps = delivers_steps(engine)
-        self._waiters: deque[asyncio.Future[None]] = deque()
-        self.queue_waits: list[float] = []  # seconds, drained by the metrics scrape
+        self.queue = FairQueue()
+        self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS)
 
     @property
     def continues(self) -> bool:
@@ -47,29 +51,36 @@ class Target:
 
     @property
     def queued(self) -> int:
-        return len(self._waiters)
+        return len(self.queue)
 
     def has_room(self) -> bool:
         limit = self.config.max_concurrency
         return limit is None or self.outstanding < limit
 
-    async def take_slot(self) -> None:
-        """A slot under `max_concurrency`, waiting in line up to `queue_timeout_s`; raises
-        `queue_timeout` (503) after that. First come, first served (fairness between keys is
-        the fair queue's, a later step)."""
-        if self.has_room() and not self._waiters:
+    async def take_slot(self, request: GenerationRequest | None = None) -> None:
+        """A slot under `max_concurrency`, waiting in the fair queue up to `queue_timeout_s`;
+        raises `queue_timeout` (503) after that. The client's heartbeats flow meanwhile."""
+        if self.has_room() and not self.queue:
             self.outstanding += 1
             return
         loop = asyncio.get_running_loop()
-        waiter = loop.create_future()
-        self._waiters.append(waiter)
-        started = loop.time()
+        waiter = Waiter(loop.create_future(), since=loop.time())
+        if request is not None:
+            waiter.key = request.tenant
+            waiter.priority = request.priority
+            waiter.weight = max(request.weight, 0.001)
+            waiter.cost = self._cost(request)
+        self.queue.push(waiter)
+        self._pass_slot()  # room may have come with nobody to hand it to
         try:
             async with asyncio.timeout(self.config.queue_timeout_s):
-                await waiter
+                await waiter.future
         except BaseException as exc:
-            if waiter.done() and not waiter.cancelled():
+            future = waiter.future
+            if future.done() and not future.cancelled():
                 self.give_slot()  # handed a slot as it gave up: pass it on
+            else:
+                self.queue.remove(waiter)  # a client that leaves leaves the line
             if isinstance(exc, TimeoutError):
                 raise EngineError(
                     "queue_timeout",
@@ -79,10 +90,7 @@ class Target:
                     retry_after_s=1.0,
                 ) from None
             raise
-        finally:
-            if waiter in self._waiters:
-                self._waiters.remove(waiter)
-        self.queue_waits.append(loop.time() - started)
+        self.queue_wait.observe(loop.time() - waiter.since)
         # the slot was handed over with `outstanding` already counted
 
     def give_slot(self) -> None:
@@ -90,11 +98,19 @@ class Target:
         self._pass_slot()
 
     def _pass_slot(self) -> None:
-        while self._waiters and self.has_room():
-            waiter = self._waiters.popleft()
-            if not waiter.done():
+        while self.has_room():
+            waiter = self.queue.pop()
+            if waiter is None:
+                return
+            if not waiter.future.done():
                 self.outstanding += 1
-                waiter.set_result(None)
+                waiter.future.set_result(None)
+
+    def _cost(self, request: GenerationRequest) -> int:
+        """What a request may take of the engine, in tokens: its prompt and its answer."""
+        prompt = self.engine.prompt_tokens(request.prompt) if request.prompt else 0
+        answer = request.max_tokens if request.max_tokens is not None else DEFAULT_ANSWER_TOKENS
+        return max(1, prompt + answer)
 
     def generate(self, request: GenerationRequest, model: str) -> AsyncIterator[Delta]:
         """The engine's deltas for `request`, sent under the name this target knows."""

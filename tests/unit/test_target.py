@@ -57,7 +57,7 @@ def test_a_full_target_serves_its_line_first_come_first_served() -> None:
         t.give_slot()
         await asyncio.gather(*waiters)
         assert order == ["b", "c", "d"] and t.outstanding == 1
-        assert t.queue_waits == [5.0, 6.0, 6.0]
+        assert t.queue_wait.sum == 17.0 and sum(t.queue_wait.counts) == 3
         assert loop.time() == virtual_loop.START + 6
 
     virtual_loop.run(body())
@@ -200,5 +200,97 @@ def test_active_check() -> None:
         assert await target(Remote(["m"])).check()
         assert not await target(Remote(None)).check()
         assert not await target(Remote(OSError("refused"))).check()
+
+    virtual_loop.run(body())
+
+
+def _request(key: str, max_tokens: int = 100, priority: int = 0, weight: float = 1.0) -> Any:
+    return GenerationRequest(
+        request_id=key,
+        prompt="",
+        model="m",
+        max_tokens=max_tokens,
+        tenant=key,
+        priority=priority,
+        weight=weight,
+    )
+
+
+def test_a_flood_from_one_key_does_not_hold_back_another() -> None:
+    # The flood: one key queues 24 long streams, a second key 4 a moment later, and a
+    # priority key 1. The priority key goes first, then the two keys take turns by tokens.
+    async def body() -> list[str]:
+        t = target(max_concurrency=4)
+        for _ in range(4):
+            await t.take_slot()
+        order: list[str] = []
+
+        async def wait(name: str, key: str, priority: int = 0) -> None:
+            await t.take_slot(_request(key, 150, priority))
+            order.append(name)
+
+        tasks = [asyncio.create_task(wait(f"flood{i}", "flood")) for i in range(24)]
+        await asyncio.sleep(0.3)
+        tasks += [asyncio.create_task(wait(f"polite{i}", "polite")) for i in range(4)]
+        tasks.append(asyncio.create_task(wait("vip", "vip", priority=5)))
+        await asyncio.sleep(0.1)
+        for _ in range(11):
+            t.give_slot()
+            await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        return order
+
+    order = virtual_loop.run(body())
+    assert order[0] == "vip"
+    # The two keys take turns of QUANTUM tokens (three 150-token streams each): the polite
+    # key's four are served within the next ten slots, not 25th to 28th behind the flood.
+    assert sorted(n for n in order[1:11] if n.startswith("polite")) == [
+        "polite0",
+        "polite1",
+        "polite2",
+        "polite3",
+    ]
+
+
+def test_weights_share_a_full_target_by_tokens() -> None:
+    async def body() -> list[str]:
+        t = target(max_concurrency=1)
+        await t.take_slot()
+        order: list[str] = []
+
+        async def wait(key: str, weight: float, max_tokens: int) -> None:
+            await t.take_slot(_request(key, max_tokens, weight=weight))
+            order.append(key)
+
+        tasks = [asyncio.create_task(wait("heavy", 3.0, 500)) for _ in range(20)]
+        tasks += [asyncio.create_task(wait("light", 1.0, 500)) for _ in range(20)]
+        await asyncio.sleep(0)
+        for _ in range(16):
+            t.give_slot()
+            await asyncio.sleep(0)
+        for task in tasks:
+            task.cancel()
+        return order
+
+    order = virtual_loop.run(body())
+    # Three to one in tokens: of 16 equal requests, 12 and 4.
+    assert order.count("heavy") == 12 and order.count("light") == 4
+
+
+def test_a_waiter_that_leaves_leaves_the_line() -> None:
+    async def body() -> None:
+        t = target(max_concurrency=1)
+        await t.take_slot()
+        gone = asyncio.create_task(t.take_slot(_request("a")))
+        stays = asyncio.create_task(t.take_slot(_request("b")))
+        await asyncio.sleep(0)
+        assert t.queued == 2
+        gone.cancel()
+        await asyncio.sleep(0)
+        assert t.queued == 1
+        t.give_slot()
+        await stays
+        assert t.outstanding == 1 and t.queued == 0
 
     virtual_loop.run(body())
