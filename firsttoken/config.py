@@ -205,6 +205,21 @@ def _origins(value: str) -> str | None:
     return None if origins else "must be * or one or more origins, comma-separated"
 
 
+def _otlp_endpoint(value: str) -> str | None:
+    if _http_urls(value) is not None or "," in value:
+        return "must be one http(s)://HOST[:PORT][/PATH] URL (the collector's OTLP/HTTP base)"
+    from importlib.util import find_spec
+
+    for package in ("opentelemetry.sdk", "opentelemetry.exporter.otlp.proto.http"):
+        try:
+            found = find_spec(package) is not None
+        except ImportError:  # its parent package is missing too
+            found = False
+        if not found:
+            return f"needs {package} (pip install 'firsttoken[otel]')"
+    return None
+
+
 def _host(value: str) -> str | None:
     if value and not any(c.isspace() for c in value) and "/" not in value:
         return None
@@ -426,6 +441,12 @@ class Settings:
     breaker_open_s: float = _knob(10.0, "breaker stays open this long, then probes", range=POSITIVE)
     ttft_slo_ms: float = _knob(500.0, "refuse new streams while TTFT p99 is above this (0: off)")
     log_level: str = _knob("info", "log level", choices=("debug", "info", "warning", "error"))
+    otlp_endpoint: str | None = _knob(
+        None,
+        "OpenTelemetry collector (OTLP/HTTP protobuf): traces to URL/v1/traces, metrics to "
+        "URL/v1/metrics (default: off)",
+        check=_otlp_endpoint,
+    )
 
     def __post_init__(self) -> None:
         for f in fields(self):
