@@ -18,9 +18,11 @@ from urllib.parse import urlsplit
 __all__ = [
     "CONTINUATIONS",
     "KINDS",
+    "Handoff",
     "ModelRoute",
     "RouteTable",
     "RoutesError",
+    "ShortPrompts",
     "TargetConfig",
     "load_routes",
     "parse_routes",
@@ -79,6 +81,29 @@ class ModelRoute:
     # Also route these names here (the shorthand: whatever models its upstreams list).
     aliases: tuple[str, ...] = ()
     passthrough: bool = False  # the client's model name goes to the targets as it is
+    handoff: Handoff | None = None
+    short_prompts: ShortPrompts | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Handoff:
+    """`handoff = { from = "edge", after_tokens = N }`: a small, fast target starts the
+    answer; after N tokens the route's own targets continue it (a splice that does not use up
+    `max_splices`)."""
+
+    source: str  # the `from` target
+    after_tokens: int
+    at: str = "tokens"  # "tokens": right after N; "sentence": at the first sentence end after N
+    fallback: bool = True  # the center cannot take it: the `from` target finishes the answer
+
+
+@dataclass(frozen=True, slots=True)
+class ShortPrompts:
+    """`short_prompts = { target = "edge", max_prompt_tokens = N }`: a prompt of at most N
+    tokens (counted here) goes to `target` first, the route's targets after it."""
+
+    target: str
+    max_prompt_tokens: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,7 +171,19 @@ _TARGET_FIELDS: dict[str, tuple[Any, Any]] = {
 _ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
     "targets": (list, None),
     "max_splices": (int, _non_negative),
-    "balance": (str, _one_of("order", "least_busy")),
+    "balance": (str, _one_of("order", "least_busy", "session")),
+    "handoff": (dict, None),
+    "short_prompts": (dict, None),
+}
+_HANDOFF_FIELDS: dict[str, tuple[Any, Any]] = {
+    "from": (str, None),
+    "after_tokens": (int, _at_least_1),
+    "at": (str, _one_of("tokens", "sentence")),
+    "fallback": (bool, None),
+}
+_SHORT_FIELDS: dict[str, tuple[Any, Any]] = {
+    "target": (str, None),
+    "max_prompt_tokens": (int, _at_least_1),
 }
 
 
@@ -238,8 +275,39 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
         if len(set(listed)) != len(listed):
             raise fail(f"{where} targets", "lists a target twice")
         values["targets"] = tuple(listed)
+        if "handoff" in values:
+            raw_handoff = _fields(values["handoff"], _HANDOFF_FIELDS, f"{where} handoff", fail)
+            source = raw_handoff.get("from")
+            _known_target(source, targets, f"{where} handoff.from", fail)
+            if "after_tokens" not in raw_handoff:
+                raise fail(f"{where} handoff.after_tokens", "is required")
+            if source in listed:
+                raise fail(f"{where} handoff.from", "hands off to the route's targets: not one")
+            values["handoff"] = Handoff(
+                source=source,
+                after_tokens=raw_handoff["after_tokens"],
+                at=raw_handoff.get("at", "tokens"),
+                fallback=raw_handoff.get("fallback", True),
+            )
+        if "short_prompts" in values:
+            raw_short = _fields(
+                values["short_prompts"], _SHORT_FIELDS, f"{where} short_prompts", fail
+            )
+            _known_target(raw_short.get("target"), targets, f"{where} short_prompts.target", fail)
+            if "max_prompt_tokens" not in raw_short:
+                raise fail(f"{where} short_prompts.max_prompt_tokens", "is required")
+            values["short_prompts"] = ShortPrompts(
+                raw_short["target"], raw_short["max_prompt_tokens"]
+            )
         routes[name] = ModelRoute(name=name, **values)
     return RouteTable(targets=targets, routes=routes)
+
+
+def _known_target(name: Any, targets: Mapping[str, Any], where: str, fail: Any) -> None:
+    if name is None:
+        raise fail(where, "is required")
+    if name not in targets:
+        raise fail(where, f"no target named {name!r} (targets: {', '.join(targets)})")
 
 
 def _table(data: Mapping[str, Any], key: str, source: str) -> dict[str, Any]:
@@ -262,9 +330,15 @@ def _fields(
         if key not in known:
             raise fail(f"{where} {key}", "unknown field (known: " + ", ".join(known) + ")")
         kind, check = known[key]
-        bad_bool = isinstance(value, bool)
+        bad_bool = isinstance(value, bool) and kind is not bool
         if bad_bool or not isinstance(value, kind):
-            expected = {int: "an integer", str: "a string", list: "a list"}.get(kind, "a number")
+            expected = {
+                int: "an integer",
+                str: "a string",
+                list: "a list",
+                bool: "true or false",
+                dict: "an inline table { ... }",
+            }.get(kind, "a number")
             raise fail(f"{where} {key}", f"must be {expected}, not {value!r}")
         if isinstance(value, float) and not math.isfinite(value):
             raise fail(f"{where} {key}", "must be a finite number")

@@ -11,7 +11,9 @@ core's, and only deltas leave this module.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
+import re
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import aclosing, suppress
 
@@ -46,6 +48,7 @@ class RoutedEngine:
         self.failovers: dict[tuple[str, str], int] = {
             (route, phase): 0 for route in table.routes for phase in PHASES
         }
+        self.handoffs: dict[str, int] = dict.fromkeys(table.routes, 0)
         self._current: dict[str, Target] = {}
         self._turn = 0
         self._checks: list[asyncio.Task[None]] = []
@@ -125,19 +128,25 @@ class RoutedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         route = self.routes.get(request.model) or self.table.default
+        order = self._order(route, request)
+        session = _session_key(request) if route.balance == "session" else None
         transcript = Transcript()
         tried: set[str] = set()
         splices = 0
+        handoffs = 0
         cut: EngineError | None = None  # what broke the answer off, once it had begun
         last: EngineError | None = None
         failed: tuple[Target, str] | None = None  # the leg that failed, and in which phase
         leg_request = request
+        handoff = route.handoff
+        edge = self._edge(route, request)  # the hand-off's first target, when it applies
+        handing: Target | None = None  # set while the answer goes from `edge` to the center
+        fell_back = False  # the edge was asked to finish what the center could not take
         while True:
             splicing = transcript.tokens > 0
             if splicing:
-                assert cut is not None
                 why = transcript.why_not()
-                if why is None and splices >= route.max_splices:
+                if why is None and handing is None and splices >= route.max_splices:
                     why = f"the route allows {route.max_splices} splice(s)"
                 if why is not None:
                     log_event(
@@ -147,13 +156,31 @@ class RoutedEngine:
                         route=route.name,
                         reason=why,
                     )
+                    assert cut is not None
                     raise cut
                 next_request = continuation(request, transcript)
                 if next_request is None:  # cut exactly at max_tokens: it is complete
                     yield Delta("", "length")
                     return
                 leg_request = next_request
-            target = self._pick(route, tried, splicing)
+            limit: int | None = None  # tokens after which this leg hands off
+            if edge is not None:
+                target, edge = edge, None
+                assert handoff is not None
+                limit = handoff.after_tokens
+            else:
+                target = self._pick(route, order, tried, splicing, session)
+            if target is None and handing is not None and handoff is not None:
+                # The center cannot take it: the edge finishes the answer, where allowed.
+                if handoff.fallback and handing.continues and not fell_back:
+                    target, fell_back = handing, True
+                else:
+                    raise EngineError(
+                        "upstream_unavailable",
+                        f"no target of the route {route.name!r} could take the hand-off",
+                        retryable=True,
+                        status=503,
+                    )
             if target is None:
                 if cut is not None:
                     raise cut
@@ -164,13 +191,20 @@ class RoutedEngine:
                 failed = None
             before_tokens, before_text = transcript.tokens, transcript.text_tokens
             started = False
+            handed = False
             try:
                 async with aclosing(self._leg(target, leg_request, route)) as deltas:
                     async for delta in deltas:
                         if not started:
                             started = True
                             target.health.success()
-                            if splicing:
+                            if handing is not None:
+                                handoffs += 1
+                                yield self._handed_off(
+                                    route, request, handing, target, before_tokens
+                                )
+                                handing = None
+                            elif splicing:
                                 # A splice is counted when it takes: a continuation that
                                 # a target refused is no seam.
                                 splices += 1
@@ -179,10 +213,26 @@ class RoutedEngine:
                                     failed = None
                                 yield _failover_meta(failed_from(cut), target, before_tokens)
                         transcript.add(delta)
-                        if delta.finish_reason is not None and splices:
+                        if delta.finish_reason is not None and (splices or handoffs):
                             delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
                         yield delta
-                return
+                        if (
+                            limit is not None
+                            and delta.finish_reason is None
+                            and transcript.text_tokens >= limit
+                            and (
+                                handoff is None
+                                or handoff.at == "tokens"
+                                or _sentence_end(delta.text)
+                            )
+                            and transcript.why_not() is None
+                        ):
+                            handed = True
+                            break  # the edge's part is done: closing the leg stops it
+                if not handed:
+                    return
+                handing = target
+                continue
             except EngineError as exc:
                 error = exc
             except BaseException:
@@ -216,17 +266,74 @@ class RoutedEngine:
             if started:
                 cut = _named(error, target)
                 failed = (target, "mid_stream")
+                handing = None  # a leg that began and broke is a cut, whatever it followed
             elif splicing:
                 pass  # a continuation refused or failed: the seam is still the first cut
             else:
                 failed = (target, "connect" if error.status is not None else "first_token")
                 last = error
 
+    def _order(self, route: ModelRoute, request: GenerationRequest) -> tuple[str, ...]:
+        """The route's targets for this request: a short prompt tries its small target first
+        (`short_prompts`, counted here: the edge's local tokenization)."""
+        rule = route.short_prompts
+        if rule is None:
+            return route.targets
+        target = self.targets[rule.target]
+        if target.engine.prompt_tokens(request.prompt) > rule.max_prompt_tokens:
+            return route.targets
+        return (rule.target, *(n for n in route.targets if n != rule.target))
+
+    def _edge(self, route: ModelRoute, request: GenerationRequest) -> Target | None:
+        """The hand-off's first target, when the route has one and it can take the request
+        now (else the center answers from the start)."""
+        handoff = route.handoff
+        if handoff is None or "continuation" in request.options:
+            return None
+        target = self.targets[handoff.source]
+        now = asyncio.get_running_loop().time()
+        return target if target.has_room() and target.health.acquire(now) else None
+
+    def _handed_off(
+        self,
+        route: ModelRoute,
+        request: GenerationRequest,
+        source: Target,
+        to: Target,
+        at_token: int,
+    ) -> Delta:
+        fallback = source is to
+        if not fallback:
+            self.handoffs[route.name] += 1
+        log_event(
+            "route.handoff_fallback" if fallback else "route.handoff",
+            stream=request.request_id,
+            route=route.name,
+            **{"from": source.name},
+            to=to.name,
+            at_token=at_token,
+        )
+        info: dict[str, object] = {"from": source.name, "to": to.name, "at_token": at_token}
+        if fallback:
+            info["fallback"] = True  # the center could not take it: the edge finished it
+        return Delta(meta={"handoff": info})
+
     # -- choosing a target -----------------------------------------------------------------
 
-    def _pick(self, route: ModelRoute, tried: set[str], splicing: bool) -> Target | None:
+    def _pick(
+        self,
+        route: ModelRoute,
+        order: tuple[str, ...],
+        tried: set[str],
+        splicing: bool,
+        session: bytes | None = None,
+    ) -> Target | None:
         now = asyncio.get_running_loop().time()
-        candidates = [self.targets[n] for n in route.targets if n not in tried]
+        candidates = [self.targets[n] for n in order if n not in tried]
+        if session is not None and len(candidates) > 1:
+            # Rendezvous hashing: a conversation's turns go to the same target (its prefix
+            # cache), and only the sessions of a target that fails move elsewhere.
+            candidates.sort(key=lambda t: _rendezvous(session, t.name), reverse=True)
         if splicing:
             # A seam should be short: a target failing other streams right now (not yet
             # ejected) goes after those that are not.
@@ -353,6 +460,14 @@ class RoutedEngine:
         for (route, phase), value in self.failovers.items():
             failovers.add_metric([route, phase], value)
         yield failovers
+        handoffs = CounterMetricFamily(
+            "firsttoken_handoffs",
+            "Answers a route's hand-off target began and its targets continued.",
+            labels=["route"],
+        )
+        for route, value in self.handoffs.items():
+            handoffs.add_metric([route], value)
+        yield handoffs
         up = GaugeMetricFamily(
             "firsttoken_target_up", "1 while a target is not ejected.", labels=["target"]
         )
@@ -400,3 +515,25 @@ def failed_from(error: EngineError | None) -> str | None:
 
 def _failover_meta(source: str | None, to: Target, at_token: int) -> Delta:
     return Delta(meta={"failover": {"from": source, "to": to.name, "at_token": at_token}})
+
+
+_SENTENCE_END = re.compile(r"""[.!?。！？…]["'”’)\]]*\s*$|\n\s*$""")
+
+
+def _sentence_end(text: str) -> bool:
+    return bool(_SENTENCE_END.search(text))
+
+
+def _session_key(request: GenerationRequest) -> bytes:
+    """A conversation's identity across its turns: the key and the conversation's start."""
+    if request.messages:
+        start = "\x00".join(m.get("content") or "" for m in request.messages[:2])
+    else:
+        start = request.prompt[:512]
+    return hashlib.blake2b(
+        f"{request.tenant}\x00{start}".encode(errors="replace"), digest_size=8
+    ).digest()
+
+
+def _rendezvous(session: bytes, target: str) -> bytes:
+    return hashlib.blake2b(session + target.encode(), digest_size=8).digest()

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
 from firsttoken.routes.engine import RoutedEngine
 from firsttoken.routes.health import TargetHealth
 from firsttoken.routes.target import Target
@@ -750,3 +750,105 @@ def test_a_splice_prefers_a_target_that_is_not_failing_right_now() -> None:
     assert out.error is None and out.text == WHOLE
     assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
     assert b.requests == []
+
+
+# -- edge and center: the hand-off, short prompts, sessions ----------------------------------
+
+
+def tiers(
+    edge: Scripted, center: Scripted, *, handoff: Handoff | None = None, **route: Any
+) -> RoutedEngine:
+    """Route `chat` over `center`, with `edge` as its hand-off or short-prompt target."""
+    table = RouteTable(
+        targets={
+            n: TargetConfig(name=n, kind="synthetic", continuation="native")
+            for n in ("edge", "center")
+        },
+        routes={"chat": ModelRoute(name="chat", targets=("center",), handoff=handoff, **route)},
+    )
+    engines = {"edge": edge, "center": center}
+    return RoutedEngine(table, {n: Target(table.targets[n], e) for n, e in engines.items()})
+
+
+def test_the_edge_starts_and_the_center_continues_after_n_tokens() -> None:
+    edge, center = Scripted(answer), Scripted(answer)
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3))
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [{"handoff": {"from": "edge", "to": "center", "at_token": 3}}]
+    assert edge.ended_early == ["GeneratorExit"]  # the edge's leg was closed at the hand-off
+    assert center.requests[0].options["continuation"] == "Once upon a"
+    assert engine.handoffs == {"chat": 1} and failovers(engine) == {}
+    # Usage is the whole answer's, as from one engine.
+    assert out.finish.usage == {
+        "prompt_tokens": PROMPT_TOKENS,
+        "completion_tokens": len(ANSWER),
+        "total_tokens": PROMPT_TOKENS + len(ANSWER),
+    }
+
+
+def test_a_hand_off_at_a_sentence_end_waits_for_one() -> None:
+    edge, center = Scripted(answer), Scripted(answer)
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=2, at="sentence"))
+    out = go(engine)
+    assert out.text == WHOLE
+    # "Once upon a time," ends no sentence: the edge goes on past its 2 tokens to the first
+    # sentence end (here the answer's last token), and the center only closes the answer.
+    assert out.metas == [{"handoff": {"from": "edge", "to": "center", "at_token": 10}}]
+
+
+def test_a_center_that_cannot_take_it_leaves_the_edge_to_finish() -> None:
+    edge = Scripted(answer)
+    center = Scripted([Fail("upstream_unavailable", status=503)])
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3))
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.metas == [
+        {"handoff": {"from": "edge", "to": "edge", "at_token": 3, "fallback": True}}
+    ]
+    assert engine.handoffs == {"chat": 0}
+
+
+def test_without_fallback_a_center_that_cannot_take_it_is_an_honest_error() -> None:
+    edge = Scripted(answer)
+    center = Scripted([Fail("upstream_unavailable", status=503)])
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3, fallback=False))
+    out = go(engine)
+    assert out.text == "Once upon a"
+    no_splice_left(out, "upstream_unavailable")
+
+
+def test_a_short_answer_at_the_edge_is_never_handed_off() -> None:
+    edge, center = Scripted(answer), Scripted(answer)
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=50))
+    out = go(engine)
+    assert out.text == WHOLE and out.metas == [] and center.requests == []
+
+
+def test_short_prompts_go_to_the_small_target_first() -> None:
+    edge, center = Scripted(answer), Scripted(answer)
+    rule = ShortPrompts("edge", max_prompt_tokens=PROMPT_TOKENS)
+    assert go(tiers(edge, center, short_prompts=rule)).text == WHOLE
+    assert len(edge.requests) == 1 and center.requests == []
+    long = ShortPrompts("edge", max_prompt_tokens=PROMPT_TOKENS - 1)
+    assert go(tiers(edge, center, short_prompts=long)).text == WHOLE
+    assert len(edge.requests) == 1 and len(center.requests) == 1
+
+
+def test_session_balance_keeps_a_conversation_on_one_target() -> None:
+    engines = {n: Scripted(answer) for n in ("a", "b", "c")}
+    engine = router(engines, balance="session")
+
+    def ask(user: str) -> str:
+        body_user = {"role": "user", "content": user}
+        request = replace(chat(user), messages=(body_user,), prompt=f"user: {user}")
+        go(engine, request)
+        return next(
+            n
+            for n, e in engines.items()
+            if e.requests and e.requests[-1] is not None and e.requests[-1].request_id == user
+        )
+
+    homes = {user: ask(user) for user in (f"conversation {i}" for i in range(12))}
+    assert len(set(homes.values())) > 1  # sessions spread over the targets
+    assert all(ask(user) == home for user, home in homes.items())  # and stay put

@@ -199,7 +199,11 @@ def test_each_target_field_is_checked(field: str, value: Any, says: str) -> None
         ("max_splices", -1, "must be >= 0"),
         ("max_splices", 1.0, "must be an integer"),
         ("balance", "random", "must be one of order, least_busy"),
-        ("fallbacks", ["a"], "unknown field (known: targets, max_splices, balance)"),
+        (
+            "fallbacks",
+            ["a"],
+            "unknown field (known: targets, max_splices, balance, handoff, short_prompts)",
+        ),
     ],
 )
 def test_each_route_field_is_checked(field: str, value: Any, says: str) -> None:
