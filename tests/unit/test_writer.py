@@ -230,7 +230,7 @@ def test_a_reader_stuck_below_the_high_water_mark_is_cut_after_the_send_timeout(
     """Never paused (a live stream's window holds it under the mark), yet taking nothing."""
 
     async def body() -> None:
-        clock, stream, registry, _, writer = setup(monkeypatch)
+        clock, stream, _, _, writer = setup(monkeypatch)
         transport = writer.transport = _Unread()
         writer.open(b"")
         stream.begin()
