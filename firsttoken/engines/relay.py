@@ -175,7 +175,8 @@ class RelayEngine:
                 body["add_generation_prompt"] = False
         else:
             path = "/completions"
-            body["prompt"] = request.prompt
+            # A completion continues by itself: the prompt grows by what was sent.
+            body["prompt"] = request.prompt + request.options.get("continuation", "")
         self._sampling(request, body)
         return path, orjson.dumps(body)
 
@@ -217,7 +218,10 @@ class RelayEngine:
         chat = path == "/chat/completions"
         resp: UpstreamResponse | None = None
         try:
-            resp = await self._pool.request("POST", self.base + path, body, {"x-request-id": rid})
+            headers = {"x-request-id": rid}
+            if request.traceparent is not None:  # the trace goes on upstream
+                headers["traceparent"] = request.traceparent
+            resp = await self._pool.request("POST", self.base + path, body, headers)
             self._inflight[rid] = resp
             if resp.status_code >= 400:
                 raw = await _read_bounded(resp)

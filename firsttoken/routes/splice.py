@@ -93,8 +93,10 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
             body["add_generation_prompt"] = False
         prompt = request.prompt
     else:
-        # A plain completion continues by itself: the prompt grows by what was sent.
-        prompt = request.prompt + text
+        # A plain completion continues by itself: a relay's prompt grows by what was sent
+        # (the body's here, the bare prompt's in the relay); our own engines keep the prompt
+        # and read `options["continuation"]`, as for a chat.
+        prompt = request.prompt
         if body is not None and isinstance(body.get("prompt"), str):
             body["prompt"] = body["prompt"] + text
     options["continuation"] = text

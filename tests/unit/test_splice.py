@@ -178,7 +178,9 @@ def test_a_plain_prompt_grows_by_the_text_sent() -> None:
     )
     follow = continuation(request, sent(Delta(" a"), Delta(" time")))
     assert follow is not None
-    assert follow.prompt == "Once upon a time"
+    # The relay sends the body's prompt, grown; our own engines keep the prompt and read
+    # options["continuation"].
+    assert follow.prompt == "Once upon"
     assert follow.body is not None
     assert follow.body["prompt"] == "Once upon a time"
     assert "messages" not in follow.body and "continue_final_message" not in follow.body
@@ -191,7 +193,8 @@ def test_a_prompt_without_a_body_continues_too() -> None:
     request = GenerationRequest(request_id="c1", prompt="Once", model="m")
     follow = continuation(request, sent(Delta(" upon")))
     assert follow is not None
-    assert (follow.prompt, follow.body, follow.max_tokens) == ("Once upon", None, None)
+    assert (follow.prompt, follow.body, follow.max_tokens) == ("Once", None, None)
+    assert follow.options["continuation"] == " upon"  # the relay appends it to the prompt
 
 
 # -- usage over both legs ----------------------------------------------------------------------

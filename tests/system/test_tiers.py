@@ -1,0 +1,175 @@
+"""Two tiers on loopback: an edge firsttoken (canned greetings, a small in-process model that
+starts answers) in front of a center firsttoken (the big model, slower to its first token).
+The hand-off's text must equal the center's own uninterrupted answer (both tiers are the same
+synthetic model here), and resume, cancel and an unreachable center must stay honest."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from firsttoken.wire.sse import EventDecoder
+from tests.servers import Server, run_server, wait_for
+from tests.upstreams import free_port
+
+CENTER = ("--synthetic-ttft-ms", "300", "--synthetic-itl-ms", "5", "--ttft-slo-ms", "0")
+BODY = {"messages": [{"role": "user", "content": "Tell me about tides."}], "max_tokens": 40}
+GENERATED = "firsttoken_tokens_generated_total"
+
+
+def _routes(tmp: Path, center_url: str, *, fallback: bool = True) -> str:
+    path = tmp / f"routes-{fallback}.toml"
+    path.write_text(
+        f"""
+[targets.small]
+kind = "synthetic"
+ttft_ms = 20
+itl_ms = 5
+
+[targets.center]
+kind = "openai"
+url = "{center_url}"
+model = "synthetic"
+continuation = "vllm"
+first_token_timeout_s = 5
+
+[models.chat]
+targets = ["center"]
+handoff = {{ from = "small", after_tokens = 8, fallback = {str(fallback).lower()} }}
+"""
+    )
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def center() -> Iterator[Server]:
+    with run_server(*CENTER, "--rate-limit-per-s", "0") as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def edge(center: Server, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    tmp = tmp_path_factory.mktemp("edge")
+    canned = tmp / "canned.toml"
+    canned.write_text('[answers]\n"hi" = "Hello! How can I help you today?"\n')
+    with run_server("--routes", _routes(tmp, center.v1), "--canned-answers", str(canned)) as s:
+        yield s
+
+
+def _center_answer(center: Server) -> str:
+    resp = httpx.post(center.v1 + "/chat/completions", json={**BODY, "model": "synthetic"})
+    assert resp.status_code == 200, resp.text
+    return resp.json()["choices"][0]["message"]["content"]
+
+
+def test_a_greeting_is_answered_at_the_edge(edge: Server, center: Server) -> None:
+    before = center.metric(GENERATED)
+    client = openai.OpenAI(base_url=edge.v1, api_key="x", max_retries=0)
+    answer = client.chat.completions.create(
+        model="chat", messages=[{"role": "user", "content": "Hi!"}]
+    )
+    assert answer.choices[0].message.content == "Hello! How can I help you today?"
+    assert center.metric(GENERATED) == before  # the center made nothing
+
+
+def test_the_hand_off_equals_the_centers_own_answer(edge: Server, center: Server) -> None:
+    expected = _center_answer(center)
+    client = openai.OpenAI(base_url=edge.v1, api_key="x", max_retries=0)
+    chunks = list(
+        client.chat.completions.create(
+            model="chat", stream=True, stream_options={"include_usage": True}, **BODY
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == expected
+    assert len({c.id for c in chunks}) == 1
+    usage = chunks[-1].usage
+    assert usage is not None and usage.completion_tokens == 40
+    handoffs = [r for r in edge.log_records() if r["event"] == "route.handoff"]
+    assert handoffs and handoffs[-1]["at_token"] == 8
+    assert edge.metric('firsttoken_handoffs_total{route="chat"}') >= 1
+
+
+def _native(server: Server, body: dict, params: dict | None = None) -> tuple[list, dict]:
+    created = httpx.post(server.v1 + "/streams", json=body)
+    assert created.status_code == 201, created.text
+    info = created.json()
+    return _read(server, info, params or {}), info
+
+
+def _read(server: Server, info: dict, params: dict, stop_after: int | None = None) -> list:
+    events: list[tuple[str | None, str | None, str]] = []
+    decoder = EventDecoder()
+    url = server.url + info["events_url"]
+    with httpx.stream(
+        "GET", url, params={"token": info["resume_token"], **params}, timeout=30
+    ) as resp:
+        assert resp.status_code == 200
+        for raw in resp.iter_raw():
+            for e in decoder.feed(raw):
+                if e.data is not None:
+                    events.append((e.event, e.id, e.data))
+            tokens = [x for x in events if x[0] is None and x[2] != "[DONE]"]
+            if stop_after is not None and len(tokens) >= stop_after:
+                return events
+    return events
+
+
+def _text(events: list) -> str:
+    return "".join(json.loads(d)["token"] for n, _, d in events if n is None and d != "[DONE]")
+
+
+def test_resume_across_the_tiers(edge: Server) -> None:
+    body = {"prompt": "Tell me about tides.", "model": "chat", "max_tokens": 40}
+    created = httpx.post(edge.v1 + "/streams", json=body).json()
+    first = _read(edge, created, {}, stop_after=12)  # past the hand-off at 8
+    last_id = [i for n, i, d in first if n is None][-1]
+    rest = _read(edge, created, {"last_event_id": last_id})
+    whole, _ = _native(edge, body)
+    assert _text(first) + _text(rest) == _text(whole)
+    assert rest[-1][2] == "[DONE]"
+    metas = [json.loads(d) for n, _, d in whole if n == "meta"]
+    assert [m["handoff"]["at_token"] for m in metas if "handoff" in m] == [8]
+
+
+def test_cancel_reaches_the_center(edge: Server, center: Server) -> None:
+    body = {"prompt": "Tell me a long story.", "model": "chat", "max_tokens": 2000}
+    created = httpx.post(edge.v1 + "/streams", json=body).json()
+    _read(edge, created, {}, stop_after=20)  # the center has the answer by now
+    before = center.metric('firsttoken_streams_total{outcome="disconnected"}')
+    cancel = httpx.post(
+        edge.url + created["events_url"].replace("/events", "/cancel"),
+        headers={"authorization": f"Bearer {created['resume_token']}"},
+    )
+    assert cancel.status_code < 300, cancel.text
+    wait_for(
+        lambda: center.metric('firsttoken_streams_total{outcome="disconnected"}') > before,
+        timeout=10,
+    )
+
+
+@pytest.mark.parametrize("fallback", [True, False])
+def test_a_dead_center_during_the_edges_part(tmp_path: Path, fallback: bool) -> None:
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with run_server("--routes", _routes(tmp_path, dead, fallback=fallback)) as gw:
+        body = {"prompt": "Tell me about tides.", "model": "chat", "max_tokens": 40}
+        events, _ = _native(gw, body)
+        metas = [json.loads(d) for n, _, d in events if n == "meta"]
+        handoff = [m["handoff"] for m in metas if "handoff" in m]
+        if fallback:
+            # The edge finished the answer itself, and said so.
+            assert events[-1][2] == "[DONE]"
+            assert handoff == [{"from": "small", "to": "small", "at_token": 8, "fallback": True}]
+            assert any(r["event"] == "route.handoff_fallback" for r in gw.log_records())
+            tokens = [d for n, _, d in events if n is None and d != "[DONE]"]
+            assert len(tokens) == 40
+        else:
+            errors = [json.loads(d)["error"] for n, _, d in events if n == "error"]
+            assert [e["code"] for e in errors] == ["upstream_unavailable"]
+            assert events[-1][2] != "[DONE]" and handoff == []
+            assert _text(events)  # what the edge said is kept
