@@ -29,7 +29,14 @@ from firsttoken.api.anthropic_protocol import (
     ToolUseBlock,
 )
 from firsttoken.api.bodies import APIError, read_model
-from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import (
+    Gateway,
+    arrived_at,
+    gateway,
+    new_stream_id,
+    trace_id,
+    traceparent,
+)
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
@@ -102,6 +109,7 @@ async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) 
         # A whole answer is read at once: chunking would be wasted on it.
         coalesce=None if body.stream else "off",
         meta=False,
+        traceparent=traceparent(request),
     )
     headers = {"x-request-id": trace, "request-id": trace, "x-stream-id": stream.id}
     if not isinstance(renderer, MessagesRenderer):

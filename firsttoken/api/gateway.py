@@ -7,7 +7,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pydantic import BaseModel
@@ -27,12 +27,13 @@ from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
 
-__all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id"]
+__all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id", "traceparent"]
 
 B = TypeVar("B", bound=BaseModel)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-[0-9a-f]{16}-[0-9a-f]{2}$")
+_TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
+_ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 
 
 @dataclass(slots=True)
@@ -64,9 +65,13 @@ class Gateway:
         ticket: Ticket,
         coalesce: Coalesce,
         meta: bool,
+        traceparent: str | None = None,
     ) -> Stream:
-        """A new stream with this server's resume, backpressure and chunking settings."""
+        """A new stream with this server's resume, backpressure and chunking settings;
+        `traceparent` (the client's) goes with the request, to its span and its upstream."""
         s = self.settings
+        if traceparent is not None:
+            generation = replace(generation, traceparent=traceparent)
         self._check(generation, ticket)
         try:
             stream = Stream(
@@ -175,6 +180,18 @@ def trace_id(request: Request) -> str:
     if parent:
         return parent.group(1)
     return os.urandom(16).hex()  # a uuid4's 128 bits, without building a UUID
+
+
+def traceparent(request: Request) -> str | None:
+    """The client's W3C trace context, when it is a valid one (version 00's layout, neither
+    id all zeros): continued by the stream's span and passed on to an upstream."""
+    header = request.headers.get("traceparent")
+    if header is None:
+        return None
+    parent = _TRACEPARENT.match(header)
+    if parent is None or parent.group(1) == _ZERO_TRACE or parent.group(2) == _ZERO_SPAN:
+        return None
+    return header if header[:2] != "ff" else None  # version ff is invalid
 
 
 def new_stream_id() -> str:

@@ -9,7 +9,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import arrived_at, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import arrived_at, gateway, new_stream_id, trace_id, traceparent
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
@@ -54,6 +54,7 @@ async def create_stream(request: Request) -> Response:
         ticket=ticket,
         coalesce=body.coalesce,
         meta=body.meta,
+        traceparent=traceparent(request),
     )
     failed = await gw.registry.start(stream)
     if failed is not None:

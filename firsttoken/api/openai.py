@@ -10,7 +10,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import (
+    Gateway,
+    arrived_at,
+    gateway,
+    new_stream_id,
+    trace_id,
+    traceparent,
+)
 from firsttoken.api.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Stream
@@ -103,6 +110,7 @@ async def _serve(
         ticket=ticket,
         coalesce=coalesce,
         meta=bool(options and options.meta),
+        traceparent=traceparent(request),
     )
     if not body.stream:
         return await _complete(gw, request, stream, chunk_id, created, chat, trace)

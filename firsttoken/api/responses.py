@@ -36,7 +36,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import Gateway, arrived_at, gateway, new_stream_id, trace_id
+from firsttoken.api.gateway import (
+    Gateway,
+    arrived_at,
+    gateway,
+    new_stream_id,
+    trace_id,
+    traceparent,
+)
 from firsttoken.api.responses_protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -92,6 +99,7 @@ async def responses(request: Request) -> Response:
         ticket=ticket,
         coalesce=coalesce,
         meta=False,  # SDKs would parse a named meta event as a response event
+        traceparent=traceparent(request),
     )
     if not body.stream:
         return await _complete(gw, request, stream, base, trace)

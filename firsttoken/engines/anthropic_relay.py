@@ -649,8 +649,11 @@ class AnthropicRelay:
         rid = request.request_id
         resp: UpstreamResponse | None = None
         try:
+            headers = {"x-request-id": rid}
+            if request.traceparent is not None:  # the trace goes on upstream
+                headers["traceparent"] = request.traceparent
             resp = await self._pool.request(
-                "POST", self.base + "/messages", orjson.dumps(call.body), {"x-request-id": rid}
+                "POST", self.base + "/messages", orjson.dumps(call.body), headers
             )
             self._inflight[rid] = resp
             if resp.status_code >= 400:

@@ -48,6 +48,9 @@ class GenerationRequest:
     # admission hands them down with the request.
     priority: int = 0
     weight: float = 1.0
+    # The W3C trace context an upstream gets (`traceparent`): the client's own, or, with
+    # --otlp-endpoint, the span of the upstream leg (the routes set it per leg).
+    traceparent: str | None = None
 
     def without_inputs(self) -> GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
