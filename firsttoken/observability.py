@@ -37,6 +37,7 @@ from prometheus_client.core import (
 from firsttoken.logsink import LineSink
 
 __all__ = [
+    "KEY_TOKEN_KINDS",
     "OUTCOMES",
     "Histogram",
     "Metrics",
@@ -44,11 +45,20 @@ __all__ = [
     "configure_logging",
     "flush_logs",
     "fold_worker",
+    "key_label",
     "log_event",
     "share_across_workers",
 ]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
+KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached")
+OPEN_KEY = "open"  # the caller of a server without a keys file, in metrics and logs
+
+
+def key_label(name: str) -> str:
+    """A key's name as metrics and `stream.*` log lines show it (`open` without a keys file):
+    names come from the keys file only, so the label set stays bounded."""
+    return name or OPEN_KEY
 
 
 def _steps(start: float, stop: float, step: float) -> list[float]:
@@ -115,6 +125,8 @@ class Metrics:
         self.memory_rss_bytes = 0
         self.readers_paused = 0  # writers whose socket is full (the transport paused them)
         self.readers_stalled = 0  # readers cut off for taking no bytes for --send-timeout-s
+        # Tokens by (key name, kind): bounded, since names come from the keys file only.
+        self.key_tokens: dict[tuple[str, str], int] = {}
         self.tokens_generated = tokens_generated
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
@@ -191,6 +203,21 @@ class Metrics:
             "Readers cut off for taking no bytes for --send-timeout-s.",
             self.readers_stalled,
         )
+        per_key = CounterMetricFamily(
+            "firsttoken_key_tokens",
+            "Tokens billed to each API key, by kind (completion includes reasoning; cached is "
+            "the part of prompt an upstream read from its cache).",
+            labels=["key", "kind"],
+        )
+        for (key, kind), tokens in self.key_tokens.items():
+            per_key.add_metric([key, kind], tokens)
+        yield per_key
+
+    def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
+        """An ended answer's usage (prompt, completion, reasoning, cached: `core.stream.Usage`),
+        added to its key's counters."""
+        for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
+            self.key_tokens[key, kind] = self.key_tokens.get((key, kind), 0) + tokens
 
     def render(self) -> bytes:
         if self.share is not None:

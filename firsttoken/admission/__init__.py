@@ -2,6 +2,12 @@
 
 Every refusal is an `APIError` before the first byte (401, 429 or 503 with Retry-After) and is
 counted as a `rejected` stream.
+
+A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves its prompt plus
+its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
+used when it ends. An answer is billed its prompt and every token generated, also when its
+client cut it; one that generated nothing and did not complete (refused upstream, cancelled
+while waiting) is billed nothing.
 """
 
 from __future__ import annotations
@@ -15,22 +21,39 @@ from starlette.requests import Request
 
 from firsttoken.admission.keys import ApiKey, KeyRing
 from firsttoken.admission.limits import (
+    DEFAULT_ANSWER_TOKENS,
+    OK,
     RATE,
     SLOTS,
     Lease,
     MemoryLimits,
+    Reservation,
     seconds_to_next_minute,
 )
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Outcome
-from firsttoken.observability import Metrics
+from firsttoken.core.stream import Outcome, Usage
+from firsttoken.observability import OPEN_KEY, Metrics, key_label
 from firsttoken.wire.errors import APIError
 
-__all__ = ["Admission", "ApiKey", "KeyRing", "LoadShedder", "Ticket", "sets_own_latency"]
+__all__ = [
+    "Admission",
+    "ApiKey",
+    "KeyRing",
+    "LoadShedder",
+    "Ticket",
+    "billed",
+    "sets_own_latency",
+]
 
 _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
+def billed(outcome: Outcome, usage: Usage | None) -> Usage:
+    """What an ended answer's key pays for: its prompt and every token generated, also when
+    cut short; nothing when it generated nothing and did not complete."""
+    if usage is None or (outcome is not Outcome.COMPLETED and usage.completion == 0):
+        return Usage()
+    return usage
 
 
 def sets_own_latency(options: Mapping[str, Any]) -> bool:
@@ -44,11 +67,18 @@ class Ticket:
     """An admitted stream's hold on its slot; the stream reports back through it."""
 
     def __init__(
-        self, admission: Admission, key: ApiKey, lease: Lease | None, probe: bool = False
+        self,
+        admission: Admission,
+        key: ApiKey,
+        lease: Lease | None,
+        probe: bool = False,
+        reservation: Reservation | None = None,
     ) -> None:
         self.admission = admission
         self.key = key
         self.lease = lease
+        self.reservation = reservation  # tokens held against the key's budget
+        self.prompt_tokens = 0  # the engine's count of the prompt, taken once at admission
         self.probe = probe  # the half-open breaker's probe: its outcome decides
         self.released = False
         # What the request decided for itself says nothing about the engine, so the guards
@@ -62,12 +92,14 @@ class Ticket:
         if not self.own_latency:
             self.admission.shedder.record_ttft(ttft_s)
 
-    async def release(self, outcome: Outcome, tokens: int = 0) -> None:
+    async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         if self.released:
             return
         self.released = True
-        if self.key.tokens_per_minute and tokens:
-            await self.admission.limits.spend(self.key.name, tokens)
+        used = billed(outcome, usage)
+        self.admission.metrics.count_key_tokens(key_label(self.key.name), used)
+        if self.reservation is not None:
+            await self.admission.limits.settle(self.reservation, used.prompt + used.completion)
         failed = outcome is Outcome.ERROR and not self.client_fault
         # A client-caused error counts as neither: the breaker learns nothing from it (and a
         # probe that ended so gives its turn back).
@@ -97,6 +129,9 @@ class Admission:
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
         self.shedder = LoadShedder(settings, metrics)
+        # Every key's usage series from the start, at 0 (a rate over a new series needs two).
+        for name in self.keys.names() if self.keys is not None else [OPEN_KEY]:
+            metrics.count_key_tokens(key_label(name), Usage())
 
     async def run(self, registry: StreamRegistry) -> None:
         async with anyio.create_task_group() as tg:
@@ -122,26 +157,36 @@ class Admission:
             )
         return key
 
-    async def admit(self, key: ApiKey) -> Ticket:
+    async def admit(
+        self, key: ApiKey, prompt_tokens: int = 0, max_tokens: int | None = None
+    ) -> Ticket:
+        """Admit a request whose prompt counts `prompt_tokens` and whose answer may run to
+        `max_tokens` (None: no limit given), or raise the refusal."""
         refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
             self._rejected()
             raise APIError(503, code, message, headers=_retry_after(retry))
+        reservation = None
         budget = key.tokens_per_minute
-        if budget and await self.limits.tokens_spent(key.name) >= budget:
-            self._rejected()
-            raise APIError(
-                429,
-                "token_budget_exceeded",
-                f"key {key.name!r} used its {budget} tokens for this minute "
-                f"(tokens_per_minute={budget})",
-                headers=_retry_after(seconds_to_next_minute()),
-            )
+        if budget:
+            answer = DEFAULT_ANSWER_TOKENS if max_tokens is None else max_tokens
+            reservation = await self.limits.reserve(key.name, budget, prompt_tokens + answer)
+            if reservation is None:
+                self._rejected()
+                raise APIError(
+                    429,
+                    "token_budget_exceeded",
+                    f"key {key.name!r} used its {budget} tokens for this minute "
+                    f"(tokens_per_minute={budget})",
+                    headers=_retry_after(seconds_to_next_minute()),
+                )
         limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit
         )
+        if verdict != OK and reservation is not None:
+            await self.limits.settle(reservation, 0)  # refused: the hold goes back
         if verdict == RATE:
             self._rejected()
             raise APIError(
@@ -168,6 +213,8 @@ class Admission:
             if not probe:
                 if lease is not None:
                     await self.limits.release(lease)
+                if reservation is not None:
+                    await self.limits.settle(reservation, 0)
                 code, message, retry = refusal or (
                     "engine_unavailable",
                     "the breaker is probing the engine",
@@ -175,7 +222,7 @@ class Admission:
                 )
                 self._rejected()
                 raise APIError(503, code, message, headers=_retry_after(retry))
-        return Ticket(self, key, lease, probe)
+        return Ticket(self, key, lease, probe, reservation)
 
     def _rejected(self) -> None:
         self.metrics.streams["rejected"] += 1

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,18 @@ class ApiKey:
     max_streams: int | None = None  # None: the server's --max-streams-per-key
     tokens_per_minute: int | None = None  # None: no token budget
     resume_max_bytes: int | None = None  # None: only the server's --resume-max-bytes
+    # The key's place in a full target's queue: a higher priority goes first; within one,
+    # keys share the target's turns in proportion to their weight (counted in tokens).
+    priority: int = 0
+    weight: float = 1.0
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)  # TOML true is no number
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
 def _digest(secret: str) -> bytes:
@@ -37,6 +50,8 @@ class KeyRing:
         max_streams = 5      # optional
         tokens_per_minute = 20000   # optional
         resume_max_bytes = 33554432   # optional
+        priority = 1         # optional, default 0: higher goes first in a full target's queue
+        weight = 2.0         # optional, default 1: its share of a full target, in tokens
         """
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
@@ -53,16 +68,27 @@ class KeyRing:
                 )
             where[secret] = i
             limit = entry.get("max_streams")
-            if limit is not None and (not isinstance(limit, int) or limit < 1):
+            if limit is not None and (not _is_int(limit) or limit < 1):
                 raise ValueError(f"{path}: keys[{i}].max_streams must be a positive integer")
             budget = entry.get("tokens_per_minute")
-            if budget is not None and (not isinstance(budget, int) or budget < 1):
+            if budget is not None and (not _is_int(budget) or budget < 1):
                 raise ValueError(f"{path}: keys[{i}].tokens_per_minute must be a positive integer")
             kept = entry.get("resume_max_bytes")
-            if kept is not None and (not isinstance(kept, int) or kept < 1):
+            if kept is not None and (not _is_int(kept) or kept < 1):
                 raise ValueError(f"{path}: keys[{i}].resume_max_bytes must be a positive integer")
+            priority = entry.get("priority", 0)
+            if not _is_int(priority):
+                raise ValueError(f"{path}: keys[{i}].priority must be an integer")
+            weight = entry.get("weight", 1)
+            if not _is_number(weight) or not 0 < weight < math.inf:
+                raise ValueError(f"{path}: keys[{i}].weight must be a positive number")
             keys[secret] = ApiKey(
-                name=name, max_streams=limit, tokens_per_minute=budget, resume_max_bytes=kept
+                name=name,
+                max_streams=limit,
+                tokens_per_minute=budget,
+                resume_max_bytes=kept,
+                priority=priority,
+                weight=float(weight),
             )
         if not keys:
             raise ValueError(f"{path}: no [[keys]] entries")
@@ -70,6 +96,10 @@ class KeyRing:
 
     def find(self, secret: str) -> ApiKey | None:
         return self._by_digest.get(_digest(secret))
+
+    def names(self) -> list[str]:
+        """Every key's name, once each, in the file's order (the bounded label set)."""
+        return list(dict.fromkeys(k.name for k in self._by_digest.values()))
 
     def resume_limits(self) -> dict[str, int]:
         """Each key's own bound on its finished streams' resume buffers, by key name."""

@@ -1,14 +1,38 @@
-"""Rate and concurrency limits, in this process: a token bucket and per-key slot counts.
+"""Rate, concurrency and token limits, in this process: a token bucket, per-key slot counts
+and per-key token budgets.
 
 `admit` checks the key's slots first (a refused stream must not spend a rate token), then the
 server-wide bucket; it answers (verdict, retry_after_s, lease).
+
+Token budgets (`tokens_per_minute`) are two-phase. At admission a request reserves what it may
+cost, its prompt plus its `max_tokens` (`DEFAULT_ANSWER_TOKENS` when it names none), and is
+refused only once the key's minute is already at its budget; at its end the reservation is
+settled with what it really used. The check and the reservation are one step, so requests that
+arrive together see each other's reservations and together go over by at most one request
+(the last one admitted under the budget), however many arrive at once.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
-__all__ = ["OK", "RATE", "SLOTS", "Lease", "MemoryLimits", "seconds_to_next_minute"]
+__all__ = [
+    "DEFAULT_ANSWER_TOKENS",
+    "OK",
+    "RATE",
+    "SLOTS",
+    "Lease",
+    "MemoryLimits",
+    "Reservation",
+    "TokenBudgets",
+    "seconds_to_next_minute",
+]
+
+# Answer tokens reserved for a request that names no max_tokens: what the fair queue charges it
+# too (routes/target.py). An answer that runs longer is billed in full when it ends.
+DEFAULT_ANSWER_TOKENS = 1024
 
 OK, RATE, SLOTS = "ok", "rate", "slots"
 
@@ -23,6 +47,61 @@ class Lease:
         self.id = lease_id
 
 
+@dataclass(frozen=True, slots=True)
+class Reservation:
+    """Tokens held against a key's budget for one request until it ends."""
+
+    key: str
+    tokens: int
+    window: int  # the clock minute it counts in
+    local: bool = True  # held in this process (with Redis: taken while Redis was away)
+
+
+class TokenBudgets:
+    """Tokens used per key in fixed clock-minute windows: reserve, then settle.
+
+    A reservation counts in the minute it was made. Settling corrects that minute by what the
+    request really used; once that minute is over, only what it used beyond the reservation
+    is added, to the current minute (tokens nobody reserved still count somewhere, and a
+    reservation that was too large frees nothing in a minute already gone).
+    """
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._used: dict[str, tuple[int, int]] = {}  # key -> (minute, tokens used in it)
+
+    def minute(self) -> int:
+        return int(self.clock() // 60)
+
+    def used(self, key: str) -> int:
+        """Tokens the key used or holds in the current clock minute."""
+        window, used = self._used.get(key, (0, 0))
+        return used if window == self.minute() else 0
+
+    def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
+        """Hold `tokens` for the key, or None when its minute is already at `budget`."""
+        used = self.used(key)
+        if used >= budget:
+            return None
+        now = self.minute()
+        self._used[key] = (now, used + tokens)
+        return Reservation(key, tokens, now)
+
+    def settle(self, reservation: Reservation, used: int) -> None:
+        """The request ended having used `used` tokens."""
+        now, excess = self.minute(), used - reservation.tokens
+        if reservation.window == now or excess > 0:
+            self._add(reservation.key, now, excess)
+
+    def add(self, key: str, tokens: int) -> None:
+        """Tokens used without a reservation (billed to the current minute)."""
+        self._add(key, self.minute(), tokens)
+
+    def _add(self, key: str, now: int, tokens: int) -> None:
+        window, held = self._used.get(key, (0, 0))
+        self._used[key] = (now, max(0, (held if window == now else 0) + tokens))
+
+
 class MemoryLimits:
     def __init__(self, rate_per_s: float, burst: int) -> None:
         self.rate = rate_per_s
@@ -31,7 +110,7 @@ class MemoryLimits:
         self._stamp = time.monotonic()
         self._held: dict[str, int] = {}
         self._next = 0
-        self._spent: dict[str, tuple[int, int]] = {}  # key -> (minute, tokens used in it)
+        self.budgets = TokenBudgets()
 
     async def run(self) -> None:
         return None
@@ -54,15 +133,11 @@ class MemoryLimits:
         self._next += 1
         return OK, 0.0, Lease(key, str(self._next))
 
-    async def tokens_spent(self, key: str) -> int:
-        """Tokens the key used in the current clock minute."""
-        window, used = self._spent.get(key, (0, 0))
-        return used if window == _minute() else 0
+    async def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
+        return self.budgets.reserve(key, budget, tokens)
 
-    async def spend(self, key: str, tokens: int) -> None:
-        window, used = self._spent.get(key, (0, 0))
-        now = _minute()
-        self._spent[key] = (now, (used if window == now else 0) + tokens)
+    async def settle(self, reservation: Reservation, used: int) -> None:
+        self.budgets.settle(reservation, used)
 
     async def release(self, lease: Lease) -> None:
         left = self._held.get(lease.key, 0) - 1
@@ -70,10 +145,6 @@ class MemoryLimits:
             self._held[lease.key] = left
         else:
             self._held.pop(lease.key, None)
-
-
-def _minute() -> int:
-    return int(time.time() // 60)
 
 
 def seconds_to_next_minute() -> float:

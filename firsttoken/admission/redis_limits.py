@@ -16,7 +16,6 @@ ZADD) at the first refresh after it, since a restarted Redis lost them.
 from __future__ import annotations
 
 import logging
-import time
 import uuid
 from collections.abc import Iterator
 
@@ -25,7 +24,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
-from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits
+from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits, Reservation
 from firsttoken.observability import log_event
 from firsttoken.redisclient import redis_client
 
@@ -73,13 +72,31 @@ for i = 3, #ARGV do
 end
 return 1
 """
+# KEYS: the key's count for this minute. ARGV: budget, tokens. Returns 1 held, 0 refused.
+# Checked and held in one step: requests that arrive together, on any instance, see each
+# other's holds, so together they go over the budget by at most one request.
+_RESERVE = """
+local used = tonumber(redis.call('GET', KEYS[1]) or '0')
+if used >= tonumber(ARGV[1]) then return 0 end
+redis.call('INCRBY', KEYS[1], ARGV[2])
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
+
+# KEYS: the key's count for this minute. ARGV: tokens to add (negative: a hold not used).
+# Never below 0: a Redis that restarted lost the holds this would take back.
+_SETTLE = """
+if redis.call('INCRBY', KEYS[1], ARGV[1]) < 0 then redis.call('SET', KEYS[1], 0) end
+redis.call('EXPIRE', KEYS[1], 120)
+return 1
+"""
 _OP_TIMEOUT_S = 1.0
 _ERRORS = (RedisError, OSError, TimeoutError)
 
 
-def _budget(key: str) -> str:
-    """This clock minute's token count for the key (a fixed one-minute window)."""
-    return f"ft:tpm:{{{key}}}:{int(time.time() // 60)}"
+def _budget(key: str, window: int) -> str:
+    """The key's token count in one clock minute (a fixed one-minute window)."""
+    return f"ft:tpm:{{{key}}}:{window}"
 
 
 def _slots(key: str) -> str:
@@ -102,6 +119,8 @@ class RedisLimits:
         self.lease_ms = int(lease_s * 1000)
         self._admit = self.redis.register_script(_ADMIT)
         self._refresh = self.redis.register_script(_REFRESH)
+        self._reserve = self.redis.register_script(_RESERVE)
+        self._settle = self.redis.register_script(_SETTLE)
         self._held: dict[str, Lease] = {}
         self.local = MemoryLimits(rate_per_s, burst)  # the fallback while Redis is away
         self._local_leases: set[str] = set()
@@ -197,26 +216,41 @@ class RedisLimits:
             self._held[lease.id] = lease
         return OK, 0.0, lease
 
-    async def tokens_spent(self, key: str) -> int:
-        local = await self.local.tokens_spent(key)  # spent while Redis was away
+    async def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
+        """Hold `tokens` in Redis, or None when the key's minute is at `budget` (what this
+        instance used while Redis was away counts too); in this instance alone while Redis
+        is unreachable."""
+        budgets = self.local.budgets
+        window = budgets.minute()
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                used = await self.redis.get(_budget(key))
+                held = await self._reserve(
+                    keys=[_budget(key, window)], args=[budget - budgets.used(key), tokens]
+                )
         except _ERRORS as exc:
             self._down(exc)
-            return local
-        return (int(used) if used else 0) + local
+            self.fallbacks += 1
+            return budgets.reserve(key, budget, tokens)
+        self._back()
+        return Reservation(key, tokens, window, local=False) if int(held) else None
 
-    async def spend(self, key: str, tokens: int) -> None:
+    async def settle(self, reservation: Reservation, used: int) -> None:
+        """Correct the hold by what the request used (`TokenBudgets.settle`'s rule), where it
+        was taken; what Redis cannot take now is billed in this instance."""
+        if reservation.local:
+            self.local.budgets.settle(reservation, used)
+            return
+        excess = used - reservation.tokens
+        window = self.local.budgets.minute()
+        if reservation.window != window and excess <= 0:
+            return
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    pipe.incrby(_budget(key), tokens)
-                    pipe.expire(_budget(key), 120)
-                    await pipe.execute()
+                await self._settle(keys=[_budget(reservation.key, window)], args=[excess])
         except _ERRORS as exc:
             self._down(exc)
-            await self.local.spend(key, tokens)
+            if excess > 0:
+                self.local.budgets.add(reservation.key, excess)
 
     async def release(self, lease: Lease) -> None:
         if lease.id in self._local_leases:

@@ -17,6 +17,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from firsttoken.admission.keys import ApiKey
 from firsttoken.api.anthropic_protocol import (
     Base64Source,
     CountTokensRequest,
@@ -89,9 +90,10 @@ async def count_tokens(request: Request) -> Response:
 
 
 async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
-    body, model, ticket = await gw.accept(request, MessagesRequest)
+    body, model, key = await gw.accept(request, MessagesRequest)
     stream_id = new_stream_id()
-    generation = generation_request(body, model, stream_id, ticket.key.name)
+    generation = generation_request(body, model, stream_id, key)
+    ticket = await gw.admit(key, generation)
     message_id = "msg_" + stream_id
     renderer: MessagesRenderer | ChatRenderer
     if body.stream:
@@ -161,10 +163,12 @@ def _refusal(exc: APIError, trace: str) -> Response:
 
 
 def generation_request(
-    body: MessagesRequest, model: str, stream_id: str, tenant: str = ""
+    body: MessagesRequest, model: str, stream_id: str, key: ApiKey | None = None
 ) -> GenerationRequest:
     """The engine's request: the plain-text prompt, the limits, and the Chat Completions
-    body a relay forwards."""
+    body a relay forwards; `key` (None: an open server's caller) gives its name, priority
+    and weight."""
+    key = key or ApiKey(name="")
     chat = chat_body(body, model)
     messages = chat["messages"]
     options: dict[str, Any] = {
@@ -184,7 +188,9 @@ def generation_request(
         messages=tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
         body=chat,
         options=options,
-        tenant=tenant,
+        tenant=key.name,
+        priority=key.priority,
+        weight=key.weight,
     )
 
 

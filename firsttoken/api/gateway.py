@@ -13,7 +13,7 @@ from typing import Any, TypeVar
 from pydantic import BaseModel
 from starlette.requests import Request
 
-from firsttoken.admission import Admission, Ticket, sets_own_latency
+from firsttoken.admission import Admission, ApiKey, Ticket, sets_own_latency
 from firsttoken.api.bodies import APIError, read_model
 from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
@@ -22,7 +22,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Renderer, Stream
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.observability import Metrics, log_event
+from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
@@ -44,15 +44,22 @@ class Gateway:
     metrics: Metrics
     admission: Admission
 
-    async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, Ticket]:
-        """Authenticate, read and validate the body, resolve the model, then admit."""
+    async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, ApiKey]:
+        """Authenticate, read and validate the body, resolve the model."""
         key = self.admission.authenticate(request)
         body = await read_model(
             request, kind, self.settings.max_body_bytes, self.settings.body_timeout_s
         )
         model = self.model(getattr(body, "model", None))
-        ticket = await self.admission.admit(key)
-        return body, model, ticket
+        return body, model, key
+
+    async def admit(self, key: ApiKey, generation: GenerationRequest) -> Ticket:
+        """Admit the request once its prompt and limits are known: the key's token budget
+        holds its prompt (counted here, once) plus its `max_tokens`."""
+        prompt_tokens = self.engine.prompt_tokens(generation.prompt)
+        ticket = await self.admission.admit(key, prompt_tokens, generation.max_tokens)
+        ticket.prompt_tokens = prompt_tokens
+        return ticket
 
     def open_stream(
         self,
@@ -80,14 +87,20 @@ class Gateway:
                 kind=kind,
                 trace_id=trace,
                 grace_s=s.resume_grace_s if kind == "native" else s.openai_grace_s,
-                prompt_tokens=self.engine.prompt_tokens(generation.prompt),
+                prompt_tokens=ticket.prompt_tokens,
                 max_events=s.resume_max_events,
                 accepted_at=accepted_at,
                 window=s.stream_buffer_events,
             )
         except Exception as exc:  # admitted, but no stream to end: give the ticket back here
             self.registry.unstarted(ticket)
-            log_event("stream.open_failed", logging.ERROR, trace_id=trace, error=repr(exc))
+            log_event(
+                "stream.open_failed",
+                logging.ERROR,
+                trace_id=trace,
+                key=key_label(ticket.key.name),
+                error=repr(exc),
+            )
             raise APIError(500, "internal_error", "the stream could not be set up") from None
         stream.ticket = ticket
         ticket.own_latency = sets_own_latency(generation.options)

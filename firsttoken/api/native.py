@@ -30,21 +30,24 @@ async def create_stream(request: Request) -> Response:
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body, model, ticket = await gw.accept(request, NativeStreamRequest)
+        body, model, key = await gw.accept(request, NativeStreamRequest)
+        stream_id = new_stream_id()
+        generation = GenerationRequest(
+            request_id=stream_id,
+            prompt=body.prompt,
+            model=model,
+            max_tokens=body.max_tokens,
+            seed=body.seed,
+            temperature=body.temperature,
+            stop=body.stop_strings(),
+            options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+            tenant=key.name,
+            priority=key.priority,
+            weight=key.weight,
+        )
+        ticket = await gw.admit(key, generation)
     except APIError as exc:
         return exc.response(trace)
-    stream_id = new_stream_id()
-    generation = GenerationRequest(
-        request_id=stream_id,
-        prompt=body.prompt,
-        model=model,
-        max_tokens=body.max_tokens,
-        seed=body.seed,
-        temperature=body.temperature,
-        stop=body.stop_strings(),
-        options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
-        tenant=ticket.key.name,
-    )
     stream = gw.open_stream(
         generation,
         NativeRenderer(binary=body.binary),

@@ -68,27 +68,30 @@ async def _serve(
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body, model, ticket = await gw.accept(request, kind)
+        body, model, key = await gw.accept(request, kind)
+        chat = isinstance(body, ChatCompletionRequest)
+        prompt = body.prompt() if isinstance(body, ChatCompletionRequest) else body.prompt
+        stream_id = new_stream_id()
+        generation = GenerationRequest(
+            request_id=stream_id,
+            prompt=prompt,
+            model=model,
+            max_tokens=body.token_limit(),
+            seed=body.seed,
+            temperature=body.temperature,
+            stop=body.stop_strings(),
+            messages=tuple({"role": m.role, "content": m.text()} for m in body.messages)
+            if isinstance(body, ChatCompletionRequest)
+            else None,
+            options=_options(body),
+            body=body.raw,
+            tenant=key.name,
+            priority=key.priority,
+            weight=key.weight,
+        )
+        ticket = await gw.admit(key, generation)
     except APIError as exc:
         return exc.response(trace)
-    chat = isinstance(body, ChatCompletionRequest)
-    prompt = body.prompt() if isinstance(body, ChatCompletionRequest) else body.prompt
-    stream_id = new_stream_id()
-    generation = GenerationRequest(
-        request_id=stream_id,
-        prompt=prompt,
-        model=model,
-        max_tokens=body.token_limit(),
-        seed=body.seed,
-        temperature=body.temperature,
-        stop=body.stop_strings(),
-        messages=tuple({"role": m.role, "content": m.text()} for m in body.messages)
-        if isinstance(body, ChatCompletionRequest)
-        else None,
-        options=_options(body),
-        body=body.raw,
-        tenant=ticket.key.name,
-    )
     chunk_id = ("chatcmpl-" if chat else "cmpl-") + stream_id
     created = int(time.time())
     # Usage always, for the non-streaming answer to carry it.

@@ -35,6 +35,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
+from firsttoken.admission.keys import ApiKey
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import (
     Gateway,
@@ -76,10 +77,12 @@ async def responses(request: Request) -> Response:
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body, model, ticket = await gw.accept(request, ResponsesRequest)
+        body, model, key = await gw.accept(request, ResponsesRequest)
+        stream_id = new_stream_id()
+        generation = generation_request(body, stream_id, model, key)
+        ticket = await gw.admit(key, generation)
     except APIError as exc:
         return exc.response(trace)
-    stream_id = new_stream_id()
     created = int(time.time())
     base = response_base(body, "resp_" + stream_id, model, created)
     renderer: ResponsesRenderer | ChatRenderer
@@ -91,7 +94,7 @@ async def responses(request: Request) -> Response:
         renderer = ChatRenderer("chatcmpl-" + stream_id, model, created, True)
         coalesce = "off"
     stream = gw.open_stream(
-        generation_request(body, stream_id, model, ticket.key.name),
+        generation,
         renderer,
         kind="responses",
         trace=trace,
@@ -129,8 +132,11 @@ async def _complete(
 
 
 def generation_request(
-    req: ResponsesRequest, stream_id: str, model: str, tenant: str = ""
+    req: ResponsesRequest, stream_id: str, model: str, key: ApiKey | None = None
 ) -> GenerationRequest:
+    """The engine's request; `key` (None: an open server's caller) gives its name, priority
+    and weight."""
+    key = key or ApiKey(name="")
     lines = transcript(req)
     return GenerationRequest(
         request_id=stream_id,
@@ -142,7 +148,9 @@ def generation_request(
         messages=tuple({"role": role, "content": text} for role, text in lines),
         body=chat_body(req, model),
         options={"synthetic": req.synthetic.model_dump() if req.synthetic else None},
-        tenant=tenant,
+        tenant=key.name,
+        priority=key.priority,
+        weight=key.weight,
     )
 
 

@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from functools import partial
+from typing import Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -19,13 +20,24 @@ from anyio.abc import TaskGroup, TaskStatus
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
-from firsttoken.core.stream import AdmissionTicket, Outcome, Stream
+from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
 from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
-from firsttoken.observability import Metrics, log_event
+from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.resume import EventStore, MemoryStore
 from firsttoken.resume.budget import ResumeBudget
 
-__all__ = ["StreamRegistry"]
+__all__ = ["StreamRegistry", "StreamTracer"]
+
+
+class StreamTracer(Protocol):
+    """Told of each stream's start, first token and end (`--otlp-endpoint`: a span per
+    stream and its GenAI metrics). Nothing per token."""
+
+    def started(self, stream: Stream) -> None: ...
+
+    def first_token(self, stream: Stream, ttft_s: float) -> None: ...
+
+    def ended(self, stream: Stream) -> None: ...
 
 
 class _Pulled:
@@ -57,7 +69,13 @@ class _Pulled:
             except EngineError as exc:
                 stream.fail(exc)
             except Exception as exc:  # a bug must still end the stream with an error event
-                log_event("stream.crashed", logging.ERROR, stream=stream.id, error=repr(exc))
+                log_event(
+                    "stream.crashed",
+                    logging.ERROR,
+                    stream=stream.id,
+                    key=key_label(stream.request.tenant),
+                    error=repr(exc),
+                )
                 stream.fail(EngineError("internal_error", "internal error"))
         if self.scope.cancelled_caught:
             with anyio.CancelScope(shield=True):
@@ -93,6 +111,7 @@ class StreamRegistry:
         self.pacer: Pacer | None = None  # --max-stream-bytes-per-s: every writer's budget
         self.max_response_bytes: int | None = None  # --max-response-bytes: a whole answer's
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
+        self.tracer: StreamTracer | None = None  # --otlp-endpoint
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
@@ -157,6 +176,8 @@ class StreamRegistry:
         self.metrics.active_streams += 1
         stream.on_end = self._on_end
         stream.on_first_token = self._on_first_token
+        if self.tracer is not None:
+            self.tracer.started(stream)
         request = stream.request
         try:
             if self.store.replicates:
@@ -166,6 +187,7 @@ class StreamRegistry:
                 "stream.accepted",
                 stream=stream.id,
                 trace_id=stream.trace_id,
+                key=key_label(request.tenant),
                 model=request.model,
                 max_tokens=request.max_tokens,
             )
@@ -180,7 +202,13 @@ class StreamRegistry:
             stream.fail(exc)
             return exc
         except Exception as exc:
-            log_event("stream.open_failed", logging.ERROR, stream=stream.id, error=repr(exc))
+            log_event(
+                "stream.open_failed",
+                logging.ERROR,
+                stream=stream.id,
+                key=key_label(request.tenant),
+                error=repr(exc),
+            )
             error = EngineError("internal_error", "the engine failed to start this stream")
             stream.fail(error)
             return error
@@ -210,13 +238,13 @@ class StreamRegistry:
         stream.outcome = Outcome.DISCONNECTED
         self.metrics.streams[Outcome.DISCONNECTED.value] += 1
         if stream.ticket is not None:
-            self._spawn(stream.ticket.release, Outcome.DISCONNECTED, 0, inline=True)
+            self._spawn(self._release, stream.ticket, Outcome.DISCONNECTED, None, inline=True)
 
     def unstarted(self, ticket: AdmissionTicket) -> None:
         """An admitted request failed before it had a stream: its ticket goes back, and it
         counts as `error`."""
         self.metrics.streams[Outcome.ERROR.value] += 1
-        self._spawn(ticket.release, Outcome.ERROR, 0, inline=True)
+        self._spawn(self._release, ticket, Outcome.ERROR, None, inline=True)
 
     def attach(self, stream: Stream) -> None:
         stream.readers += 1
@@ -284,10 +312,13 @@ class StreamRegistry:
         self.metrics.ttft.observe(ttft_s)
         if stream.ticket is not None:
             stream.ticket.first_token(ttft_s)
+        if self.tracer is not None:
+            self.tracer.first_token(stream, ttft_s)
         log_event(
             "stream.first_token",
             stream=stream.id,
             trace_id=stream.trace_id,
+            key=key_label(stream.request.tenant),
             ttft_ms=round(ttft_s * 1000, 3),
         )
 
@@ -296,6 +327,8 @@ class StreamRegistry:
         assert outcome is not None
         self.metrics.active_streams -= 1
         self.metrics.streams[outcome.value] += 1
+        if self.tracer is not None:
+            self.tracer.ended(stream)
         self._expiry.append((self.clock() + self.ttl_s, stream.id))
         self.store.finish(stream.id, outcome.value, stream.log.last_seq, self.ttl_s)
         if self.budget is not None:
@@ -307,7 +340,7 @@ class StreamRegistry:
         if stream.ticket is not None:
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
-            self._spawn(stream.ticket.release, outcome, stream.tokens_generated, inline=True)
+            self._spawn(self._release, stream.ticket, outcome, stream.usage(), inline=True)
 
     def _drop_buffer(self, stream_id: str) -> None:
         """A finished stream's events go before its TTL (the resume budget): it stays known,
@@ -316,7 +349,21 @@ class StreamRegistry:
         if stream is not None:
             stream.log.drop()
         self.store.release(stream_id)
-        log_event("stream.buffer_dropped", stream=stream_id)
+        key = key_label(stream.request.tenant) if stream is not None else None
+        log_event("stream.buffer_dropped", stream=stream_id, key=key)
+
+    async def _release(
+        self, ticket: AdmissionTicket, outcome: Outcome, usage: Usage | None
+    ) -> None:
+        try:
+            await ticket.release(outcome, usage)
+        except Exception as exc:  # one failed release must not stop the rest
+            log_event(
+                "stream.release_failed",
+                logging.ERROR,
+                key=key_label(ticket.key.name),
+                error=repr(exc),
+            )
 
     def _spawn(
         self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
@@ -338,8 +385,8 @@ class StreamRegistry:
                     continue
                 try:
                     await fn(*args)
-                except Exception as exc:  # one failed release must not stop the rest
-                    log_event("stream.release_failed", logging.ERROR, error=repr(exc))
+                except Exception as exc:  # one failed piece of work must not stop the rest
+                    log_event("registry.spawn_failed", logging.ERROR, error=repr(exc))
             self._spawn_wakeup = asyncio.get_running_loop().create_future()
             await self._spawn_wakeup
 
@@ -353,6 +400,7 @@ class StreamRegistry:
             "stream.finished",
             stream=stream.id,
             trace_id=stream.trace_id,
+            key=key_label(stream.request.tenant),
             outcome=stream.outcome.value,
             tokens_generated=stream.tokens_generated,
             tokens_sent=stream.tokens_sent,

@@ -19,7 +19,7 @@ import secrets
 import time
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -29,7 +29,7 @@ from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRe
 from firsttoken.resume import StreamRecord, token_digest
 from firsttoken.wire.sse import encode_event
 
-__all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream"]
+__all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "Usage"]
 
 _dumps = orjson.dumps
 
@@ -81,14 +81,28 @@ class Renderer(Protocol):
         ...
 
 
+class Usage(NamedTuple):
+    """What one answer used, in tokens: what its key is billed and counted for."""
+
+    prompt: int = 0
+    completion: int = 0  # reasoning included, as OpenAI counts it
+    reasoning: int = 0
+    cached: int = 0  # prompt tokens the upstream read from its cache (part of `prompt`)
+
+
+class _Named(Protocol):
+    name: str
+
+
 class AdmissionTicket(Protocol):
     """What admission hands a stream: told of its first token and of its end."""
 
     client_fault: bool  # set when the stream's error was the request's own doing
+    key: _Named  # the API key it was admitted for (its name goes into log lines)
 
     def first_token(self, ttft_s: float) -> None: ...
 
-    async def release(self, outcome: Outcome, tokens: int = 0) -> None: ...
+    async def release(self, outcome: Outcome, usage: Usage | None = None) -> None: ...
 
 
 class Stream:
@@ -106,9 +120,11 @@ class Stream:
         "_token_event",
         "accepted_at",
         "coalesce",
+        "counted",
         "delivered_seq",
         "error_code",
         "error_status",
+        "finish_reason",
         "first_generated_at",
         "first_token_at",
         "generation",
@@ -164,11 +180,13 @@ class Stream:
         self.delivered_seq = 0  # highest seq written to any reader: later writes are replays
         self.tokens_generated = 0
         self.reasoning_tokens = 0
+        self.counted: Mapping[str, Any] | None = None  # the engine's own usage, at the finish
         self.tokens_sent = 0
         self.readers = 0
         self.outcome: Outcome | None = None
         self.error_code: str | None = None
         self.error_status: int | None = None  # an upstream's HTTP status, for a whole answer
+        self.finish_reason: str | None = None  # set by `finish`
         self.logged_finish = False
         self.ticket: AdmissionTicket | None = None
         self.coalesce: CoalescePolicy | None = None  # None: one event per token
@@ -343,6 +361,7 @@ class Stream:
         (an upstream's tokenizer counts better than our deltas do)."""
         if self.outcome is not None:
             return
+        self.finish_reason = reason
         self._flush_pending()
         assert self.renderer is not None
         usage: dict[str, Any] = {
@@ -354,9 +373,27 @@ class Stream:
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         if counted and isinstance(counted.get("completion_tokens"), int):
             usage = dict(counted)
+            self.counted = counted
         for name, data in self.renderer.closing(reason, usage):
             self._append(name, data)
         self._end(Outcome.COMPLETED, None)
+
+    def usage(self) -> Usage:
+        """What the answer used: the engine's own count when it gave one at the finish (an
+        upstream's tokenizer, its cached prompt tokens), else this stream's. A stream cut
+        before its finish counts what was generated until then."""
+        counted = self.counted
+        if counted is None:
+            return Usage(self.prompt_tokens, self.tokens_generated, self.reasoning_tokens)
+        return Usage(
+            _count(counted.get("prompt_tokens"), self.prompt_tokens),
+            _count(counted.get("completion_tokens"), self.tokens_generated),
+            _count(
+                _detail(counted, "completion_tokens_details", "reasoning_tokens"),
+                self.reasoning_tokens,
+            ),
+            _count(_detail(counted, "prompt_tokens_details", "cached_tokens"), 0),
+        )
 
     def fail(self, error: EngineError) -> None:
         if self.outcome is not None:
@@ -480,6 +517,20 @@ class Stream:
     def _emit_chunks(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             self._emit(chunk.text, chunk.tokens)
+
+
+def _count(value: object, otherwise: int) -> int:
+    """A token count an engine reported, if it is one."""
+    return (
+        value
+        if isinstance(value, int) and not isinstance(value, bool) and value >= 0
+        else otherwise
+    )
+
+
+def _detail(usage: Mapping[str, Any], details: str, name: str) -> object:
+    part = usage.get(details)
+    return part.get(name) if isinstance(part, Mapping) else None
 
 
 # A stream stopped by its reader's doing is not a server error: the type says whose it was.

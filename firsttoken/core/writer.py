@@ -39,7 +39,7 @@ from firsttoken.core.eventlog import Event, ResumeExpired
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import Stream
-from firsttoken.observability import Metrics, log_event
+from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.connection import ABORT_KEY, CONNECTION_KEY, RAW_SEND_KEY, Held, held_send
 from firsttoken.wire.errors import error_body
@@ -507,6 +507,7 @@ class EventStreamResponse:
                 "stream.reader_stalled",
                 stream=stream.id,
                 trace_id=stream.trace_id,
+                key=key_label(stream.request.tenant),
                 send_timeout_s=timeout,
             )
             if abort is not None:

@@ -16,6 +16,7 @@ import logging
 import re
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import aclosing, suppress
+from typing import Any, Protocol
 
 import anyio
 from prometheus_client.core import (
@@ -27,14 +28,34 @@ from prometheus_client.core import (
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
 from firsttoken.observability import log_event
-from firsttoken.routes.config import ModelRoute, RouteTable
+from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
-__all__ = ["PHASES", "RoutedEngine"]
+__all__ = ["PHASES", "LegWatch", "RouteObserver", "RoutedEngine"]
 
 PHASES = ("connect", "first_token", "mid_stream")
+
+
+class LegWatch(Protocol):
+    """One upstream leg, watched: told of each chunk (at the loop's time) and of its end
+    (None: the upstream finished; else what ended it, a close by the router included)."""
+
+    def chunk(self, now: float) -> None: ...
+
+    def end(self, failure: BaseException | None) -> None: ...
+
+
+class RouteObserver(Protocol):
+    """What a tracer (`--otlp-endpoint`) hears of the routes: each leg (it may hand the leg
+    a request with its own trace context for the upstream) and each route event."""
+
+    def leg(
+        self, request: GenerationRequest, target: TargetConfig, model: str, now: float
+    ) -> tuple[GenerationRequest, LegWatch | None]: ...
+
+    def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
 class RoutedEngine:
@@ -49,6 +70,7 @@ class RoutedEngine:
             (route, phase): 0 for route in table.routes for phase in PHASES
         }
         self.handoffs: dict[str, int] = dict.fromkeys(table.routes, 0)
+        self.observer: RouteObserver | None = None  # --otlp-endpoint: spans per leg, events
         self._current: dict[str, Target] = {}
         self._turn = 0
         self._checks: list[asyncio.Task[None]] = []
@@ -149,7 +171,7 @@ class RoutedEngine:
                 if why is None and handing is None and splices >= route.max_splices:
                     why = f"the route allows {route.max_splices} splice(s)"
                 if why is not None:
-                    log_event(
+                    self._said(
                         "route.no_splice",
                         logging.WARNING,
                         stream=request.request_id,
@@ -249,7 +271,7 @@ class RoutedEngine:
                 target.health.hold(now, error.retry_after_s)
             else:
                 target.health.failure(now)
-            log_event(
+            self._said(
                 "route.target_failed",
                 logging.WARNING,
                 stream=request.request_id,
@@ -305,7 +327,7 @@ class RoutedEngine:
         fallback = source is to
         if not fallback:
             self.handoffs[route.name] += 1
-        log_event(
+        self._said(
             "route.handoff_fallback" if fallback else "route.handoff",
             stream=request.request_id,
             route=route.name,
@@ -384,8 +406,13 @@ class RoutedEngine:
         limit = min(cfg.first_token_timeout_s, left)
         deadline = Deadline()
         first = True
+        watch: LegWatch | None = None
+        failure: BaseException | None = None
         try:
-            deltas = target.generate(request, self._model(route, target, request))
+            model = self._model(route, target, request)
+            if self.observer is not None:
+                request, watch = self.observer.leg(request, cfg, model, loop.time())
+            deltas = target.generate(request, model)
             async with aclosing(deltas) as it:
                 while True:
                     began = loop.time()
@@ -400,11 +427,19 @@ class RoutedEngine:
                         raise _silence(target, first, limit >= left) from None
                     finally:
                         deadline.done_waiting()
-                    left -= loop.time() - began
+                    now = loop.time()
+                    left -= now - began
                     limit = min(cfg.idle_timeout_s, left)
                     first = False
+                    if watch is not None:
+                        watch.chunk(now)
                     yield delta
+        except BaseException as exc:
+            failure = exc
+            raise
         finally:
+            if watch is not None:
+                watch.end(failure)
             deadline.close()
             target.give_slot()
             if self._current.get(rid) is target:
@@ -430,7 +465,7 @@ class RoutedEngine:
     ) -> None:
         source, phase = failed
         self.failovers[(route.name, phase)] += 1
-        log_event(
+        self._said(
             "route.splice" if phase == "mid_stream" else "route.failover",
             stream=request.request_id,
             route=route.name,
@@ -439,6 +474,12 @@ class RoutedEngine:
             to=to.name,
             at_token=transcript.tokens,
         )
+
+    def _said(self, event: str, level: int = logging.INFO, **fields: Any) -> None:
+        """A route event: its log line and, with an observer, an event on the stream's span."""
+        log_event(event, level, **fields)
+        if self.observer is not None:
+            self.observer.event(event, fields)
 
     async def _watch(self, target: Target) -> None:
         """Active health: GET /models every `health_check_interval_s`."""

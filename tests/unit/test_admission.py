@@ -7,10 +7,11 @@ import asyncio
 
 import pytest
 
-from firsttoken.admission import Admission, ApiKey, sets_own_latency, shedding
+from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
+from firsttoken.admission.limits import TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
-from firsttoken.core.stream import Outcome
+from firsttoken.core.stream import Outcome, Usage
 from firsttoken.observability import Metrics
 from firsttoken.wire.errors import APIError
 from tests.unit.clock import FakeClock
@@ -154,3 +155,82 @@ def test_only_a_chosen_ttft_is_the_requests_own_latency() -> None:
     assert not sets_own_latency({"synthetic": {"ttft_ms": None, "fail_after": 0}})
     assert not sets_own_latency({"synthetic": None})
     assert not sets_own_latency({})
+
+
+DAVE = ApiKey(name="dave", tokens_per_minute=100, max_streams=2)
+
+
+def budgeted(clock: FakeClock) -> Admission:
+    adm = admission()
+    adm.limits.budgets = TokenBudgets(clock)
+    return adm
+
+
+def test_a_budget_holds_prompt_plus_max_tokens_and_settles_with_the_real_use(
+    clock: FakeClock,
+) -> None:
+    async def body() -> None:
+        adm = budgeted(clock)
+        first = await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)
+        assert adm.limits.budgets.used("dave") == 55
+        second = await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)  # 55 < 100
+        with pytest.raises(APIError) as refused:
+            await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)
+        assert refused.value.status == 429 and refused.value.code == "token_budget_exceeded"
+        await first.release(Outcome.COMPLETED, Usage(prompt=5, completion=20))
+        await second.release(Outcome.DISCONNECTED, Usage(prompt=5, completion=3))  # cut
+        assert adm.limits.budgets.used("dave") == 25 + 8
+
+    asyncio.run(body())
+
+
+def test_no_max_tokens_holds_the_default_answer(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = budgeted(clock)
+        await adm.admit(DAVE, prompt_tokens=5)
+        assert adm.limits.budgets.used("dave") == 5 + 1024
+
+    asyncio.run(body())
+
+
+def test_a_request_refused_after_its_hold_gives_the_hold_back(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = budgeted(clock)
+        adm.keys = KeyRing({"sk-dave": DAVE})  # per-key slots count only with a keys file
+        held = [await adm.admit(DAVE, prompt_tokens=1, max_tokens=10) for _ in range(2)]
+        with pytest.raises(APIError) as refused:  # its two slots are taken
+            await adm.admit(DAVE, prompt_tokens=1, max_tokens=10)
+        assert refused.value.code == "concurrency_limit_exceeded"
+        assert adm.limits.budgets.used("dave") == 22
+        for ticket in held:
+            await ticket.release(Outcome.COMPLETED, Usage(prompt=1, completion=10))
+        assert adm.limits.budgets.used("dave") == 22
+
+    asyncio.run(body())
+
+
+def test_a_stream_that_generated_nothing_and_did_not_complete_is_not_billed() -> None:
+    used = Usage(prompt=7, completion=0)
+    assert billed(Outcome.ERROR, used) == Usage()  # e.g. refused upstream before a token
+    assert billed(Outcome.CANCELLED, used) == Usage()
+    assert billed(Outcome.COMPLETED, used) == used  # an empty answer still read its prompt
+    cut = Usage(prompt=7, completion=5)
+    assert billed(Outcome.DISCONNECTED, cut) == cut  # cut by its client: what was generated
+    assert billed(Outcome.DISCONNECTED, None) == Usage()  # never started
+
+
+def test_usage_is_counted_per_key_name(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = budgeted(clock)
+        opened = await adm.admit(ANYONE, prompt_tokens=3, max_tokens=10)
+        await opened.release(Outcome.COMPLETED, Usage(3, 10, 4, 2))
+        dave = await adm.admit(DAVE, prompt_tokens=5, max_tokens=10)
+        await dave.release(Outcome.COMPLETED, Usage(5, 9))
+        await dave.release(Outcome.COMPLETED, Usage(5, 9))  # released once only
+        tokens = adm.metrics.key_tokens
+        assert tokens["open", "prompt"] == 3 and tokens["open", "completion"] == 10
+        assert tokens["open", "reasoning"] == 4 and tokens["open", "cached"] == 2
+        assert tokens["dave", "prompt"] == 5 and tokens["dave", "completion"] == 9
+        assert tokens["dave", "cached"] == 0
+
+    asyncio.run(body())

@@ -49,3 +49,44 @@ def test_the_same_key_under_two_names_is_refused(tmp_path: Path) -> None:
         f"{path}: keys[2] ('carol') has the same key as keys[0] ('alice'); "
         "each key must be listed once"
     )
+
+
+def test_priority_and_weight_default_and_parse(tmp_path: Path) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[[keys]]\nname = "batch"\nkey = "sk-b"\npriority = -1\nweight = 0.5\n\n'
+        '[[keys]]\nname = "live"\nkey = "sk-l"\npriority = 2\nweight = 3\n\n'
+        '[[keys]]\nname = "plain"\nkey = "sk-p"\n'
+    )
+    ring = KeyRing.load(path)
+    assert ring.find("sk-b") == ApiKey(name="batch", priority=-1, weight=0.5)
+    live = ring.find("sk-l")
+    assert live is not None and live.priority == 2
+    assert live.weight == 3.0 and isinstance(live.weight, float)
+    assert ring.find("sk-p") == ApiKey(name="plain", priority=0, weight=1.0)
+    assert ring.names() == ["batch", "live", "plain"]
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ('priority = "high"', "keys[0].priority must be an integer"),
+        ("priority = 1.5", "keys[0].priority must be an integer"),
+        ("priority = true", "keys[0].priority must be an integer"),
+        ("weight = 0", "keys[0].weight must be a positive number"),
+        ("weight = -2", "keys[0].weight must be a positive number"),
+        ("weight = nan", "keys[0].weight must be a positive number"),
+        ("weight = inf", "keys[0].weight must be a positive number"),
+        ('weight = "2"', "keys[0].weight must be a positive number"),
+        ("weight = true", "keys[0].weight must be a positive number"),
+        ("max_streams = true", "keys[0].max_streams must be a positive integer"),
+    ],
+)
+def test_a_bad_priority_or_weight_is_one_line_naming_it(
+    tmp_path: Path, field: str, message: str
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(f'[[keys]]\nname = "x"\nkey = "k"\n{field}\n')
+    with pytest.raises(ValueError) as refused:
+        KeyRing.load(path)
+    assert str(refused.value) == f"{path}: {message}"

@@ -10,11 +10,12 @@ import anyio.lowlevel
 import orjson
 import pytest
 
+from firsttoken.admission.keys import ApiKey
 from firsttoken.core import stream as stream_module
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
 from firsttoken.engines.base import Delta, Generation, Sink, ToolCallDelta
 from firsttoken.observability import Metrics
@@ -89,11 +90,12 @@ def test_an_engine_error_keeps_the_coalesced_text_before_it() -> None:
 class _Ticket:
     def __init__(self) -> None:
         self.client_fault = False
+        self.key = ApiKey(name="k")
 
     def first_token(self, ttft_s: float) -> None:
         pass
 
-    async def release(self, outcome: Outcome, tokens: int = 0) -> None:
+    async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         pass
 
 
@@ -276,3 +278,37 @@ def test_a_pulled_engine_reads_the_whole_request_after_start_returns() -> None:
         assert stream.request.body is None
 
     asyncio.run(body())
+
+
+def test_usage_is_what_was_generated_when_cut() -> None:
+    stream = make()
+    stream.begin()
+    stream.push_delta(Delta("", reasoning="think"))
+    for text in "abcd":
+        stream.push(text)
+    stream.stop(Outcome.DISCONNECTED)  # its client left after 5 tokens
+    assert stream.usage() == Usage(prompt=1, completion=5, reasoning=1, cached=0)
+
+
+def test_usage_is_the_engines_own_count_when_it_gave_one() -> None:
+    stream = make()
+    stream.begin()
+    stream.push("a")
+    counted = {
+        "prompt_tokens": 31,
+        "completion_tokens": 17,
+        "total_tokens": 48,
+        "prompt_tokens_details": {"cached_tokens": 24},
+        "completion_tokens_details": {"reasoning_tokens": 6},
+    }
+    stream.push_delta(Delta("", finish_reason="stop", usage=counted))
+    assert stream.usage() == Usage(prompt=31, completion=17, reasoning=6, cached=24)
+
+
+def test_a_malformed_engine_count_falls_back_to_the_streams() -> None:
+    stream = make()
+    stream.begin()
+    stream.push("a")
+    odd = {"completion_tokens": 3, "prompt_tokens": "many", "prompt_tokens_details": None}
+    stream.push_delta(Delta("", finish_reason="stop", usage=odd))
+    assert stream.usage() == Usage(prompt=1, completion=3, reasoning=0, cached=0)
