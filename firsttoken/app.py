@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import anyio
 from starlette.applications import Starlette
@@ -33,6 +34,9 @@ from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import RAW_SEND_KEY
 from firsttoken.wire.errors import APIError
+
+if TYPE_CHECKING:
+    from firsttoken.telemetry import Telemetry
 
 __all__ = ["RawSendApp", "asgi_app", "create_app"]
 
@@ -66,7 +70,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
     routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
+    telemetry = _telemetry(settings, registry, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
+    parts += (telemetry,)
     for part in parts:
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
@@ -83,6 +89,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             yield
             tg.cancel_scope.cancel()
         await engine.close()
+        if telemetry is not None:
+            await telemetry.close()  # after the drain ended every stream: their spans go too
 
     api = [
         Route("/chat/completions", openai.chat_completions, methods=["POST"]),
@@ -118,6 +126,19 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.gateway = gw
     return app
+
+
+def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:
+    """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
+    if not settings.otlp_endpoint:
+        return None
+    from firsttoken.telemetry import Telemetry  # the SDK is imported only when asked for
+
+    telemetry = Telemetry(settings.otlp_endpoint)
+    registry.tracer = telemetry
+    if hasattr(routed, "observer"):
+        routed.observer = telemetry
+    return telemetry
 
 
 # The chat page loads its scripts, styles and streams from this server only, and renders
