@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import socket
 import time
 from collections.abc import Iterator
@@ -33,6 +34,17 @@ max_streams = 1
 name = "dave"
 key = "sk-dave"
 tokens_per_minute = 50
+
+[[keys]]
+name = "erin"
+key = "sk-erin"
+tokens_per_minute = 100
+max_streams = 50
+
+[[keys]]
+name = "frank"
+key = "sk-frank"
+tokens_per_minute = 100000
 """
 MSG = [{"role": "user", "content": "limits"}]
 GENERATED = "firsttoken_tokens_generated_total"
@@ -163,6 +175,103 @@ def spend_budget(first: Server, second: Server) -> None:
 
 def test_tokens_per_minute_budget(keyed: Server) -> None:
     spend_budget(keyed, keyed)
+
+
+def billed(server: Server, key: str) -> tuple[float, float]:
+    """(prompt, completion) tokens billed to the key so far."""
+    metrics = server.metrics()
+    return tuple(  # type: ignore[return-value]
+        metrics[f'firsttoken_key_tokens_total{{key="{key}",kind="{kind}"}}']
+        for kind in ("prompt", "completion")
+    )
+
+
+def outside_a_minute_boundary() -> None:
+    if (left := 60 - time.time() % 60) < 10:
+        time.sleep(left + 0.5)  # don't straddle the minute the budget counts in
+
+
+def burst_on_erin(servers: list[Server], n: int) -> list[httpx.Response]:
+    """`n` requests of up to 50 answer tokens at once from erin (100 tokens a minute),
+    spread over `servers`."""
+
+    async def burst() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=30) as client:
+            return await asyncio.gather(
+                *(
+                    client.post(
+                        servers[i % len(servers)].v1 + "/completions",
+                        headers=auth("sk-erin"),
+                        json={"prompt": "budget", "max_tokens": 50},
+                    )
+                    for i in range(n)
+                )
+            )
+
+    outside_a_minute_boundary()
+    answers = asyncio.run(burst())
+    ok = [r for r in answers if r.status_code == 200]
+    refused = [r for r in answers if r.status_code != 200]
+    assert ok and len(ok) < n
+    assert {r.json()["error"]["code"] for r in refused} == {"token_budget_exceeded"}
+    used = sum(r.json()["usage"]["total_tokens"] for r in ok)
+    cost = ok[0].json()["usage"]["prompt_tokens"] + 50  # what one request may cost
+    assert used <= 100 + cost  # over by at most one request
+    return ok
+
+
+def test_concurrent_requests_go_over_a_budget_by_at_most_one_request(keyed: Server) -> None:
+    # Each request holds its prompt + 50 at admission, so the ones admitted while the minute
+    # was under 100 are all that run (an admission check alone let all 20 in: 1,040 tokens).
+    ok = burst_on_erin([keyed], 20)
+    prompt, completion = billed(keyed, "erin")
+    assert prompt + completion == sum(r.json()["usage"]["total_tokens"] for r in ok)
+
+
+def test_two_instances_hold_one_budget_in_redis(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS)
+    with run_redis() as url:
+        args = ("--redis", url, "--api-keys", str(keys), "--synthetic-itl-ms", "5")
+        with run_server(*args) as a, run_server(*args) as b:
+            burst_on_erin([a, b], 20)
+
+
+def test_a_stream_its_client_cuts_is_billed_what_was_generated(keyed: Server) -> None:
+    before = billed(keyed, "frank")
+    with httpx.stream(
+        "POST",
+        keyed.v1 + "/chat/completions",
+        headers=auth("sk-frank"),
+        json={"messages": MSG, "stream": True, "max_tokens": 200},
+        timeout=10,
+    ) as r:
+        chunks = 0
+        for line in r.iter_lines():
+            if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["delta"].get(
+                "content"
+            ):
+                chunks += 1
+                if chunks == 5:
+                    break  # the client leaves after 5 chunks
+
+    def finished() -> dict | None:
+        return next(
+            (
+                rec
+                for rec in keyed.log_records()
+                if rec.get("event") == "stream.finished" and rec.get("key") == "frank"
+            ),
+            None,
+        )
+
+    wait_for(lambda: finished() is not None, timeout=10)
+    record = finished()
+    assert record is not None and record["outcome"] == "disconnected"
+    prompt, completion = billed(keyed, "frank")
+    assert completion - before[1] == record["tokens_generated"]  # what was generated...
+    assert 5 <= record["tokens_generated"] < 200  # ...not the 200 it asked for
+    assert prompt - before[0] > 0  # and its prompt
 
 
 def test_burst_over_the_new_stream_bucket() -> None:
