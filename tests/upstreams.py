@@ -89,7 +89,7 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     done = [_chunk(chat, None, "stop"), b"data: [DONE]\n\n"]
     if name == "ok":
         return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), *done]
-    if name in ("vllm-tools", "vllm-reasoning"):
+    if name in ("vllm-tools", "vllm-reasoning", "vllm-cached"):
         return 200, sse, [_data(c) for c in VLLM_CHUNKS[name]] + [b"data: [DONE]\n\n"]
     if name == "ok-no-done":  # older TGI: finish_reason, then the body ends
         return 200, sse, [*before, *(_chunk(chat, t) for t in TOKENS[2:]), done[0]]
@@ -207,6 +207,14 @@ def _vllm(delta: dict, finish: str | None = None, **choice: object) -> dict:
 # What vLLM streams with a reasoning parser and a tool parser on: reasoning_content first,
 # then a tool call whose arguments arrive in fragments, the finish, and a usage chunk.
 VLLM_USAGE = {"prompt_tokens": 31, "completion_tokens": 17, "total_tokens": 48}
+# vLLM with prefix caching on (`--enable-prompt-tokens-details`): the prompt's cached part.
+VLLM_CACHED_USAGE = {
+    "prompt_tokens": 31,
+    "completion_tokens": 17,
+    "total_tokens": 48,
+    "prompt_tokens_details": {"cached_tokens": 24},
+    "completion_tokens_details": {"reasoning_tokens": 1},
+}
 VLLM_ARGUMENTS = ['{"city": ', '"Par', 'is", "u', 'nit": "c"', "}"]
 VLLM_CHUNKS = {
     "vllm-tools": [
@@ -257,6 +265,12 @@ VLLM_CHUNKS = {
 }
 
 
+VLLM_CHUNKS["vllm-cached"] = [
+    *VLLM_CHUNKS["vllm-reasoning"][:-1],
+    {**VLLM_CHUNKS["vllm-reasoning"][-1], "usage": VLLM_CACHED_USAGE},
+]
+
+
 NGINX_502 = (
     b"<html>\r\n<head><title>502 Bad Gateway</title></head>\r\n<body>\r\n"
     b"<center><h1>502 Bad Gateway</h1></center>\r\n<hr><center>nginx/1.22.1</center>\r\n"
@@ -269,7 +283,8 @@ SCENARIOS = (
     "openai-event-error early-error cut cut-chunked hang hang-before "
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
-    "vllm-tools vllm-reasoning http-429-retry rejects-prefill cut-in-tool cut-in-reasoning"
+    "vllm-tools vllm-reasoning vllm-cached http-429-retry rejects-prefill cut-in-tool "
+    "cut-in-reasoning"
 ).split()
 
 

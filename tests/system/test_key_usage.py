@@ -1,0 +1,159 @@
+"""Usage per key (issue 29.3): `firsttoken_key_tokens_total{key, kind}` counts what each key
+was billed, by the key's name from the keys file (`open` without one), and every `stream.*`
+log line names the key."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from tests.servers import Server, run_server, wait_for
+from tests.upstreams import VLLM_CACHED_USAGE, scripted_upstream
+
+KEYS = """
+[[keys]]
+name = "alice"
+key = "sk-alice"
+
+[[keys]]
+name = "bob"
+key = "sk-bob"
+priority = 1
+weight = 2
+
+[[keys]]
+name = "carol"
+key = "sk-carol"
+"""
+KINDS = ("prompt", "completion", "reasoning", "cached")
+MSG = [{"role": "user", "content": "usage per key"}]
+
+
+def tokens(server: Server, key: str) -> dict[str, float]:
+    metrics = server.metrics()
+    return {
+        kind: metrics[f'firsttoken_key_tokens_total{{key="{key}",kind="{kind}"}}'] for kind in KINDS
+    }
+
+
+def counted(server: Server, key: str, expected: dict[str, float]) -> None:
+    """The key's counters reach `expected` (a stream's ticket is released just after its
+    answer's last byte), and say exactly that."""
+    wait_for(lambda: tokens(server, key) == expected, timeout=5)
+    assert tokens(server, key) == expected
+
+
+def client(server: Server, key: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.v1, api_key=key, max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    path: Path = tmp_path_factory.mktemp("keys") / "keys.toml"
+    path.write_text(KEYS)
+    args = ("--api-keys", str(path), "--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "2")
+    with run_server(*args) as server:
+        yield server
+
+
+def test_two_keys_are_counted_apart_by_name(keyed: Server) -> None:
+    assert tokens(keyed, "carol") == dict.fromkeys(KINDS, 0.0)  # every key's series, at 0
+    alice = client(keyed, "sk-alice").chat.completions.create(
+        model="synthetic",
+        messages=MSG,
+        max_tokens=12,  # type: ignore[arg-type]
+    )
+    stream = client(keyed, "sk-bob").chat.completions.create(
+        model="synthetic",
+        messages=MSG,  # type: ignore[arg-type]
+        max_tokens=7,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"synthetic": {"reasoning_tokens": 3}},
+    )
+    bob = [c.usage for c in stream if c.usage is not None][-1]
+    assert alice.usage is not None
+    counted(
+        keyed,
+        "alice",
+        {
+            "prompt": alice.usage.prompt_tokens,
+            "completion": alice.usage.completion_tokens,
+            "reasoning": 0,
+            "cached": 0,
+        },
+    )
+    assert alice.usage.completion_tokens == 12
+    reasoning = bob.completion_tokens_details.reasoning_tokens  # type: ignore[union-attr]
+    assert reasoning == 3
+    counted(
+        keyed,
+        "bob",
+        {
+            "prompt": bob.prompt_tokens,
+            "completion": bob.completion_tokens,
+            "reasoning": reasoning,
+            "cached": 0,
+        },
+    )
+    assert tokens(keyed, "carol") == dict.fromkeys(KINDS, 0.0)
+    # Only names from the keys file: no series for anyone else.
+    names = {
+        k.split('key="')[1].split('"')[0]
+        for k in keyed.metrics()
+        if k.startswith("firsttoken_key_tokens_total{")
+    }
+    assert names == {"alice", "bob", "carol"}
+
+
+def test_every_stream_log_line_names_its_key(keyed: Server) -> None:
+    r = httpx.post(
+        keyed.v1 + "/completions",
+        headers={"Authorization": "Bearer sk-carol"},
+        json={"prompt": "log", "max_tokens": 3},
+        timeout=10,
+    )
+    stream_id = r.headers["x-stream-id"]
+
+    def lines() -> list[dict]:
+        return [rec for rec in keyed.log_records() if rec.get("stream") == stream_id]
+
+    wait_for(lambda: any(rec["event"] == "stream.finished" for rec in lines()))
+    events = {rec["event"] for rec in lines()}
+    assert {"stream.accepted", "stream.first_token", "stream.finished"} <= events
+    stream_lines = [rec for rec in lines() if rec["event"].startswith("stream.")]
+    assert {rec.get("key") for rec in stream_lines} == {"carol"}
+
+
+def test_an_open_server_counts_key_open_and_upstream_cached_tokens() -> None:
+    # A relay over a vLLM-shaped upstream that reports its prefix cache's part of the prompt.
+    with (
+        scripted_upstream() as up,
+        run_server("--engine", "openai", "--upstream", up.url) as relay,
+    ):
+        before = tokens(relay, "open")
+        assert before == dict.fromkeys(KINDS, 0.0)
+        stream = client(relay, "none").chat.completions.create(
+            model="vllm-cached",
+            messages=MSG,  # type: ignore[arg-type]
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        usage = [c.usage for c in stream if c.usage is not None][-1]
+        assert usage.prompt_tokens_details.cached_tokens == 24  # type: ignore[union-attr]
+        counted(
+            relay,
+            "open",
+            {
+                "prompt": VLLM_CACHED_USAGE["prompt_tokens"],
+                "completion": VLLM_CACHED_USAGE["completion_tokens"],
+                "reasoning": 1,
+                "cached": 24,
+            },
+        )
+        finished = [r for r in relay.log_records() if r.get("event") == "stream.finished"]
+        assert finished and finished[-1]["key"] == "open"
