@@ -19,7 +19,7 @@ from typing import Any
 
 from bench import per_token, workloads
 from bench.chart import draw
-from bench.procs import ServerProcess, check_out, raise_fd_limit
+from bench.procs import RedisProcess, ServerProcess, check_out, raise_fd_limit
 from bench.report import compute_ratios, compute_targets, kept_pace, render, within_itl
 from bench.servers import BASELINE, BASELINE_REV, SERVERS, SUBJECT, WORKERS2, ServerSpec
 from bench.sizes import Sizes
@@ -311,12 +311,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     except RuntimeError as exc:
         parser.exit(2, f"python -m bench: {exc} (--baseline-rev none leaves it out)\n")
     raise_fd_limit(max(sizes.saturation + sizes.levels) + 4 * 512)
+    redis = None
+    if any(s.redis for s in specs):  # one redis-server for the --redis servers, for the run
+        try:
+            redis = RedisProcess.start(args.out / "logs" / "redis-server.log")
+        except RuntimeError as exc:
+            parser.exit(2, f"python -m bench: {exc} (leave firsttoken_redis out)\n")
+        with_url = ("--redis", redis.url)
+        specs = [replace(s, extra=(*s.extra, *with_url)) if s.redis else s for s in specs]
     bench = Bench(sizes, specs, args.out, "quick" if args.quick else "full")
     try:
         import uvloop
 
         uvloop.run(bench.run(which))
     finally:
+        if redis is not None:
+            bench.res["meta"]["redis_server_cpu_s"] = round(redis.cpu_seconds(), 2)
+            redis.stop()
         text = bench.finish()
         print(text, flush=True)
         (args.out / "report.txt").write_text(text + "\n")

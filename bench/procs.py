@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,7 +19,14 @@ import psutil
 
 from bench.servers import ServerSpec
 
-__all__ = ["CpuSample", "ServerProcess", "check_out", "cpu_sample", "raise_fd_limit"]
+__all__ = [
+    "CpuSample",
+    "RedisProcess",
+    "ServerProcess",
+    "check_out",
+    "cpu_sample",
+    "raise_fd_limit",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,6 +131,54 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
+
+
+class RedisProcess:
+    """A redis-server on a free loopback port for the `--redis` servers (no persistence)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], port: int) -> None:
+        self.proc = proc
+        self.port = port
+        self.url = f"redis://127.0.0.1:{port}/0"
+
+    @classmethod
+    def start(cls, log: Path) -> RedisProcess:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise RuntimeError("redis-server is not installed (apt-get install redis-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = ["--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(
+                [binary, *args, "--dir", str(log.parent)], stdout=sink, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=1) as conn:
+                    conn.sendall(b"PING\r\n")
+                    if conn.recv(16).startswith(b"+PONG"):
+                        return cls(proc, port)
+            except OSError:
+                pass
+            if time.monotonic() > deadline or proc.poll() is not None:
+                proc.kill()
+                raise RuntimeError("redis-server did not start")
+            time.sleep(0.05)
+
+    def cpu_seconds(self) -> float:
+        try:
+            return _on_cpu_s(psutil.Process(self.proc.pid))
+        except psutil.NoSuchProcess:
+            return 0.0
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=10)
 
 
 def check_out(spec: ServerSpec, out: Path) -> ServerSpec:

@@ -8,6 +8,7 @@ and inclusive time, as shares of the samples in which the server was busy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shutil
 import signal
 import subprocess
@@ -19,7 +20,7 @@ from pathlib import Path
 import uvloop
 
 from bench import workloads
-from bench.procs import ServerProcess, check_out, raise_fd_limit
+from bench.procs import RedisProcess, ServerProcess, check_out, raise_fd_limit
 from bench.servers import SERVERS
 from bench.sizes import Sizes
 
@@ -93,8 +94,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     raise_fd_limit(args.streams + 1024)
     args.out.mkdir(parents=True, exist_ok=True)
     raw = args.out / f"profile-{args.server}.txt"
+    spec = check_out(SERVERS[args.server], args.out)  # firsttoken_v1: its own package
+    redis = RedisProcess.start(args.out / "logs" / "redis-profile.log") if spec.redis else None
+    if redis is not None:
+        spec = dataclasses.replace(spec, extra=(*spec.extra, "--redis", redis.url))
     server = ServerProcess.launch(
-        check_out(SERVERS[args.server], args.out),  # firsttoken_v1: its own package
+        spec,
         args.out / "logs" / f"{args.server}-profile.log",
         ttft_ms=sizes.ttft_ms,
         itl_ms=sizes.itl_ms,
@@ -120,6 +125,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             _, err = spy.communicate(timeout=30)
     finally:
         server.stop()
+        if redis is not None:
+            redis.stop()
     if not raw.exists():
         print(f"py-spy wrote nothing: {err.strip()[-500:]}", file=sys.stderr)
         return 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from bench.servers import BASELINE, SUBJECT, WORKERS2
+from bench.servers import BASELINE, REDIS, SUBJECT, WORKERS2
 
 __all__ = [
     "compute_ratios",
@@ -26,7 +26,12 @@ __all__ = [
 FLOOR, TUTORIAL, EXPERIMENT = "raw_floor", "tutorial", "uvicorn_floor"
 OTHERS = (BASELINE, EXPERIMENT, FLOOR, TUTORIAL)  # firsttoken ÷ each of these
 # ... and issue 12's experiment ÷ the floor and the tutorial: what a server on uvicorn reaches.
-PAIRS = (*((SUBJECT, other) for other in OTHERS), (EXPERIMENT, FLOOR), (EXPERIMENT, TUTORIAL))
+PAIRS = (
+    *((SUBJECT, other) for other in OTHERS),
+    (EXPERIMENT, FLOOR),
+    (EXPERIMENT, TUTORIAL),
+    (REDIS, SUBJECT),  # issue 27: the scale-out mode ÷ memory mode
+)
 
 # Issue 12's targets (the stream counts come from the sizes: 500, 100 and 1,000 at full size).
 CPU_VS_FLOOR_MIN = 0.7  # tokens per server CPU-second ÷ raw floor
@@ -37,6 +42,9 @@ W2_TTFT_P99_MAX_MS = 300.0  # TTFT p99 (absolute), 1,000 streams over 1 s, --wor
 IDLE_KIB_MAX = 12.0  # RSS per waiting stream, heartbeats on
 ABANDON_EXCESS_MAX = 0.5  # tokens generated after disconnect, per stream
 WORKERS_SPEEDUP_MIN = 1.7  # --workers 2 ÷ --workers 1, delivered tokens/s at saturation
+# Issue 27: --redis ÷ memory mode, same run.
+REDIS_CPU_MIN = 0.7  # tokens per server CPU-second at the target step
+REDIS_TTFT_P50_MAX = 1.5  # added TTFT p50 at the target step
 KEEPS_PACE = 0.9  # a saturation step counts as kept up if ≥ 90% of the engine's pace arrived
 
 Row = dict[str, Any]
@@ -379,6 +387,28 @@ def compute_targets(res: dict[str, Any]) -> list[dict[str, Any]]:
             "≤",
             ABANDON_EXCESS_MAX,
             f"{a['excess_tokens']:.0f} over {a['streams']} streams",
+        )
+    # Redis mode against memory mode (issue 27).
+    redis_cpu = _cpu_ratio(sat, REDIS, SUBJECT, n)
+    if redis_cpu:
+        add(
+            f"--redis ÷ memory, tokens per server CPU-second, {n} streams",
+            redis_cpu["tokens_per_cpu_s"],
+            None,
+            "≥",
+            REDIS_CPU_MIN,
+            f"at {redis_cpu['at_streams']} streams",
+        )
+    mine, memory = _find(over, REDIS, n), _find(over, SUBJECT, n)
+    if mine and memory:
+        key = "added_ttft_ms_p50"
+        add(
+            f"--redis ÷ memory, added TTFT p50, {n} streams",
+            _ratio(mine[key], memory[key]),
+            None,
+            "≤",
+            REDIS_TTFT_P50_MAX,
+            f"{_fmt(mine[key], 1)} vs {_fmt(memory[key], 1)} ms",
         )
     # Workers: delivered tokens/s at saturation, each server's capacity.
     w = res["ratios"]["saturation"].get("workers")

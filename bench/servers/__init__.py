@@ -10,12 +10,13 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BASELINE", "BASELINE_REV", "SERVERS", "SUBJECT", "WORKERS2", "ServerSpec"]
+__all__ = ["BASELINE", "BASELINE_REV", "REDIS", "SERVERS", "SUBJECT", "WORKERS2", "ServerSpec"]
 
 # The firsttoken server as of the last commit before the data-plane rewrite (issue 12): run side
 # by side with the working tree's, so "before" and "after" come from one run (`--baseline-rev`).
 BASELINE_REV = "a7a7677"
 SUBJECT, BASELINE, WORKERS2 = "firsttoken", "firsttoken_v1", "firsttoken_w2"
+REDIS = "firsttoken_redis"  # the same with --redis: a redis-server the bench starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,7 @@ class ServerSpec:
     rev: str | None = None  # run the `firsttoken/` package of this git commit, not the tree's
     cwd: Path | None = None  # where that package was extracted (set per run; see procs.py)
     workers: int = 1
+    redis: bool = False  # the bench starts a redis-server and passes `--redis URL`
 
     def command(self, ttft_ms: float, itl_ms: float, heartbeat_s: float) -> list[str]:
         # Another engine (a relay) takes its pace from its upstream, and firsttoken refuses
@@ -68,6 +70,9 @@ SERVERS: dict[str, ServerSpec] = {
             has_metrics=True,
             extra=OPEN,
             rev=BASELINE_REV,
+        ),
+        ServerSpec(
+            REDIS, "firsttoken --redis", "firsttoken", has_metrics=True, extra=OPEN, redis=True
         ),
         ServerSpec(
             WORKERS2,

@@ -2,34 +2,37 @@
 
 Keys (the `{id}` hash tag keeps one stream's keys in one Redis Cluster slot):
   ft:{id}:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner, outcome
-  ft:{id}:events   Redis Stream; entry id `<seq>-0` carries the framed event (`w`) and its
-                   token count (`t`); a final `<last seq>-1` entry with `end` closes it
+  ft:{id}:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the events
+                   written since the stream's previous flush; a final `<last seq>-1` entry
+                   with `end` closes it
   ft:{id}:readers  set with a short expiry while another instance has a reader attached
   ft:instance:<n>  the owner's liveness, refreshed every second
   ft:cancel        pub/sub channel: stream ids to stop, heard by the owner
   ft:wake:<n>:<l>  a reading instance's wake-ups for its shared tail (`tailer.py`)
-Writes from the per-token path are queued and flushed in pipelined batches by one task.
+The per-token path only appends the event's bytes to its stream's replica. One flusher
+writes every stream that has new events at most once per `FLUSH_INTERVAL_S`: one Lua call
+per flush carries one run per stream (an `XADD` per token cost 3× the token itself). A crash
+of this instance loses at most the events of the last interval and the round trip in flight.
 Reads of other instances' streams go through one shared tail (`Tailer`), whatever their number.
 
-Redis going away never touches a local stream: the per-token path only appends to a
-replica's deque. Each stream this instance owns keeps its events (`(seq, wire, tokens)`
-tuples sharing the log's bytes, at most `max_events`; tuples of ints and bytes are dropped
-from the cyclic GC's view, so a kept event costs its passes nothing) until it expires, and
-`flushed`, the highest seq Redis
-has confirmed. The flusher retries with backoff while Redis is down; when it is back, each
-stream's backlog (events after `flushed`) goes out, and if Redis restarted (its run id
-changed, so it may have lost everything) every kept stream is written again from its first
-kept event. An event that fell off the bound before Redis confirmed it is counted in
-`firsttoken_redis_events_dropped_total`; the stream's older entries are then trimmed in
-Redis, so a resume from before the gap gets `resume_expired` instead of a silent hole.
+Redis going away never touches a local stream. Each stream this instance owns keeps its
+events (references to the log's own bytes, at most `max_events` plus an eighth before a trim)
+until it expires, and `flushed`, the highest seq Redis has confirmed. The flusher retries with
+backoff while Redis is down; when it is back, each stream's backlog (events after `flushed`)
+goes out as one run, and if Redis restarted (its run id changed, so it may have lost
+everything) every kept stream is written again from its first kept event. An event that fell
+off the bound before Redis confirmed it is counted in `firsttoken_redis_events_dropped_total`;
+the stream's older entries are then trimmed in Redis, and a reader whose next event is in the
+hole gets `resume_expired` (at the start) or `stream_lost` (later), never a silent gap.
 """
 
 from __future__ import annotations
 
 import logging
+import struct
 import time
 import uuid
-from collections import deque
+from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,11 +41,12 @@ import anyio
 from anyio.abc import TaskStatus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio import Redis
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from firsttoken.core.eventlog import Event, EventLog
 from firsttoken.observability import log_event
 from firsttoken.redisclient import redis_client
+from firsttoken.resume.runs import pack_counts, pack_lengths, run_first
 from firsttoken.resume.store import StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
 from firsttoken.wire.errors import APIError
@@ -79,29 +83,131 @@ def _unavailable(what: str) -> APIError:
     )
 
 
-_Kept = tuple[int, bytes, int]  # (seq, framed wire, tokens)
-_SEQ = 0
+# One call writes every stream of a flush. KEYS: each stream's events. ARGV[1]: per stream, in
+# KEYS' order, nine little-endian uint32s (the run's last seq, 0 for no run; the trim's MINID
+# seq; the run's first seq; the byte lengths of its fields w, n, t and of the end's outcome;
+# the end's seq, 0 for none; the TTL to set, 0 to keep), then those four fields' bytes. One
+# argument, not nine: redis-py packs each argument in Python (~1 µs each).
+# Returns per stream 1, or the error a write met. A run or end already there ("equal or
+# smaller": written before a reply that was lost) counts as written.
+_WRITE_RUNS = """
+local blob = ARGV[1]
+local pos = 1
+local out = {}
+local function written(r)
+  return not (type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller'))
+end
+for i = 1, #KEYS do
+  local last, minid, first, wl, nl, tl, ol, done, ttl
+  last, minid, first, wl, nl, tl, ol, done, ttl, pos =
+    struct.unpack('<I4I4I4I4I4I4I4I4I4', blob, pos)
+  local w = string.sub(blob, pos, pos + wl - 1)
+  pos = pos + wl
+  local n = string.sub(blob, pos, pos + nl - 1)
+  pos = pos + nl
+  local t = string.sub(blob, pos, pos + tl - 1)
+  pos = pos + tl
+  local outcome = string.sub(blob, pos, pos + ol - 1)
+  pos = pos + ol
+  local ok = 1
+  if last > 0 then
+    local r
+    if tl > 0 then
+      r = redis.pcall('XADD', KEYS[i], 'MINID', '~', minid .. '-0', last .. '-0',
+                      'f', first, 'w', w, 'n', n, 't', t)
+    else
+      r = redis.pcall('XADD', KEYS[i], 'MINID', '~', minid .. '-0', last .. '-0',
+                      'f', first, 'w', w, 'n', n)
+    end
+    if not written(r) then ok = r.err end
+  end
+  if ok == 1 and done > 0 then
+    local r = redis.pcall('XADD', KEYS[i], done .. '-1', 'end', outcome)
+    if not written(r) then ok = r.err end
+  end
+  if ok == 1 and ttl > 0 then
+    redis.call('EXPIRE', KEYS[i], ttl)
+  end
+  out[i] = ok
+end
+return out
+"""
+_HEAD = struct.Struct("<9I")
+
+FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as one run
+
+
+def _pair_index(pairs: list[int], seq: int) -> int:
+    """Where the first (seq, tokens) pair at or after `seq` starts (pairs in seq order)."""
+    return 2 * bisect_left(range(len(pairs) // 2), seq, key=lambda k: pairs[2 * k])
 
 
 @dataclass(slots=True, eq=False)
 class _Replica:
-    """One owned stream as Redis should hold it, and how much of that Redis confirmed."""
+    """One owned stream as Redis should hold it, and how much of that Redis confirmed.
+
+    `wires[i]` is event `first + i` (the log's own bytes, not a copy); counts other than 1
+    are flat (seq, tokens) pairs in seq order, as the log keeps them."""
 
     record: StreamRecord
     ttl_s: float
-    events: deque[_Kept]
+    key: str  # its events' key
+    wires: list[bytes] = field(default_factory=list)
+    first: int = 1  # seq of wires[0] (of the next event while none is kept)
+    counts: list[int] | None = None
     flushed: int = 0  # highest seq Redis confirmed
     trimmed: int = 0  # entries up to this seq were trimmed in Redis after a gap
     meta_done: bool = False
+    ttl_done: bool = False  # the events key has its live TTL
     end: tuple[str, int] | None = None  # (outcome, last seq) once the stream finished
     end_done: bool = False
+    end_sent: bool = False  # the write in flight carries the end
     expires_at: float | None = None  # monotonic; set at the end
-    ops: list[tuple[str, int]] = field(default_factory=list)  # in flight: (kind, seq)
+    queued: bool = False  # in the store's dirty set
+    sent: int = 0  # last seq of the run in flight
+
+    @property
+    def last(self) -> int:
+        return self.first + len(self.wires) - 1
 
     def dirty(self) -> bool:
-        last = self.events[-1][_SEQ] if self.events else 0
         ended = self.end is not None and not self.end_done
-        return not self.meta_done or last > self.flushed or ended
+        return not self.meta_done or self.last > self.flushed or ended
+
+    def unconfirmed(self) -> int:
+        return max(0, self.last - max(self.flushed, self.first - 1))
+
+    def drop_before(self, seq: int) -> int:
+        """Let go of the kept events before `seq`; returns how many Redis had not confirmed."""
+        drop = min(len(self.wires), seq - self.first)
+        if drop <= 0:
+            return 0
+        lost = max(0, self.first + drop - 1 - max(self.flushed, self.first - 1))
+        del self.wires[:drop]
+        self.first += drop
+        if self.counts:
+            del self.counts[: _pair_index(self.counts, self.first)]
+        return lost
+
+    def run_after(self, seq: int) -> tuple[int, list[bytes], dict[int, int]]:
+        """The kept events after `seq`: (first seq, wires, counts other than 1 by seq)."""
+        start = max(seq + 1, self.first)
+        wires = self.wires[start - self.first :]
+        counts: dict[int, int] = {}
+        pairs = self.counts
+        if pairs and pairs[-2] >= start:  # most runs: none (a chat stream's opening is older)
+            i = _pair_index(pairs, start)
+            while i < len(pairs):
+                counts[pairs[i]] = pairs[i + 1]
+                i += 2
+        return start, wires, counts
+
+
+@dataclass(slots=True, eq=False)
+class _MetaBatch:
+    reps: list[_Replica] = field(default_factory=list)
+    done: anyio.Event = field(default_factory=anyio.Event)
+    error: BaseException | None = None
 
 
 class RedisStore:
@@ -110,7 +216,9 @@ class RedisStore:
     def __init__(self, url: str, *, max_events: int, max_connections: int) -> None:
         self.redis: Redis = redis_client(url, max_connections=max_connections)
         self.max_events = max_events
+        self._trim_at = max_events + (max_events >> 3)  # trimmed an eighth at a time
         self.instance = uuid.uuid4().hex
+        self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
         self.outages = 0
@@ -118,6 +226,10 @@ class RedisStore:
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
         self._wake = anyio.Event()
+        self._write_runs = self.redis.register_script(_WRITE_RUNS)
+        self._script_missing = True  # loaded before the first flush, and after a restart
+        self._metas: _MetaBatch | None = None  # registrations waiting for the next pipeline
+        self._metas_wake = anyio.Event()
         self._answering = anyio.Event()  # set by the heartbeat when Redis is back
         self._run_id: str | None = None
         self._tailer = Tailer(
@@ -136,12 +248,7 @@ class RedisStore:
 
     def backlog(self) -> int:
         """Events kept here that Redis has not confirmed (all streams)."""
-        total = 0
-        for rep in self._replicas.values():
-            if rep.events:
-                last, first = rep.events[-1][_SEQ], rep.events[0][_SEQ]
-                total += max(0, last - max(rep.flushed, first - 1))
-        return total
+        return sum(rep.unconfirmed() for rep in self._replicas.values())
 
     def collect(self) -> Iterator[Metric]:
         up = GaugeMetricFamily("firsttoken_redis_up", "1 while the stream store answers.")
@@ -195,6 +302,7 @@ class RedisStore:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flush_forever)
+                tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
                 await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
@@ -214,30 +322,70 @@ class RedisStore:
     # -- the owner's side -----------------------------------------------------------------
 
     async def register(self, record: StreamRecord, ttl_s: float) -> None:
-        rep = _Replica(record, ttl_s, deque(maxlen=self.max_events))
+        rep = _Replica(record, ttl_s, _events(record.id))
         self._replicas[record.id] = rep
         if self.up:
             # Written before the stream is announced, so another instance can find it at once.
             try:
                 with anyio.fail_after(_OP_TIMEOUT_S):
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        self._queue_meta(pipe, rep)
-                        await pipe.execute()
-                rep.meta_done = True
+                    await self._write_meta(rep)
                 return
             except (RedisError, OSError, TimeoutError) as exc:
                 self._set_up(False, exc)
         self._mark(rep)  # the flusher writes it when Redis is back
 
+    async def _write_meta(self, rep: _Replica) -> None:
+        """Join the next batch of metas (one pipeline for every stream registering now: a
+        burst of 500 new streams made 500 round trips, each waiting for a connection)."""
+        batch = self._metas
+        if batch is None:
+            batch = self._metas = _MetaBatch()
+            self._metas_wake.set()
+        batch.reps.append(rep)
+        await batch.done.wait()
+        if batch.error is not None:
+            raise RedisError(f"the stream's meta was not written: {batch.error!r}")
+
+    async def _write_metas(self) -> None:
+        while True:
+            await self._metas_wake.wait()
+            self._metas_wake = anyio.Event()
+            batch, self._metas = self._metas, None
+            if batch is None:
+                continue
+            try:
+                with anyio.fail_after(_OP_TIMEOUT_S):
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for rep in batch.reps:
+                            self._queue_meta(pipe, rep)
+                        await pipe.execute()
+                for rep in batch.reps:
+                    rep.meta_done = True
+            except (RedisError, OSError, TimeoutError) as exc:
+                batch.error = exc
+            finally:
+                batch.done.set()
+
     def replicate(self, stream_id: str, event: Event) -> None:
+        """The per-token path: keep a reference to the event's bytes, nothing more."""
         rep = self._replicas.get(stream_id)
         if rep is None:
             return
-        events = rep.events
-        if len(events) == events.maxlen and events[0][_SEQ] > rep.flushed:
-            self.events_dropped += 1  # the bound is reached before Redis took the oldest
-        events.append((event.seq, event.wire, event.tokens))
-        self._mark(rep)
+        seq, wire, tokens = event
+        wires = rep.wires
+        if seq != rep.first + len(wires):  # never: a log's seqs are consecutive
+            self.events_dropped += rep.drop_before(seq)
+            rep.first = seq
+        wires.append(wire)
+        if tokens != 1:
+            if rep.counts is None:
+                rep.counts = [seq, tokens]
+            else:
+                rep.counts += (seq, tokens)
+        if len(wires) > self._trim_at:
+            self.events_dropped += rep.drop_before(seq - self.max_events + 1)
+        if not rep.queued:
+            self._mark(rep)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
         rep = self._replicas.get(stream_id)
@@ -245,19 +393,17 @@ class RedisStore:
             return
         rep.end = (outcome, last_seq)
         rep.ttl_s = ttl_s
-        rep.expires_at = time.monotonic() + ttl_s
+        rep.expires_at = self.clock() + ttl_s
         self._mark(rep)
 
     def release(self, stream_id: str) -> None:
         """Keep only what Redis has not confirmed yet (it still has to go out)."""
         rep = self._replicas.get(stream_id)
-        if rep is None:
-            return
-        events = rep.events
-        while events and events[0][_SEQ] <= rep.flushed:
-            events.popleft()
+        if rep is not None:
+            rep.drop_before(rep.flushed + 1)
 
     def _mark(self, rep: _Replica) -> None:
+        rep.queued = True
         self._dirty[rep.record.id] = rep
         self._wake.set()
 
@@ -279,11 +425,16 @@ class RedisStore:
 
     async def _flush_forever(self) -> None:
         delay = _RETRY_MIN_S
+        last_flush = 0.0
         while True:
             if self.up or not self._dirty:
                 await self._wake.wait()
+            if self.up:
+                # One run per stream per interval: the events of the wait go out together.
+                await anyio.sleep(max(0.0, last_flush + FLUSH_INTERVAL_S - time.monotonic()))
             self._wake = anyio.Event()
             self._expire()
+            last_flush = time.monotonic()
             try:
                 if not self.up:
                     await self._recover()
@@ -306,16 +457,18 @@ class RedisStore:
         await self._heartbeat_once()
         if run_id is None or run_id != self._run_id:  # None: INFO refused, so assume so
             self._run_id = run_id
+            self._script_missing = True
             self.resyncs += 1
             for rep in self._replicas.values():
                 # Redis holds nothing of it: everything kept goes again, from the first kept.
-                rep.flushed = rep.trimmed = rep.events[0][_SEQ] - 1 if rep.events else 0
-                rep.meta_done = rep.end_done = False
+                rep.flushed = rep.trimmed = rep.first - 1
+                rep.meta_done = rep.end_done = rep.ttl_done = False
+                rep.queued = True
                 self._dirty[rep.record.id] = rep
             log_event("redis.resync", streams=len(self._replicas))
 
     def _expire(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
         gone = [
             sid
             for sid, rep in self._replicas.items()
@@ -326,81 +479,129 @@ class RedisStore:
             self._dirty.pop(sid, None)
 
     async def _flush_batch(self) -> None:
+        """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are
+        missing and the gaps' trims as commands, every run and end marker in one Lua call,
+        then the ends' outcomes."""
+        if self._script_missing:
+            await self.redis.script_load(_WRITE_RUNS)
+            self._script_missing = False
         batch: list[_Replica] = []
-        commands = 0
+        metas: list[_Replica] = []
+        trims: list[tuple[_Replica, int]] = []
+        ends: list[_Replica] = []
+        keys: list[str] = []
+        blob: list[bytes] = []
+        for sid in list(self._dirty):
+            if len(batch) >= _FLUSH_BATCH:
+                break
+            rep = self._dirty.pop(sid)
+            rep.queued = False
+            batch.append(rep)
+            if not rep.meta_done:
+                metas.append(rep)
+            if rep.first > rep.flushed + 1 and rep.trimmed < rep.first - 1:
+                trims.append((rep, rep.first - 1))  # a gap: not to be stitched to what follows
+            keys.append(rep.key)
+            self._pack(rep, blob)
+            if rep.end_sent:
+                ends.append(rep)
         async with self.redis.pipeline(transaction=False) as pipe:
-            for sid in list(self._dirty):
-                if commands >= _FLUSH_BATCH:
-                    break
-                rep = self._dirty.pop(sid)
-                commands += self._queue(pipe, rep)
-                batch.append(rep)
+            for rep in metas:
+                self._queue_meta(pipe, rep)
+            for rep, upto in trims:
+                pipe.xtrim(_events(rep.record.id), minid=f"{upto + 1}-0")
+            pipe.evalsha(self._write_runs.sha, len(keys), *keys, b"".join(blob))
+            for rep in ends:
+                pipe.hset(_meta(rep.record.id), "outcome", rep.end[0])  # type: ignore[index]
+                pipe.expire(_meta(rep.record.id), max(1, int(rep.ttl_s)))
             try:
                 results = await pipe.execute(raise_on_error=False)
             except BaseException:
                 for rep in batch:  # nothing confirmed: all of it goes again
-                    rep.ops.clear()
-                    self._dirty.setdefault(rep.record.id, rep)
+                    rep.sent = 0
+                    rep.end_sent = False
+                    self._mark(rep)
                 raise
-        self._confirm(batch, results)
+        self._confirm(batch, metas, trims, ends, results)
 
-    def _queue(self, pipe: Any, rep: _Replica) -> int:
-        """Queue what Redis lacks of one stream; each command's meaning goes in `rep.ops`."""
-        sid = rep.record.id
-        ops = rep.ops
-        ops.clear()
-        if not rep.meta_done:
-            self._queue_meta(pipe, rep)
-            ops += [("meta", 0), ("meta-ttl", 0)]
-        first = rep.events[0][_SEQ] if rep.events else rep.flushed + 1
-        if first > rep.flushed + 1 and rep.trimmed < first - 1:
-            # A gap: what Redis holds before it must not be stitched to what follows.
-            pipe.xtrim(_events(sid), minid=f"{first}-0")
-            ops.append(("trim", first - 1))
-        for seq, wire, tokens in _unconfirmed(rep):
-            pipe.xadd(
-                _events(sid),
-                {"w": wire, "t": tokens},
-                id=f"{seq}-0",
-                maxlen=self.max_events,
-                approximate=True,
-            )
-            ops.append(("event", seq))
+    def _pack(self, rep: _Replica, out: list[bytes]) -> None:
+        """One stream's part of the Lua call's argument: its run of unconfirmed events, its
+        end once every event is written, the TTL where it changes."""
+        ttl = 0
+        w = n = t = outcome = b""
+        rep.sent = first = 0
+        if rep.last > rep.flushed:
+            first, wires, counts = rep.run_after(rep.flushed)
+            rep.sent = first + len(wires) - 1
+            w, n = b"".join(wires), pack_lengths(wires)
+            if counts:
+                t = pack_counts(first, counts)
+        end = 0
         if rep.end is not None and not rep.end_done:
-            outcome, last_seq = rep.end
-            pipe.xadd(_events(sid), {"end": outcome}, id=f"{last_seq}-1")
-            pipe.hset(_meta(sid), "outcome", outcome)
-            for key in (_events(sid), _meta(sid)):
-                pipe.expire(key, max(1, int(rep.ttl_s)))
-            ops += [("end", last_seq), ("outcome", 0), ("ttl", 0), ("ttl", 0)]
-        else:
-            pipe.expire(_events(sid), int(rep.ttl_s + _LIVE_EXTRA_S))
-            ops.append(("ttl", 0))
-        return len(ops)
+            outcome = rep.end[0].encode()
+            end = rep.end[1]
+            rep.end_sent = True
+            ttl = max(1, int(rep.ttl_s))
+        elif not rep.ttl_done and rep.sent:
+            ttl = int(rep.ttl_s + _LIVE_EXTRA_S)
+        minid = max(1, rep.sent - self.max_events + 1)
+        out.append(
+            _HEAD.pack(rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl)
+        )
+        out += (w, n, t, outcome)
 
-    def _confirm(self, batch: list[_Replica], results: list[Any]) -> None:
-        """Mark what Redis took; a stream with a failed command goes round again."""
-        i = 0
-        failed: BaseException | None = None
-        for rep in batch:
-            mine, i = results[i : i + len(rep.ops)], i + len(rep.ops)
-            for (kind, seq), result in zip(rep.ops, mine, strict=True):
-                if isinstance(result, ResponseError) and "equal or smaller" in str(result):
-                    result = None  # already there: written before an interrupted reply
-                if isinstance(result, BaseException):
-                    failed = result
-                    break
-                if kind == "event":
-                    rep.flushed = seq
-                elif kind == "trim":
-                    rep.trimmed = seq
-                elif kind == "meta":
-                    rep.meta_done = True
-                elif kind == "end":
+    def _confirm(
+        self,
+        batch: list[_Replica],
+        metas: list[_Replica],
+        trims: list[tuple[_Replica, int]],
+        ends: list[_Replica],
+        results: list[Any],
+    ) -> None:
+        """Mark what Redis took; a stream with a failed write goes round again."""
+        failed: BaseException | str | None = None
+        for i, rep in enumerate(metas):
+            meta, ttl = results[2 * i], results[2 * i + 1]
+            if isinstance(meta, BaseException) or isinstance(ttl, BaseException):
+                failed = meta if isinstance(meta, BaseException) else ttl
+            else:
+                rep.meta_done = True
+        at = 2 * len(metas)
+        for (rep, upto), result in zip(trims, results[at : at + len(trims)], strict=True):
+            if isinstance(result, BaseException):
+                failed = result
+            else:
+                rep.trimmed = upto
+        at += len(trims)
+        runs = results[at]
+        if isinstance(runs, BaseException):
+            failed = runs
+            if isinstance(runs, NoScriptError):  # e.g. Redis restarted between two flushes
+                self._script_missing = True
+            runs = [runs] * len(batch)
+        outcomes = results[at + 1 :]
+        ended = {
+            id(rep)
+            for i, rep in enumerate(ends)
+            if not any(isinstance(r, BaseException) for r in outcomes[2 * i : 2 * i + 2])
+        }
+        for rep, result in zip(batch, runs, strict=True):
+            if result == 1:
+                if rep.sent:
+                    rep.flushed = max(rep.flushed, rep.sent)
+                    rep.ttl_done = True
+                if rep.end_sent and id(rep) in ended:
                     rep.end_done = True
-            rep.ops.clear()
-            if rep.dirty() and rep.record.id in self._replicas:
-                self._dirty.setdefault(rep.record.id, rep)
+            else:
+                failed = failed or (result.decode() if isinstance(result, bytes) else result)
+            rep.sent = 0
+            rep.end_sent = False
+        if len(ended) < len(ends):
+            failed = failed or next(r for r in outcomes if isinstance(r, BaseException))
+        for rep in batch:
+            if rep.dirty() and rep.record.id in self._replicas and not rep.queued:
+                rep.queued = True
+                self._dirty[rep.record.id] = rep
         if failed is not None:  # e.g. OOM: Redis answers but takes nothing; back off
             raise RedisError(f"Redis refused a replication write: {failed!r}")
 
@@ -456,7 +657,7 @@ class RedisStore:
         entries = await self._retrying(
             lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
         )
-        if entries and after + 1 < (first := entry_id(entries[0][0])[0]):
+        if entries and after + 1 < (first := _first_seq(entries[0])):
             fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
             return
         last = entry_id(entries[-1][0]) if entries else (after, 0)
@@ -535,12 +736,7 @@ class RedisStore:
                     await pubsub.aclose()
 
 
-def _unconfirmed(rep: _Replica) -> list[_Kept]:
-    """The kept events after `flushed`, oldest first (walked from the new end: O(new))."""
-    out: list[_Kept] = []
-    for event in reversed(rep.events):
-        if event[_SEQ] <= rep.flushed:
-            break
-        out.append(event)
-    out.reverse()
-    return out
+def _first_seq(entry: Any) -> int:
+    """The first event an entry holds (an end marker: the one after the stream's last)."""
+    raw_id, fields = entry
+    return entry_id(raw_id)[0] + 1 if b"end" in fields else run_first(fields)

@@ -26,6 +26,7 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
 from firsttoken.core.eventlog import EventLog
+from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.sse import encode_event
 
@@ -55,12 +56,24 @@ def fail(log: EventLog, code: str, message: str) -> None:
 
 
 def apply_entries(entries: list[Any], log: EventLog) -> bool:
-    """Append entries to a mirror's log; True once the end marker is seen (log closed)."""
+    """Append the events of entries (runs, `runs.py`) that `log` lacks; True once the log is
+    closed: the end marker was seen, or a run starts past the log's next event (the store
+    lost events in between: the reader gets `event: error`, never a silent hole)."""
     for _, fields in entries:
         if b"end" in fields:
             log.close()
             return True
-        log.append(fields[b"w"], int(fields.get(b"t", 0)))
+        first = run_first(fields)
+        if first > log.next_seq:
+            fail(
+                log,
+                "stream_lost",
+                f"events {log.next_seq} to {first - 1} of this stream were lost by the shared "
+                "store (Redis)",
+            )
+            return True
+        for _, wire, tokens in decode_run(fields, log.last_seq):
+            log.append(wire, tokens)
     return False
 
 

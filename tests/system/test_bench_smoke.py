@@ -40,6 +40,7 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     assert res["meta"]["baseline_rev"] == BASELINE_REV
     assert (tmp_path / f"baseline-{BASELINE_REV}" / "firsttoken" / "__main__.py").is_file()
     one = {"firsttoken", "firsttoken_v1", "raw_floor", "tutorial", "uvicorn_floor"}  # 1 process
+    one.add("firsttoken_redis")  # --redis, on a redis-server the bench started
     top = max(r["concurrency"] for r in res["overhead"])
     for workload, servers in (
         ("overhead", one | {"firsttoken_w2"}),
@@ -55,7 +56,7 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
     assert {r["server"] for r in res["idle"]} == one
     assert all(r["opened"] == r["streams"] and r["kib_per_stream"] is not None for r in res["idle"])
     for key in ("abandonment", "abandonment_light"):
-        assert set(res[key]) == {"firsttoken", "firsttoken_v1"}
+        assert set(res[key]) == {"firsttoken", "firsttoken_v1", "firsttoken_redis"}
         for abandoned in res[key].values():
             assert abandoned["tokens_generated"] >= abandoned["tokens_received"] > 0
     targets = {t["target"].split(",")[0]: t for t in res["targets"]}
@@ -69,7 +70,11 @@ def test_quick_bench_runs_every_workload(tmp_path: Path) -> None:
         "RSS per waiting stream",
         "tokens generated after disconnect",
         "--workers 2 ÷ --workers 1",
+        "--redis ÷ memory",
     }
+    assert sum(t["target"].startswith("--redis ÷ memory") for t in res["targets"]) == 2
+    assert "firsttoken_redis ÷ firsttoken" in proc.stdout
+    assert res["meta"]["redis_server_cpu_s"] > 0
     assert sum(t["target"].startswith("highest step") for t in res["targets"]) == 2
     # (A ratio to the floor's added TTFT is left blank if the floor's is ≤ 0 at tiny sizes.)
     judged = [t for t in res["targets"] if "raw_floor's" not in t["target"]]

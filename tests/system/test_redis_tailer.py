@@ -271,3 +271,53 @@ def test_followers_go_on_after_a_redis_restart(server: RedisServer) -> None:
             await until(lambda: b.up)
 
     anyio.run(main)
+
+
+def test_one_entry_per_flush_and_a_resume_mid_run(server: RedisServer) -> None:
+    """The owner writes a run per stream per flush, not an entry per event; a reader that
+    resumes in the middle of a run gets exactly the events after its own."""
+
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            await owned(a, "runs")
+            for seq in range(1, 31):  # well within one flush interval
+                a.replicate("runs", event(seq))
+            await until(lambda: a.backlog() == 0)
+            entries = await b.redis.xlen("ft:{runs}:events")
+            assert 1 <= entries <= 3, entries  # was 30
+            log, _ = follow(tg, b, "runs", after=13)
+            await until(lambda: log.last_seq == 30)
+            a.finish("runs", "completed", 30, TTL_S)
+            await until(lambda: log.closed)
+            assert datas(log) == [str(s) for s in range(14, 31)]
+
+    anyio.run(main)
+
+
+def test_events_redis_lost_are_an_error_for_the_reader_not_a_hole(server: RedisServer) -> None:
+    """As after a failover that lost acknowledged writes: a run in the middle is gone from
+    Redis while the owner goes on. A reader from before it gets `stream_lost` where the hole
+    starts, never the later events stitched on."""
+
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            await owned(a, "holed")
+            for first, last in ((1, 3), (4, 6), (7, 9)):
+                for seq in range(first, last + 1):
+                    a.replicate("holed", event(seq))
+                await until(lambda: a.backlog() == 0)
+            ids = [e[0] for e in await b.redis.xrange("ft:{holed}:events")]
+            assert len(ids) == 3, ids
+            await b.redis.xdel("ft:{holed}:events", ids[1])  # events 4-6, lost by Redis
+            log, _ = follow(tg, b, "holed")
+            await until(lambda: log.closed)
+            *got, error = log.readers[0].wires  # type: ignore[attr-defined]
+            assert [w.decode().split("data: ", 1)[1].strip() for w in got] == ["1", "2", "3"]
+            body = json.loads(error.decode().split("data: ", 1)[1])
+            assert body["error"]["code"] == "stream_lost"
+            # From after the hole, the rest is exact.
+            late, _ = follow(tg, b, "holed", after=6)
+            await until(lambda: late.last_seq == 9)
+            assert datas(late) == ["7", "8", "9"]
+
+    anyio.run(main)

@@ -1,0 +1,152 @@
+"""The owner's side of the Redis store (`firsttoken/resume/redis.py`) without I/O: what one
+flush writes for each stream (a run of its new events, its end once every event is in), and
+what Redis's answers confirm. The answers are what Redis returns, written out here."""
+
+from __future__ import annotations
+
+import struct
+
+import anyio
+import pytest
+from redis.exceptions import NoScriptError, RedisError
+
+from firsttoken.core.eventlog import Event
+from firsttoken.resume.redis import RedisStore
+from firsttoken.resume.runs import decode_run
+from firsttoken.resume.store import StreamRecord
+from tests.unit.clock import FakeClock
+
+TTL_S = 60.0
+
+
+def store(max_events: int = 100) -> RedisStore:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=max_events, max_connections=1)
+    s.up = False  # register() queues the meta for the flusher instead of writing it
+    anyio.run(s.register, StreamRecord("s1", "native", "d", "t", "m"), TTL_S)
+    return s
+
+
+def replicate(s: RedisStore, first: int, last: int, tokens: int = 1) -> None:
+    for seq in range(first, last + 1):
+        s.replicate("s1", Event(seq, b"e%d" % seq, tokens))
+
+
+def flush(s: RedisStore) -> dict:
+    """s1's part of the Lua call's argument, as one flush builds it, read back."""
+    (rep,) = s._dirty.values()
+    s._dirty.clear()
+    rep.queued = False
+    out: list[bytes] = []
+    s._pack(rep, out)
+    head, w, n, t, outcome = out
+    names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "end", "ttl")
+    args = dict(zip(names, struct.unpack("<9I", head), strict=True))
+    assert (args["wl"], args["nl"], args["tl"], args["ol"]) == tuple(map(len, (w, n, t, outcome)))
+    return {**args, "w": w, "n": n, "t": t, "outcome": outcome}
+
+
+def events_of(args: dict) -> list[tuple[int, bytes, int]]:
+    fields = {b"f": str(args["first"]).encode(), b"w": args["w"], b"n": args["n"]}
+    if args["t"]:
+        fields[b"t"] = args["t"]
+    return list(decode_run(fields))
+
+
+def confirm(s: RedisStore, result: object) -> None:
+    """Redis's answers to one flush: the meta's HSET and EXPIRE if it went, the call's, and
+    the end's HSET and EXPIRE if it went."""
+    rep = s._replicas["s1"]
+    metas = [] if rep.meta_done else [rep]
+    ends = [rep] if rep.end_sent else []
+    answers = [*[1, 1][: 2 * len(metas)], [result], *[1, 1][: 2 * len(ends)]]
+    s._confirm([rep], metas, [], ends, answers)
+
+
+def test_one_run_per_flush_carries_every_event_since_the_last() -> None:
+    s = store()
+    replicate(s, 1, 5)
+    args = flush(s)
+    assert args["last"] == 5 and events_of(args) == [(q, b"e%d" % q, 1) for q in range(1, 6)]
+    assert args["ttl"] == int(TTL_S + 3600)  # the live TTL, once
+    confirm(s, 1)
+    assert s.backlog() == 0 and not s._dirty
+    replicate(s, 6, 7, tokens=0)
+    args = flush(s)
+    assert events_of(args) == [(6, b"e6", 0), (7, b"e7", 0)]
+    assert args["ttl"] == 0  # the TTL is set already
+
+
+def test_a_failed_write_goes_again_whole_with_what_came_since() -> None:
+    s = store()
+    replicate(s, 1, 3)
+    flush(s)
+    replicate(s, 4, 4)  # arrived while the write was in flight
+    try:
+        confirm(s, b"OOM command not allowed when used memory > 'maxmemory'.")
+    except Exception as exc:
+        assert "OOM" in str(exc)
+    else:
+        raise AssertionError("a refused write must raise (the flusher backs off)")
+    assert s.backlog() == 4
+    args = flush(s)
+    assert [seq for seq, _, _ in events_of(args)] == [1, 2, 3, 4]
+
+
+def test_the_end_goes_only_with_or_after_every_event() -> None:
+    s = store()
+    replicate(s, 1, 3)
+    flush(s)
+    s.finish("s1", "completed", 3, TTL_S)  # while the run is in flight: not in that write
+    confirm(s, 1)
+    rep = s._replicas["s1"]
+    assert not rep.end_done and "s1" in s._dirty
+    args = flush(s)
+    assert args["last"] == 0 and (args["outcome"], args["end"]) == (b"completed", 3)
+    assert args["ttl"] == 60
+    confirm(s, 1)
+    assert rep.end_done and not rep.dirty()
+
+
+def test_a_backlog_past_the_bound_is_counted_and_trimmed_before_the_gap() -> None:
+    s = store(max_events=8)
+    replicate(s, 1, 2)
+    flush(s)
+    confirm(s, 1)
+    replicate(s, 3, 20)  # Redis away: 18 more, the bound is 8 (9 before a trim)
+    rep = s._replicas["s1"]
+    assert len(rep.wires) <= 9 and rep.last == 20
+    assert s.events_dropped == rep.first - 3
+    args = flush(s)
+    assert [seq for seq, _, _ in events_of(args)] == list(range(rep.first, 21))
+    assert args["minid"] == 13  # MINID: the last 8 events stay in Redis
+
+
+def test_release_keeps_only_what_redis_lacks_and_expiry_follows_the_clock() -> None:
+    s = store()
+    s.clock = clock = FakeClock()
+    replicate(s, 1, 4)
+    flush(s)
+    confirm(s, 1)
+    replicate(s, 5, 6)
+    s.finish("s1", "completed", 6, TTL_S)
+    s.release("s1")
+    rep = s._replicas["s1"]
+    assert rep.first == 5 and rep.wires == [b"e5", b"e6"]
+    clock.advance(TTL_S - 1)
+    s._expire()
+    assert "s1" in s._replicas
+    clock.advance(1)
+    s._expire()
+    assert "s1" not in s._replicas and not s._dirty
+
+
+def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
+    s = store()
+    replicate(s, 1, 2)
+    flush(s)
+    rep = s._replicas["s1"]
+    s._script_missing = False
+    missing = NoScriptError("No matching script. Please use EVAL.")
+    with pytest.raises(RedisError, match="NoScriptError"):
+        s._confirm([rep], [rep], [], [], [1, 1, missing])
+    assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing

@@ -1,0 +1,48 @@
+"""`apply_entries` (`firsttoken/resume/tailer.py`): runs read from Redis into a mirror's log."""
+
+from __future__ import annotations
+
+import json
+
+from firsttoken.core.eventlog import EventLog
+from firsttoken.resume.runs import encode_run
+from firsttoken.resume.tailer import apply_entries
+
+
+def run(first: int, last: int) -> tuple[bytes, dict[bytes, bytes]]:
+    wires = [f"id: {s}\ndata: {s}\n\n".encode() for s in range(first, last + 1)]
+    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode()
+              for k, v in encode_run(first, wires, {}).items()}  # fmt: skip
+    return f"{last}-0".encode(), fields
+
+
+def end(last: int) -> tuple[bytes, dict[bytes, bytes]]:
+    return f"{last}-1".encode(), {b"end": b"completed"}
+
+
+def datas(log: EventLog) -> list[str]:
+    return [e.wire.decode().split("data: ", 1)[1].strip() for e in log.after(log.first_seq - 1)]
+
+
+def test_runs_fill_the_log_in_order_and_the_end_closes_it() -> None:
+    log = EventLog()
+    assert not apply_entries([run(1, 3), run(4, 4)], log)
+    assert apply_entries([run(5, 6), end(6)], log)
+    assert log.closed and datas(log) == [str(s) for s in range(1, 7)]
+
+
+def test_overlapping_runs_and_a_resume_mid_run_repeat_nothing() -> None:
+    log = EventLog()
+    log.begin_at(2)  # a reader that has events 1 and 2
+    # A run resent whole after a lost reply overlaps the one before it.
+    assert not apply_entries([run(1, 4), run(3, 6), run(1, 6)], log)
+    assert log.last_seq == 6 and datas(log) == ["3", "4", "5", "6"]
+
+
+def test_a_hole_in_what_the_store_kept_ends_the_log_with_an_error() -> None:
+    log = EventLog()
+    assert apply_entries([run(1, 3), run(6, 8), run(9, 9)], log)
+    assert log.closed and log.last_seq == 4  # three events, then the error
+    error = json.loads(log.after(3)[0].wire.decode().split("data: ", 1)[1])
+    assert error["error"]["code"] == "stream_lost"
+    assert "events 4 to 5" in error["error"]["message"]
