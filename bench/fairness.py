@@ -11,13 +11,14 @@ Each scenario runs against its own `firsttoken serve` on 127.0.0.1 (the syntheti
 - **flood**: one target with `max_concurrency = 4` (routes file). Key `flood` opens 24 streams
   of 150 tokens; 0.3 s later key `steady` opens 4 and key `vip` (priority 1) opens 1. Each
   key's TTFT p50/p95 and how many of its streams completed. It measures the gateway's queue
-  in front of the target (routes/queue.py): without one, the target takes everything at once
-  and the figures show no waiting at all.
+  in front of the target (routes/queue.py). **flood-fifo** sends the same streams to the
+  synthetic engine's batching simulation with `--batch-max 4` and no routes: the engine's own
+  first come, first served line, as issue 29 measured it.
 
 `--root DIR` runs another checkout's server (e.g. a `git worktree` at an older commit) for a
 before/after comparison; the figures that need this checkout's metrics are then None.
 
-    python -m bench.fairness [--scenario all|budget|cut|flood] [--json FILE]
+    python -m bench.fairness [--scenario all|budget|cut|flood|flood-fifo] [--json FILE]
 """
 
 from __future__ import annotations
@@ -300,11 +301,24 @@ def _pct(values: list[float], q: float) -> float | None:
     return round(statistics.quantiles(values, n=100, method="inclusive")[int(q) - 1], 1)
 
 
-def flood(root: Path = ROOT, tokens: int = 150, delay_s: float = 0.3) -> dict[str, Any]:
-    args = ("--synthetic-ttft-ms", "50", "--synthetic-itl-ms", "20")
-    with serving(root, *args, routes=True) as server:
-        streams = asyncio.run(_flood(server.url, tokens, delay_s))
-    out: dict[str, Any] = {"max_concurrency": 4, "tokens": tokens, "keys": {}}
+def flood(
+    root: Path = ROOT, tokens: int = 150, delay_s: float = 0.3, fifo: bool = False
+) -> dict[str, Any]:
+    """`fifo`: the baseline the issue measured, no gateway queue: the synthetic engine's
+    batching simulation with `--batch-max 4` takes the streams first come, first served (its
+    step time sets the pace: ~16 ms a token with 4 in the batch, not 20)."""
+    if fifo:
+        with serving(root, "--batch-max", "4") as server:
+            streams = asyncio.run(_flood(server.url, tokens, delay_s))
+    else:
+        args = ("--synthetic-ttft-ms", "50", "--synthetic-itl-ms", "20")
+        with serving(root, *args, routes=True) as server:
+            streams = asyncio.run(_flood(server.url, tokens, delay_s))
+    out: dict[str, Any] = {
+        "queue": "engine FIFO (--batch-max 4)" if fifo else "gateway (max_concurrency = 4)",
+        "tokens": tokens,
+        "keys": {},
+    }
     for key in ("flood", "steady", "vip"):
         mine = [s for s in streams if s["key"] == key]
         ttfts = [s["ttft_ms"] for s in mine if s["ttft_ms"] is not None]
@@ -318,7 +332,12 @@ def flood(root: Path = ROOT, tokens: int = 150, delay_s: float = 0.3) -> dict[st
     return out
 
 
-SCENARIOS = {"budget": budget, "cut": cut, "flood": flood}
+SCENARIOS = {
+    "budget": budget,
+    "cut": cut,
+    "flood": flood,
+    "flood-fifo": lambda root: flood(root, fifo=True),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
