@@ -358,9 +358,10 @@ class RoutedEngine:
             candidates.sort(key=lambda t: _rendezvous(session, t.name), reverse=True)
         if splicing:
             # A seam should be short: a target failing other streams right now (not yet
-            # ejected) goes after those that are not.
+            # ejected), or silent on all of them (a stall its deadlines have not caught
+            # yet), goes after those that are not.
             candidates = [t for t in candidates if t.continues]
-            candidates.sort(key=lambda t: t.health.failures > 0)
+            candidates.sort(key=lambda t: (t.health.failures > 0, t.silent(now)))
         if route.balance == "least_busy" and len(candidates) > 1:
             self._turn += 1
             n = len(candidates)
@@ -428,6 +429,7 @@ class RoutedEngine:
                     finally:
                         deadline.done_waiting()
                     now = loop.time()
+                    target.last_chunk_at = now
                     left -= now - began
                     limit = min(cfg.idle_timeout_s, left)
                     first = False

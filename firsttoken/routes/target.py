@@ -14,11 +14,14 @@ from firsttoken.routes.config import TargetConfig
 from firsttoken.routes.health import TargetHealth
 from firsttoken.routes.queue import FairQueue, Waiter
 
-__all__ = ["DEFAULT_ANSWER_TOKENS", "QUEUE_WAIT_BUCKETS", "Target"]
+__all__ = ["DEFAULT_ANSWER_TOKENS", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
 
 # A request without max_tokens is charged this much answer in the fair queue.
 DEFAULT_ANSWER_TOKENS = 1024
 QUEUE_WAIT_BUCKETS = TTFT_BUCKETS  # fine to 0.5 s, coarse to 60 s
+# A target with streams running and no chunk from any of them for this long is taken for
+# stalled when choosing where to splice (engines write tokens every few ms while they work).
+SILENT_S = 0.5
 
 
 class Target:
@@ -28,6 +31,7 @@ class Target:
         "config",
         "engine",
         "health",
+        "last_chunk_at",
         "name",
         "outstanding",
         "queue",
@@ -41,6 +45,7 @@ class Target:
         self.engine = engine
         self.health = TargetHealth(eject_after=config.eject_after, eject_s=config.eject_s)
         self.outstanding = 0  # streams there now
+        self.last_chunk_at = 0.0  # loop time of the last chunk from any of them
         self.steps = delivers_steps(engine)
         self.queue = FairQueue()
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS)
@@ -52,6 +57,10 @@ class Target:
     @property
     def queued(self) -> int:
         return len(self.queue)
+
+    def silent(self, now: float) -> bool:
+        """Streams there, and none has had a chunk for a while: likely stalled."""
+        return self.outstanding > 0 and now - self.last_chunk_at > SILENT_S
 
     def has_room(self) -> bool:
         limit = self.config.max_concurrency

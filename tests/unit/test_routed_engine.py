@@ -852,3 +852,23 @@ def test_session_balance_keeps_a_conversation_on_one_target() -> None:
     homes = {user: ask(user) for user in (f"conversation {i}" for i in range(12))}
     assert len(set(homes.values())) > 1  # sessions spread over the targets
     assert all(ask(user) == home for user, home in homes.items())  # and stay put
+
+
+def test_a_splice_passes_over_a_target_silent_on_all_its_streams() -> None:
+    # b has a stream running that has had no chunk for a second (a stall its deadlines have
+    # not caught yet): the continuation goes to c.
+    a = Scripted([*tokens(3), cut()])
+    b, c = Scripted(answer), Scripted(answer)
+    engine = router({"a": a, "b": b, "c": c})
+
+    async def body() -> Outcome:
+        loop = asyncio.get_running_loop()
+        engine.targets["b"].outstanding = 1  # someone else's stream, quiet since START
+        engine.targets["b"].last_chunk_at = loop.time()
+        await asyncio.sleep(1.0)
+        return await play(engine)
+
+    out = virtual_loop.run(body())
+    assert out.text == WHOLE
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+    assert b.requests == []
