@@ -261,26 +261,7 @@ class RoutedEngine:
                 if not started:  # the client left (or a bug): a half-open probe goes back
                     target.health.release()
                 raise
-            now = asyncio.get_running_loop().time()
-            # Health hears only what says something about the target: not a full queue,
-            # not the request's own fault, not a continuation it refused (prefill); an
-            # upstream's Retry-After is a pause it asked for, not a failure.
-            if error.code == "queue_timeout" or error.client_fault:
-                target.health.release()
-            elif error.retry_after_s is not None and error.status in (429, 503, 529):
-                target.health.hold(now, error.retry_after_s)
-            else:
-                target.health.failure(now)
-            self._said(
-                "route.target_failed",
-                logging.WARNING,
-                stream=request.request_id,
-                route=route.name,
-                target=target.name,
-                code=error.code,
-                error=error.message[:200],
-                at_token=transcript.tokens,
-            )
+            self._target_failed(route, request, target, error, transcript.tokens)
             if error.client_fault and not splicing:
                 raise error  # another target would refuse the same request
             if not (error.retryable or error.client_fault):
@@ -294,6 +275,35 @@ class RoutedEngine:
             else:
                 failed = (target, "connect" if error.status is not None else "first_token")
                 last = error
+
+    def _target_failed(
+        self,
+        route: ModelRoute,
+        request: GenerationRequest,
+        target: Target,
+        error: EngineError,
+        at_token: int,
+    ) -> None:
+        """Tell the target's health, and the log. Health hears only what says something
+        about the target: not a full queue, not the request's own fault, not a continuation
+        it refused (prefill); an upstream's Retry-After is a pause it asked for."""
+        now = asyncio.get_running_loop().time()
+        if error.code == "queue_timeout" or error.client_fault:
+            target.health.release()
+        elif error.retry_after_s is not None and error.status in (429, 503, 529):
+            target.health.hold(now, error.retry_after_s)
+        else:
+            target.health.failure(now)
+        self._said(
+            "route.target_failed",
+            logging.WARNING,
+            stream=request.request_id,
+            route=route.name,
+            target=target.name,
+            code=error.code,
+            error=error.message[:200],
+            at_token=at_token,
+        )
 
     def _order(self, route: ModelRoute, request: GenerationRequest) -> tuple[str, ...]:
         """The route's targets for this request: a short prompt tries its small target first
