@@ -1,0 +1,695 @@
+"""Edge and center: what a small model at the edge buys in first-token time, and what the
+hand-off to the center costs the reader.
+
+    .venv/bin/python -m bench.edge [--quick] [--requests 40] [--concurrency 4]
+                                   [--max-tokens 48] [--after-tokens 16] [--cases A,B]
+                                   [--edge-root DIR]
+
+Processes on loopback (every one a `firsttoken serve`, bar the delay line):
+- `llama-center`: `--engine llamacpp`, the bundled SmolLM2-135M, the only real model here;
+- a delay line in this process, in front of it: every byte towards the center arrives
+  `--center-delay-ms` (900) late, so the center starts each answer 900 ms after it was asked
+  (a big model's queue and prefill) and then decodes at the small model's pace. The hand-off
+  needs a center that continues a text it did not write, which the synthetic engine refuses;
+- `synth-center`: the synthetic engine, TTFT 900 ms, ITL 20 ms, its TTFT guard off. It
+  continues only its own answer (`invalid_continuation`, 400, for any other prefix), so its
+  hand-off cases show the refusal and the edge's fallback, on fewer requests;
+- `edge`: `--routes FILE --canned-answers FILE --heartbeat-s 0.25`, the small model in process
+  (`kind = "llamacpp"`, the same SmolLM2), the centers as `kind = "openai"` targets with
+  `continuation = "vllm"`. One route per case: the center alone, a hand-off `at = "tokens"`
+  (after exactly `--after-tokens`), a hand-off `at = "sentence"` (the first sentence end past
+  them); `mix`: `short_prompts` onto the slow center; `mix-handoff`: the same and a sentence
+  hand-off. Each llama.cpp process runs one thread (ONE_THREAD below: two tiers would be two
+  machines; two llama.cpp processes at their default threads on 2 cores slow each other ×5-11).
+
+Centers by case name: `slow` (llama.cpp behind the delay line), `llama` (llama.cpp, no delay:
+the center is as fast as the edge), `synth`. Every case goes through the edge (same client
+path): `--requests` Chat Completions streams (`--synth-requests` for `synth`), `--concurrency`
+at once, greedy, `--max-tokens`; the `mix` cases send greetings (canned at the edge), short
+questions and long prompts, a third each. `--edge-root DIR` runs the edge from another tree.
+
+Figures per case: TTFT (request sent to first content chunk) and total time (to the last byte)
+p50/p99; hand-offs (the edge's `route.handoff` log lines, matched to the client's stream by id
+and `at_token`) and fallbacks (`route.handoff_fallback`: the center refused, the edge finished);
+the gap at the hand-off (the client's time from the last chunk before the seam to the first
+after it) beside the stream's ordinary gap between chunks, and the heartbeats that came inside
+it; where the seam falls (after a sentence end, or mid-sentence); a few seams as text. For
+`mix`: per kind of prompt, how many went to the center at all, so the share answered at the
+edge by the rules, and how many of them the hand-off sent to the center anyway. Writes
+`bench/results/edge.json`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+
+from bench.failover import Process, _free_port, gateway_events
+from bench.procs import ROOT, ServerProcess
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
+LLAMA_MODEL = "smollm2-135m-instruct"
+# The router's own test of a sentence end (firsttoken/routes/engine.py), applied to the text
+# before the seam: a seam right after it is a pause between sentences.
+SENTENCE_END = re.compile(r"""[.!?。！？…]["'”’)\]]*\s*$|\n\s*$""")
+GREETINGS = ("Hi!", "hello", "Thanks!", "hi there", "Good morning")
+CANNED = {
+    "hi": "Hello! How can I help you today?",
+    "hello": "Hello! How can I help you today?",
+    "hi there": "Hi! What can I do for you?",
+    "thanks": "You're welcome!",
+    "good morning": "Good morning! How can I help?",
+}
+SHORT = (
+    "What is rain?",
+    "Name a fruit.",
+    "Why is grass green?",
+    "What is a verb?",
+    "Define gravity.",
+    "What is 7 times 8?",
+    "Who wrote Hamlet?",
+    "What is a comet?",
+)
+LONG = (
+    "I am planning a small vegetable garden on a sunny balcony in a city apartment. "
+    "Explain which vegetables grow well in containers and how often to water them.",
+    "My team keeps missing deadlines because tasks are vague and priorities change every week. "
+    "Suggest a simple way to plan our work so that we finish what we start.",
+    "Explain how a refrigerator keeps food cold, step by step, for someone who has never "
+    "studied physics, and say why the back of it feels warm.",
+    "I want to learn to run five kilometres without stopping. I can run for two minutes now. "
+    "Describe a gentle plan for the next six weeks.",
+    "Describe the water cycle for a class of ten-year-olds, with an example from everyday "
+    "life that they can see at home or at school.",
+    "Compare trains and planes for a trip of about five hundred kilometres: time, cost, "
+    "comfort and the environment. Which would you choose and why?",
+    "Explain what a budget is and how a student with a part-time job can make one that "
+    "leaves some money for savings every month.",
+    "Tell me how bread rises, what yeast does, and why dough needs to rest before it goes "
+    "into the oven.",
+    "Write a friendly paragraph welcoming new members to a neighbourhood book club and "
+    "explaining how the monthly meetings work.",
+    "Explain why the seasons change over the year, and why it is summer in Australia when "
+    "it is winter in Europe.",
+)
+
+
+def _log(msg: str) -> None:
+    print(f"[edge {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass(frozen=True, slots=True)
+class Sizes:
+    requests: int = 40
+    synth_requests: int = 8  # its hand-offs are refused: enough to show it
+    concurrency: int = 4
+    max_tokens: int = 48
+    after_tokens: int = 16
+    center_delay_ms: int = 900  # the slow center: the delay line before llama.cpp
+    center_ttft_ms: int = 900  # the synthetic center
+    center_itl_ms: int = 20
+    max_prompt_tokens: int = 24  # short_prompts: at most this many prompt tokens, counted here
+    heartbeat_s: float = 0.25  # the edge's: pings inside a long seam show it stays warm
+
+    @classmethod
+    def quick(cls) -> Sizes:
+        return cls(requests=3, synth_requests=2, concurrency=2, max_tokens=16, after_tokens=4)
+
+
+@dataclass(slots=True)
+class Seen:
+    """One stream as the client saw it: content chunks and heartbeats with their times."""
+
+    kind: str
+    t_sent: float = 0.0
+    t_end: float = 0.0
+    stream: str | None = None
+    texts: list[str] = field(default_factory=list)
+    times: list[float] = field(default_factory=list)
+    pings: list[float] = field(default_factory=list)
+    finish: str | None = None
+    done: bool = False
+    error: str | None = None
+
+    @property
+    def completed(self) -> bool:
+        return self.done and self.finish is not None and self.error is None
+
+
+async def stream_chat(
+    http: httpx.AsyncClient, url: str, model: str, prompt: str, kind: str, max_tokens: int
+) -> Seen:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": prompt}],
+        "stream": True,
+        "temperature": 0,
+        "max_tokens": max_tokens,
+    }
+    seen = Seen(kind)
+    seen.t_sent = time.perf_counter()
+    try:
+        async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                seen.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
+                return seen
+            event = ""
+            async for line in resp.aiter_lines():
+                now = time.perf_counter()
+                if line.startswith(":"):
+                    seen.pings.append(now)
+                elif line.startswith("event:"):
+                    event = line[6:].strip()
+                elif line.startswith("data:"):
+                    _data(seen, event, line[5:].strip(), now)
+                elif not line:
+                    event = ""
+    except httpx.HTTPError as exc:
+        seen.error = f"{type(exc).__name__}: {exc}"
+    seen.t_end = time.perf_counter()
+    return seen
+
+
+def _data(seen: Seen, event: str, data: str, now: float) -> None:
+    if data == "[DONE]":
+        seen.done = True
+        return
+    chunk = json.loads(data)
+    if event == "error" or "error" in chunk:
+        seen.error = seen.error or data[:300]
+        return
+    if chunk.get("id"):
+        seen.stream = str(chunk["id"]).removeprefix("chatcmpl-")
+    for choice in chunk.get("choices") or ():
+        text = (choice.get("delta") or {}).get("content")
+        if text:
+            seen.texts.append(text)
+            seen.times.append(now)
+        if choice.get("finish_reason"):
+            seen.finish = choice["finish_reason"]
+
+
+async def drive(url: str, model: str, work: Sequence[tuple[str, str]], sizes: Sizes) -> list[Seen]:
+    """Every (kind, prompt), `sizes.concurrency` at a time."""
+    slots = asyncio.Semaphore(sizes.concurrency)
+    timeout = httpx.Timeout(300.0, connect=5.0)
+    async with httpx.AsyncClient(timeout=timeout) as http:
+
+        async def one(kind: str, prompt: str) -> Seen:
+            async with slots:
+                return await stream_chat(http, url, model, prompt, kind, sizes.max_tokens)
+
+        return list(await asyncio.gather(*(one(k, p) for k, p in work)))
+
+
+# --- the delay line ---------------------------------------------------------------------------
+
+
+class DelayLine:
+    """A TCP proxy that delivers every byte towards the target `delay_s` late (order kept),
+    and the answers at once: the target starts each request that much later, as a center
+    whose queue and prefill take that long would."""
+
+    def __init__(self, target_port: int, delay_s: float) -> None:
+        self.target_port = target_port
+        self.delay_s = delay_s
+        self.server: asyncio.Server | None = None
+        self.port = 0
+        self._handlers: set[asyncio.Task[None]] = set()
+
+    async def start(self) -> None:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0)
+        self.port = int(self.server.sockets[0].getsockname()[1])
+
+    async def stop(self) -> None:
+        if self.server is not None:
+            self.server.close()
+        for task in self._handlers:
+            task.cancel()
+        await asyncio.gather(*self._handlers, return_exceptions=True)
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        me = asyncio.current_task()
+        assert me is not None
+        self._handlers.add(me)
+        me.add_done_callback(self._handlers.discard)
+        loop = asyncio.get_running_loop()
+        try:
+            up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.target_port)
+        except OSError:
+            writer.close()
+            return
+        line: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def take() -> None:  # client → line, stamped with when it may go on
+            while True:
+                data = await reader.read(65536)
+                line.put_nowait((loop.time() + self.delay_s, data))
+                if not data:
+                    return
+
+        async def give() -> None:  # line → target, each piece at its time
+            while True:
+                due, data = await line.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if not data:
+                    up_writer.close()
+                    return
+                up_writer.write(data)
+                await up_writer.drain()
+
+        async def back() -> None:  # target → client, at once
+            while data := await up_reader.read(65536):
+                writer.write(data)
+                await writer.drain()
+            writer.close()
+
+        tasks = [asyncio.create_task(t()) for t in (take, give, back)]
+        try:
+            await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        except asyncio.CancelledError:
+            pass  # stop(): a handler that ends cancelled is logged by asyncio's streams
+        finally:
+            for t in tasks:
+                t.cancel()
+            writer.close()
+            up_writer.close()
+
+
+# --- figures ----------------------------------------------------------------------------------
+
+
+def _pct(values: Sequence[float], q: float) -> float | None:
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
+def figures(
+    seen: Sequence[Seen], events: Sequence[dict[str, Any]], center_ttft: dict[str, float]
+) -> dict[str, Any]:
+    """One case's figures from the client's streams, the edge's `route.*` log lines and the
+    center's own first-token times (by the edge's stream id, its trace id there)."""
+    ok = [s for s in seen if s.completed]
+    by_id = {s.stream: s for s in seen if s.stream}
+    seams = {
+        e["stream"]: int(e.get("at_token") or 0)
+        for e in events
+        if e.get("event") == "route.handoff"
+    }
+    ttft = [(s.times[0] - s.t_sent) * 1000 for s in ok if s.times]
+    total = [(s.t_end - s.t_sent) * 1000 for s in ok]
+    gaps: list[float] = []
+    ratios: list[float] = []
+    pings: list[int] = []
+    after_sentence = unmatched = 0
+    samples: list[str] = []
+    for stream, k in seams.items():
+        s = by_id.get(stream)
+        if s is None or not 0 < k < len(s.times):
+            unmatched += 1
+            continue
+        a, b = s.times[k - 1], s.times[k]
+        gaps.append((b - a) * 1000)
+        pings.append(sum(a < t < b for t in s.pings))
+        steps = enumerate(zip(s.times, s.times[1:], strict=False))
+        others = [(y - x) * 1000 for i, (x, y) in steps if i != k - 1]
+        if others:
+            ratios.append(gaps[-1] / max(statistics.median(others), 0.001))
+        before = "".join(s.texts[:k])
+        after_sentence += bool(SENTENCE_END.search(before))
+        if len(samples) < 4:
+            samples.append(f"{before[-60:]}‖{''.join(s.texts[k:])[:50]}".replace("\n", "⏎"))
+    itl = [
+        (y - x) * 1000
+        for s in ok
+        for i, (x, y) in enumerate(zip(s.times, s.times[1:], strict=False))
+        if i != seams.get(s.stream or "", 0) - 1
+    ]
+    return {
+        "requests": len(seen),
+        "completed": len(ok),
+        "errors": sorted({s.error[:160] for s in seen if s.error}),
+        "ttft_ms_p50": _pct(ttft, 50),
+        "ttft_ms_p99": _pct(ttft, 99),
+        "total_ms_p50": _pct(total, 50),
+        "total_ms_p99": _pct(total, 99),
+        "chunks_p50": _pct([len(s.times) for s in ok], 50),
+        "itl_ms_p50": _pct(itl, 50),
+        "handoffs": len(gaps),
+        "handoffs_unmatched": unmatched,
+        "fallbacks": sum(e.get("event") == "route.handoff_fallback" for e in events),
+        "refusals": sorted(
+            {
+                str(e.get("code"))
+                for e in events
+                if e.get("event") == "route.target_failed" and e.get("at_token")
+            }
+        ),
+        "gap_ms_p50": _pct(gaps, 50),
+        "gap_ms_p99": _pct(gaps, 99),
+        "gap_ms_max": max(gaps) if gaps else None,
+        "gap_over_itl_p50": _pct(ratios, 50),
+        "center_ttft_ms_p50": _pct([center_ttft[x] for x in seams if x in center_ttft], 50),
+        "pings_in_gap_p50": _pct(pings, 50),
+        "seam_after_sentence_end": after_sentence,
+        "seams": samples,
+    }
+
+
+def _ttfts(server: ServerProcess, offset: int) -> dict[str, float]:
+    """A server's first-token times since `offset`, by trace id (the edge's stream id)."""
+    out: dict[str, float] = {}
+    with server.log.open("rb") as f:
+        f.seek(offset)
+        for line in f.read().splitlines():
+            if b'"stream.finished"' in line:
+                record = json.loads(line)
+                if record.get("trace_id") and record.get("ttft_ms") is not None:
+                    out[record["trace_id"]] = float(record["ttft_ms"])
+    return out
+
+
+def _streams(server: ServerProcess) -> float:
+    metrics = server.metrics().items()
+    return sum(v for k, v in metrics if k.startswith("firsttoken_streams_total{"))
+
+
+# --- the deployment ---------------------------------------------------------------------------
+
+
+def routes_toml(centers: dict[str, tuple[str, str]], sizes: Sizes) -> str:
+    """The edge's routes file: the small model in process, each center (url, model), a route
+    per case."""
+    out = ["[targets.small]", 'kind = "llamacpp"', ""]
+    for name, (url, model) in centers.items():
+        out += [
+            f"[targets.{name}-center]",
+            'kind = "openai"',
+            f'url = "{url}/v1"',
+            f'model = "{model}"',
+            'continuation = "vllm"',
+            "first_token_timeout_s = 120",
+            "",
+        ]
+    n = sizes.after_tokens
+    for name in centers:
+        out += [f"[models.{name}]", f'targets = ["{name}-center"]', ""]
+        for at in ("tokens", "sentence"):
+            out += [
+                f"[models.{name}-{at}]",
+                f'targets = ["{name}-center"]',
+                f'handoff = {{ from = "small", after_tokens = {n}, at = "{at}" }}',
+                "",
+            ]
+    short = f'short_prompts = {{ target = "small", max_prompt_tokens = {sizes.max_prompt_tokens} }}'
+    out += ["[models.mix]", 'targets = ["slow-center"]', short, ""]
+    out += [
+        "[models.mix-handoff]",
+        'targets = ["slow-center"]',
+        short,
+        f'handoff = {{ from = "small", after_tokens = {n}, at = "sentence" }}',
+    ]
+    return "\n".join(out) + "\n"
+
+
+def canned_toml() -> str:
+    return "[answers]\n" + "".join(f'"{k}" = "{v}"\n' for k, v in CANNED.items())
+
+
+# llama-cpp-python takes its thread counts from multiprocessing.cpu_count() (half for decoding,
+# all for prompts), and the engine has no knob for them. Two llama.cpp processes at those
+# defaults on this 2-core machine slowed each other ×5-11 (48 tokens: 4.7-11.5 s, 1.0 alone);
+# at one thread each ×1.7. Edge and center would be separate machines: one thread each.
+ONE_THREAD = (
+    "import multiprocessing, runpy; multiprocessing.cpu_count = lambda: 1; "
+    "runpy.run_module('firsttoken', run_name='__main__', alter_sys=True)"
+)
+
+
+def _serve(name: str, args: Sequence[str], logs: Path, cwd: Path = ROOT) -> Process:
+    port = _free_port()
+    start = ["-c", ONE_THREAD] if "llamacpp" in args or name == "edge" else ["-m", "firsttoken"]
+    cmd = [sys.executable, *start, "serve", "--port", str(port), *args, *OPEN]
+    return Process(name, cmd, logs, cwd=cwd)
+
+
+def _work(n: int) -> list[tuple[str, str]]:
+    return [("long", LONG[i % len(LONG)]) for i in range(n)]
+
+
+def _mix(n: int) -> list[tuple[str, str]]:
+    kinds = ("greeting", "short", "long")
+    pools = {"greeting": GREETINGS, "short": SHORT, "long": LONG}
+    return [
+        (kinds[i % 3], pools[kinds[i % 3]][(i // 3) % len(pools[kinds[i % 3]])]) for i in range(n)
+    ]
+
+
+async def run_case(
+    edge: ServerProcess,
+    center: ServerProcess,
+    model: str,
+    work: Sequence[tuple[str, str]],
+    sizes: Sizes,
+) -> dict[str, Any]:
+    offset, center_offset = edge.log.stat().st_size, center.log.stat().st_size
+    before = _streams(center)
+    canned_before = edge.metrics().get("firsttoken_canned_answers_total", 0.0)
+    t0 = time.perf_counter()
+    seen = await drive(edge.url, model, work, sizes)
+    wall = time.perf_counter() - t0
+    await asyncio.sleep(0.3)  # the last lines reach the log
+    events = gateway_events(edge.log, offset)
+    row = {"case": model, "wall_s": wall, **figures(seen, events, _ttfts(center, center_offset))}
+    row["center_streams"] = _streams(center) - before
+    row["canned"] = edge.metrics().get("firsttoken_canned_answers_total", 0.0) - canned_before
+    # A stream whose edge leg reached the hand-off point asked the center (whether or not
+    # the center took it); one without a hand-off line of any kind stayed at the edge.
+    asked = {
+        e["stream"] for e in events if e.get("event") in ("route.handoff", "route.handoff_fallback")
+    }
+    kinds: dict[str, dict[str, int]] = {}
+    for s in seen:
+        k = kinds.setdefault(s.kind, {"requests": 0, "center_asked": 0})
+        k["requests"] += 1
+        k["center_asked"] += s.stream in asked
+    row["by_kind"] = kinds
+    return row
+
+
+CASES = (
+    "slow",
+    "slow-tokens",
+    "slow-sentence",
+    "llama",
+    "llama-tokens",
+    "llama-sentence",
+    "mix",
+    "mix-handoff",
+    "synth",
+    "synth-tokens",
+)
+
+
+async def bench(
+    sizes: Sizes, out: Path, edge_root: Path = ROOT, only: Sequence[str] = CASES
+) -> dict[str, Any]:
+    logs = out / "edge-logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    synth_args = [
+        "--synthetic-ttft-ms",
+        str(sizes.center_ttft_ms),
+        "--synthetic-itl-ms",
+        str(sizes.center_itl_ms),
+    ]
+    procs = {
+        "llama": _serve("llama-center", ["--engine", "llamacpp"], logs),
+        "synth": _serve("synth-center", synth_args, logs),
+    }
+    servers = {name: p.start() for name, p in procs.items()}
+    line: DelayLine | None = None
+    edge_proc: Process | None = None
+    res: dict[str, Any] = {"runs": []}
+    try:
+        for s in servers.values():
+            await asyncio.to_thread(s.wait_ready, 180.0)
+        line = DelayLine(servers["llama"].port, sizes.center_delay_ms / 1000)
+        await line.start()
+        centers = {
+            "slow": (f"http://127.0.0.1:{line.port}", LLAMA_MODEL),
+            "llama": (servers["llama"].url, LLAMA_MODEL),
+            "synth": (servers["synth"].url, "synthetic"),
+        }
+        routes, canned = logs / "routes.toml", logs / "canned.toml"
+        routes.write_text(routes_toml(centers, sizes))
+        canned.write_text(canned_toml())
+        args = [
+            "--routes",
+            str(routes),
+            "--canned-answers",
+            str(canned),
+            "--heartbeat-s",
+            str(sizes.heartbeat_s),
+        ]
+        edge_proc = _serve("edge", args, logs, edge_root)
+        edge = edge_proc.start()
+        await asyncio.to_thread(edge.wait_ready, 180.0)
+        _log(f"edge {edge.url}; llama.cpp center {servers['llama'].url} (slow: :{line.port})")
+        cases: list[tuple[str, ServerProcess, list[tuple[str, str]]]] = []
+        for model in only:
+            if model.startswith("synth"):
+                cases.append((model, servers["synth"], _work(sizes.synth_requests)))
+            elif model.startswith("mix"):
+                cases.append((model, servers["llama"], _mix(sizes.requests)))
+            else:
+                cases.append((model, servers["llama"], _work(sizes.requests)))
+        for model, center, work in cases:
+            _log(f"case {model}: {len(work)} streams, {sizes.concurrency} at once")
+            row = await run_case(edge, center, model, work, sizes)
+            res["runs"].append(row)
+            _log(
+                f"  {row['completed']}/{row['requests']} completed, TTFT p50 "
+                f"{_f(row['ttft_ms_p50'])} ms, hand-offs {row['handoffs']}, "
+                f"fallbacks {row['fallbacks']}, {row['wall_s']:.1f} s"
+            )
+    finally:
+        if edge_proc is not None:
+            edge_proc.stop()
+        if line is not None:
+            await line.stop()
+        for p in procs.values():
+            p.stop()
+    return res
+
+
+# --- report -----------------------------------------------------------------------------------
+
+
+def _f(x: float | None, fmt: str = "{:,.0f}") -> str:
+    return "—" if x is None else fmt.format(x)
+
+
+def render(res: dict[str, Any]) -> str:
+    rows = res["runs"]
+    sizes = res["meta"]["sizes"]
+    lines = [
+        "EDGE AND CENTER  " + "  ".join(f"{k}={v}" for k, v in sizes.items()),
+        f"{'':30}" + "".join(f"{r['case']:>15}" for r in rows),
+    ]
+
+    def add(label: str, cell: Any) -> None:
+        lines.append(f"{label:30}" + "".join(f"{cell(r):>15}" for r in rows))
+
+    def pair(r: dict[str, Any], a: str, b: str) -> str:
+        return f"{_f(r[a])} / {_f(r[b])}"
+
+    add("completed", lambda r: f"{r['completed']}/{r['requests']}")
+    add("TTFT p50 / p99 ms", lambda r: pair(r, "ttft_ms_p50", "ttft_ms_p99"))
+    add("total p50 / p99 ms", lambda r: pair(r, "total_ms_p50", "total_ms_p99"))
+    add("chunks p50", lambda r: _f(r["chunks_p50"]))
+    add("gap between chunks p50 ms", lambda r: _f(r["itl_ms_p50"], "{:.1f}"))
+    add("hand-offs / fallbacks", lambda r: f"{r['handoffs']} / {r['fallbacks']}")
+    add("gap at hand-off p50 / p99 ms", lambda r: pair(r, "gap_ms_p50", "gap_ms_p99"))
+    add("gap at hand-off max ms", lambda r: _f(r["gap_ms_max"]))
+    add("gap / own gap p50", lambda r: _f(r["gap_over_itl_p50"], "{:.0f}x"))
+    add("center's own TTFT there p50", lambda r: _f(r["center_ttft_ms_p50"]))
+    add("heartbeats in the gap p50", lambda r: _f(r["pings_in_gap_p50"]))
+    add("seam after a sentence end", lambda r: f"{r['seam_after_sentence_end']}/{r['handoffs']}")
+    add("streams the center saw", lambda r: _f(r["center_streams"]))
+    add("wall s", lambda r: _f(r["wall_s"], "{:.1f}"))
+    for r in rows:
+        if r["case"].startswith("mix"):
+            lines.append(
+                f"{r['case']}, by kind of prompt (how many asked the center at a hand-off):"
+            )
+            for kind, k in r["by_kind"].items():
+                lines.append(f"  {kind:9} {k['requests']:>4}, center asked {k['center_asked']}")
+            edge_only = r["requests"] - r["center_streams"]
+            lines.append(
+                f"  answered wholly at the edge: {edge_only:.0f}/{r['requests']} "
+                f"({edge_only / r['requests']:.0%}); canned {r['canned']:.0f}"
+            )
+    lines.append("seams (before ‖ the edge's text, after it the center's):")
+    for r in rows:
+        for sample in r["seams"][:2]:
+            lines.append(f"  {r['case']:15} …{sample}…")
+    for r in rows:
+        if r["errors"] or r["refusals"]:
+            lines.append(f"  {r['case']}: errors {r['errors']}, center refused {r['refusals']}")
+    return "\n".join(lines)
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip()
+    except OSError:
+        return "?"
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    ap.add_argument("--quick", action="store_true", help="3 streams a case, 16 tokens")
+    ap.add_argument("--requests", type=int)
+    ap.add_argument("--synth-requests", type=int)
+    ap.add_argument("--concurrency", type=int)
+    ap.add_argument("--max-tokens", type=int)
+    ap.add_argument("--after-tokens", type=int)
+    ap.add_argument("--center-delay-ms", type=int)
+    ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: %(default)s")
+    ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    ap.add_argument(
+        "--edge-root", type=Path, default=ROOT, help="run the edge from this tree (a patched copy)"
+    )
+    args = ap.parse_args(argv)
+    only = [c for c in args.cases.split(",") if c]
+    if unknown := set(only) - set(CASES):
+        ap.error(f"--cases: unknown {sorted(unknown)}")
+    sizes = Sizes.quick() if args.quick else Sizes()
+    given = {
+        k: getattr(args, k)
+        for k in (
+            "requests",
+            "synth_requests",
+            "concurrency",
+            "max_tokens",
+            "after_tokens",
+            "center_delay_ms",
+        )
+        if getattr(args, k) is not None
+    }
+    sizes = Sizes(**{**asdict(sizes), **given})
+    args.out.mkdir(parents=True, exist_ok=True)
+    meta: dict[str, Any] = {
+        "date": dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "commit": _commit(),
+        "cpus": os.cpu_count(),
+        "loadavg_start": os.getloadavg(),
+        "sizes": asdict(sizes),
+    }
+    if args.edge_root.resolve() != ROOT:
+        meta["edge_root"] = str(args.edge_root)
+    res = asyncio.run(bench(sizes, args.out, args.edge_root.resolve(), only))
+    res["meta"] = {**meta, "loadavg_end": os.getloadavg()}
+    (args.out / "edge.json").write_text(json.dumps(res, indent=2, ensure_ascii=False))
+    print(render(res))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""bench/edge.py must not rot: a quick run of three of its cases (the real small model at the
+edge, llama.cpp behind the delay line as the slow center, the synthetic center).
+
+Not a performance test: no time is held to a target, only that each case really happens (every
+stream handed off at its token, the seam as late as the delay line makes it, a greeting canned,
+the synthetic center's refusal answered by the edge's fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("llama_cpp")
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a kind = 'llamacpp' route target does not start: RoutedEngine.start starts targets "
+    "in anyio task-group children, and LlamaCppEngine.start keeps a task group open past "
+    "start() (startup.failed: 'Attempted to exit a cancel scope that isn't the current "
+    "task's'); remove this mark with the fix",
+)
+def test_quick_edge_run(tmp_path: Path) -> None:
+    cases = "slow-tokens,mix-handoff,synth-tokens"
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.edge", "--quick", "--cases", cases, "--out", str(tmp_path)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "EDGE AND CENTER" in proc.stdout
+    res = json.loads((tmp_path / "edge.json").read_text())
+    rows = {r["case"]: r for r in res["runs"]}
+    sizes = res["meta"]["sizes"]
+    tokens = rows["slow-tokens"]
+    assert tokens["completed"] == tokens["requests"] == sizes["requests"], tokens
+    # Greedy answers longer than after_tokens: every stream hands off, at that token.
+    assert tokens["handoffs"] == tokens["requests"] and tokens["handoffs_unmatched"] == 0
+    assert tokens["gap_ms_p50"] >= sizes["center_delay_ms"]  # the delay line is in the seam
+    mix = rows["mix-handoff"]
+    assert mix["completed"] == mix["requests"] and mix["canned"] >= 1, mix
+    assert mix["by_kind"]["greeting"]["center_asked"] == 0
+    synth = rows["synth-tokens"]
+    # The synthetic center refuses another model's prefix: the edge finishes, and says so.
+    assert synth["completed"] == synth["requests"] == synth["fallbacks"], synth
+    assert synth["refusals"] == ["upstream_rejected"] and synth["handoffs"] == 0
