@@ -1,24 +1,27 @@
-"""The line in front of a full target: higher priority first, and within a priority, deficit
-round robin over keys, weighted by each key's `weight` and counted in tokens.
+"""The line in front of a full target: higher priority first; within a priority, fair
+queuing by tokens between keys, weighted by each key's `weight`.
 
-Counting tokens, not requests, is what keeps a key that asks for 24 long answers from taking
-24 turns' worth of the engine while a key with 4 short ones waits: each key's turn buys
-`QUANTUM × weight` tokens of credit, and a request goes when its key's credit covers what it
-may cost (its prompt plus its `max_tokens`). The queue is per target and per process: the
-slot it hands out is this process's (`max_concurrency` counts this process's streams), so a
-shared queue would have to share the slots too, which Redis cannot do without a round trip
-per token.
+Counting tokens, not requests, is what keeps a key that asks for 24 long answers from holding
+the engine while a key with 4 short ones waits. This is start-time fair queuing, the exact
+form that deficit round robin approximates: each request gets a tag when it joins, its key's
+last tag plus what it may cost (its prompt and `max_tokens`) ÷ the key's weight, never below
+the line's current virtual time; the smallest tag goes next. A flood's 24 requests carry tags
+far ahead, so a key that arrives later takes the next free slots until its tags catch up; over
+time each key gets tokens in proportion to its weight, and no key saves up credit while idle.
+
+The queue is per target and per process: the slots it hands out are this process's
+(`max_concurrency` counts this process's streams), so a shared queue would have to share the
+slots too, a Redis round trip per stream start and end.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections import OrderedDict, deque
+import heapq
+import itertools
 from dataclasses import dataclass, field
 
-__all__ = ["QUANTUM", "FairQueue", "Waiter"]
-
-QUANTUM = 512  # tokens of credit a key gets per turn, times its weight
+__all__ = ["FairQueue", "Waiter"]
 
 
 @dataclass(eq=False, slots=True)
@@ -29,22 +32,26 @@ class Waiter:
     weight: float = 1.0
     cost: int = 1  # tokens it may take: prompt + max_tokens (or a default)
     since: float = 0.0
+    gone: bool = False  # left the line (lazily dropped from the heap)
 
 
 @dataclass(slots=True)
 class _Class:
-    """One priority: each key's waiters in arrival order, in a ring of turns."""
+    """One priority: waiters by tag, each key's last tag, and the line's virtual time."""
 
-    keys: OrderedDict[str, deque[Waiter]] = field(default_factory=OrderedDict)
-    credit: dict[str, float] = field(default_factory=dict)
+    heap: list[tuple[float, int, Waiter]] = field(default_factory=list)
+    last: dict[str, float] = field(default_factory=dict)
+    waiting: dict[str, int] = field(default_factory=dict)
+    now: float = 0.0  # virtual time: the tag of the last waiter served
 
 
 class FairQueue:
-    __slots__ = ("_classes", "_count")
+    __slots__ = ("_classes", "_count", "_order")
 
     def __init__(self) -> None:
         self._classes: dict[int, _Class] = {}
         self._count = 0
+        self._order = itertools.count()  # ties go in arrival order
 
     def __len__(self) -> int:
         return self._count
@@ -53,23 +60,20 @@ class FairQueue:
         cls = self._classes.get(waiter.priority)
         if cls is None:
             cls = self._classes[waiter.priority] = _Class()
-        line = cls.keys.get(waiter.key)
-        if line is None:
-            line = cls.keys[waiter.key] = deque()
-            cls.credit.setdefault(waiter.key, 0.0)
-        line.append(waiter)
+        start = max(cls.now, cls.last.get(waiter.key, 0.0))
+        cls.last[waiter.key] = start + waiter.cost / waiter.weight
+        cls.waiting[waiter.key] = cls.waiting.get(waiter.key, 0) + 1
+        heapq.heappush(cls.heap, (start, next(self._order), waiter))
         self._count += 1
 
     def remove(self, waiter: Waiter) -> bool:
         """Take out a waiter that leaves (its client went, or it timed out)."""
         cls = self._classes.get(waiter.priority)
-        line = cls.keys.get(waiter.key) if cls is not None else None
-        if cls is None or line is None or waiter not in line:
+        if waiter.gone or cls is None or not cls.waiting.get(waiter.key):
             return False
-        line.remove(waiter)
+        waiter.gone = True
         self._count -= 1
-        if not line:
-            self._drop_key(cls, waiter.key, waiter.priority)
+        self._left(cls, waiter)
         return True
 
     def pop(self) -> Waiter | None:
@@ -77,35 +81,24 @@ class FairQueue:
         while self._classes:
             priority = max(self._classes)
             cls = self._classes[priority]
-            waiter = self._next(cls, priority)
-            if waiter is not None:
-                return waiter
-        return None
-
-    def _next(self, cls: _Class, priority: int) -> Waiter | None:
-        while cls.keys:
-            key, line = next(iter(cls.keys.items()))
-            head = line[0]
-            if cls.credit[key] >= head.cost:
-                line.popleft()
+            while cls.heap:
+                tag, _, waiter = heapq.heappop(cls.heap)
+                if waiter.gone:
+                    continue
+                cls.now = max(cls.now, tag)
                 self._count -= 1
-                cls.credit[key] -= head.cost
-                if not line:
-                    self._drop_key(cls, key, priority)
-                return head
-            # Not enough credit: the key's turn ends with more of it, and the next key's begins.
-            # Enough turns to cover the head at once, so a large request costs no spinning.
-            turns = max(1, -(-(head.cost - cls.credit[key]) // (QUANTUM * head.weight)))
-            if len(cls.keys) == 1:
-                cls.credit[key] += turns * QUANTUM * head.weight
-                continue
-            cls.credit[key] += QUANTUM * head.weight
-            cls.keys.move_to_end(key)
+                self._left(cls, waiter)
+                return waiter
+            del self._classes[priority]
         return None
 
-    def _drop_key(self, cls: _Class, key: str, priority: int) -> None:
-        # A key that has nothing waiting keeps no credit (DRR: no saving up while idle).
-        del cls.keys[key]
-        del cls.credit[key]
-        if not cls.keys:
-            del self._classes[priority]
+    def _left(self, cls: _Class, waiter: Waiter) -> None:
+        n = cls.waiting[waiter.key] - 1
+        if n:
+            cls.waiting[waiter.key] = n
+            return
+        # Nothing of this key waits: it keeps no tag (no saving up, no debt, while idle).
+        del cls.waiting[waiter.key]
+        del cls.last[waiter.key]
+        if not cls.waiting:
+            self._classes.pop(waiter.priority, None)
