@@ -66,6 +66,16 @@ class FairQueue:
         heapq.heappush(cls.heap, (start, next(self._order), waiter))
         self._count += 1
 
+    def charge(self, key: str, priority: int, weight: float, cost: int) -> None:
+        """A request took a free slot without waiting: it still counts against its key, so a
+        key whose streams fill the target queues behind one that has none there."""
+        cls = self._classes.get(priority)
+        if cls is None:
+            cls = self._classes[priority] = _Class()
+        start = max(cls.now, cls.last.get(key, 0.0))
+        cls.last[key] = start + cost / weight
+        cls.now = start
+
     def remove(self, waiter: Waiter) -> bool:
         """Take out a waiter that leaves (its client went, or it timed out)."""
         cls = self._classes.get(waiter.priority)
@@ -89,7 +99,7 @@ class FairQueue:
                 self._count -= 1
                 self._left(cls, waiter)
                 return waiter
-            del self._classes[priority]
+            del self._classes[priority]  # only charges were left: nobody waits here
         return None
 
     def _left(self, cls: _Class, waiter: Waiter) -> None:

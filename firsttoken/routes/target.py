@@ -71,6 +71,13 @@ class Target:
         raises `queue_timeout` (503) after that. The client's heartbeats flow meanwhile."""
         if self.has_room() and not self.queue:
             self.outstanding += 1
+            if request is not None and self.config.max_concurrency is not None:
+                self.queue.charge(
+                    request.tenant,
+                    request.priority,
+                    max(request.weight, 0.001),
+                    self._cost(request),
+                )
             return
         loop = asyncio.get_running_loop()
         waiter = Waiter(loop.create_future(), since=loop.time())

@@ -78,3 +78,17 @@ def test_remove_takes_a_leaver_out() -> None:
     q.push(b)
     assert q.remove(a) and not q.remove(a)
     assert len(q) == 1 and q.pop() is b and q.pop() is None
+
+
+def test_streams_that_took_free_slots_count_against_their_key() -> None:
+    # flood filled the 4 free slots without waiting, then queued 20 more; steady arrives:
+    # flood's running streams count, so steady's first request goes before any of flood's.
+    q = FairQueue()
+    for _ in range(4):
+        q.charge("flood", 0, 1.0, 150)
+    for _ in range(20):
+        q.push(waiter("flood", 150))
+    for _ in range(4):
+        q.push(waiter("steady", 150))
+    order = [q.pop().key for _ in range(8)]  # type: ignore[union-attr]
+    assert order[0] == "steady" and order.count("steady") == 4
