@@ -83,6 +83,9 @@ class ModelRoute:
     passthrough: bool = False  # the client's model name goes to the targets as it is
     handoff: Handoff | None = None
     short_prompts: ShortPrompts | None = None
+    # A continuation slower to its first token than 3x its target's usual (at least 200 ms)
+    # is asked of the next target too; the first to answer carries on.
+    hedge: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,6 +177,7 @@ _ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
     "balance": (str, _one_of("order", "least_busy", "session")),
     "handoff": (dict, None),
     "short_prompts": (dict, None),
+    "hedge": (bool, None),
 }
 _HANDOFF_FIELDS: dict[str, tuple[Any, Any]] = {
     "from": (str, None),

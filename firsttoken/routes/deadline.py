@@ -19,9 +19,7 @@ class Deadline:
 
     def __init__(self) -> None:
         self._loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        self._task = task
+        self._task: asyncio.Task[object] | None = None
         self._handle: asyncio.TimerHandle | None = None
         self._cancelling = 0
         self.due = 0.0
@@ -32,7 +30,11 @@ class Deadline:
         """The reader starts waiting; it must have its answer by `due` (loop time)."""
         self.due = due
         self.waiting = True
-        self._cancelling = self._task.cancelling()
+        # The task that waits now: a hedged leg's first read runs in a task of its own,
+        # the rest in the stream's.
+        task = self._task = asyncio.current_task()
+        assert task is not None
+        self._cancelling = task.cancelling()
         handle = self._handle
         if handle is None or handle.when() > due:
             if handle is not None:
@@ -45,7 +47,8 @@ class Deadline:
     def owns(self, exc: asyncio.CancelledError) -> bool:
         """Whether this cancellation is the deadline's (then it is taken back from the task,
         as asyncio.timeout does) rather than someone else's."""
-        return self.expired and self._task.uncancel() <= self._cancelling
+        task = self._task
+        return self.expired and task is not None and task.uncancel() <= self._cancelling
 
     def close(self) -> None:
         if self._handle is not None:
@@ -61,4 +64,5 @@ class Deadline:
             self._handle = self._loop.call_at(self.due, self._fire)
             return
         self.expired = True
-        self._task.cancel()
+        if self._task is not None:
+            self._task.cancel()

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import re
 from collections.abc import AsyncIterator, Iterator, Mapping
-from contextlib import aclosing, suppress
+from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
 
 import anyio
@@ -215,7 +215,24 @@ class RoutedEngine:
             started = False
             handed = False
             try:
-                async with aclosing(self._leg(target, leg_request, route)) as deltas:
+                async with AsyncExitStack() as legs:
+                    deltas: AsyncIterator[Delta] = await legs.enter_async_context(
+                        aclosing(self._leg(target, leg_request, route))
+                    )
+                    if splicing and route.hedge:
+                        # A slow continuation is also asked of the next target; the first to
+                        # answer carries on (the seam is what the user waits through).
+                        target, deltas = await self._hedged(
+                            route,
+                            request,
+                            order,
+                            tried,
+                            session,
+                            target,
+                            deltas,
+                            leg_request,
+                            legs,
+                        )
                     async for delta in deltas:
                         if not started:
                             started = True
@@ -257,6 +274,9 @@ class RoutedEngine:
                 continue
             except EngineError as exc:
                 error = exc
+                failed_target = getattr(exc, "target", None)
+                if isinstance(failed_target, str) and failed_target in self.targets:
+                    target = self.targets[failed_target]  # the last of a hedged pair
             except BaseException:
                 if not started:  # the client left (or a bug): a half-open probe goes back
                     target.health.release()
@@ -275,6 +295,77 @@ class RoutedEngine:
             else:
                 failed = (target, "connect" if error.status is not None else "first_token")
                 last = error
+
+    async def _hedged(
+        self,
+        route: ModelRoute,
+        request: GenerationRequest,
+        order: tuple[str, ...],
+        tried: set[str],
+        session: bytes | None,
+        target: Target,
+        deltas: AsyncIterator[Delta],
+        leg_request: GenerationRequest,
+        legs: AsyncExitStack,
+    ) -> tuple[Target, AsyncIterator[Delta]]:
+        """The first delta of `target`'s leg; if it is slower than `target.hedge_after()`,
+        the next target's leg starts too, and the first to answer wins (the other is
+        closed). Returns the winner and its deltas, the first one included. A leg that fails
+        while the other runs is reported and passed over; when both fail, the last error is
+        raised with `.target` set."""
+        racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
+        racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
+        spare_at = asyncio.get_running_loop().time() + target.hedge_after()
+        error: BaseException | None = None
+        try:
+            while racers:
+                timeout = None
+                if spare_at is not None:
+                    timeout = max(0.0, spare_at - asyncio.get_running_loop().time())
+                done, _ = await asyncio.wait(
+                    racers, timeout=timeout, return_when=asyncio.FIRST_COMPLETED
+                )
+                if not done:  # slow: ask the next target as well
+                    spare_at = None
+                    spare = self._pick(route, order, tried, True, session)
+                    if spare is None:
+                        continue
+                    tried.add(spare.name)
+                    self._said(
+                        "route.hedge",
+                        stream=request.request_id,
+                        route=route.name,
+                        target=target.name,
+                        to=spare.name,
+                    )
+                    more = await legs.enter_async_context(
+                        aclosing(self._leg(spare, leg_request, route))
+                    )
+                    racers[asyncio.ensure_future(anext(more))] = (spare, more)
+                    continue
+                for future in done:
+                    who, its = racers.pop(future)
+                    failure = future.exception()
+                    if failure is None:
+                        return who, _chain(future.result(), its)
+                    if isinstance(failure, StopAsyncIteration):
+                        return who, _chain(None, its)  # ended at once: nothing more to read
+                    error = failure
+                    if racers:  # the other still runs: this one is reported here
+                        if isinstance(failure, EngineError):
+                            self._target_failed(route, request, who, failure, 0)
+                        else:
+                            raise failure
+                    elif isinstance(failure, EngineError):
+                        failure.target = who.name  # type: ignore[attr-defined]
+            assert error is not None
+            raise error
+        finally:
+            for future in racers:
+                future.cancel()  # the loser (its leg is closed by `legs`)
+            if racers:
+                # Let the cancelled reads end before anyone closes their legs.
+                await asyncio.wait(racers)
 
     def _target_failed(
         self,
@@ -439,6 +530,8 @@ class RoutedEngine:
                     finally:
                         deadline.done_waiting()
                     now = loop.time()
+                    if first:
+                        target.first_token(now - began)
                     target.last_chunk_at = now
                     left -= now - began
                     limit = min(cfg.idle_timeout_s, left)
@@ -590,3 +683,10 @@ def _session_key(request: GenerationRequest) -> bytes:
 
 def _rendezvous(session: bytes, target: str) -> bytes:
     return hashlib.blake2b(session + target.encode(), digest_size=8).digest()
+
+
+async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    if first is not None:
+        yield first
+    async for delta in rest:
+        yield delta

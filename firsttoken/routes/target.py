@@ -14,7 +14,7 @@ from firsttoken.routes.config import TargetConfig
 from firsttoken.routes.health import TargetHealth
 from firsttoken.routes.queue import FairQueue, Waiter
 
-__all__ = ["DEFAULT_ANSWER_TOKENS", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
+__all__ = ["DEFAULT_ANSWER_TOKENS", "HEDGE_MIN_S", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
 
 # A request without max_tokens is charged this much answer in the fair queue.
 DEFAULT_ANSWER_TOKENS = 1024
@@ -22,6 +22,7 @@ QUEUE_WAIT_BUCKETS = TTFT_BUCKETS  # fine to 0.5 s, coarse to 60 s
 # A target with streams running and no chunk from any of them for this long is taken for
 # stalled when choosing where to splice (engines write tokens every few ms while they work).
 SILENT_S = 0.5
+HEDGE_MIN_S = 0.2
 
 
 class Target:
@@ -30,6 +31,7 @@ class Target:
     __slots__ = (
         "config",
         "engine",
+        "first_token_s",
         "health",
         "last_chunk_at",
         "name",
@@ -46,6 +48,7 @@ class Target:
         self.health = TargetHealth(eject_after=config.eject_after, eject_s=config.eject_s)
         self.outstanding = 0  # streams there now
         self.last_chunk_at = 0.0  # loop time of the last chunk from any of them
+        self.first_token_s: float | None = None  # its usual wait for a first token (EWMA)
         self.steps = delivers_steps(engine)
         self.queue = FairQueue()
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS)
@@ -57,6 +60,16 @@ class Target:
     @property
     def queued(self) -> int:
         return len(self.queue)
+
+    def first_token(self, seconds: float) -> None:
+        usual = self.first_token_s
+        self.first_token_s = seconds if usual is None else usual + 0.2 * (seconds - usual)
+
+    def hedge_after(self) -> float:
+        """How long a continuation may take to its first token before the next target is
+        asked too: three times this target's usual, and never less than HEDGE_MIN_S."""
+        usual = self.first_token_s
+        return HEDGE_MIN_S if usual is None else max(HEDGE_MIN_S, 3 * usual)
 
     def silent(self, now: float) -> bool:
         """Streams there, and none has had a chunk for a while: likely stalled."""

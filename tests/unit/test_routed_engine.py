@@ -38,7 +38,12 @@ def chat(request_id: str = "s1", max_tokens: int | None = None) -> GenerationReq
 
 
 def router(
-    engines: dict[str, Scripted], *, max_splices: int = 1, balance: str = "order", **configs: Any
+    engines: dict[str, Scripted],
+    *,
+    max_splices: int = 1,
+    balance: str = "order",
+    hedge: bool = True,
+    **configs: Any,
 ) -> RoutedEngine:
     """A route `chat` over `engines` in order; every target continues natively unless its
     entry in `configs` (keyed by target name) says otherwise."""
@@ -51,7 +56,11 @@ def router(
         },
         routes={
             "chat": ModelRoute(
-                name="chat", targets=tuple(engines), max_splices=max_splices, balance=balance
+                name="chat",
+                targets=tuple(engines),
+                max_splices=max_splices,
+                balance=balance,
+                hedge=hedge,
             )
         },
     )
@@ -395,10 +404,46 @@ def test_a_continuation_that_stalls_moves_on_to_the_next() -> None:
     a = Scripted([*tokens(3), cut()])
     b = Scripted([100.0])
     c = Scripted(answer)
-    out = go(router({"a": a, "b": b, "c": c}, b={"first_token_timeout_s": 30}))
+    engine = router({"a": a, "b": b, "c": c}, hedge=False, b={"first_token_timeout_s": 30})
+    out = go(engine)
     assert out.error is None and out.text == WHOLE and out.took == 30.0
     assert b.ended_early == ["CancelledError"]
     assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+
+
+def test_a_slow_continuation_is_hedged_on_the_next_target() -> None:
+    # b will not answer for 100 s: after the hedge delay (200 ms without history) c is asked
+    # too, answers first and carries on; b's leg is closed.
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted([100.0])
+    c = Scripted(answer)
+    engine = router({"a": a, "b": b, "c": c}, b={"first_token_timeout_s": 30})
+    out = go(engine)
+    assert out.error is None and out.text == WHOLE
+    assert out.took == pytest.approx(0.2)
+    assert b.ended_early == ["CancelledError"] and len(c.requests) == 1
+    assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
+    assert engine.targets["b"].outstanding == 0 and engine.targets["c"].outstanding == 0
+
+
+def test_a_hedge_waits_three_times_the_targets_usual_first_token() -> None:
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted([1.0, *tokens(7, 3), Delta("", "stop")])  # slower than usual, not stalled
+    c = Scripted(answer)
+    engine = router({"a": a, "b": b, "c": c})
+    engine.targets["b"].first_token_s = 0.5  # b usually answers in 0.5 s: hedge at 1.5 s
+    out = go(engine)
+    assert out.text == WHOLE and c.requests == []
+    assert out.metas == [{"failover": {"from": "a", "to": "b", "at_token": 3}}]
+
+
+def test_when_both_hedged_legs_fail_the_cut_stands() -> None:
+    a = Scripted([*tokens(3), cut()])
+    b = Scripted([0.5, cut(code="upstream_unavailable", status=503)])
+    c = Scripted([0.6, cut(code="upstream_unavailable", status=503)])
+    out = go(router({"a": a, "b": b, "c": c}))
+    assert out.text == "Once upon a"
+    no_splice_left(out)
 
 
 def test_a_clients_own_prefill_is_kept_through_a_splice() -> None:

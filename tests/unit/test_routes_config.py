@@ -202,7 +202,7 @@ def test_each_target_field_is_checked(field: str, value: Any, says: str) -> None
         (
             "fallbacks",
             ["a"],
-            "unknown field (known: targets, max_splices, balance, handoff, short_prompts)",
+            "unknown field (known: targets, max_splices, balance, handoff, short_prompts, hedge)",
         ),
     ],
 )
