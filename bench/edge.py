@@ -101,8 +101,8 @@ LONG = (
     "comfort and the environment. Which would you choose and why?",
     "Explain what a budget is and how a student with a part-time job can make one that "
     "leaves some money for savings every month.",
-    "Tell me how bread rises, what yeast does, and why dough needs to rest before it goes "
-    "into the oven.",
+    "Tell me how bread rises at home, what the yeast in the dough does, and why the dough "
+    "needs to rest in a warm place for an hour before it goes into the oven.",
     "Write a friendly paragraph welcoming new members to a neighbourhood book club and "
     "explaining how the monthly meetings work.",
     "Explain why the seasons change over the year, and why it is summer in Australia when "
@@ -124,7 +124,7 @@ class Sizes:
     center_delay_ms: int = 900  # the slow center: the delay line before llama.cpp
     center_ttft_ms: int = 900  # the synthetic center
     center_itl_ms: int = 20
-    max_prompt_tokens: int = 24  # short_prompts: at most this many prompt tokens, counted here
+    max_prompt_tokens: int = 16  # short_prompts: at most this many prompt tokens, counted here
     heartbeat_s: float = 0.25  # the edge's: pings inside a long seam show it stays warm
 
     @classmethod
@@ -351,6 +351,8 @@ def figures(
         "chunks_p50": _pct([len(s.times) for s in ok], 50),
         "itl_ms_p50": _pct(itl, 50),
         "handoffs": len(gaps),
+        "at_token_p50": _pct(list(seams.values()), 50),
+        "at_token_max": max(seams.values()) if seams else None,
         "handoffs_unmatched": unmatched,
         "fallbacks": sum(e.get("event") == "route.handoff_fallback" for e in events),
         "refusals": sorted(
@@ -604,6 +606,7 @@ def render(res: dict[str, Any]) -> str:
     add("chunks p50", lambda r: _f(r["chunks_p50"]))
     add("gap between chunks p50 ms", lambda r: _f(r["itl_ms_p50"], "{:.1f}"))
     add("hand-offs / fallbacks", lambda r: f"{r['handoffs']} / {r['fallbacks']}")
+    add("hand-off at token p50 / max", lambda r: pair(r, "at_token_p50", "at_token_max"))
     add("gap at hand-off p50 / p99 ms", lambda r: pair(r, "gap_ms_p50", "gap_ms_p99"))
     add("gap at hand-off max ms", lambda r: _f(r["gap_ms_max"]))
     add("gap / own gap p50", lambda r: _f(r["gap_over_itl_p50"], "{:.0f}x"))
