@@ -18,7 +18,6 @@ from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
 
-import anyio
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -78,9 +77,10 @@ class RoutedEngine:
     # -- lifecycle -------------------------------------------------------------------------
 
     async def start(self) -> None:
-        async with anyio.create_task_group() as tg:
-            for target in self.targets.values():
-                tg.start_soon(self._start_target, target)
+        # One after another: an engine may keep a task group open past its start (llama.cpp
+        # does), which a sibling task of ours must not be the one to open.
+        for target in self.targets.values():
+            await self._start_target(target)
         names: dict[str, None] = dict.fromkeys(self.table.routes)
         for route in self.table.routes.values():
             if not route.passthrough:
@@ -150,7 +150,15 @@ class RoutedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         route = self.routes.get(request.model) or self.table.default
-        order = self._order(route, request)
+        short = self._short(route, request)
+        order = (
+            (
+                route.short_prompts.target,
+                *(n for n in route.targets if n != route.short_prompts.target),
+            )
+            if short and route.short_prompts is not None
+            else route.targets
+        )
         session = _session_key(request) if route.balance == "session" else None
         transcript = Transcript()
         tried: set[str] = set()
@@ -161,7 +169,9 @@ class RoutedEngine:
         failed: tuple[Target, str] | None = None  # the leg that failed, and in which phase
         leg_request = request
         handoff = route.handoff
-        edge = self._edge(route, request)  # the hand-off's first target, when it applies
+        # The hand-off's first target, when it applies: not for a short prompt, which the
+        # small target answers whole.
+        edge = None if short else self._edge(route, request)
         handing: Target | None = None  # set while the answer goes from `edge` to the center
         fell_back = False  # the edge was asked to finish what the center could not take
         while True:
@@ -396,16 +406,15 @@ class RoutedEngine:
             at_token=at_token,
         )
 
-    def _order(self, route: ModelRoute, request: GenerationRequest) -> tuple[str, ...]:
-        """The route's targets for this request: a short prompt tries its small target first
-        (`short_prompts`, counted here: the edge's local tokenization)."""
+    def _short(self, route: ModelRoute, request: GenerationRequest) -> bool:
+        """Whether the route's `short_prompts` rule takes this request: its prompt, counted
+        here (the edge's local tokenization), is short enough for the small target, which
+        then goes first and answers it whole."""
         rule = route.short_prompts
         if rule is None:
-            return route.targets
+            return False
         target = self.targets[rule.target]
-        if target.engine.prompt_tokens(request.prompt) > rule.max_prompt_tokens:
-            return route.targets
-        return (rule.target, *(n for n in route.targets if n != rule.target))
+        return target.engine.prompt_tokens(request.prompt) <= rule.max_prompt_tokens
 
     def _edge(self, route: ModelRoute, request: GenerationRequest) -> Target | None:
         """The hand-off's first target, when the route has one and it can take the request
@@ -673,7 +682,13 @@ def _sentence_end(text: str) -> bool:
 def _session_key(request: GenerationRequest) -> bytes:
     """A conversation's identity across its turns: the key and the conversation's start."""
     if request.messages:
-        start = "\x00".join(m.get("content") or "" for m in request.messages[:2])
+        # Up to the first user message: what every later turn of the conversation repeats.
+        first: list[str] = []
+        for m in request.messages:
+            first.append(m.get("content") or "")
+            if m.get("role") == "user":
+                break
+        start = "\x00".join(first)
     else:
         start = request.prompt[:512]
     return hashlib.blake2b(

@@ -13,19 +13,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
-pytest.importorskip("llama_cpp")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a kind = 'llamacpp' route target does not start: RoutedEngine.start starts targets "
-    "in anyio task-group children, and LlamaCppEngine.start keeps a task group open past "
-    "start() (startup.failed: 'Attempted to exit a cancel scope that isn't the current "
-    "task's'); remove this mark with the fix",
-)
 def test_quick_edge_run(tmp_path: Path) -> None:
     cases = "slow-tokens,mix-handoff,synth-tokens"
     proc = subprocess.run(

@@ -917,3 +917,25 @@ def test_a_splice_passes_over_a_target_silent_on_all_its_streams() -> None:
     assert out.text == WHOLE
     assert out.metas == [{"failover": {"from": "a", "to": "c", "at_token": 3}}]
     assert b.requests == []
+
+
+def test_a_short_prompt_is_answered_whole_by_the_small_target_even_with_a_handoff() -> None:
+    edge, center = Scripted(answer), Scripted(answer)
+    rule = ShortPrompts("edge", max_prompt_tokens=PROMPT_TOKENS)
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3), short_prompts=rule)
+    out = go(engine)
+    assert out.text == WHOLE and out.metas == [] and center.requests == []
+
+
+def test_a_conversation_keeps_its_session_from_the_first_turn_on() -> None:
+    from firsttoken.routes.engine import _session_key
+
+    q = {"role": "user", "content": "What are tides?"}
+    turn1 = replace(chat(), messages=(q,))
+    turn2 = replace(
+        chat(),
+        messages=(q, {"role": "assistant", "content": "..."}, {"role": "user", "content": "Why?"}),
+    )
+    assert _session_key(turn1) == _session_key(turn2)
+    system = {"role": "system", "content": "Be brief."}
+    assert _session_key(replace(turn1, messages=(system, q))) != _session_key(turn1)
