@@ -10,8 +10,9 @@ as the trace id) three TTFTs are compared:
 - client: AIPerf's own export (`profile_export_aiperf.json`, time_to_first_token p50/p90/p99):
   from just before aiohttp starts the request to the first SSE chunk whose delta has non-empty
   content (the role chunk `delta: {role, content: ""}` does not count; no tokenizer involved);
-- server: the exact percentiles of the `ttft_ms` that `stream.first_token` logs per stream, from
-  the request's first byte (`on_message_begin`) to the engine's first token;
+- server: the exact percentiles of the `ttft_ms` that `stream.first_token` logs per stream
+  (the server runs at `--log-level debug` for those lines), from the request's first byte
+  (`on_message_begin`) to the engine's first token;
 - histogram: `firsttoken_ttft_seconds` from /metrics, scraped before and after the level,
   interpolated inside its bucket (as Prometheus' histogram_quantile does).
 
@@ -509,8 +510,10 @@ def render(res: dict[str, Any]) -> str:
 def bench(binary: Path, sizes: Sizes, out: Path, res: dict[str, Any]) -> None:
     tokenizer = ensure_tokenizer(binary)
     log = out / "logs" / "firsttoken.log"
+    # At debug: the `stream.first_token` lines give each token's wall time as the server saw it.
+    spec = replace(SERVERS[SUBJECT], extra=(*SERVERS[SUBJECT].extra, "--log-level", "debug"))
     server = ServerProcess.launch(
-        SERVERS[SUBJECT], log, ttft_ms=sizes.ttft_ms, itl_ms=sizes.itl_ms, heartbeat_s=15.0
+        spec, log, ttft_ms=sizes.ttft_ms, itl_ms=sizes.itl_ms, heartbeat_s=15.0
     )
     try:
         server.wait_ready()

@@ -1,10 +1,10 @@
 """Log lines to a file descriptor, one write(2) per turn of the event loop.
 
-Every stream logs three lines (accepted, first token, finished). Written one by one, a burst
-of new streams paid a system call per line, as much as a token's write. Lines logged during
-one turn of the loop go out together, before the loop sleeps again; off the loop (start-up,
-shutdown, other threads) a line is written at once. Whoever owns the sink flushes it before
-the process exits or forks.
+Every stream logs a line as it ends (three at debug: accepted, first token, finished). Written
+one by one, a burst of new streams paid a system call per line, as much as a token's write.
+Lines logged during one turn of the loop go out together, before the loop sleeps again; off
+the loop (start-up, shutdown, other threads) a line is written at once. Whoever owns the sink
+flushes it before the process exits or forks.
 """
 
 from __future__ import annotations

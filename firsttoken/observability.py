@@ -46,6 +46,7 @@ __all__ = [
     "flush_logs",
     "fold_worker",
     "key_label",
+    "log_enabled",
     "log_event",
     "share_across_workers",
 ]
@@ -462,6 +463,12 @@ def flush_logs() -> None:
 atexit.register(flush_logs)
 # A forked worker must not write its parent's pending lines a second time.
 os.register_at_fork(before=flush_logs)
+
+
+def log_enabled(level: int) -> bool:
+    """Whether a line at `level` would be written: a caller checks it before building the
+    fields of a line that is usually off (debug)."""
+    return _logger.isEnabledFor(level)
 
 
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:

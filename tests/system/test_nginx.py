@@ -144,7 +144,9 @@ def test_multi_instance_config_resumes_on_the_other_instance_with_redis(tmp_path
         return [json.loads(t)["token"] for t in texts], done
 
     with run_redis() as redis_url:
+        # At debug, `stream.accepted` names the instance that made the stream.
         args = ("--redis", redis_url, "--synthetic-ttft-ms", "10", "--synthetic-itl-ms", "5")
+        args = (*args, "--log-level", "debug")
         with (
             run_server(*args) as a,
             run_server(*args) as b,

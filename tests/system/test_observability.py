@@ -65,18 +65,45 @@ def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
         return [x for x in server.log_records() if x.get("stream") == stream_id]
 
     wait_for(lambda: any(x["event"] == "stream.finished" for x in lines()))
-    events = [x["event"] for x in lines()]
-    assert events == ["stream.accepted", "stream.first_token", "stream.finished"]
-    assert all(x["trace_id"] == trace for x in lines())
-    finished = lines()[-1]
+    # One line per stream at info, with everything the debug lines say.
+    [finished] = lines()
+    assert finished["event"] == "stream.finished"
+    assert finished["trace_id"] == trace
     assert finished["outcome"] == "completed"
     assert finished["tokens_generated"] == finished["tokens_sent"] == 4
     assert finished["ttft_ms"] > 0
+    assert finished["model"] == "synthetic" and finished["max_tokens"] == 4
+    assert finished["key"] == "open"
     # An error response carries the caller's request id too.
     bad = httpx.post(
         server.v1 + "/chat/completions", json={}, timeout=10, headers={"X-Request-Id": "req-42"}
     )
     assert bad.headers["x-request-id"] == "req-42"
+
+
+def test_debug_logs_the_stream_accepted_and_its_first_token() -> None:
+    with run_server("--log-level", "debug") as srv:
+        r = httpx.post(
+            srv.v1 + "/completions",
+            json={"prompt": "debug", "stream": True, "max_tokens": 3},
+            headers={"X-Request-Id": "req-debug"},
+            timeout=10,
+        )
+        stream_id = r.headers["x-stream-id"]
+
+        def lines() -> list[dict]:
+            return [x for x in srv.log_records() if x.get("stream") == stream_id]
+
+        wait_for(lambda: any(x["event"] == "stream.finished" for x in lines()))
+        assert [x["event"] for x in lines()] == [
+            "stream.accepted",
+            "stream.first_token",
+            "stream.finished",
+        ]
+        assert [x["level"] for x in lines()] == ["debug", "debug", "info"]
+        assert all(x["trace_id"] == "req-debug" for x in lines())
+        first, finished = lines()[1], lines()[2]
+        assert first["ttft_ms"] == finished["ttft_ms"] > 0
 
 
 def test_a_whole_answer_logs_the_tokens_it_sent_as_the_metric_counts_them() -> None:

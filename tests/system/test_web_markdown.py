@@ -44,7 +44,7 @@ WEATHER = {"city": "Paris", "unit": "celsius", "days": 3, "include": ["wind", "r
 
 @pytest.fixture
 def server() -> Iterator[Server]:
-    with run_server() as s:
+    with run_server("--log-level", "debug") as s:  # `stream.accepted` counts the posts
         yield s
 
 

@@ -69,7 +69,7 @@ def test_killed_worker_is_replaced_logged_and_counted() -> None:
         def new_pid_answered() -> bool:
             with ThreadPoolExecutor(4) as pool:
                 list(pool.map(lambda _: _stream(server, 2), range(4)))
-            return any(r.get("pid") == new for r in _events(server, "stream.accepted"))
+            return any(r.get("pid") == new for r in _events(server, "stream.finished"))
 
         wait_for(new_pid_answered, timeout=20)
         assert server.metric("firsttoken_worker_restarts_total") == 1
@@ -91,7 +91,7 @@ def test_one_scrape_counts_every_worker_and_keeps_the_dead() -> None:
             while sent < 80:
                 list(pool.map(lambda _: _stream(server), range(8)))
                 sent += 8
-                served = {r.get("pid") for r in _events(server, "stream.accepted")}
+                served = {r.get("pid") for r in _events(server, "stream.finished")}
                 if served >= pids:
                     break
         assert served >= pids, "the kernel gave every stream to one worker"
