@@ -22,7 +22,13 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
 from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
-from firsttoken.observability import Metrics, key_label, log_enabled, log_event
+from firsttoken.observability import (
+    LOOP_LAG_SAMPLE_S,
+    Metrics,
+    key_label,
+    log_enabled,
+    log_event,
+)
 from firsttoken.resume import EventStore, MemoryStore
 from firsttoken.resume.budget import ResumeBudget
 
@@ -131,6 +137,7 @@ class StreamRegistry:
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
+                self.schedule.sample_lag(LOOP_LAG_SAMPLE_S, self.metrics.loop_lag.observe)
                 tg.start_soon(self._sweep)
                 tg.start_soon(self._spawner)
                 await tg.start(self.store.run, self._on_remote_cancel)

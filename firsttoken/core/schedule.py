@@ -65,6 +65,21 @@ class Schedule:
     def call_later(self, delay: float, callback: Callable[[], None]) -> ScheduledCall:
         return self.call_at(self.now() + delay, callback)
 
+    def sample_lag(self, interval: float, observe: Callable[[float], None]) -> None:
+        """Every `interval`, `observe` how late an entry of this schedule ran past its
+        deadline: the event loop's lag. A loop busy with other work (a burst of new
+        streams) runs everything late, and a request waiting in the kernel to be read
+        waits about as long; the process being descheduled shows here too."""
+
+        def sample(when: float) -> None:
+            now = self.now()
+            observe(max(0.0, now - when))  # an entry may run up to _SLACK early
+            due = now + interval
+            self.call_at(due, lambda: sample(due))
+
+        first = self.now() + interval
+        self.call_at(first, lambda: sample(first))
+
     def __len__(self) -> int:
         return len(self._heap)
 

@@ -50,6 +50,16 @@ def test_ttft_histogram_matches_engine_ttft() -> None:
         assert m['firsttoken_ttft_seconds_bucket{le="0.2"}'] == 3
 
 
+def test_loop_lag_is_sampled_while_the_server_runs(server: Server) -> None:
+    count = "firsttoken_loop_lag_seconds_count"
+    before = server.metric(count)
+    # Sampled every 50 ms on the registry's schedule, idle or not.
+    wait_for(lambda: server.metric(count) >= before + 3)
+    m = server.metrics()
+    assert m['firsttoken_loop_lag_seconds_bucket{le="+Inf"}'] == m[count]
+    assert m['firsttoken_loop_lag_seconds_bucket{le="0.5"}'] > 0
+
+
 def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     r = httpx.post(

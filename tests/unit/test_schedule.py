@@ -51,3 +51,18 @@ def test_many_deadlines_share_one_armed_timer_at_a_time() -> None:
         schedule.call_later(10.0 + i, lambda: None)
     # Only the earliest deadline arms the loop timer (later ones don't re-arm it).
     assert len(clock.timers) == 1
+
+
+def test_lag_samples_say_how_late_the_loop_ran_scheduled_work() -> None:
+    schedule, clock = make()
+    lags: list[float] = []
+    schedule.sample_lag(0.05, lags.append)
+
+    def busy() -> None:
+        clock.now += 0.03  # 30 ms of other work on the loop, from 40 ms to 70 ms
+
+    schedule.call_later(0.04, busy)
+    clock.advance(0.2)
+    # Due at 50 ms, run at 70: 20 ms late; then every 50 ms from when it ran, on time.
+    assert [round(lag, 6) for lag in lags] == [0.02, 0.0, 0.0]
+    assert len(schedule) == 1  # one entry: the next sample
