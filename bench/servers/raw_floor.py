@@ -2,8 +2,10 @@
 
 A bare asyncio Protocol on uvloop. It parses just enough HTTP to read the body, looks the
 answer up pre-encoded (every SSE frame built once per distinct answer, no JSON per token) and
-writes frames from timer callbacks: no framework, no coroutine per stream, no chunked encoding.
-Timing matches the synthetic engine: TTFT, then one token every ITL on a fixed schedule.
+writes frames from ONE shared ticker (tick in ms → the streams due then, one loop timer per
+distinct tick, as the experiment and the synthetic engine do; heartbeats ride it too): no
+framework, no coroutine per stream, no timer per stream, no chunked encoding. Timing matches
+the synthetic engine: TTFT, then one token every ITL on a fixed schedule.
 
     python -m bench.servers.raw_floor serve --port 0 --synthetic-ttft-ms 200 --synthetic-itl-ms 20
 """
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import socket
 import time
 from collections.abc import Sequence
@@ -75,31 +78,52 @@ def _frames(prompt: str, seed: int | None, max_tokens: int | None) -> Frames:
     return Frames(opening, frames, closing)
 
 
+class _Ticker:
+    """ONE schedule for every stream: tick (int ms) → the streams due then; a timer per tick."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._due: dict[int, list[_Stream]] = {}
+
+    def add(self, stream: _Stream, at_ms: float) -> None:
+        tick = math.ceil(at_ms)
+        if (streams := self._due.get(tick)) is not None:
+            streams.append(stream)
+        else:
+            self._due[tick] = [stream]
+            self._loop.call_at(tick / 1000, self._step, tick)
+
+    def _step(self, tick: int) -> None:
+        now_ms = self._loop.time() * 1000
+        for stream in self._due.pop(tick):
+            if (at := stream.step(tick, now_ms)) is not None:
+                self.add(stream, at)
+
+
 class _Stream(asyncio.Protocol):
     __slots__ = (
         "_buf",
-        "_due",
+        "_closed",
         "_frames",
-        "_hb",
         "_i",
-        "_itl",
-        "_loop",
+        "_itl_ms",
+        "_ping_at",
         "_settings",
-        "_tick",
+        "_ticker",
+        "_token_at",
         "_tr",
     )
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, settings: Settings) -> None:
-        self._loop = loop
+    def __init__(self, ticker: _Ticker, settings: Settings) -> None:
+        self._ticker = ticker
         self._settings = settings
         self._buf = b""
         self._tr: asyncio.Transport | None = None
-        self._tick: asyncio.TimerHandle | None = None
-        self._hb: asyncio.TimerHandle | None = None
         self._frames: Frames | None = None
+        self._closed = False
         self._i = 0
-        self._due = 0.0
-        self._itl = settings.itl_s
+        self._token_at = self._ping_at = 0.0  # loop ms
+        self._itl_ms = settings.itl_s * 1000
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._tr = cast(asyncio.Transport, transport)  # uvloop's is not an asyncio subclass
@@ -131,37 +155,38 @@ class _Stream(asyncio.Protocol):
         if knobs.get("ttft_ms") is not None:
             ttft = knobs["ttft_ms"] / 1000
         if knobs.get("itl_ms") is not None:
-            self._itl = knobs["itl_ms"] / 1000
+            self._itl_ms = knobs["itl_ms"]
         prompt = chat_prompt(request["messages"])
         self._frames = _frames(prompt, request.get("seed"), request.get("max_tokens"))
         assert self._tr is not None
         self._tr.write(self._frames.opening)
-        self._due = self._loop.time() + ttft
-        self._tick = self._loop.call_at(self._due, self._next_token)
-        self._hb = self._loop.call_later(self._settings.heartbeat_s, self._ping)
+        now_ms = asyncio.get_running_loop().time() * 1000
+        self._token_at = now_ms + ttft * 1000
+        self._ping_at = now_ms + self._settings.heartbeat_s * 1000
+        self._ticker.add(self, min(self._token_at, self._ping_at))
 
-    def _next_token(self) -> None:
-        frames = self._frames
-        tr = self._tr
-        assert frames is not None and tr is not None
-        if self._i < len(frames.tokens):
-            tr.write(frames.tokens[self._i])
-            self._i += 1
-        if self._i >= len(frames.tokens):
-            tr.write(frames.closing)
-            self._stop_timers()
-            tr.close()
-            return
-        self._due += self._itl
-        now = self._loop.time()
-        if self._due < now - self._itl:
-            self._due = now  # fell behind: don't burst to catch up (same rule as the engine)
-        self._tick = self._loop.call_at(self._due, self._next_token)
-
-    def _ping(self) -> None:
-        assert self._tr is not None
-        self._tr.write(_PING)
-        self._hb = self._loop.call_later(self._settings.heartbeat_s, self._ping)
+    def step(self, tick: int, now_ms: float) -> float | None:
+        """Write what is due at `tick`; when this stream is next due, or None: it has ended."""
+        frames, tr = self._frames, self._tr
+        if self._closed or frames is None or tr is None:
+            return None  # the client went away: no more writes
+        if self._ping_at <= tick:
+            tr.write(_PING)
+            self._ping_at = now_ms + self._settings.heartbeat_s * 1000
+        if self._token_at <= tick:
+            i, tokens = self._i, frames.tokens
+            if i < len(tokens):
+                tr.write(tokens[i])
+                self._i = i = i + 1
+            if i >= len(tokens):
+                tr.write(frames.closing)
+                self._closed = True
+                tr.close()
+                return None
+            self._token_at += self._itl_ms
+            if self._token_at < now_ms - self._itl_ms:
+                self._token_at = now_ms  # fell behind: don't burst to catch up (engine's rule)
+        return min(self._token_at, self._ping_at)
 
     def _reject(self) -> None:
         assert self._tr is not None
@@ -169,14 +194,8 @@ class _Stream(asyncio.Protocol):
         self._tr.close()
         self._frames = Frames(b"", (), b"")
 
-    def _stop_timers(self) -> None:
-        for handle in (self._tick, self._hb):
-            if handle is not None:
-                handle.cancel()
-        self._tick = self._hb = None
-
     def connection_lost(self, exc: Exception | None) -> None:
-        self._stop_timers()
+        self._closed = True  # the ticker drops it at its next due tick
 
 
 def _content_length(head: bytes) -> int | None:
@@ -195,8 +214,9 @@ async def _serve(host: str, port: int, settings: Settings) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((host, port))
+    ticker = _Ticker(loop)
     server = await loop.create_server(
-        lambda: _Stream(loop, settings), sock=sock, backlog=4096, reuse_address=True
+        lambda: _Stream(ticker, settings), sock=sock, backlog=4096, reuse_address=True
     )
     bound = sock.getsockname()
     print(json.dumps({"msg": "listening", "url": f"http://{bound[0]}:{bound[1]}"}), flush=True)
