@@ -54,6 +54,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         settings.redis,
         max_events=settings.resume_max_events,
         max_connections=settings.redis_max_connections,
+        cluster=settings.redis_cluster,
     )
     registry = StreamRegistry(
         engine,

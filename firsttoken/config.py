@@ -300,6 +300,11 @@ class Settings:
     redis: str | None = _knob(
         None, "Redis URL for shared stream state (default: in memory)", check=_redis_url
     )
+    redis_cluster: bool = _knob(
+        False,
+        "--redis names one node of a Redis Cluster (1/true/yes or 0/false/no; the bare flag: on)",
+        needs=(REDIS,),
+    )
     redis_max_connections: int = _knob(
         64,
         "Redis connections per client, store and limits each (more calls wait for one)",
@@ -516,13 +521,16 @@ class Settings:
         parser.add_argument("--version", action="version", version=f"firsttoken {__version__}")
         for f in fields(cls):
             choices = f.metadata["choices"]
-            rule = "" if _kind(f) is str else f"; {f.metadata['range'].describe()}"
+            rule = "" if _kind(f) in (str, bool) else f"; {f.metadata['range'].describe()}"
+            # A switch: the bare flag means on (`--redis-cluster`), a value says which.
+            switch = {"nargs": "?", "const": "1"} if _kind(f) is bool else {}
             parser.add_argument(
                 flag(f.name),
                 dest=f.name,
                 default=argparse.SUPPRESS,
                 metavar="{" + ",".join(choices) + "}" if choices else f.name.upper(),
                 help=f"{f.metadata['help']} (env {env_var(f.name)}; default {f.default}{rule})",
+                **switch,  # type: ignore[arg-type]
             )
         return parser
 
@@ -555,6 +563,8 @@ def env_var(name: str) -> str:
 
 def _kind(f: Field[Any]) -> type:
     text = str(f.type)
+    if text.startswith("bool"):
+        return bool
     if text.startswith("int"):
         return int
     if text.startswith("float"):
@@ -571,6 +581,11 @@ def _convert(f: Field[Any], raw: str, source: str) -> Any:
     kind = _kind(f)
     if kind is str:
         return None if raw == "" and _optional(f) else raw
+    if kind is bool:
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise SettingError(f.name, raw, _expected(f), source)
+        return word in _TRUE
     try:
         value = kind(raw.strip())
     except ValueError:
@@ -580,7 +595,12 @@ def _convert(f: Field[Any], raw: str, source: str) -> Any:
     return value
 
 
+_TRUE, _FALSE = ("1", "true", "yes"), ("0", "false", "no")
+
+
 def _expected(f: Field[Any]) -> str:
+    if _kind(f) is bool:
+        return "must be 1, true, yes, 0, false or no"
     kind = "an integer" if _kind(f) is int else "a number"
     return f"must be {kind} {f.metadata['range'].describe()}"
 
@@ -590,7 +610,10 @@ def _check(f: Field[Any], value: Any) -> None:
         return
     kind = _kind(f)
     meta = f.metadata
-    if kind is str:
+    if kind is bool:
+        if not isinstance(value, bool):
+            raise SettingError(f.name, value, _expected(f))
+    elif kind is str:
         if not isinstance(value, str):
             raise SettingError(f.name, value, "must be a string")
         if meta["choices"] and value not in meta["choices"]:

@@ -32,7 +32,7 @@ def preflight(settings: Settings) -> None:
     if settings.routes:
         _routes(settings.routes)
     if settings.redis:
-        _redis(settings.redis)
+        _redis(settings.redis, cluster=settings.redis_cluster)
     if settings.engine == "openai" and settings.upstream:
         _upstreams(settings)
 
@@ -93,7 +93,7 @@ def _file_error(exc: Exception, path: str) -> str:
     return str(exc).removeprefix(f"{path}: ")
 
 
-def _redis(url: str) -> None:
+def _redis(url: str, *, cluster: bool = False) -> None:
     import redis
     import redis.exceptions
 
@@ -102,7 +102,9 @@ def _redis(url: str) -> None:
         client = redis.Redis.from_url(url, socket_connect_timeout=3, socket_timeout=3)
         try:
             client.ping()
-            version = str(client.info("server").get("redis_version", "0"))
+            info = client.info()
+            version = str(info.get("redis_version", "0"))
+            clustered = bool(info.get("cluster_enabled", 0))
         finally:
             client.close()
     except ValueError as exc:  # from_url: a URL redis-py cannot use
@@ -114,6 +116,13 @@ def _redis(url: str) -> None:
     if major < 5:
         # Streams (XADD, XREAD) arrived in Redis 5.
         raise StartupError(f"--redis {shown}: Redis {version} is too old, 5.0 or later needed")
+    # Each client would fail on every call the other way: MOVED, or CLUSTER commands refused.
+    if cluster and not clustered:
+        raise StartupError(f"--redis {shown}: not a Redis Cluster node (--redis-cluster is on)")
+    if clustered and not cluster:
+        raise StartupError(
+            f"--redis {shown}: this node is part of a Redis Cluster; add --redis-cluster"
+        )
 
 
 def _redis_why(exc: Exception) -> str:

@@ -4,10 +4,18 @@ and open a bounded number of connections however many calls are in flight."""
 from __future__ import annotations
 
 from redis.asyncio import BlockingConnectionPool, Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
+from redis.exceptions import RedisClusterException, RedisError
 
-__all__ = ["POOL_WAIT_S", "redis_client"]
+__all__ = ["POOL_WAIT_S", "REDIS_DOWN", "AnyRedis", "redis_client"]
+
+AnyRedis = Redis | RedisCluster
+
+# What a call to an unreachable (or reconfiguring) Redis raises. The cluster client's own
+# errors (no node for a slot yet, a command it refuses) are not RedisErrors.
+REDIS_DOWN = (RedisError, RedisClusterException, OSError, TimeoutError)
 
 # A call finding every connection busy waits this long for one, then fails with redis-py's
 # ConnectionError("No connection available."), which every caller already takes for Redis
@@ -18,7 +26,7 @@ __all__ = ["POOL_WAIT_S", "redis_client"]
 POOL_WAIT_S = 1.0
 
 
-def redis_client(url: str, *, max_connections: int) -> Redis:
+def redis_client(url: str, *, max_connections: int, cluster: bool = False) -> AnyRedis:
     """One quick retry, bounded connects and reads: redis-py's default retries ten times
     with backoff, which is seconds per call on the request path while Redis is down.
 
@@ -26,12 +34,27 @@ def redis_client(url: str, *, max_connections: int) -> Redis:
     pool either opens one per concurrent call (older releases cap it at 2**31: 1,767 open
     for a burst of 1,000 streams) or refuses the 101st at once (8.1, pinned here:
     MaxConnectionsError, the burst taken for an outage). A subscription or a blocking XREAD
-    holds a connection for as long as it lasts."""
+    holds a connection for as long as it lasts.
+
+    `cluster`: `url` names one node of a Redis Cluster; redis-py's cluster client learns the
+    others, sends each command to its slot's node and follows MOVED/ASK and failovers. It
+    keeps a pool per node of at most `max_connections`, which refuses a call beyond it at
+    once instead of queueing it (redis-py's cluster pools do not block)."""
+    retry = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
+    if cluster:
+        return RedisCluster.from_url(
+            url,
+            max_connections=max_connections,
+            retry=retry,
+            socket_connect_timeout=1.0,
+            socket_timeout=5.0,
+            health_check_interval=5,
+        )
     pool = BlockingConnectionPool.from_url(
         url,
         max_connections=max_connections,
         timeout=POOL_WAIT_S,
-        retry=Retry(ExponentialBackoff(cap=0.05, base=0.01), 1),
+        retry=retry,
         socket_connect_timeout=1.0,
         socket_timeout=5.0,  # above the 1 s block of the store's XREAD
         health_check_interval=5,

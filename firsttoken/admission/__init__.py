@@ -125,6 +125,7 @@ class Admission:
                 settings.rate_limit_per_s,
                 settings.rate_limit_burst,
                 max_connections=settings.redis_max_connections,
+                cluster=settings.redis_cluster,
             )
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)

@@ -4,6 +4,11 @@ Stream slots are leases in a sorted set scored by expiry: holders refresh theirs
 of `lease_s` (1.67 s by default), so the slots of a crashed instance free themselves within
 `lease_s`.
 
+On Redis Cluster a script's keys must share a slot. A key's slots and its token counts carry
+the key's name as their hash tag; the new-stream bucket has its own. So there, admission is
+two calls instead of one: the key's slots first (a lease taken), then the bucket (the lease
+given back if the bucket refuses); and leases are refreshed one call per key.
+
 While Redis is unreachable, admission **fails open to this instance's own limits**: the same
 rate bucket, key slots and token budgets, kept in memory (`MemoryLimits`), so each instance
 still enforces them locally and a fleet of N admits at most N times the shared limit. Refusing
@@ -18,15 +23,14 @@ from __future__ import annotations
 import logging
 import uuid
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
 from prometheus_client.core import CounterMetricFamily, Metric
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits, Reservation
 from firsttoken.observability import log_event
-from firsttoken.redisclient import redis_client
+from firsttoken.redisclient import REDIS_DOWN, redis_client
 
 __all__ = ["RedisLimits"]
 
@@ -91,7 +95,7 @@ redis.call('EXPIRE', KEYS[1], 120)
 return 1
 """
 _OP_TIMEOUT_S = 1.0
-_ERRORS = (RedisError, OSError, TimeoutError)
+_ERRORS = REDIS_DOWN
 
 
 def _budget(key: str, window: int) -> str:
@@ -103,6 +107,16 @@ def _slots(key: str) -> str:
     return f"ft:slots:{{{key}}}"
 
 
+def _no_bucket(key: str) -> str:
+    """The admission script's bucket key when only the key's slots are counted (on a
+    cluster): never read, but named in the key's slot."""
+    return f"ft:nobucket:{{{key}}}"
+
+
+_BUCKET = "ft:{bucket}:new-streams"  # the new-stream rate, shared by every instance
+_NO_KEY = "ft:{bucket}:nokey"  # its script's slots key when there are none to count
+
+
 class RedisLimits:
     def __init__(
         self,
@@ -112,8 +126,10 @@ class RedisLimits:
         lease_s: float = 5.0,
         *,
         max_connections: int,
+        cluster: bool = False,
     ) -> None:
-        self.redis: Redis = redis_client(url, max_connections=max_connections)
+        self.redis = redis_client(url, max_connections=max_connections, cluster=cluster)
+        self.cluster = cluster
         self.rate = rate_per_s
         self.burst = max(1, burst)
         self.lease_ms = int(lease_s * 1000)
@@ -160,12 +176,17 @@ class RedisLimits:
                     continue
                 leases = list(self._held.values())
                 mode = "XX" if self.up else ""
+                # On a cluster one call per key (its slot); else one call for all.
+                groups: dict[str, list[Lease]] = {}
+                for le in leases:
+                    groups.setdefault(le.key if self.cluster else "", []).append(le)
                 try:
                     with anyio.fail_after(_OP_TIMEOUT_S):
-                        await self._refresh(
-                            keys=[_slots(le.key) for le in leases],
-                            args=[self.lease_ms, mode, *(le.id for le in leases)],
-                        )
+                        for group in groups.values():
+                            await self._refresh(
+                                keys=[_slots(le.key) for le in group],
+                                args=[self.lease_ms, mode, *(le.id for le in group)],
+                            )
                 except _ERRORS as exc:
                     self._down(exc)
                     log_event("redis.lease_refresh_failed", logging.WARNING, error=repr(exc))
@@ -186,19 +207,24 @@ class RedisLimits:
     async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
         """One round trip: the key's slots, then the shared bucket, atomically; this
         instance's own limits while Redis is unreachable."""
+        if key is None and self.rate <= 0:
+            return OK, 0.0, None  # nothing shared to count: no round trip
         lease = Lease(key, uuid.uuid4().hex) if key is not None else None
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                verdict, retry = await self._admit(
-                    keys=["ft:bucket:new-streams", _slots(key) if key is not None else "ft:nokey"],
-                    args=[
-                        self.rate,
-                        self.burst,
-                        limit if key is not None else 0,
-                        self.lease_ms,
-                        lease.id if lease else "",
-                    ],
-                )
+                if self.cluster:
+                    verdict, retry = await self._admit_apart(key, limit, lease)
+                else:
+                    verdict, retry = await self._admit(
+                        keys=[_BUCKET, _slots(key) if key is not None else _NO_KEY],
+                        args=[
+                            self.rate,
+                            self.burst,
+                            limit if key is not None else 0,
+                            self.lease_ms,
+                            lease.id if lease else "",
+                        ],
+                    )
         except _ERRORS as exc:
             self._down(exc)
             self.fallbacks += 1
@@ -215,6 +241,24 @@ class RedisLimits:
         if lease is not None:
             self._held[lease.id] = lease
         return OK, 0.0, lease
+
+    async def _admit_apart(
+        self, key: str | None, limit: int, lease: Lease | None
+    ) -> tuple[Any, Any]:
+        """Admission on a cluster: the key's slots, then the bucket, each in its own slot."""
+        if key is not None and lease is not None:
+            verdict, retry = await self._admit(
+                keys=[_no_bucket(key), _slots(key)],
+                args=[0, self.burst, limit, self.lease_ms, lease.id],
+            )
+            if int(verdict) != 0 or self.rate <= 0:
+                return verdict, retry
+        verdict, retry = await self._admit(
+            keys=[_BUCKET, _NO_KEY], args=[self.rate, self.burst, 0, self.lease_ms, ""]
+        )
+        if int(verdict) != 0 and key is not None and lease is not None:
+            await self.redis.zrem(_slots(key), lease.id)  # the bucket refused: give it back
+        return verdict, retry
 
     async def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
         """Hold `tokens` in Redis, or None when the key's minute is at `budget` (what this

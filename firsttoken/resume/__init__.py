@@ -16,9 +16,13 @@ __all__ = [
 ]
 
 
-def open_store(redis_url: str | None, *, max_events: int, max_connections: int) -> EventStore:
+def open_store(
+    redis_url: str | None, *, max_events: int, max_connections: int, cluster: bool = False
+) -> EventStore:
     if not redis_url:
         return MemoryStore()
     from firsttoken.resume.redis import RedisStore
 
-    return RedisStore(redis_url, max_events=max_events, max_connections=max_connections)
+    return RedisStore(
+        redis_url, max_events=max_events, max_connections=max_connections, cluster=cluster
+    )

@@ -1,17 +1,19 @@
 """Redis store: streams shared by every gateway instance that points at the same Redis.
 
-Keys (the `{id}` hash tag keeps one stream's keys in one Redis Cluster slot):
-  ft:{id}:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner, outcome
-  ft:{id}:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the events
-                   written since the stream's previous flush; a final `<last seq>-1` entry
-                   with `end` closes it
-  ft:{id}:readers  set with a short expiry while another instance has a reader attached
-  ft:instance:<n>  the owner's liveness, refreshed every second
-  ft:cancel        pub/sub channel: stream ids to stop, heard by the owner
-  ft:wake:<n>:<l>  a reading instance's wake-ups for its shared tail (`tailer.py`)
+Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in one slot):
+  ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
+                       outcome
+  ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
+                       events written since the stream's previous flush; a final
+                       `<last seq>-1` entry with `end` closes it
+  ft:{g}:<id>:readers  set with a short expiry while another instance has a reader attached
+  ft:instance:<n>      the owner's liveness, refreshed every second
+  ft:cancel            pub/sub channel: stream ids to stop, heard by the owner
+  ft:[{g}:]wake:<n>:<l> a reading instance's wake-ups for its shared tail (`tailer.py`)
 The per-token path only appends the event's bytes to its stream's replica. One flusher
 writes every stream that has new events at most once per `FLUSH_INTERVAL_S`: one Lua call
-per flush carries one run per stream (an `XADD` per token cost 3× the token itself). A crash
+per flush (per key group on Redis Cluster) carries one run per stream (an `XADD` per token
+cost 3× the token itself). A crash
 of this instance loses at most the events of the last interval and the round trip in flight.
 Reads of other instances' streams go through one shared tail (`Tailer`), whatever their number.
 
@@ -38,14 +40,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
+import anyio.lowlevel
 from anyio.abc import TaskStatus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
-from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from firsttoken.core.eventlog import Event, EventLog
 from firsttoken.observability import log_event
-from firsttoken.redisclient import redis_client
+from firsttoken.redisclient import REDIS_DOWN, redis_client
+from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
 from firsttoken.resume.runs import pack_counts, pack_lengths, run_first
 from firsttoken.resume.store import StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
@@ -60,18 +64,6 @@ _INSTANCE_MS = 5000
 _OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
 _FLUSH_BATCH = 4096  # commands per pipeline round trip
-
-
-def _meta(stream_id: str) -> str:
-    return f"ft:{{{stream_id}}}:meta"
-
-
-def _events(stream_id: str) -> str:
-    return f"ft:{{{stream_id}}}:events"
-
-
-def _readers(stream_id: str) -> str:
-    return f"ft:{{{stream_id}}}:readers"
 
 
 def _unavailable(what: str) -> APIError:
@@ -213,8 +205,11 @@ class _MetaBatch:
 class RedisStore:
     replicates = True
 
-    def __init__(self, url: str, *, max_events: int, max_connections: int) -> None:
-        self.redis: Redis = redis_client(url, max_connections=max_connections)
+    def __init__(
+        self, url: str, *, max_events: int, max_connections: int, cluster: bool = False
+    ) -> None:
+        self.redis = redis_client(url, max_connections=max_connections, cluster=cluster)
+        self.cluster = cluster
         self.max_events = max_events
         self._trim_at = max_events + (max_events >> 3)  # trimmed an eighth at a time
         self.instance = uuid.uuid4().hex
@@ -229,13 +224,14 @@ class RedisStore:
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
         self._script_missing = True  # loaded before the first flush, and after a restart
         self._metas: _MetaBatch | None = None  # registrations waiting for the next pipeline
-        self._metas_wake = anyio.Event()
         self._answering = anyio.Event()  # set by the heartbeat when Redis is back
         self._run_id: str | None = None
+        self._epoch = 0  # resyncs so far: a write begun before one confirms nothing
         self._tailer = Tailer(
             self.redis,
             self.instance,
             on_error=self._down,
+            cluster=cluster,
             presence_ms=_PRESENCE_MS,
             owner_gone_s=_INSTANCE_MS / 1000,
         )
@@ -302,7 +298,6 @@ class RedisStore:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flush_forever)
-                tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
                 await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
@@ -315,14 +310,14 @@ class RedisStore:
                     try:
                         while self._dirty and self.up:
                             await self._flush_batch()
-                    except (RedisError, OSError, TimeoutError) as exc:
+                    except REDIS_DOWN as exc:
                         log_event("redis.final_flush_failed", logging.WARNING, error=repr(exc))
                 await self.redis.aclose()
 
     # -- the owner's side -----------------------------------------------------------------
 
     async def register(self, record: StreamRecord, ttl_s: float) -> None:
-        rep = _Replica(record, ttl_s, _events(record.id))
+        rep = _Replica(record, ttl_s, events_key(record.id))
         self._replicas[record.id] = rep
         if self.up:
             # Written before the stream is announced, so another instance can find it at once.
@@ -330,41 +325,38 @@ class RedisStore:
                 with anyio.fail_after(_OP_TIMEOUT_S):
                     await self._write_meta(rep)
                 return
-            except (RedisError, OSError, TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 self._set_up(False, exc)
         self._mark(rep)  # the flusher writes it when Redis is back
 
     async def _write_meta(self, rep: _Replica) -> None:
-        """Join the next batch of metas (one pipeline for every stream registering now: a
-        burst of 500 new streams made 500 round trips, each waiting for a connection)."""
+        """Write the meta with every other stream registering in the same turn of the loop:
+        the first one writes them all in one pipeline, the others wait for it (a burst of 500
+        new streams made 500 round trips, each waiting for a connection)."""
         batch = self._metas
-        if batch is None:
-            batch = self._metas = _MetaBatch()
-            self._metas_wake.set()
-        batch.reps.append(rep)
-        await batch.done.wait()
-        if batch.error is not None:
-            raise RedisError(f"the stream's meta was not written: {batch.error!r}")
-
-    async def _write_metas(self) -> None:
-        while True:
-            await self._metas_wake.wait()
-            self._metas_wake = anyio.Event()
-            batch, self._metas = self._metas, None
-            if batch is None:
-                continue
-            try:
-                with anyio.fail_after(_OP_TIMEOUT_S):
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for rep in batch.reps:
-                            self._queue_meta(pipe, rep)
-                        await pipe.execute()
-                for rep in batch.reps:
-                    rep.meta_done = True
-            except (RedisError, OSError, TimeoutError) as exc:
-                batch.error = exc
-            finally:
-                batch.done.set()
+        if batch is not None:
+            batch.reps.append(rep)
+            await batch.done.wait()
+            if batch.error is not None:
+                raise RedisError(f"the stream's meta was not written: {batch.error!r}")
+            return
+        batch = self._metas = _MetaBatch([rep])
+        try:
+            await anyio.lowlevel.checkpoint()  # the others of this turn join
+            self._metas = None
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for each in batch.reps:
+                    self._queue_meta(pipe, each)
+                await pipe.execute()
+            for each in batch.reps:
+                each.meta_done = True
+        except BaseException as exc:
+            batch.error = exc
+            raise
+        finally:
+            if self._metas is batch:
+                self._metas = None
+            batch.done.set()
 
     def replicate(self, stream_id: str, event: Event) -> None:
         """The per-token path: keep a reference to the event's bytes, nothing more."""
@@ -418,8 +410,8 @@ class RedisStore:
         }
         if rep.end is not None:
             mapping["outcome"] = rep.end[0]
-        pipe.hset(_meta(r.id), mapping=mapping)
-        pipe.expire(_meta(r.id), int(rep.ttl_s + _LIVE_EXTRA_S))
+        pipe.hset(meta_key(r.id), mapping=mapping)
+        pipe.expire(meta_key(r.id), int(rep.ttl_s + _LIVE_EXTRA_S))
 
     # -- the flusher ----------------------------------------------------------------------
 
@@ -440,7 +432,7 @@ class RedisStore:
                     await self._recover()
                 while self._dirty:
                     await self._flush_batch()
-            except (RedisError, OSError, TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 # Back off, but go at once when the heartbeat finds Redis answering again.
                 with anyio.move_on_after(delay):
@@ -456,16 +448,23 @@ class RedisStore:
         run_id = await self._server_run_id()
         await self._heartbeat_once()
         if run_id is None or run_id != self._run_id:  # None: INFO refused, so assume so
-            self._run_id = run_id
-            self._script_missing = True
-            self.resyncs += 1
-            for rep in self._replicas.values():
-                # Redis holds nothing of it: everything kept goes again, from the first kept.
-                rep.flushed = rep.trimmed = rep.first - 1
-                rep.meta_done = rep.end_done = rep.ttl_done = False
-                rep.queued = True
-                self._dirty[rep.record.id] = rep
-            log_event("redis.resync", streams=len(self._replicas))
+            self._resync(run_id)
+
+    def _resync(self, run_id: str | None) -> None:
+        """Redis may hold none of our streams (it restarted), or lost the last writes it
+        confirmed (a failover to a replica that had not received them): everything kept goes
+        again, from the first kept event."""
+        self._run_id = run_id
+        self._script_missing = True
+        self._epoch += 1
+        self.resyncs += 1
+        for rep in self._replicas.values():
+            rep.flushed = rep.trimmed = rep.first - 1
+            rep.meta_done = rep.end_done = rep.ttl_done = False
+            rep.queued = True
+            self._dirty[rep.record.id] = rep
+        self._wake.set()
+        log_event("redis.resync", streams=len(self._replicas))
 
     def _expire(self) -> None:
         now = self.clock()
@@ -480,17 +479,18 @@ class RedisStore:
 
     async def _flush_batch(self) -> None:
         """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are
-        missing and the gaps' trims as commands, every run and end marker in one Lua call,
-        then the ends' outcomes."""
+        missing and the gaps' trims as commands, every run and end marker in one Lua call
+        (one per key group on a cluster: a call's keys must share a slot), then the ends'
+        outcomes."""
         if self._script_missing:
             await self.redis.script_load(_WRITE_RUNS)
             self._script_missing = False
+        epoch = self._epoch
         batch: list[_Replica] = []
         metas: list[_Replica] = []
         trims: list[tuple[_Replica, int]] = []
         ends: list[_Replica] = []
-        keys: list[str] = []
-        blob: list[bytes] = []
+        calls: dict[str, tuple[list[_Replica], list[bytes]]] = {}
         for sid in list(self._dirty):
             if len(batch) >= _FLUSH_BATCH:
                 break
@@ -501,28 +501,79 @@ class RedisStore:
                 metas.append(rep)
             if rep.first > rep.flushed + 1 and rep.trimmed < rep.first - 1:
                 trims.append((rep, rep.first - 1))  # a gap: not to be stitched to what follows
-            keys.append(rep.key)
+            reps, blob = calls.setdefault(tag_of(rep.key) if self.cluster else "", ([], []))
+            reps.append(rep)
             self._pack(rep, blob)
             if rep.end_sent:
                 ends.append(rep)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for rep in metas:
-                self._queue_meta(pipe, rep)
-            for rep, upto in trims:
-                pipe.xtrim(_events(rep.record.id), minid=f"{upto + 1}-0")
-            pipe.evalsha(self._write_runs.sha, len(keys), *keys, b"".join(blob))
-            for rep in ends:
-                pipe.hset(_meta(rep.record.id), "outcome", rep.end[0])  # type: ignore[index]
-                pipe.expire(_meta(rep.record.id), max(1, int(rep.ttl_s)))
+        try:
+            if self.cluster:
+                results = await self._write_apart(metas, trims, list(calls.values()), ends)
+            else:
+                async with self.redis.pipeline(transaction=False) as pipe:
+                    self._queue_before(pipe, metas, trims)
+                    for reps, blob in calls.values():
+                        keys = [rep.key for rep in reps]
+                        pipe.evalsha(self._write_runs.sha, len(keys), *keys, b"".join(blob))
+                    self._queue_ends(pipe, ends)
+                    results = await pipe.execute(raise_on_error=False)
+        except BaseException:
+            for rep in batch:  # nothing confirmed: all of it goes again
+                rep.sent = 0
+                rep.end_sent = False
+                self._mark(rep)
+            raise
+        if epoch != self._epoch:  # a resync began meanwhile: all of it goes again anyway
+            for rep in batch:
+                rep.sent = 0
+                rep.end_sent = False
+            return
+        self._confirm(batch, metas, trims, [reps for reps, _ in calls.values()], ends, results)
+
+    def _queue_before(
+        self, pipe: Any, metas: list[_Replica], trims: list[tuple[_Replica, int]]
+    ) -> None:
+        for rep in metas:
+            self._queue_meta(pipe, rep)
+        for rep, upto in trims:
+            pipe.xtrim(rep.key, minid=f"{upto + 1}-0")
+
+    def _queue_ends(self, pipe: Any, ends: list[_Replica]) -> None:
+        for rep in ends:
+            pipe.hset(meta_key(rep.record.id), "outcome", rep.end[0])  # type: ignore[index]
+            pipe.expire(meta_key(rep.record.id), max(1, int(rep.ttl_s)))
+
+    async def _write_apart(
+        self,
+        metas: list[_Replica],
+        trims: list[tuple[_Replica, int]],
+        calls: list[tuple[list[_Replica], list[bytes]]],
+        ends: list[_Replica],
+    ) -> list[Any]:
+        """A flush on a cluster, whose pipelines refuse scripts: the metas and trims, then
+        the Lua calls (one per group, each to its master, at once), then the ends."""
+        results: list[Any] = []
+        if metas or trims:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self._queue_before(pipe, metas, trims)
+                results += await pipe.execute(raise_on_error=False)
+        runs: list[Any] = [None] * len(calls)
+
+        async def call(i: int, keys: list[str], blob: bytes) -> None:
             try:
-                results = await pipe.execute(raise_on_error=False)
-            except BaseException:
-                for rep in batch:  # nothing confirmed: all of it goes again
-                    rep.sent = 0
-                    rep.end_sent = False
-                    self._mark(rep)
-                raise
-        self._confirm(batch, metas, trims, ends, results)
+                runs[i] = await self.redis.evalsha(self._write_runs.sha, len(keys), *keys, blob)
+            except REDIS_DOWN as exc:
+                runs[i] = exc
+
+        async with anyio.create_task_group() as tg:
+            for i, (reps, blob) in enumerate(calls):
+                tg.start_soon(call, i, [rep.key for rep in reps], b"".join(blob))
+        results += runs
+        if ends:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                self._queue_ends(pipe, ends)
+                results += await pipe.execute(raise_on_error=False)
+        return results
 
     def _pack(self, rep: _Replica, out: list[bytes]) -> None:
         """One stream's part of the Lua call's argument: its run of unconfirmed events, its
@@ -555,6 +606,7 @@ class RedisStore:
         batch: list[_Replica],
         metas: list[_Replica],
         trims: list[tuple[_Replica, int]],
+        calls: list[list[_Replica]],
         ends: list[_Replica],
         results: list[Any],
     ) -> None:
@@ -573,19 +625,21 @@ class RedisStore:
             else:
                 rep.trimmed = upto
         at += len(trims)
-        runs = results[at]
-        if isinstance(runs, BaseException):
-            failed = runs
-            if isinstance(runs, NoScriptError):  # e.g. Redis restarted between two flushes
-                self._script_missing = True
-            runs = [runs] * len(batch)
-        outcomes = results[at + 1 :]
+        written: list[tuple[_Replica, Any]] = []
+        for reps, runs in zip(calls, results[at : at + len(calls)], strict=True):
+            if isinstance(runs, BaseException):
+                failed = runs
+                if isinstance(runs, NoScriptError):  # e.g. Redis restarted between two flushes
+                    self._script_missing = True
+                runs = [runs] * len(reps)
+            written += zip(reps, runs, strict=True)
+        outcomes = results[at + len(calls) :]
         ended = {
             id(rep)
             for i, rep in enumerate(ends)
             if not any(isinstance(r, BaseException) for r in outcomes[2 * i : 2 * i + 2])
         }
-        for rep, result in zip(batch, runs, strict=True):
+        for rep, result in written:
             if result == 1:
                 if rep.sent:
                     rep.flushed = max(rep.flushed, rep.sent)
@@ -610,8 +664,8 @@ class RedisStore:
     async def lookup(self, stream_id: str) -> StreamRecord | None:
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                meta = await self.redis.hgetall(_meta(stream_id))
-        except (RedisError, OSError, TimeoutError) as exc:
+                meta = await self.redis.hgetall(meta_key(stream_id))
+        except REDIS_DOWN as exc:
             self._set_up(False, exc)
             raise _unavailable("streams of other instances cannot be found now") from None
         if not meta:
@@ -623,14 +677,14 @@ class RedisStore:
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self.redis.publish(_CANCEL, stream_id)
-        except (RedisError, OSError, TimeoutError) as exc:
+        except REDIS_DOWN as exc:
             self._set_up(False, exc)
             raise _unavailable("the cancel could not reach the stream's instance") from None
         with anyio.move_on_after(5):
             while True:
                 try:
-                    outcome = await self.redis.hget(_meta(stream_id), "outcome")
-                except (RedisError, OSError):
+                    outcome = await self.redis.hget(meta_key(stream_id), "outcome")
+                except REDIS_DOWN:
                     outcome = None
                 if outcome:
                     return outcome.decode()
@@ -640,8 +694,8 @@ class RedisStore:
     async def has_remote_readers(self, stream_id: str) -> bool:
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                return bool(await self.redis.exists(_readers(stream_id)))
-        except (RedisError, OSError, TimeoutError):
+                return bool(await self.redis.exists(readers_key(stream_id)))
+        except REDIS_DOWN:
             # Unknown while Redis is away: keep the stream (a reader may be there) rather
             # than abandon it; the buffer's bound still holds.
             return True
@@ -653,7 +707,7 @@ class RedisStore:
 
         The catch-up is this reader's own; the live tail is the shared one (`Tailer`)."""
         log.begin_at(after)
-        key = _events(stream_id)
+        key = events_key(stream_id)
         entries = await self._retrying(
             lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
         )
@@ -663,11 +717,11 @@ class RedisStore:
         last = entry_id(entries[-1][0]) if entries else (after, 0)
         if apply_entries(entries, log):
             return
-        owner = await self._retrying(lambda: self.redis.hget(_meta(stream_id), "owner"))
+        owner = await self._retrying(lambda: self.redis.hget(meta_key(stream_id), "owner"))
         await self._tailer.follow(
             Follower(
                 key=key,
-                presence_key=_readers(stream_id),
+                presence_key=readers_key(stream_id),
                 owner_key=f"ft:instance:{owner.decode()}" if owner else None,
                 log=log,
                 last=last,
@@ -679,7 +733,7 @@ class RedisStore:
         while True:
             try:
                 return await call()
-            except (RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 await anyio.sleep(delay)
                 delay = min(_RETRY_MAX_S, delay * 2)
@@ -687,8 +741,13 @@ class RedisStore:
     # -- liveness and cancels -------------------------------------------------------------
 
     async def _server_run_id(self) -> str | None:
-        """Redis's `run_id`, new at every start; None where INFO is not allowed."""
+        """Redis's `run_id`, new at every start; on a cluster, every master's (a failover
+        puts another one there); None where INFO is not allowed."""
         try:
+            if isinstance(self.redis, RedisCluster):
+                found = await self.redis.info("server", target_nodes=RedisCluster.PRIMARIES)
+                ids = sorted(str(info.get("run_id")) for info in found.values())
+                return ",".join(ids)
             info = await self.redis.info("server")
         except ResponseError:  # e.g. a managed Redis that renamed INFO
             return None
@@ -705,12 +764,26 @@ class RedisStore:
             try:
                 with anyio.fail_after(_OP_TIMEOUT_S * 2):
                     await self._heartbeat_once()
-            except (RedisError, OSError, TimeoutError) as exc:
+            except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 continue
             if not self.up:
                 self._wake.set()  # the flusher recovers, and says so
                 self._answering.set()
+            elif self.cluster:
+                # The cluster client follows a failover without an error the flusher would
+                # see: a master that changed may have lost what it confirmed last.
+                await self._check_masters()
+
+    async def _check_masters(self) -> None:
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                run_id = await self._server_run_id()
+        except REDIS_DOWN:
+            return  # the next flush or heartbeat says whether Redis is away
+        if run_id is not None and run_id != self._run_id:
+            log_event("redis.masters_changed", logging.WARNING)
+            self._resync(run_id)
 
     async def _listen_cancels(
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
@@ -726,14 +799,19 @@ class RedisStore:
                 async for message in pubsub.listen():
                     if message and message.get("type") == "message":
                         on_cancel(message["data"].decode())
-            except (RedisError, OSError) as exc:
+            except Exception as exc:
+                # Not only REDIS_DOWN: redis-py 8.1's cluster pub/sub raised AttributeError
+                # when its node died under it, and the listener must not end the server.
                 if not started:
                     raise
                 self._set_up(False, exc)
                 await anyio.sleep(_RETRY_MIN_S * 5)  # then subscribe again
             finally:
                 with anyio.CancelScope(shield=True):
-                    await pubsub.aclose()
+                    try:
+                        await pubsub.aclose()
+                    except Exception:
+                        pass  # its connection is gone already
 
 
 def _first_seq(entry: Any) -> int:

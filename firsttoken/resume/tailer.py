@@ -11,6 +11,11 @@ read, and a capped pool turned a burst of them into 503s).
 A lane's read also follows its own wake stream (`ft:wake:{instance}:{lane}`): a follower
 joining while the lane blocks adds an entry there, so its first event does not wait out
 the block. At most one wake is sent per read.
+
+On Redis Cluster a multi-key command must stay in one slot: a lane then reads the streams of
+one key group only (`keys.py`: 16 tags, one slot each), and its wake stream carries the same
+tag. So an instance blocks at most one connection per group it follows streams of (16), on
+the group's master.
 """
 
 from __future__ import annotations
@@ -22,10 +27,10 @@ from typing import Any
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
-from redis.asyncio import Redis
-from redis.exceptions import RedisError
 
 from firsttoken.core.eventlog import EventLog
+from firsttoken.redisclient import REDIS_DOWN, AnyRedis
+from firsttoken.resume.keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.sse import encode_event
@@ -95,6 +100,7 @@ class Follower:
 @dataclass(slots=True, eq=False)
 class _Lane:
     wake_key: str
+    group: str  # the key group (hash tag) of every key it reads; "" where any goes
     followers: dict[str, list[Follower]] = field(default_factory=dict)  # key -> followers
     joined: anyio.Event = field(default_factory=anyio.Event)  # set for an idle lane
     idle: bool = True
@@ -107,15 +113,17 @@ class Tailer:
 
     def __init__(
         self,
-        redis: Redis,
+        redis: AnyRedis,
         instance: str,
         *,
+        cluster: bool = False,
         on_error: Callable[[BaseException], None],
         presence_ms: int,
         owner_gone_s: float,
     ) -> None:
         self.redis = redis
         self.instance = instance
+        self.cluster = cluster  # lanes hold one key group each
         self.on_error = on_error  # Redis unreachable: the store's degraded state
         self.presence_ms = presence_ms
         self.owner_gone_s = owner_gone_s
@@ -166,9 +174,17 @@ class Tailer:
     def _join(self, follower: Follower) -> _Lane:
         lane = self._lane_of.get(follower.key)
         if lane is None:
-            lane = next((ln for ln in self._lanes if len(ln.followers) < LANE_KEYS), None)
+            group = tag_of(follower.key) if self.cluster else ""
+            lane = next(
+                (
+                    ln
+                    for ln in self._lanes
+                    if ln.group == group and len(ln.followers) < LANE_KEYS
+                ),
+                None,
+            )
             if lane is None:
-                lane = self._add_lane()
+                lane = self._add_lane(group)
             self._lane_of[follower.key] = lane
         lane.followers.setdefault(follower.key, []).append(follower)
         self._fresh.append(follower)
@@ -176,9 +192,11 @@ class Tailer:
         lane.joined.set()
         return lane
 
-    def _add_lane(self) -> _Lane:
+    def _add_lane(self, group: str) -> _Lane:
         assert self._tg is not None, "the tailer is not running"
-        lane = _Lane(f"ft:wake:{self.instance}:{len(self._lanes)}")
+        n = len(self._lanes)
+        tag = f"{{{group}}}:" if group else ""  # in its lane's slot
+        lane = _Lane(f"ft:{tag}wake:{self.instance}:{n}", group)
         self._lanes.append(lane)
         self._tg.start_soon(self._read, lane)
         return lane
@@ -206,7 +224,7 @@ class Tailer:
                 pipe.pexpire(lane.wake_key, WAKE_TTL_MS)
                 await pipe.execute()
             sent = True
-        except (RedisError, OSError):
+        except REDIS_DOWN:
             pass  # the lane's own read fails too and says so; its next one has this follower
         finally:
             if not sent:
@@ -228,7 +246,7 @@ class Tailer:
             lane.woken = False  # who joins from now on is not in this read
             try:
                 found = await self.redis.xread(streams, block=BLOCK_MS, count=COUNT)
-            except (RedisError, OSError) as exc:
+            except Exception as exc:  # not only REDIS_DOWN: a client bug in a failover too
                 self.on_error(exc)
                 await anyio.sleep(RETRY_S)
                 continue
@@ -283,7 +301,7 @@ class Tailer:
                     for key in owners:
                         pipe.exists(key)
                     results = await pipe.execute()
-            except (RedisError, OSError) as exc:
+            except REDIS_DOWN as exc:
                 self.on_error(exc)
                 self._fresh[:0] = fresh
                 # Through an outage the owner's key cannot be seen: no follower is lost.

@@ -20,6 +20,7 @@ from anyio.abc import TaskGroup, TaskStatus
 
 import firsttoken.resume.tailer as tailer_module
 from firsttoken.core.eventlog import Event, EventLog
+from firsttoken.resume.keys import events_key
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
 from tests.redis_server import RedisServer, redis_server
@@ -123,14 +124,14 @@ def test_a_joiner_does_not_wait_out_the_block(
         async with stores(server.url) as (a, b, tg):
             await owned(a, "first")
             follow(tg, b, "first")
-            await until(lambda: "ft:{first}:events" in b._tailer.keys())
+            await until(lambda: events_key("first") in b._tailer.keys())
             waits = []
             for i in range(5):
                 sid = f"joiner-{i}"
                 await owned(a, sid)
                 await anyio.sleep(0.3)  # the lane is into its block
                 log, _ = follow(tg, b, sid)
-                await until(lambda sid=sid: f"ft:{{{sid}}}:events" in b._tailer.keys())
+                await until(lambda sid=sid: events_key(sid) in b._tailer.keys())
                 a.replicate(sid, event(1))  # live: after the catch-up
                 waits.append(await until(lambda log=log: log.last_seq >= 1))
             assert max(waits) < 1.5, waits
@@ -149,7 +150,7 @@ def test_a_follower_that_leaves_is_dropped(server: RedisServer) -> None:
             await until(lambda: stays.last_seq == 1 and leaves.last_seq == 1)
             await until(lambda: len(b._tailer.keys()) == 2)
             scope.cancel()
-            await until(lambda: b._tailer.keys() == {"ft:{stays}:events"})
+            await until(lambda: b._tailer.keys() == {events_key("stays")})
             for seq in (2, 3):
                 a.replicate("stays", event(seq))
                 a.replicate("leaves", event(seq))
@@ -283,7 +284,7 @@ def test_one_entry_per_flush_and_a_resume_mid_run(server: RedisServer) -> None:
             for seq in range(1, 31):  # well within one flush interval
                 a.replicate("runs", event(seq))
             await until(lambda: a.backlog() == 0)
-            entries = await b.redis.xlen("ft:{runs}:events")
+            entries = await b.redis.xlen(events_key("runs"))
             assert 1 <= entries <= 3, entries  # was 30
             log, _ = follow(tg, b, "runs", after=13)
             await until(lambda: log.last_seq == 30)
@@ -306,9 +307,9 @@ def test_events_redis_lost_are_an_error_for_the_reader_not_a_hole(server: RedisS
                 for seq in range(first, last + 1):
                     a.replicate("holed", event(seq))
                 await until(lambda: a.backlog() == 0)
-            ids = [e[0] for e in await b.redis.xrange("ft:{holed}:events")]
+            ids = [e[0] for e in await b.redis.xrange(events_key("holed"))]
             assert len(ids) == 3, ids
-            await b.redis.xdel("ft:{holed}:events", ids[1])  # events 4-6, lost by Redis
+            await b.redis.xdel(events_key("holed"), ids[1])  # events 4-6, lost by Redis
             log, _ = follow(tg, b, "holed")
             await until(lambda: log.closed)
             *got, error = log.readers[0].wires  # type: ignore[attr-defined]

@@ -57,6 +57,22 @@ def test_redis_max_connections_refused_in_one_line(
     assert str(refused.value) == line
 
 
+def test_redis_cluster_is_a_switch_that_needs_redis() -> None:
+    assert Settings().redis_cluster is False
+    assert parse(*REDIS, "--redis-cluster").redis_cluster is True  # the bare flag: on
+    for word, on in (("1", True), ("Yes", True), ("true", True), ("0", False), ("no", False)):
+        assert parse(*REDIS, "--redis-cluster", word).redis_cluster is on
+        assert parse(*REDIS, FIRSTTOKEN_REDIS_CLUSTER=word).redis_cluster is on
+    assert parse(*REDIS, "--redis-cluster", "0", FIRSTTOKEN_REDIS_CLUSTER="1").redis_cluster is False
+    line = "invalid --redis-cluster 'maybe': must be 1, true, yes, 0, false or no"
+    assert refusal(*REDIS, "--redis-cluster", "maybe") == line
+    line = "--redis-cluster: takes effect only with --redis; --redis is not set"
+    assert refusal("--redis-cluster") == line
+    assert refusal(FIRSTTOKEN_REDIS_CLUSTER="0").startswith("FIRSTTOKEN_REDIS_CLUSTER: takes")
+    with pytest.raises(SettingError, match="redis-cluster"):
+        Settings(redis_cluster=True)  # built in code: the same rule
+
+
 def test_redis_max_connections_built_in_code_is_checked_too() -> None:
     with pytest.raises(SettingError, match="redis-max-connections"):
         Settings(redis_max_connections=1)

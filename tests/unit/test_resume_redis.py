@@ -59,7 +59,7 @@ def confirm(s: RedisStore, result: object) -> None:
     metas = [] if rep.meta_done else [rep]
     ends = [rep] if rep.end_sent else []
     answers = [*[1, 1][: 2 * len(metas)], [result], *[1, 1][: 2 * len(ends)]]
-    s._confirm([rep], metas, [], ends, answers)
+    s._confirm([rep], metas, [], [[rep]], ends, answers)
 
 
 def test_one_run_per_flush_carries_every_event_since_the_last() -> None:
@@ -148,5 +148,5 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     s._script_missing = False
     missing = NoScriptError("No matching script. Please use EVAL.")
     with pytest.raises(RedisError, match="NoScriptError"):
-        s._confirm([rep], [rep], [], [], [1, 1, missing])
+        s._confirm([rep], [rep], [], [[rep]], [], [1, 1, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
