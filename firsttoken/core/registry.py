@@ -188,7 +188,7 @@ class StreamRegistry:
         request = stream.request
         try:
             if self.store.replicates:
-                await self.store.register(stream.record(), self.ttl_s)
+                self.store.open(stream.record(), self.ttl_s)
                 stream.log.replica = partial(self.store.replicate, stream.id)
             if log_enabled(logging.DEBUG):  # `stream.finished` says it all at info
                 log_event(
@@ -207,6 +207,10 @@ class StreamRegistry:
                 pulled = _Pulled(self.engine, stream, request)
                 stream.generation = pulled
                 self._tg.start_soon(pulled.run)
+            if self.store.replicates:
+                # Findable on other instances before its id is handed out; the engine is
+                # already on its way, so the round trip is not added to the first token.
+                await self.store.registered(stream.id)
         except EngineError as exc:
             stream.fail(exc)
             return exc

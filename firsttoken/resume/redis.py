@@ -40,7 +40,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import anyio
-import anyio.lowlevel
 from anyio.abc import TaskStatus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from redis.asyncio.cluster import RedisCluster
@@ -223,7 +222,9 @@ class RedisStore:
         self._wake = anyio.Event()
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
         self._script_missing = True  # loaded before the first flush, and after a restart
-        self._metas: _MetaBatch | None = None  # registrations waiting for the next pipeline
+        self._metas: _MetaBatch | None = None  # streams opened since the last meta write
+        self._metas_wake = anyio.Event()
+        self._opening: dict[str, _MetaBatch] = {}  # until `registered` is awaited
         self._answering = anyio.Event()  # set by the heartbeat when Redis is back
         self._run_id: str | None = None
         self._epoch = 0  # resyncs so far: a write begun before one confirms nothing
@@ -298,6 +299,7 @@ class RedisStore:
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flush_forever)
+                tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
                 await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
@@ -316,47 +318,67 @@ class RedisStore:
 
     # -- the owner's side -----------------------------------------------------------------
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+    def open(self, record: StreamRecord, ttl_s: float) -> None:
+        """Keep the stream's replica from now, and send its meta with every other stream
+        opened in the same turn of the loop (one pipeline: a burst of 500 new streams made
+        500 round trips, each waiting for a connection). The engine may start meanwhile;
+        `registered` waits for the write before the stream's id is handed out."""
         rep = _Replica(record, ttl_s, events_key(record.id))
         self._replicas[record.id] = rep
-        if self.up:
-            # Written before the stream is announced, so another instance can find it at once.
+        if not self.up:
+            self._mark(rep)  # the flusher writes it when Redis is back
+            return
+        batch = self._metas
+        if batch is None:
+            batch = self._metas = _MetaBatch()
+            self._metas_wake.set()
+        batch.reps.append(rep)
+        self._opening[record.id] = batch
+
+    async def registered(self, stream_id: str) -> None:
+        """Return once the stream's meta is in Redis, so that another instance finds it as
+        soon as its id is out; or, Redis failing to take it within 1 s, once the flusher has
+        it to write (the store is then degraded, and the stream goes on)."""
+        batch = self._opening.pop(stream_id, None)
+        if batch is None:
+            return
+        error = batch.error
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await batch.done.wait()
+            error = batch.error
+        except TimeoutError as exc:
+            error = exc
+        if error is not None:
+            self._set_up(False, error)
+            rep = self._replicas.get(stream_id)
+            if rep is not None and not rep.meta_done and not rep.queued:
+                self._mark(rep)
+
+    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+        self.open(record, ttl_s)
+        await self.registered(record.id)
+
+    async def _write_metas(self) -> None:
+        """The metas of the streams opened since the last round trip, in one pipeline."""
+        while True:
+            await self._metas_wake.wait()
+            self._metas_wake = anyio.Event()
+            batch, self._metas = self._metas, None
+            if batch is None:
+                continue
             try:
                 with anyio.fail_after(_OP_TIMEOUT_S):
-                    await self._write_meta(rep)
-                return
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for rep in batch.reps:
+                            self._queue_meta(pipe, rep)
+                        await pipe.execute()
+                for rep in batch.reps:
+                    rep.meta_done = True
             except REDIS_DOWN as exc:
-                self._set_up(False, exc)
-        self._mark(rep)  # the flusher writes it when Redis is back
-
-    async def _write_meta(self, rep: _Replica) -> None:
-        """Write the meta with every other stream registering in the same turn of the loop:
-        the first one writes them all in one pipeline, the others wait for it (a burst of 500
-        new streams made 500 round trips, each waiting for a connection)."""
-        batch = self._metas
-        if batch is not None:
-            batch.reps.append(rep)
-            await batch.done.wait()
-            if batch.error is not None:
-                raise RedisError(f"the stream's meta was not written: {batch.error!r}")
-            return
-        batch = self._metas = _MetaBatch([rep])
-        try:
-            await anyio.lowlevel.checkpoint()  # the others of this turn join
-            self._metas = None
-            async with self.redis.pipeline(transaction=False) as pipe:
-                for each in batch.reps:
-                    self._queue_meta(pipe, each)
-                await pipe.execute()
-            for each in batch.reps:
-                each.meta_done = True
-        except BaseException as exc:
-            batch.error = exc
-            raise
-        finally:
-            if self._metas is batch:
-                self._metas = None
-            batch.done.set()
+                batch.error = exc
+            finally:
+                batch.done.set()
 
     def replicate(self, stream_id: str, event: Event) -> None:
         """The per-token path: keep a reference to the event's bytes, nothing more."""
@@ -383,6 +405,7 @@ class RedisStore:
         rep = self._replicas.get(stream_id)
         if rep is None:
             return
+        self._opening.pop(stream_id, None)
         rep.end = (outcome, last_seq)
         rep.ttl_s = ttl_s
         rep.expires_at = self.clock() + ttl_s
@@ -430,8 +453,11 @@ class RedisStore:
             try:
                 if not self.up:
                     await self._recover()
-                while self._dirty:
-                    await self._flush_batch()
+                # What is dirty now, in batches; what a write in flight makes dirty again waits
+                # for the next interval (flushing it at once made runs of one event).
+                left = len(self._dirty)
+                while left > 0 and self._dirty:
+                    left -= await self._flush_batch()
             except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 # Back off, but go at once when the heartbeat finds Redis answering again.
@@ -477,7 +503,7 @@ class RedisStore:
             del self._replicas[sid]
             self._dirty.pop(sid, None)
 
-    async def _flush_batch(self) -> None:
+    async def _flush_batch(self) -> int:
         """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are
         missing and the gaps' trims as commands, every run and end marker in one Lua call
         (one per key group on a cluster: a call's keys must share a slot), then the ends'
@@ -527,8 +553,9 @@ class RedisStore:
             for rep in batch:
                 rep.sent = 0
                 rep.end_sent = False
-            return
+            return len(batch)
         self._confirm(batch, metas, trims, [reps for reps, _ in calls.values()], ends, results)
+        return len(batch)
 
     def _queue_before(
         self, pipe: Any, metas: list[_Replica], trims: list[tuple[_Replica, int]]

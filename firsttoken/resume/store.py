@@ -38,7 +38,18 @@ class EventStore(Protocol):
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
     ) -> None: ...
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None: ...
+    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+        """`open`, then `registered`."""
+        ...
+
+    def open(self, record: StreamRecord, ttl_s: float) -> None:
+        """A new stream of this instance: replicate it from now (its first event may come
+        before `registered` returns)."""
+        ...
+
+    async def registered(self, stream_id: str) -> None:
+        """Return once another instance can find the stream (before its id is handed out)."""
+        ...
 
     def replicate(self, stream_id: str, event: Event) -> None: ...
 
@@ -68,6 +79,12 @@ class MemoryStore:
         await anyio.sleep_forever()
 
     async def register(self, record: StreamRecord, ttl_s: float) -> None:
+        return None
+
+    def open(self, record: StreamRecord, ttl_s: float) -> None:
+        return None
+
+    async def registered(self, stream_id: str) -> None:
         return None
 
     def replicate(self, stream_id: str, event: Event) -> None:

@@ -176,11 +176,7 @@ class Tailer:
         if lane is None:
             group = tag_of(follower.key) if self.cluster else ""
             lane = next(
-                (
-                    ln
-                    for ln in self._lanes
-                    if ln.group == group and len(ln.followers) < LANE_KEYS
-                ),
+                (ln for ln in self._lanes if ln.group == group and len(ln.followers) < LANE_KEYS),
                 None,
             )
             if lane is None:

@@ -322,3 +322,33 @@ def test_events_redis_lost_are_an_error_for_the_reader_not_a_hole(server: RedisS
             assert datas(late) == ["7", "8", "9"]
 
     anyio.run(main)
+
+
+def test_events_arriving_over_time_go_one_run_per_interval(server: RedisServer) -> None:
+    """200 streams with an event each every 2 ms reach Redis as about one entry per stream per
+    flush interval (50 ms), not one per event: what arrives while a write is in flight waits
+    for the next interval (flushing it at once wrote back to back, runs of an event or two)."""
+
+    async def main() -> None:
+        async with stores(server.url) as (a, b, tg):
+            sids = [f"paced-{i}" for i in range(200)]
+            for sid in sids:
+                await owned(a, sid)
+            start = time.monotonic()
+            for seq in range(1, 151):
+                for sid in sids:
+                    a.replicate(sid, event(seq))
+                await anyio.sleep(0.002)
+            took = time.monotonic() - start
+            await until(lambda: a.backlog() == 0)
+            async with b.redis.pipeline(transaction=False) as pipe:
+                for sid in sids:
+                    pipe.xlen(events_key(sid))
+                entries = sum(await pipe.execute())
+            intervals = took / 0.05 + 2
+            assert entries <= 200 * intervals * 1.5, (entries, took)
+            log, _ = follow(tg, b, "paced-7")
+            await until(lambda: log.last_seq == 150)
+            assert datas(log) == [str(s) for s in range(1, 151)]
+
+    anyio.run(main)

@@ -37,16 +37,16 @@ class _Ticket:
 
 
 class _Store(MemoryStore):
-    """A store that replicates (as Redis does): registrations and ends are written down."""
+    """A store that replicates (as Redis does): streams opened and ended are written down."""
 
     replicates = True
 
     def __init__(self) -> None:
-        self.registered: list[str] = []
+        self.opened: list[str] = []
         self.finished: list[tuple[str, str]] = []
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None:
-        self.registered.append(record.id)
+    def open(self, record: StreamRecord, ttl_s: float) -> None:
+        self.opened.append(record.id)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
         self.finished.append((stream_id, outcome))
@@ -164,7 +164,7 @@ def test_an_engine_that_fails_to_open_releases_everything_once(kind: str) -> Non
         assert ticket.releases == [Outcome.ERROR]
         assert metrics.active_streams == 0
         assert metrics.streams["error"] == 1 and metrics.streams["disconnected"] == 0
-        assert store.registered == ["s1"] and store.finished == [("s1", "error")]
+        assert store.opened == ["s1"] and store.finished == [("s1", "error")]
         last = stream.log.after(0)[-1].wire
         assert b"event: error" in last
 
