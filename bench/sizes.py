@@ -22,6 +22,10 @@ class Sizes:
     burst_streams: int = 100  # requested at the same instant (no ramp)
     burst_tokens: int = 50  # only the TTFT counts; short streams keep the rounds cheap
     burst_rounds: int = 3
+    # Set-up cost: CPU per new stream, bursts of short streams (only set-up and close count).
+    setup_streams: int = 100
+    setup_tokens: int = 2
+    setup_rounds: int = 20
     idle_streams: int = 10_000
     idle_heartbeat_s: float = 2.0
     idle_ttft_ms: float = 120_000.0  # long enough that no idle stream ever starts its answer
@@ -44,6 +48,8 @@ class Sizes:
             burst_streams=20,
             burst_tokens=10,
             burst_rounds=1,
+            setup_streams=20,
+            setup_rounds=2,
             idle_streams=100,
             idle_heartbeat_s=0.3,
             idle_hold_s=0.5,

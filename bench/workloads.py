@@ -19,7 +19,15 @@ from bench.procs import ServerProcess, cpu_sample
 from bench.sizes import Sizes
 from bench.stats import RunStats, Samples, summarize
 
-__all__ = ["IdleResult", "abandonment", "burst", "idle_capacity", "overhead", "warm_up"]
+__all__ = [
+    "IdleResult",
+    "abandonment",
+    "burst",
+    "idle_capacity",
+    "overhead",
+    "setup",
+    "warm_up",
+]
 
 
 def _specs(
@@ -102,6 +110,19 @@ async def burst(server: ServerProcess, sizes: Sizes) -> tuple[RunStats, Samples]
     return await overhead(
         server, burst_sizes, sizes.burst_streams, "burst", rounds=sizes.burst_rounds
     )
+
+
+async def setup(server: ServerProcess, sizes: Sizes) -> tuple[RunStats, Samples]:
+    """What a new stream costs the server, set-up to close: `setup_streams` requested at once,
+    `setup_tokens` tokens each, `setup_rounds` bursts in a row. The server's CPU over the
+    rounds ÷ the streams is `extra["cpu_us_per_stream"]` (the tokens are a few µs of it)."""
+    setup_sizes = replace(sizes, ramp_s=0.0, tokens=sizes.setup_tokens)
+    stats, samples = await overhead(
+        server, setup_sizes, sizes.setup_streams, "setup", rounds=sizes.setup_rounds
+    )
+    streams = sizes.setup_streams * sizes.setup_rounds
+    stats.extra["cpu_us_per_stream"] = stats.server_cpu_s / streams * 1e6
+    return stats, samples
 
 
 async def abandonment(server: ServerProcess, sizes: Sizes, streams: int) -> dict[str, Any]:
