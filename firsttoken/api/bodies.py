@@ -7,8 +7,9 @@ from typing import TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 
+from firsttoken.wire.connection import body_arrived
 from firsttoken.wire.errors import APIError, error_body
 
 __all__ = ["APIError", "error_body", "is_json_type", "read_model"]
@@ -42,23 +43,18 @@ async def read_model(
             "unsupported_media_type",
             "send the body as JSON, with Content-Type: application/json",
         )
-    chunks: list[bytes] = []
-    size = 0
+    if body_arrived(request.scope):
+        # The whole body is in (the usual case): one receive, and no deadline to arm.
+        message = await request.receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnect()
+        data: bytes = message.get("body", b"")
+        if len(data) > max_bytes:
+            raise APIError(413, "request_too_large", f"request body is over {max_bytes} bytes")
+    else:
+        data = await _read_slow_body(request, max_bytes, timeout_s)
     try:
-        # A slow-loris body must not hold the handler. asyncio's timeout, not anyio's: this
-        # runs once per request, and anyio's looks up task state in a weak dict on the way.
-        async with asyncio.timeout(timeout_s):
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise APIError(
-                        413, "request_too_large", f"request body is over {max_bytes} bytes"
-                    )
-                chunks.append(chunk)
-    except TimeoutError:
-        raise APIError(408, "request_timeout", f"request body took over {timeout_s:g} s") from None
-    try:
-        raw = orjson.loads(b"".join(chunks))
+        raw = orjson.loads(data)
     except orjson.JSONDecodeError as exc:
         raise APIError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
@@ -74,3 +70,23 @@ async def read_model(
         message = f"{param}: {said}" if param else said
         code = "missing_field" if first["type"] == "missing" else "invalid_value"
         raise APIError(400, code, message, param=param) from None
+
+
+async def _read_slow_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """A body still arriving: read it by its chunks, within `timeout_s`."""
+    chunks: list[bytes] = []
+    size = 0
+    try:
+        # A slow-loris body must not hold the handler. asyncio's timeout, not anyio's: this
+        # runs once per request, and anyio's looks up task state in a weak dict on the way.
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > max_bytes:
+                    raise APIError(
+                        413, "request_too_large", f"request body is over {max_bytes} bytes"
+                    )
+                chunks.append(chunk)
+    except TimeoutError:
+        raise APIError(408, "request_timeout", f"request body took over {timeout_s:g} s") from None
+    return b"".join(chunks)

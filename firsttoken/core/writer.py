@@ -479,13 +479,20 @@ class EventStreamResponse:
         if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
             last = {"type": "http.response.body", "body": tail, "more_body": False}
-            # uvicorn's send waits for a paused transport to drain, with no limit of its own.
-            with anyio.move_on_after(self.send_timeout_s) as waited:
-                if writer.terminated:
-                    await held_send(send, send, last)  # the bytes are out: uvicorn's dropped
-                else:
-                    await send(last)
-            if not waited.cancelled_caught:
+            if writer.terminated:
+                sent = held_send(send, send, last)  # the bytes are out: uvicorn's dropped
+            else:
+                sent = send(last)
+            waited_out = False
+            if _write_paused(scope):
+                # uvicorn's send waits for a paused transport to drain, with no limit of its
+                # own. Only then: a cancel scope costs every stream ~10 µs.
+                with anyio.move_on_after(self.send_timeout_s) as waited:
+                    await sent
+                waited_out = waited.cancelled_caught
+            else:
+                await sent
+            if not waited_out:
                 schedule, cut = self.registry.schedule, self._stalled_after(scope)
                 _cut_if_unread(writer.transport, schedule, self.send_timeout_s, cut)
                 return
@@ -547,6 +554,12 @@ def _connection(scope: Scope) -> Any:
     if cycle is None or not cycle.response_started or cycle.response_complete:
         return None
     return connection
+
+
+def _write_paused(scope: Scope) -> bool:
+    """Whether uvicorn's send would wait for the transport to drain (True when unknown)."""
+    flow = getattr(scope.get(CONNECTION_KEY), "flow", None)
+    return flow is None or bool(flow.write_paused)
 
 
 def _cut_if_unread(

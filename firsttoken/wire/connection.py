@@ -8,7 +8,7 @@ import socket
 import time
 from typing import Any, Protocol
 
-from starlette.types import Send
+from starlette.types import Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -20,6 +20,7 @@ __all__ = [
     "ConnectionListener",
     "Held",
     "StreamingProtocol",
+    "body_arrived",
     "held_send",
     "lean_event",
 ]
@@ -191,6 +192,19 @@ _HEAD_TOO_LARGE = (
     b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(_HEAD_BODY), _HEAD_BODY)
 )
+
+
+def body_arrived(scope: Scope) -> bool:
+    """Whether uvicorn holds this request's whole body already: one `receive()` returns it
+    without waiting (no deadline needed for a slow body). False when unknown."""
+    connection = scope.get(CONNECTION_KEY)
+    cycle = getattr(connection, "cycle", None)
+    return (
+        cycle is not None
+        and cycle.scope is scope  # not a pipelined request's behind it
+        and not cycle.more_body
+        and cycle.message_event.is_set()
+    )
 
 
 async def held_send(raw_send: Send, send: Send, message: dict[str, Any]) -> bytes:
