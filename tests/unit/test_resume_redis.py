@@ -58,7 +58,8 @@ def confirm(s: RedisStore, result: object) -> None:
     rep = s._replicas["s1"]
     metas = [] if rep.meta_done else [rep]
     ends = [rep] if rep.end_sent else []
-    answers = [*[1, 1][: 2 * len(metas)], [result], *[1, 1][: 2 * len(ends)]]
+    refused = [] if result == 1 else [1, result]  # the Lua call names the streams it failed
+    answers = [*[1, 1][: 2 * len(metas)], refused, *[1, 1][: 2 * len(ends)]]
     s._confirm([rep], metas, [], [[rep]], ends, answers)
 
 
