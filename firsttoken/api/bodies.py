@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import orjson
 from pydantic import BaseModel, ValidationError
@@ -12,7 +12,7 @@ from starlette.requests import ClientDisconnect, Request
 from firsttoken.wire.connection import body_arrived
 from firsttoken.wire.errors import APIError, error_body
 
-__all__ = ["APIError", "error_body", "is_json_type", "read_model"]
+__all__ = ["APIError", "error_body", "is_json_type", "read_json", "read_model", "validate"]
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -32,6 +32,12 @@ async def read_model(
 ) -> M:
     """Read, size-check, type-check, parse and validate a JSON body; every failure is a
     clear 4xx (415 for a body that is not declared JSON)."""
+    return validate(model, await read_json(request, max_bytes, timeout_s))
+
+
+async def read_json(request: Request, max_bytes: int, timeout_s: float = 30.0) -> dict[str, Any]:
+    """Read, size-check, type-check and parse a JSON object body (`read_model`'s first half:
+    a relay forwards this dict as the client sent it)."""
     headers = request.headers
     declared = headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > max_bytes:
@@ -59,6 +65,11 @@ async def read_model(
         raise APIError(400, "invalid_json", f"request body is not valid JSON: {exc}") from None
     if not isinstance(raw, dict):
         raise APIError(400, "invalid_request", "request body must be a JSON object")
+    return raw
+
+
+def validate(model: type[M], raw: dict[str, Any]) -> M:
+    """`raw` as a `model`, or the 400 that says what is wrong, and where."""
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from firsttoken.admission import Admission, ApiKey, Ticket, sets_own_latency
-from firsttoken.api.bodies import APIError, read_model
+from firsttoken.api.bodies import APIError, read_json, validate
 from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
@@ -46,12 +46,18 @@ class Gateway:
 
     async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, ApiKey]:
         """Authenticate, read and validate the body, resolve the model."""
-        key = self.admission.authenticate(request)
-        body = await read_model(
-            request, kind, self.settings.max_body_bytes, self.settings.body_timeout_s
-        )
-        model = self.model(getattr(body, "model", None))
+        body, _, model, key = await self.accept_raw(request, kind)
         return body, model, key
+
+    async def accept_raw(
+        self, request: Request, kind: type[B]
+    ) -> tuple[B, dict[str, Any], str, ApiKey]:
+        """`accept`, with the body as the client sent it (what a relay forwards)."""
+        key = self.admission.authenticate(request)
+        raw = await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        body = validate(kind, raw)
+        model = self.model(getattr(body, "model", None))
+        return body, raw, model, key
 
     async def admit(self, key: ApiKey, generation: GenerationRequest) -> Ticket:
         """Admit the request once its prompt and limits are known: the key's token budget

@@ -68,7 +68,7 @@ async def _serve(
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body, model, key = await gw.accept(request, kind)
+        body, raw, model, key = await gw.accept_raw(request, kind)
         chat = isinstance(body, ChatCompletionRequest)
         prompt = body.prompt() if isinstance(body, ChatCompletionRequest) else body.prompt
         stream_id = new_stream_id()
@@ -84,7 +84,7 @@ async def _serve(
             if isinstance(body, ChatCompletionRequest)
             else None,
             options=_options(body),
-            body=body.raw,
+            body=raw,
             tenant=key.name,
             priority=key.priority,
             weight=key.weight,
