@@ -63,7 +63,8 @@ def test_redis_cluster_is_a_switch_that_needs_redis() -> None:
     for word, on in (("1", True), ("Yes", True), ("true", True), ("0", False), ("no", False)):
         assert parse(*REDIS, "--redis-cluster", word).redis_cluster is on
         assert parse(*REDIS, FIRSTTOKEN_REDIS_CLUSTER=word).redis_cluster is on
-    assert parse(*REDIS, "--redis-cluster", "0", FIRSTTOKEN_REDIS_CLUSTER="1").redis_cluster is False
+    flag_wins = parse(*REDIS, "--redis-cluster", "0", FIRSTTOKEN_REDIS_CLUSTER="1")
+    assert flag_wins.redis_cluster is False
     line = "invalid --redis-cluster 'maybe': must be 1, true, yes, 0, false or no"
     assert refusal(*REDIS, "--redis-cluster", "maybe") == line
     line = "--redis-cluster: takes effect only with --redis; --redis is not set"
