@@ -276,3 +276,26 @@ def test_the_wrong_kind_of_redis_is_one_startup_line(
     with run_redis() as plain:
         error = one_failure_line(serve("--redis", plain, "--redis-cluster"))
     assert error == f"--redis {plain}: not a Redis Cluster node (--redis-cluster is on)"
+
+
+def test_the_new_stream_bucket_is_shared_on_a_cluster(
+    fleet: tuple[RedisClusterServers, Server, Server], keys: Path
+) -> None:
+    """One bucket for every instance, in its own slot: a burst of 3 over two instances takes
+    it, the next is refused (and its key's slot, taken first on a cluster, given back)."""
+    cluster, _, _ = fleet
+    rate = ("--rate-limit-per-s", "0.2", "--rate-limit-burst", "3")
+    with (
+        run_server(*args(cluster.url, keys), *rate) as a,
+        run_server(*args(cluster.url, keys), *rate) as b,
+    ):
+        codes = [
+            httpx.post(
+                s.v1 + "/streams", json={"prompt": "r", "max_tokens": 1}, headers=ALICE, timeout=10
+            ).status_code
+            for s in (a, b, a, b)
+        ]
+        assert codes == [201, 201, 201, 429], codes
+        with redis.RedisCluster(host="127.0.0.1", port=cluster.ports[0]) as r:
+            # Well within the 5 s lease: the refused one gave its slot back at once.
+            wait_for(lambda: r.zcard("ft:slots:{alice}") == 0, timeout=2)
