@@ -42,14 +42,21 @@ def render_config(
     prefix: Path,
     replace: Mapping[str, str] | None = None,
 ) -> str:
-    """The deploy config made runnable in `prefix`; `replace` swaps exact snippets."""
+    """The deploy config made runnable in `prefix`; `replace` swaps exact snippets. The
+    upstream `server` lines take `upstream_ports` in order; lines beyond them are dropped (the
+    three-instance config run with two), so nginx never balances onto a port nobody holds."""
     text = base
     for old, new in (replace or {}).items():
         if old not in text:
             raise ValueError(f"snippet not in the config: {old!r}")
         text = text.replace(old, new)
     ports = iter(upstream_ports)
-    text = re.sub(r"server 127\.0\.0\.1:\d+", lambda _m: f"server 127.0.0.1:{next(ports)}", text)
+
+    def upstream(m: re.Match[str]) -> str:
+        port = next(ports, None)
+        return "" if port is None else f"{m.group(1)}server 127.0.0.1:{port}{m.group(2)}"
+
+    text = re.sub(r"(?m)^(\s*)server 127\.0\.0\.1:\d+([^;]*;\n)", upstream, text)
     text = re.sub(r"listen 80;", f"listen 127.0.0.1:{listen_port};", text)
     text = re.sub(r"(?m)^\s*(worker_processes|user|pid|error_log|daemon)\b[^;]*;", "", text)
     user = "user root;\n" if os.geteuid() == 0 else ""  # workers must reach the tmp prefix
