@@ -14,8 +14,11 @@ __all__ = ["POOL_WAIT_S", "REDIS_DOWN", "AnyRedis", "redis_client"]
 AnyRedis = Redis | RedisCluster
 
 # What a call to an unreachable (or reconfiguring) Redis raises. The cluster client's own
-# errors (no node for a slot yet, a command it refuses) are not RedisErrors.
-REDIS_DOWN = (RedisError, RedisClusterException, OSError, TimeoutError)
+# errors (no node for a slot yet, a command it refuses) are not RedisErrors, and redis-py
+# 8.1's cluster handshake on a connection the node just closed raises asyncio's
+# RuntimeError("unable to perform operation on <TCPTransport closed=True>"): a Redis call
+# that fails so is Redis being away, not a bug of ours (bench.instances saw it as a 500).
+REDIS_DOWN = (RedisError, RedisClusterException, OSError, TimeoutError, RuntimeError)
 
 # A call finding every connection busy waits this long for one, then fails with redis-py's
 # ConnectionError("No connection available."), which every caller already takes for Redis

@@ -18,10 +18,10 @@ def test_sigkill_one_of_three_instances_leaves_every_reader_exact_or_told() -> N
     result = asyncio.run(scenario(opts, log=print))
     summary = result.summary()
     print(summary)
-    # A create refused before the kill (redis-py 8.1's cluster client can raise RuntimeError
-    # on a new connection under a burst: a 500 from the admission) is not the kill's doing.
-    outcomes = [(r.kind, r.outcome, r.code) for r in result.readers if r.outcome != "refused"]
-    assert len(outcomes) >= 28, summary
+    # No create refused: redis-py 8.1's cluster client raising RuntimeError on a new
+    # connection under a burst was a 500 from the admission; it is Redis being away now.
+    outcomes = [(r.kind, r.outcome, r.code) for r in result.readers]
+    assert all(o != "refused" for _, o, _ in outcomes), summary
     assert {o for _, o, _ in outcomes} <= {"exact", "told"}, outcomes
     assert all(code == "stream_lost" for _, o, code in outcomes if o == "told"), outcomes
     # The dead instance owned some of the streams: their readers were told.
