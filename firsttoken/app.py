@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,7 +26,7 @@ from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
-from firsttoken.observability import Metrics
+from firsttoken.observability import Metrics, log_event
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
@@ -123,6 +124,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         exception_handlers={
             HTTPException: _http_error,
             APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call
+            Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
         },  # type: ignore[dict-item]
     )
     app.state.gateway = gw
@@ -227,6 +229,8 @@ class RawSendApp:
             response = await endpoint(request)
         except APIError as exc:  # e.g. 503 store_unavailable from a Redis call
             response = exc.response(trace_id(request))
+        except Exception as exc:  # a bug: still the error shape, before the first byte
+            response = await _crashed(request, exc)
         del request  # a waiting stream's frame need not keep it
         await GZipResponses(response, self.gzip_min)(scope, receive, send)
 
@@ -290,6 +294,12 @@ async def _readyz(request: Request) -> Response:
 
 async def _api_error(request: Request, exc: APIError) -> Response:
     return exc.response(trace_id(request))
+
+
+async def _crashed(request: Request, exc: Exception) -> Response:
+    trace = trace_id(request)
+    log_event("request.crashed", logging.ERROR, trace_id=trace, error=repr(exc)[:500])
+    return APIError(500, "internal_error", "internal error").response(trace)
 
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
