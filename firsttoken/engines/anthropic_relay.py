@@ -12,17 +12,13 @@ Three parts, the first two without I/O:
 
 from __future__ import annotations
 
-import email.utils
 import logging
-import math
 import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from datetime import UTC
 from typing import Any
 
-import anyio
 import httpx
 import orjson
 
@@ -36,6 +32,9 @@ from firsttoken.engines.upstream import (
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
+    drain,
+    plain_text,
+    retry_after,
 )
 from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder
@@ -73,11 +72,8 @@ _RETRYABLE_TYPES = frozenset({"overloaded_error", "api_error", "rate_limit_error
 # A 4xx that says the target is misconfigured (its key, its model name, its URL), not that the
 # request is wrong: another target may serve it, and health should hear of it.
 _TARGET_FAULTS = frozenset({401, 403, 404})
-_MAX_ERROR_BODY = 64 * 1024
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 _DATA_URL = re.compile(r"^data:([^;,]+);base64,(.*)$", re.DOTALL)
-_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
-_SPACE = re.compile(r"\s+")
 
 
 # -- the request ----------------------------------------------------------------------------
@@ -524,24 +520,6 @@ def http_error(raw: bytes, status: int, headers: Mapping[str, str], now: float) 
     )
 
 
-def retry_after(value: str | None, now: float) -> float | None:
-    """A Retry-After header's wait in seconds: delay-seconds or an HTTP date (against `now`,
-    wall-clock seconds); None when absent or not either."""
-    if not value:
-        return None
-    try:
-        seconds = float(value)
-    except ValueError:
-        try:
-            when = email.utils.parsedate_to_datetime(value)
-        except (TypeError, ValueError, IndexError):
-            return None
-        if when.tzinfo is None:
-            when = when.replace(tzinfo=UTC)
-        return max(0.0, when.timestamp() - now)
-    return max(0.0, seconds) if math.isfinite(seconds) else None
-
-
 def _error_message(raw: bytes) -> str:
     """The upstream's message: Anthropic's error shape (or OpenAI's), else the body as one
     line of plain text, bounded."""
@@ -555,10 +533,7 @@ def _error_message(raw: bytes) -> str:
             return err[:500]
         if isinstance(err, Mapping) and err.get("message"):
             return str(err["message"])[:500]
-    text = raw.decode("utf-8", "replace")
-    if "<" in text and ">" in text:
-        text = _TAG.sub(" ", text)  # a proxy's HTML page reads as its words
-    return _SPACE.sub(" ", text).strip()[:500] or "the upstream failed"
+    return plain_text(raw) or "the upstream failed"
 
 
 def _bad_response(what: str) -> EngineError:
@@ -657,7 +632,7 @@ class AnthropicRelay:
             )
             self._inflight[rid] = resp
             if resp.status_code >= 400:
-                raw = await _read_bounded(resp)
+                raw = await resp.read_bounded()
                 raise http_error(raw, resp.status_code, resp.headers, time.time())
             async for delta in self._deltas(resp, MessagesReader(call.trimmed)):
                 if rid in self._aborted:
@@ -692,7 +667,7 @@ class AnthropicRelay:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # One JSON body where a stream belongs: an error, or a server that ignored `stream`.
-            raw = await _read_bounded(resp)
+            raw = await resp.read_bounded()
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError:
@@ -711,12 +686,12 @@ class AnthropicRelay:
 async def read_stream(chunks: AsyncIterator[bytes], reader: MessagesReader) -> AsyncIterator[Delta]:
     """An event stream's bytes → deltas, to `message_stop`; a body that ends before it is
     `upstream_truncated` (retryable: nothing says the answer was complete)."""
-    decoder = _Decoder()
+    decoder = EventDecoder()
     async for chunk in chunks:
         for event in decoder.feed(chunk):
             delta = reader.feed(event.event, event.data)
             if reader.done:
-                await _drain(chunks)  # the connection goes back to the pool
+                await drain(chunks)  # the connection goes back to the pool
             if delta is not None:
                 yield delta
             if reader.done:
@@ -727,26 +702,3 @@ async def read_stream(chunks: AsyncIterator[bytes], reader: MessagesReader) -> A
     raise EngineError(
         "upstream_truncated", "the upstream ended the stream before message_stop", retryable=True
     )
-
-
-class _Decoder(EventDecoder):
-    def pending_bytes(self) -> int:
-        """Characters held for an event not yet complete: bounded, or an upstream without
-        blank lines grows it without end."""
-        return len(self._buffer) + sum(len(d) for d in self._data)
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    # Read to the body's end so the connection is reused; don't wait long for a lingerer.
-    with anyio.move_on_after(1.0):
-        async for _ in chunks:
-            pass
-
-
-async def _read_bounded(resp: UpstreamResponse) -> bytes:
-    raw = b""
-    async for chunk in resp.aiter_bytes():
-        raw += chunk
-        if len(raw) >= _MAX_ERROR_BODY:
-            break
-    return raw

@@ -8,16 +8,13 @@ Choosing among upstreams, failing over and splicing a cut answer onto another ar
 
 from __future__ import annotations
 
-import email.utils
 import logging
 import re
-import time
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
 from urllib.parse import urlsplit
 
-import anyio
 import httpx
 import orjson
 
@@ -30,16 +27,18 @@ from firsttoken.engines.upstream import (
     UpstreamError,
     UpstreamPool,
     UpstreamResponse,
+    drain,
+    plain_text,
+    retry_after,
 )
 from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
-__all__ = ["RelayEngine", "normalise_error", "retry_after", "upstream_base"]
+__all__ = ["RelayEngine", "normalise_error", "upstream_base"]
 
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
-_MAX_ERROR_BODY = 64 * 1024
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 
@@ -224,7 +223,7 @@ class RelayEngine:
             resp = await self._pool.request("POST", self.base + path, body, headers)
             self._inflight[rid] = resp
             if resp.status_code >= 400:
-                raw = await _read_bounded(resp)
+                raw = await resp.read_bounded()
                 raise normalise_error(raw, resp.status_code, resp.headers.get("retry-after"))
             async with aclosing(self._deltas(resp, chat)) as deltas:
                 async for delta in deltas:
@@ -259,7 +258,7 @@ class RelayEngine:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # A server that answers an error (or ignores `stream`) with one JSON body.
-            raise normalise_error(await _read_bounded(resp), resp.status_code)
+            raise normalise_error(await resp.read_bounded(), resp.status_code)
         # Raw bytes unless the upstream compressed anyway (we ask for identity).
         identity = resp.headers.get("content-encoding", "identity") == "identity"
         chunks = resp.aiter_raw() if identity else resp.aiter_bytes()
@@ -274,7 +273,7 @@ class RelayEngine:
                 if event.event == "error":
                     raise normalise_error(data.encode())
                 if data == "[DONE]":
-                    await _drain(chunks)
+                    await drain(chunks)
                     yield Delta("", finish or "stop", usage=usage)
                     return
                 try:
@@ -378,55 +377,6 @@ class _UpstreamDecoder(EventDecoder):
             self.saw_event = True
         return event
 
-    def pending_bytes(self) -> int:
-        """Characters held for an event not yet complete: bounded, or a garbage upstream
-        without newlines (or blank lines) grows it without end."""
-        return len(self._buffer) + sum(len(d) for d in self._data)
-
-
-async def _drain(chunks: AsyncIterator[bytes]) -> None:
-    # Read to the body's end so the connection goes back to the pool (a new one costs a
-    # connect, and a TLS handshake to a remote upstream); don't wait long for a lingerer.
-    with anyio.move_on_after(1.0):
-        async for _ in chunks:
-            pass
-
-
-async def _read_bounded(resp: UpstreamResponse) -> bytes:
-    raw = b""
-    async for chunk in resp.aiter_bytes():
-        raw += chunk
-        if len(raw) >= _MAX_ERROR_BODY:
-            break
-    return raw
-
-
-_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
-_SPACE = re.compile(r"\s+")
-
-
-def _plain_text(raw: bytes) -> str:
-    """A non-JSON error body as one line: a proxy's HTML page (nginx, an ALB, Cloudflare)
-    loses its tags, so `502 Bad Gateway` reads as that, not as markup."""
-    text = raw.decode("utf-8", "replace")
-    if "<" in text and ">" in text:
-        text = _TAG.sub(" ", text)
-    return _SPACE.sub(" ", text).strip()[:500]
-
-
-def retry_after(value: str | None) -> float | None:
-    """A Retry-After header's seconds (delta-seconds or an HTTP date); None if absent or
-    unreadable."""
-    if not value:
-        return None
-    value = value.strip()
-    if value.isdigit() and len(value) < 10:
-        return float(value)
-    try:
-        when = email.utils.parsedate_to_datetime(value)
-    except (TypeError, ValueError, IndexError):
-        return None
-    return max(0.0, when.timestamp() - time.time())
 
 
 def normalise_error(
@@ -460,7 +410,7 @@ def normalise_error(
             elif isinstance(code, int | str) and str(code).isdigit():
                 code_num = int(code)
     if message is None:
-        message = _plain_text(raw) or "the upstream failed"
+        message = plain_text(raw) or "the upstream failed"
     message = str(message)[:2000]
     if status is not None and 400 <= status < 500 and status != 429:
         return EngineError(

@@ -27,11 +27,15 @@ answered, so nothing is sent twice to the client.
 from __future__ import annotations
 
 import asyncio
+import email.utils
+import math
 import re
 import socket
 import ssl
+import time
 import zlib
 from collections.abc import AsyncIterator, Mapping
+from datetime import UTC
 from typing import cast
 from urllib.parse import urlsplit
 
@@ -39,6 +43,7 @@ import httptools
 
 __all__ = [
     "HIGH_WATER",
+    "MAX_ERROR_BODY",
     "MAX_HEAD_BYTES",
     "ConnectError",
     "ConnectTimeout",
@@ -49,11 +54,15 @@ __all__ = [
     "UpstreamError",
     "UpstreamPool",
     "UpstreamResponse",
+    "drain",
+    "plain_text",
+    "retry_after",
 ]
 
 MAX_HEAD_BYTES = 64 * 1024  # status line + headers of one response
 HIGH_WATER = 256 * 1024  # body bytes buffered before the transport stops reading
 MAX_IDLE_PER_ORIGIN = 256
+MAX_ERROR_BODY = 64 * 1024  # what is read of an error answer
 
 
 class UpstreamError(Exception):
@@ -169,6 +178,15 @@ class UpstreamResponse:
         tail = decoder.flush()
         if tail:
             yield tail
+
+    async def read_bounded(self, limit: int = MAX_ERROR_BODY) -> bytes:
+        """The body (decoded), up to about `limit` bytes: an error page, not a stream."""
+        raw = b""
+        async for chunk in self.aiter_bytes():
+            raw += chunk
+            if len(raw) >= limit:
+                break
+        return raw
 
     def close(self) -> None:
         """Stop reading: before the body's end this closes the connection (never reused)."""
@@ -583,3 +601,45 @@ def _header_lines(headers: Mapping[str, str]) -> bytes:
 
 
 _BAD_HEADER = re.compile(r"[\r\n\0]")
+
+
+async def drain(chunks: AsyncIterator[bytes], within_s: float = 1.0) -> None:
+    """Read a body to its end so its connection goes back to the pool (a new one costs a
+    connect, and a TLS handshake to a remote upstream); a lingerer is not waited for long."""
+    try:
+        async with asyncio.timeout(within_s):
+            async for _ in chunks:
+                pass
+    except TimeoutError:
+        pass
+
+
+_TAG = re.compile(r"<(script|style)\b.*?</\1\s*>|<[^>]*>", re.IGNORECASE | re.DOTALL)
+_SPACE = re.compile(r"\s+")
+
+
+def plain_text(raw: bytes, limit: int = 500) -> str:
+    """A non-JSON error body as one line: a proxy's HTML page (nginx, an ALB, Cloudflare)
+    loses its tags, so `502 Bad Gateway` reads as that, not as markup."""
+    text = raw.decode("utf-8", "replace")
+    if "<" in text and ">" in text:
+        text = _TAG.sub(" ", text)
+    return _SPACE.sub(" ", text).strip()[:limit]
+
+
+def retry_after(value: str | None, now: float | None = None) -> float | None:
+    """A Retry-After header's wait in seconds: delay-seconds or an HTTP date (against `now`,
+    wall-clock seconds, default the time now); None when absent or neither."""
+    if not value:
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        return max(0.0, when.timestamp() - (time.time() if now is None else now))
+    return max(0.0, seconds) if math.isfinite(seconds) else None

@@ -146,6 +146,11 @@ class EventDecoder:
                 self.retry = int(value)
         return None
 
+    def pending_bytes(self) -> int:
+        """Characters held for an event not yet complete: a reader bounds it, or a garbage
+        upstream without newlines (or blank lines) grows it without end."""
+        return len(self._buffer) + sum(len(d) for d in self._data)
+
     def _dispatch(self) -> ServerSentEvent | None:
         if not self._has_fields:
             self._event = ""

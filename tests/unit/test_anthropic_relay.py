@@ -17,9 +17,9 @@ from firsttoken.engines.anthropic_relay import (
     http_error,
     messages_body,
     read_stream,
-    retry_after,
 )
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.engines.upstream import retry_after
 
 
 def body_of(chat: dict[str, Any], model: str | None = None, **fields: Any) -> dict[str, Any]:
