@@ -136,7 +136,7 @@ def _redis_why(exc: Exception) -> str:
 def _upstreams(settings: Settings) -> None:
     import httpx
 
-    from firsttoken.engines.relay import upstream_base
+    from firsttoken.engines.remote import upstream_base
 
     assert settings.upstream is not None
     headers = {"accept-encoding": "identity"}

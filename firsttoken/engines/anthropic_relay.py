@@ -12,31 +12,26 @@ Three parts, the first two without I/O:
 
 from __future__ import annotations
 
-import logging
 import re
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
-import httpx
 import orjson
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
-from firsttoken.engines.relay import upstream_base
-from firsttoken.engines.text import count_words
+from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     ConnectError,
     ConnectTimeout,
     ReadTimeout,
     UpstreamError,
-    UpstreamPool,
     UpstreamResponse,
     drain,
     plain_text,
     retry_after,
 )
-from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder
 
 __all__ = [
@@ -543,8 +538,11 @@ def _bad_response(what: str) -> EngineError:
 # -- the engine -----------------------------------------------------------------------------
 
 
-class AnthropicRelay:
+class AnthropicRelay(RemoteEngine):
     """kind = "anthropic": one Messages API upstream."""
+
+    log_name = "anthropic"
+    models_params: ClassVar[Mapping[str, str | int]] = {"limit": 1000}  # pages of 20 else
 
     def __init__(
         self,
@@ -555,72 +553,21 @@ class AnthropicRelay:
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
     ) -> None:
-        self.base = upstream_base(url)
-        self.models: tuple[str, ...] = (model,) if model else ()
-        self.tokens_generated = 0
-        self._model = model
-        self._headers = {"anthropic-version": ANTHROPIC_VERSION, "accept-encoding": "identity"}
+        headers = {"anthropic-version": ANTHROPIC_VERSION}
         if api_key:
-            self._headers["x-api-key"] = api_key
-        self._connect_timeout = connect_timeout_s
-        self._read_timeout = read_timeout_s
-        self._pool: UpstreamPool | None = None
-        self._inflight: dict[str, UpstreamResponse] = {}
-        self._aborted: set[str] = set()
-
-    async def start(self) -> None:
-        if self._pool is None:
-            self._pool = UpstreamPool(
-                connect_timeout=self._connect_timeout,
-                read_timeout=self._read_timeout,
-                headers={
-                    **self._headers,
-                    "content-type": "application/json",
-                    "accept": "text/event-stream",
-                },
-            )
-        if not self.models:
-            self.models = await self._fetch_models()
-
-    async def _fetch_models(self) -> tuple[str, ...]:
-        """GET /models, if it answers: an upstream down now is the health checker's to see."""
-        timeout = httpx.Timeout(max(10.0, self._connect_timeout), connect=self._connect_timeout)
-        try:
-            async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as client:
-                resp = await client.get(self.base + "/models", params={"limit": 1000})
-                resp.raise_for_status()
-                ids = tuple(str(m["id"]) for m in resp.json()["data"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log_event(
-                "anthropic.upstream_down", logging.WARNING, upstream=self.base, error=str(exc)
-            )
-            return ()
-        log_event("anthropic.upstream", upstream=self.base, models=list(ids))
-        return ids
-
-    async def close(self) -> None:
-        if self._pool is not None:
-            await self._pool.aclose()
-            self._pool = None
-
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    def prompt_tokens(self, prompt: str) -> int:
-        return count_words(prompt)
-
-    async def abort(self, request_id: str) -> None:
-        # The consumer's cancellation closes the response itself; this covers a generator
-        # left suspended at a yield.
-        resp = self._inflight.pop(request_id, None)
-        if resp is not None:
-            self._aborted.add(request_id)
-            resp.close()
+            headers["x-api-key"] = api_key
+        super().__init__(
+            url,
+            headers=headers,
+            model=model,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+        )
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         if self._pool is None:
             raise EngineError("engine_unavailable", "the anthropic relay is not started")
-        call = messages_body(request, self._model)
+        call = messages_body(request, self.model)
         rid = request.request_id
         resp: UpstreamResponse | None = None
         try:

@@ -8,33 +8,28 @@ Choosing among upstreams, failing over and splicing a cut answer onto another ar
 
 from __future__ import annotations
 
-import logging
 import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import aclosing
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import orjson
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
-from firsttoken.engines.text import count_words
+from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     ConnectError,
     ConnectTimeout,
     ReadTimeout,
     UpstreamError,
-    UpstreamPool,
     UpstreamResponse,
     drain,
     plain_text,
     retry_after,
 )
-from firsttoken.observability import log_event
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
-__all__ = ["RelayEngine", "normalise_error", "upstream_base"]
+__all__ = ["RelayEngine", "normalise_error"]
 
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
@@ -42,21 +37,15 @@ _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 
 
-def upstream_base(url: str) -> str:
-    """A bare `http://host:port` gets `/v1`; a URL with a path is the API root as given."""
-    url = url.strip().rstrip("/")
-    if urlsplit(url).path in ("", "/"):
-        url += "/v1"
-    return url
-
-
-class RelayEngine:
+class RelayEngine(RemoteEngine):
     """kind = "openai": one OpenAI-compatible upstream.
 
     `model`, when given, is the name the upstream knows (sent instead of the client's).
     `completions_template`, when given, continues a cut chat answer through `/completions`
     with the conversation rendered here (for servers without `continue_final_message`).
     """
+
+    log_name = "relay"
 
     def __init__(
         self,
@@ -68,77 +57,16 @@ class RelayEngine:
         read_timeout_s: float = 60.0,
         completions_template: str | None = None,
     ) -> None:
-        self.base = upstream_base(url)
-        self.model = model
-        self.models: tuple[str, ...] = (model,) if model else ()
-        self.tokens_generated = 0
-        self._api_key = api_key
-        self._connect_timeout = connect_timeout_s
-        self._read_timeout = read_timeout_s
+        super().__init__(
+            url,
+            headers={"authorization": f"Bearer {api_key}"} if api_key else {},
+            model=model,
+            connect_timeout_s=connect_timeout_s,
+            read_timeout_s=read_timeout_s,
+        )
         self._template = completions_template
-        # httpx for GET /models; the streaming POSTs go through the lean client.
-        self._client: httpx.AsyncClient | None = None
-        self._pool: UpstreamPool | None = None
-        self._inflight: dict[str, UpstreamResponse] = {}
-        self._aborted: set[str] = set()
-
-    # -- lifecycle -------------------------------------------------------------------------
-
-    async def start(self) -> None:
-        headers = {"accept-encoding": "identity"}
-        if self._api_key:
-            headers["authorization"] = f"Bearer {self._api_key}"
-        self._client = httpx.AsyncClient(
-            timeout=httpx.Timeout(self._read_timeout, connect=self._connect_timeout),
-            headers=headers,
-        )
-        # Each stream holds a connection for its whole length; admission bounds them.
-        self._pool = UpstreamPool(
-            connect_timeout=self._connect_timeout,
-            read_timeout=self._read_timeout,
-            headers={**headers, "content-type": "application/json", "accept": "text/event-stream"},
-        )
-        await self.fetch_models()
-
-    async def fetch_models(self) -> tuple[str, ...] | None:
-        """GET /models: the ids the upstream serves, or None when it did not answer (an
-        upstream down at start is the routes' health checks' business, not fatal here)."""
-        assert self._client is not None
-        try:
-            resp = await self._client.get(self.base + "/models")
-            resp.raise_for_status()
-            ids = tuple(str(m["id"]) for m in resp.json()["data"])
-        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
-            log_event("relay.upstream_down", logging.WARNING, upstream=self.base, error=str(exc))
-            return None
-        if not self.model:
-            self.models = ids
-        log_event("relay.upstream", upstream=self.base, models=list(ids))
-        return ids
-
-    async def close(self) -> None:
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
-        if self._pool is not None:
-            await self._pool.aclose()
-            self._pool = None
 
     # -- the Engine protocol ---------------------------------------------------------------
-
-    def counters(self) -> dict[str, int]:
-        return {}
-
-    def prompt_tokens(self, prompt: str) -> int:
-        return count_words(prompt)
-
-    async def abort(self, request_id: str) -> None:
-        # The consumer's cancellation already closed the upstream response when it was
-        # reading; this covers a generator left suspended at a yield.
-        resp = self._inflight.pop(request_id, None)
-        if resp is not None:
-            self._aborted.add(request_id)
-            resp.close()
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         return self._stream(request)

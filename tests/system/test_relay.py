@@ -16,7 +16,7 @@ import openai
 import pytest
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.engines.relay import upstream_base
+from firsttoken.engines.remote import upstream_base
 from firsttoken.engines.text import apply_stop
 from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream

@@ -55,7 +55,8 @@ def test_each_kind_becomes_its_engine_with_the_files_settings() -> None:
     engine = build_routes(table, Settings(), env={"VLLM_KEY": "sk-vllm"})
     relay, claude, fake = (engine.targets[n].engine for n in ("vllm", "claude", "fake"))
     assert isinstance(relay, RelayEngine)
-    assert relay.model == "Qwen/Qwen3-8B" and relay._api_key == "sk-vllm"
+    assert relay.model == "Qwen/Qwen3-8B"
+    assert relay._headers["authorization"] == "Bearer sk-vllm"
     assert relay._template is None
     llama = engine.targets["llama"].engine
     assert isinstance(llama, RelayEngine) and llama._template == "chatml"

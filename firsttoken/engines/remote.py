@@ -1,0 +1,108 @@
+"""What every engine that streams from one remote upstream shares: its base URL, its lean
+connection pool, its model list, and stopping a request by closing its response."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import ClassVar
+from urllib.parse import urlsplit
+
+import httpx
+
+from firsttoken.engines.text import count_words
+from firsttoken.engines.upstream import UpstreamPool, UpstreamResponse
+from firsttoken.observability import log_event
+
+__all__ = ["RemoteEngine", "upstream_base"]
+
+
+def upstream_base(url: str) -> str:
+    """A bare `http://host:port` gets `/v1`; a URL with a path is the API root as given."""
+    url = url.strip().rstrip("/")
+    if urlsplit(url).path in ("", "/"):
+        url += "/v1"
+    return url
+
+
+class RemoteEngine:
+    """One upstream at `url` (the API root). `model`, when given, is the name the upstream
+    knows; else `start()` lists what it serves (`GET /models`), when it answers: an upstream
+    down at start is the routes' health to see, never fatal here."""
+
+    log_name = "upstream"  # the prefix of its log events: `<name>.upstream(_down)`
+    models_params: ClassVar[Mapping[str, str | int]] = {}
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        headers: Mapping[str, str],
+        model: str | None,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+    ) -> None:
+        self.base = upstream_base(url)
+        self.model = model
+        self.models: tuple[str, ...] = (model,) if model else ()
+        self.tokens_generated = 0
+        self._headers = {"accept-encoding": "identity", **headers}
+        self._connect_timeout = connect_timeout_s
+        self._read_timeout = read_timeout_s
+        self._pool: UpstreamPool | None = None
+        self._inflight: dict[str, UpstreamResponse] = {}
+        self._aborted: set[str] = set()
+
+    async def start(self) -> None:
+        # Each stream holds a connection for its whole length; admission bounds them.
+        self._pool = UpstreamPool(
+            connect_timeout=self._connect_timeout,
+            read_timeout=self._read_timeout,
+            headers={
+                **self._headers,
+                "content-type": "application/json",
+                "accept": "text/event-stream",
+            },
+        )
+        await self.fetch_models()
+
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        """GET /models: the ids the upstream serves, or None when it did not answer (also
+        the routes' active health check)."""
+        timeout = httpx.Timeout(max(10.0, self._connect_timeout), connect=self._connect_timeout)
+        try:
+            async with httpx.AsyncClient(timeout=timeout, headers=self._headers) as client:
+                resp = await client.get(self.base + "/models", params=dict(self.models_params))
+                resp.raise_for_status()
+                ids = tuple(str(m["id"]) for m in resp.json()["data"])
+        except (httpx.HTTPError, ValueError, KeyError, TypeError) as exc:
+            log_event(
+                f"{self.log_name}.upstream_down",
+                logging.WARNING,
+                upstream=self.base,
+                error=str(exc),
+            )
+            return None
+        if not self.model:
+            self.models = ids
+        log_event(f"{self.log_name}.upstream", upstream=self.base, models=list(ids))
+        return ids
+
+    async def close(self) -> None:
+        if self._pool is not None:
+            await self._pool.aclose()
+            self._pool = None
+
+    def counters(self) -> dict[str, int]:
+        return {}
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return count_words(prompt)
+
+    async def abort(self, request_id: str) -> None:
+        # The consumer's cancellation already closed the upstream response when it was
+        # reading; this covers a generator left suspended at a yield.
+        resp = self._inflight.pop(request_id, None)
+        if resp is not None:
+            self._aborted.add(request_id)
+            resp.close()
