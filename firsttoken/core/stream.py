@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
-from firsttoken.core.eventlog import EventLog
 from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest
+from firsttoken.eventlog import EventLog
 from firsttoken.resume import StreamRecord, token_digest
 from firsttoken.wire.sse import encode_event
 

@@ -35,10 +35,10 @@ import anyio
 import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
-from firsttoken.core.eventlog import Event, ResumeExpired
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import Stream
+from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.connection import ABORT_KEY, CONNECTION_KEY, RAW_SEND_KEY, Held, held_send

@@ -1,6 +1,6 @@
 """The resume buffer: every event of a stream, kept for readers that come back."""
 
-from firsttoken.core.eventlog import Event, EventLog, LogReader, ResumeExpired
+from firsttoken.eventlog import Event, EventLog, LogReader, ResumeExpired
 from firsttoken.resume.store import EventStore, MemoryStore, StreamRecord, token_digest
 
 __all__ = [

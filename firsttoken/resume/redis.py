@@ -45,7 +45,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from firsttoken.core.eventlog import Event, EventLog
+from firsttoken.eventlog import Event, EventLog
 from firsttoken.observability import log_event
 from firsttoken.redisclient import REDIS_DOWN, redis_client
 from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of

@@ -15,7 +15,7 @@ from typing import Protocol
 import anyio
 from anyio.abc import TaskStatus
 
-from firsttoken.core.eventlog import Event, EventLog
+from firsttoken.eventlog import Event, EventLog
 
 __all__ = ["EventStore", "MemoryStore", "StreamRecord", "token_digest"]
 

@@ -28,7 +28,7 @@ from typing import Any
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
 
-from firsttoken.core.eventlog import EventLog
+from firsttoken.eventlog import EventLog
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis
 from firsttoken.resume.keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first

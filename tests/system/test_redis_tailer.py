@@ -19,7 +19,7 @@ import pytest
 from anyio.abc import TaskGroup, TaskStatus
 
 import firsttoken.resume.tailer as tailer_module
-from firsttoken.core.eventlog import Event, EventLog
+from firsttoken.eventlog import Event, EventLog
 from firsttoken.resume.keys import events_key
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord

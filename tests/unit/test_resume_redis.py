@@ -10,7 +10,7 @@ import anyio
 import pytest
 from redis.exceptions import NoScriptError, RedisError
 
-from firsttoken.core.eventlog import Event
+from firsttoken.eventlog import Event
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord

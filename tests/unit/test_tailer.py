@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from firsttoken.core.eventlog import EventLog
+from firsttoken.eventlog import EventLog
 from firsttoken.resume.runs import encode_run
 from firsttoken.resume.tailer import apply_entries
 
