@@ -23,9 +23,6 @@ import orjson
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
-    ConnectError,
-    ConnectTimeout,
-    ReadTimeout,
     UpstreamError,
     UpstreamResponse,
     drain,
@@ -585,25 +582,11 @@ class AnthropicRelay(RemoteEngine):
                 if rid in self._aborted:
                     return  # not even what had already arrived
                 yield delta
-        except (ConnectError, ConnectTimeout) as exc:
-            timeout = isinstance(exc, ConnectTimeout)
-            raise EngineError(
-                "upstream_timeout" if timeout else "upstream_unavailable",
-                f"could not connect to the upstream ({type(exc).__name__})",
-                retryable=True,
-            ) from exc
-        except ReadTimeout as exc:
-            raise EngineError(
-                "upstream_timeout", "the upstream sent nothing for too long", retryable=True
-            ) from exc
         except UpstreamError as exc:
-            if rid in self._aborted:
+            error = self._failed(exc, rid)
+            if error is None:
                 return  # our own abort: the stream ends quietly
-            raise EngineError(
-                "upstream_truncated",
-                f"the upstream connection broke mid-stream ({type(exc).__name__})",
-                retryable=True,
-            ) from exc
+            raise error from exc
         finally:
             if resp is not None:
                 resp.close()  # before the body's end: the upstream sees us leave at once

@@ -18,9 +18,6 @@ import orjson
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
-    ConnectError,
-    ConnectTimeout,
-    ReadTimeout,
     UpstreamError,
     UpstreamResponse,
     drain,
@@ -156,26 +153,11 @@ class RelayEngine(RemoteEngine):
             async with aclosing(self._deltas(resp, chat)) as deltas:
                 async for delta in deltas:
                     yield delta
-        except (ConnectError, ConnectTimeout) as exc:
-            code = "upstream_timeout" if isinstance(exc, ConnectTimeout) else None
-            raise EngineError(
-                code or "upstream_unavailable",
-                f"could not connect to the upstream ({type(exc).__name__})",
-                retryable=True,
-                status=503,
-            ) from exc
-        except ReadTimeout as exc:
-            raise EngineError(
-                "upstream_timeout", "the upstream sent nothing for too long", retryable=True
-            ) from exc
         except UpstreamError as exc:
-            if rid in self._aborted:
-                return
-            raise EngineError(
-                "upstream_truncated",
-                f"the upstream connection broke mid-stream ({type(exc).__name__})",
-                retryable=True,
-            ) from exc
+            error = self._failed(exc, rid)
+            if error is None:
+                return  # our own abort: the stream ends quietly
+            raise error from exc
         finally:
             if resp is not None:
                 resp.close()  # before the body's end: the upstream sees us leave at once

@@ -10,8 +10,16 @@ from urllib.parse import urlsplit
 
 import httpx
 
+from firsttoken.engines.base import EngineError
 from firsttoken.engines.text import count_words
-from firsttoken.engines.upstream import UpstreamPool, UpstreamResponse
+from firsttoken.engines.upstream import (
+    ConnectError,
+    ConnectTimeout,
+    ReadTimeout,
+    UpstreamError,
+    UpstreamPool,
+    UpstreamResponse,
+)
 from firsttoken.observability import log_event
 
 __all__ = ["RemoteEngine", "upstream_base"]
@@ -98,6 +106,29 @@ class RemoteEngine:
 
     def prompt_tokens(self, prompt: str) -> int:
         return count_words(prompt)
+
+    def _failed(self, exc: UpstreamError, request_id: str) -> EngineError | None:
+        """What a failed upstream request means for its stream: None for our own abort (the
+        stream ends quietly); a refused or slow connect is `connect` to the routes (503)."""
+        if request_id in self._aborted:
+            return None
+        kind = type(exc).__name__
+        if isinstance(exc, ConnectError | ConnectTimeout):
+            return EngineError(
+                "upstream_timeout" if isinstance(exc, ConnectTimeout) else "upstream_unavailable",
+                f"could not connect to the upstream ({kind})",
+                retryable=True,
+                status=503,
+            )
+        if isinstance(exc, ReadTimeout):
+            return EngineError(
+                "upstream_timeout", "the upstream sent nothing for too long", retryable=True
+            )
+        return EngineError(
+            "upstream_truncated",
+            f"the upstream connection broke mid-stream ({kind})",
+            retryable=True,
+        )
 
     async def abort(self, request_id: str) -> None:
         # The consumer's cancellation already closed the upstream response when it was
