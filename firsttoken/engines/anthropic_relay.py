@@ -23,7 +23,6 @@ import orjson
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
-    UpstreamError,
     UpstreamResponse,
     drain,
     plain_text,
@@ -561,37 +560,15 @@ class AnthropicRelay(RemoteEngine):
             read_timeout_s=read_timeout_s,
         )
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        if self._pool is None:
-            raise EngineError("engine_unavailable", "the anthropic relay is not started")
+    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         call = messages_body(request, self.model)
-        rid = request.request_id
-        resp: UpstreamResponse | None = None
-        try:
-            headers = {"x-request-id": rid}
-            if request.traceparent is not None:  # the trace goes on upstream
-                headers["traceparent"] = request.traceparent
-            resp = await self._pool.request(
-                "POST", self.base + "/messages", orjson.dumps(call.body), headers
-            )
-            self._inflight[rid] = resp
-            if resp.status_code >= 400:
-                raw = await resp.read_bounded()
-                raise http_error(raw, resp.status_code, resp.headers, time.time())
-            async for delta in self._deltas(resp, MessagesReader(call.trimmed)):
-                if rid in self._aborted:
-                    return  # not even what had already arrived
-                yield delta
-        except UpstreamError as exc:
-            error = self._failed(exc, rid)
-            if error is None:
-                return  # our own abort: the stream ends quietly
-            raise error from exc
-        finally:
-            if resp is not None:
-                resp.close()  # before the body's end: the upstream sees us leave at once
-            self._inflight.pop(rid, None)
-            self._aborted.discard(rid)
+        return self.post(
+            request,
+            "/messages",
+            orjson.dumps(call.body),
+            lambda resp, raw: http_error(raw, resp.status_code, resp.headers, time.time()),
+            lambda resp: self._deltas(resp, MessagesReader(call.trimmed)),
+        )
 
     async def _deltas(self, resp: UpstreamResponse, reader: MessagesReader) -> AsyncIterator[Delta]:
         ctype = resp.headers.get("content-type", "")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import AsyncIterator, Mapping
-from contextlib import aclosing
 from typing import Any
 
 import orjson
@@ -18,7 +17,6 @@ import orjson
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
-    UpstreamError,
     UpstreamResponse,
     drain,
     plain_text,
@@ -134,35 +132,18 @@ class RelayEngine(RemoteEngine):
             if knobs:
                 body["synthetic"] = knobs
 
-    async def _stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
-        if self._pool is None:
-            raise EngineError("engine_unavailable", "the relay engine is not started")
-        rid = request.request_id
+    def _stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         path, body = self._body(request)
         chat = path == "/chat/completions"
-        resp: UpstreamResponse | None = None
-        try:
-            headers = {"x-request-id": rid}
-            if request.traceparent is not None:  # the trace goes on upstream
-                headers["traceparent"] = request.traceparent
-            resp = await self._pool.request("POST", self.base + path, body, headers)
-            self._inflight[rid] = resp
-            if resp.status_code >= 400:
-                raw = await resp.read_bounded()
-                raise normalise_error(raw, resp.status_code, resp.headers.get("retry-after"))
-            async with aclosing(self._deltas(resp, chat)) as deltas:
-                async for delta in deltas:
-                    yield delta
-        except UpstreamError as exc:
-            error = self._failed(exc, rid)
-            if error is None:
-                return  # our own abort: the stream ends quietly
-            raise error from exc
-        finally:
-            if resp is not None:
-                resp.close()  # before the body's end: the upstream sees us leave at once
-            self._inflight.pop(rid, None)
-            self._aborted.discard(rid)
+        return self.post(
+            request,
+            path,
+            body,
+            lambda resp, raw: normalise_error(
+                raw, resp.status_code, resp.headers.get("retry-after")
+            ),
+            lambda resp: self._deltas(resp, chat),
+        )
 
     async def _deltas(self, resp: UpstreamResponse, chat: bool) -> AsyncIterator[Delta]:
         ctype = resp.headers.get("content-type", "")
@@ -286,7 +267,6 @@ class _UpstreamDecoder(EventDecoder):
         if event is not None:
             self.saw_event = True
         return event
-
 
 
 def normalise_error(

@@ -4,13 +4,14 @@ connection pool, its model list, and stopping a request by closing its response.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 import httpx
 
-from firsttoken.engines.base import EngineError
+from firsttoken.engines.base import Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import count_words
 from firsttoken.engines.upstream import (
     ConnectError,
@@ -106,6 +107,46 @@ class RemoteEngine:
 
     def prompt_tokens(self, prompt: str) -> int:
         return count_words(prompt)
+
+    async def post(
+        self,
+        request: GenerationRequest,
+        path: str,
+        body: bytes,
+        refused: Callable[[UpstreamResponse, bytes], EngineError],
+        read: Callable[[UpstreamResponse], AsyncIterator[Delta]],
+    ) -> AsyncIterator[Delta]:
+        """Stream one request: POST `body` to `path` (the request id and the client's trace
+        go along), `refused(resp, body)` for an HTTP error answer, `read(resp)` for the
+        deltas. The response is closed at the end, early or not, so the upstream sees us
+        leave at once; a failure is mapped once, here (`_failed`)."""
+        if self._pool is None:
+            raise EngineError("engine_unavailable", f"the {self.log_name} engine is not started")
+        rid = request.request_id
+        headers = {"x-request-id": rid}
+        if request.traceparent is not None:  # the trace goes on upstream
+            headers["traceparent"] = request.traceparent
+        resp: UpstreamResponse | None = None
+        try:
+            resp = await self._pool.request("POST", self.base + path, body, headers)
+            self._inflight[rid] = resp
+            if resp.status_code >= 400:
+                raise refused(resp, await resp.read_bounded())
+            async with aclosing(read(resp)) as deltas:
+                async for delta in deltas:
+                    if rid in self._aborted:
+                        return  # not even what had already arrived
+                    yield delta
+        except UpstreamError as exc:
+            error = self._failed(exc, rid)
+            if error is None:
+                return  # our own abort: the stream ends quietly
+            raise error from exc
+        finally:
+            if resp is not None:
+                resp.close()
+            self._inflight.pop(rid, None)
+            self._aborted.discard(rid)
 
     def _failed(self, exc: UpstreamError, request_id: str) -> EngineError | None:
         """What a failed upstream request means for its stream: None for our own abort (the
