@@ -59,9 +59,9 @@ class EventLog:
         "capacity",
         "closed",
         "last_seq",
+        "on_append",
         "on_room",
         "readers",
-        "replica",
         "window",
     )
 
@@ -87,7 +87,9 @@ class EventLog:
         self.last_seq = 0
         self.closed = False
         self._corked = False
-        self.replica: Callable[[Event], None] | None = None  # e.g. the Redis store's queue
+        # Called by the next append, once: the Redis store learns that a stream has events
+        # to write, and sets it again when its flusher takes them. A token costs it nothing.
+        self.on_append: Callable[[], None] | None = None
 
     def begin_at(self, seq: int) -> None:
         """Continue a stream after its event `seq` (a mirror whose reader resumes there: the
@@ -115,8 +117,9 @@ class EventLog:
                 self._counts = [seq, tokens]
             else:
                 self._counts += (seq, tokens)
-        if self.replica is not None:
-            self.replica(Event(seq, wire, tokens))
+        if self.on_append is not None:
+            notify, self.on_append = self.on_append, None
+            notify()
         if not self._corked:
             for reader in self.readers:
                 reader.deliver(seq, wire, tokens)
@@ -161,6 +164,24 @@ class EventLog:
             for i in range(start, stop)
         ]
 
+    def run_after(self, seq: int) -> tuple[int, list[bytes], dict[int, int]]:
+        """The kept events after `seq`, as one run: (its first seq, the wires, the counts
+        other than 1 by seq). The wires are the log's own bytes, not copies."""
+        first = max(seq + 1, self.first_seq)
+        offset = first - self._wires_seq
+        wires = self._wires[offset : offset + max(0, self.last_seq - first + 1)]
+        return first, wires, self._counts_between(first, self.last_seq + 1)
+
+    def detached_after(self, seq: int) -> EventLog:
+        """A new log holding only the kept events after `seq` (the Redis store keeps what it
+        has still to write once this log drops its events)."""
+        first, wires, counts = self.run_after(seq)
+        log = EventLog(self.capacity, self.window)
+        log.begin_at(first - 1)
+        for i, wire in enumerate(wires):
+            log.append(wire, counts.get(first + i, 1))
+        return log
+
     def nbytes(self) -> int:
         """What the kept events cost in memory (what the resume budget counts, once, at the
         end): their bytes, and each one's object header and list slot."""
@@ -178,7 +199,7 @@ class EventLog:
         """The counts other than 1 of events lo..hi-1. A coalesced stream has one per event:
         a replay batch finds its first by bisection, not by reading the whole log's."""
         pairs = self._counts
-        if not pairs:
+        if not pairs or pairs[-2] < lo:  # most runs of a chat stream: its opening is older
             return _ONES
         i = _pair_index(pairs, lo)
         found: dict[int, int] = {}

@@ -11,7 +11,6 @@ import logging
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from functools import partial
 from typing import Protocol
 
 import anyio
@@ -188,8 +187,7 @@ class StreamRegistry:
         request = stream.request
         try:
             if self.store.replicates:
-                self.store.open(stream.record(), self.ttl_s)
-                stream.log.replica = partial(self.store.replicate, stream.id)
+                self.store.open(stream.record(), self.ttl_s, stream.log)
             if log_enabled(logging.DEBUG):  # `stream.finished` says it all at info
                 log_event(
                     "stream.accepted",
@@ -360,10 +358,10 @@ class StreamRegistry:
     def _drop_buffer(self, stream_id: str) -> None:
         """A finished stream's events go before its TTL (the resume budget): it stays known,
         and a resume of it gets `resume_expired`."""
+        self.store.release(stream_id)  # first: it keeps what Redis still lacks
         stream = self._streams.get(stream_id)
         if stream is not None:
             stream.log.drop()
-        self.store.release(stream_id)
         key = key_label(stream.request.tenant) if stream is not None else None
         log_event("stream.buffer_dropped", stream=stream_id, key=key)
 

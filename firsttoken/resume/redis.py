@@ -10,33 +10,36 @@ Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in
   ft:instance:<n>      the owner's liveness, refreshed every second
   ft:cancel            pub/sub channel: stream ids to stop, heard by the owner
   ft:[{g}:]wake:<n>:<l> a reading instance's wake-ups for its shared tail (`tailer.py`)
-The per-token path only appends the event's bytes to its stream's replica. One flusher
-writes every stream that has new events at most once per `FLUSH_INTERVAL_S`: one Lua call
-per flush (per key group on Redis Cluster) carries one run per stream (an `XADD` per token
-cost 3× the token itself). A crash
-of this instance loses at most the events of the last interval and the round trip in flight.
+Nothing happens here per token: a stream's log tells the store once that it has new events
+(`EventLog.on_append`). One flusher writes every stream that has new events at most once per
+`FLUSH_INTERVAL_S`, reading them from the log: one Lua call per flush (per key group on Redis
+Cluster) carries one run per stream and the ends (an `XADD` per token cost 3× the token
+itself), packed here (`redisclient.pack`). A crash of this instance loses at most the events
+of the last interval and the round trip in flight.
 Reads of other instances' streams go through one shared tail (`Tailer`), whatever their number.
 
 Redis going away never touches a local stream. Each stream this instance owns keeps its
-events (references to the log's own bytes, at most `max_events` plus an eighth before a trim)
-until it expires, and `flushed`, the highest seq Redis has confirmed. The flusher retries with
-backoff while Redis is down; when it is back, each stream's backlog (events after `flushed`)
-goes out as one run, and if Redis restarted (its run id changed, so it may have lost
-everything) every kept stream is written again from its first kept event. An event that fell
-off the bound before Redis confirmed it is counted in `firsttoken_redis_events_dropped_total`;
-the stream's older entries are then trimmed in Redis, and a reader whose next event is in the
-hole gets `resume_expired` (at the start) or `stream_lost` (later), never a silent gap.
+events in its log (at most `max_events`; once the resume budget drops the log's events, a log
+of those Redis lacks) until it expires, and `flushed`, the highest seq Redis has confirmed.
+The flusher retries with backoff while Redis is down; when it is back, each stream's backlog
+(events after `flushed`) goes out as one run, and if Redis restarted (its run id changed, so
+it may have lost everything) every kept stream is written again from its first kept event.
+An event that fell off the bound before Redis confirmed it is counted in
+`firsttoken_redis_events_dropped_total`; the stream's older entries are then trimmed in
+Redis, and a reader whose next event is in the hole gets `resume_expired` (at the start) or
+`stream_lost` (later), never a silent gap.
 """
 
 from __future__ import annotations
 
+import heapq
 import logging
 import struct
 import time
 import uuid
-from bisect import bisect_left
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import anyio
@@ -45,9 +48,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
-from firsttoken.eventlog import Event, EventLog
+from firsttoken.eventlog import EventLog
 from firsttoken.observability import log_event
-from firsttoken.redisclient import REDIS_DOWN, redis_client
+from firsttoken.redisclient import REDIS_DOWN, pack, redis_client, resp_arg, roundtrip
 from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
 from firsttoken.resume.runs import pack_counts, pack_lengths, run_first
 from firsttoken.resume.store import StreamRecord
@@ -76,22 +79,31 @@ def _unavailable(what: str) -> APIError:
     )
 
 
-# One call writes every stream of a flush. KEYS: each stream's events. ARGV[1]: per stream, in
-# KEYS' order, nine little-endian uint32s (the run's last seq, 0 for no run; the trim's MINID
-# seq; the run's first seq; the byte lengths of its fields w, n, t and of the end's outcome;
-# the end's seq, 0 for none; the TTL to set, 0 to keep), then those four fields' bytes. One
-# argument, not nine: redis-py packs each argument in Python (~1 µs each).
-# Returns the streams whose write failed, as (position in KEYS, error) pairs: none, nearly
-# always (a reply of 500 ones cost 3% of the process to parse). A run or end already there
-# ("equal or smaller": written before a reply that was lost) counts as written.
+# One call writes every stream of a flush. ARGV[1]: per stream, nine little-endian uint32s (the
+# run's last seq, 0 for no run; the trim's MINID seq; the run's first seq; the byte lengths of
+# its fields w, n, t and of the end's outcome; the end's seq, 0 for none; the TTL to set, 0 to
+# keep), then those four fields' bytes. One argument, not nine a stream: each argument costs
+# packing and parsing. KEYS, in the same order: each stream's events, and after it its meta
+# where the call carries its end (the outcome goes there too: one call a flush, not a
+# pipeline of ends beside it). Returns the streams whose write failed, as (position in the
+# argument, error) pairs: none, nearly always (a reply of 500 ones cost 3% of the process to
+# parse). A run or end already there ("equal or smaller": written before a reply that was
+# lost) counts as written.
 _WRITE_RUNS = """
 local blob = ARGV[1]
 local pos = 1
+local k = 0
+local i = 0
 local out = {}
-local function written(r)
-  return not (type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller'))
+local function failed(r)
+  if type(r) == 'table' and r.err and not string.find(r.err, 'equal or smaller') then
+    return r.err
+  end
 end
-for i = 1, #KEYS do
+while pos <= #blob do
+  i = i + 1
+  k = k + 1
+  local key = KEYS[k]
   local last, minid, first, wl, nl, tl, ol, done, ttl
   last, minid, first, wl, nl, tl, ol, done, ttl, pos =
     struct.unpack('<I4I4I4I4I4I4I4I4I4', blob, pos)
@@ -103,28 +115,32 @@ for i = 1, #KEYS do
   pos = pos + tl
   local outcome = string.sub(blob, pos, pos + ol - 1)
   pos = pos + ol
-  local ok = 1
+  local meta
+  if done > 0 then
+    k = k + 1
+    meta = KEYS[k]
+  end
+  local err
   if last > 0 then
-    local r
     if tl > 0 then
-      r = redis.pcall('XADD', KEYS[i], 'MINID', '~', minid .. '-0', last .. '-0',
-                      'f', first, 'w', w, 'n', n, 't', t)
+      err = failed(redis.pcall('XADD', key, 'MINID', '~', minid .. '-0', last .. '-0',
+                               'f', first, 'w', w, 'n', n, 't', t))
     else
-      r = redis.pcall('XADD', KEYS[i], 'MINID', '~', minid .. '-0', last .. '-0',
-                      'f', first, 'w', w, 'n', n)
+      err = failed(redis.pcall('XADD', key, 'MINID', '~', minid .. '-0', last .. '-0',
+                               'f', first, 'w', w, 'n', n))
     end
-    if not written(r) then ok = r.err end
   end
-  if ok == 1 and done > 0 then
-    local r = redis.pcall('XADD', KEYS[i], done .. '-1', 'end', outcome)
-    if not written(r) then ok = r.err end
+  if not err and done > 0 then
+    err = failed(redis.pcall('XADD', key, done .. '-1', 'end', outcome))
+      or failed(redis.pcall('HSET', meta, 'outcome', outcome))
+      or failed(redis.pcall('EXPIRE', meta, ttl))
   end
-  if ok == 1 and ttl > 0 then
-    redis.call('EXPIRE', KEYS[i], ttl)
+  if not err and ttl > 0 then
+    err = failed(redis.pcall('EXPIRE', key, ttl))
   end
-  if ok ~= 1 then
+  if err then
     table.insert(out, i)
-    table.insert(out, ok)
+    table.insert(out, err)
   end
 end
 return out
@@ -134,26 +150,28 @@ _HEAD = struct.Struct("<9I")
 FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as one run
 
 
-def _pair_index(pairs: list[int], seq: int) -> int:
-    """Where the first (seq, tokens) pair at or after `seq` starts (pairs in seq order)."""
-    return 2 * bisect_left(range(len(pairs) // 2), seq, key=lambda k: pairs[2 * k])
+def _nothing() -> None:
+    return None
 
 
 @dataclass(slots=True, eq=False)
 class _Replica:
     """One owned stream as Redis should hold it, and how much of that Redis confirmed.
 
-    `wires[i]` is event `first + i` (the log's own bytes, not a copy); counts other than 1
-    are flat (seq, tokens) pairs in seq order, as the log keeps them."""
+    Its events are its log's (`EventLog.run_after`): nothing is copied or called per token.
+    The log tells the store once that it has new events (`on_append`, set to `wanted`), and
+    the flusher asks it again each time it takes the stream's run. Once the log lets its
+    events go (the resume budget), `release` leaves this a log of what Redis still lacks."""
 
     record: StreamRecord
     ttl_s: float
     key: str  # its events' key
-    wires: list[bytes] = field(default_factory=list)
-    first: int = 1  # seq of wires[0] (of the next event while none is kept)
-    counts: list[int] | None = None
+    log: EventLog
+    wanted: Callable[[], None] = _nothing  # marks it dirty: the log's `on_append`
+    key_arg: bytes = b""  # the key as a RESP argument, for the calls packed here
     flushed: int = 0  # highest seq Redis confirmed
     trimmed: int = 0  # entries up to this seq were trimmed in Redis after a gap
+    lost: int = 0  # events up to this seq are counted in `events_dropped`, if not flushed
     meta_done: bool = False
     ttl_done: bool = False  # the events key has its live TTL
     end: tuple[str, int] | None = None  # (outcome, last seq) once the stream finished
@@ -164,8 +182,12 @@ class _Replica:
     sent: int = 0  # last seq of the run in flight
 
     @property
+    def first(self) -> int:
+        return self.log.first_seq
+
+    @property
     def last(self) -> int:
-        return self.first + len(self.wires) - 1
+        return self.log.last_seq
 
     def dirty(self) -> bool:
         ended = self.end is not None and not self.end_done
@@ -174,30 +196,37 @@ class _Replica:
     def unconfirmed(self) -> int:
         return max(0, self.last - max(self.flushed, self.first - 1))
 
-    def drop_before(self, seq: int) -> int:
-        """Let go of the kept events before `seq`; returns how many Redis had not confirmed."""
-        drop = min(len(self.wires), seq - self.first)
-        if drop <= 0:
+    def newly_lost(self) -> int:
+        """Events that fell off the log's bound before Redis confirmed them, not yet counted."""
+        gone = self.first - 1
+        if gone <= self.lost:
             return 0
-        lost = max(0, self.first + drop - 1 - max(self.flushed, self.first - 1))
-        del self.wires[:drop]
-        self.first += drop
-        if self.counts:
-            del self.counts[: _pair_index(self.counts, self.first)]
+        lost = max(0, gone - max(self.flushed, self.lost))
+        self.lost = gone
         return lost
 
-    def run_after(self, seq: int) -> tuple[int, list[bytes], dict[int, int]]:
-        """The kept events after `seq`: (first seq, wires, counts other than 1 by seq)."""
-        start = max(seq + 1, self.first)
-        wires = self.wires[start - self.first :]
-        counts: dict[int, int] = {}
-        pairs = self.counts
-        if pairs and pairs[-2] >= start:  # most runs: none (a chat stream's opening is older)
-            i = _pair_index(pairs, start)
-            while i < len(pairs):
-                counts[pairs[i]] = pairs[i + 1]
-                i += 2
-        return start, wires, counts
+
+@dataclass(slots=True, eq=False)
+class _Call:
+    """One Lua call of a flush: its streams, its keys (each stream's events key, and its
+    meta's where the call carries its end), and its argument in parts (`_pack`)."""
+
+    reps: list[_Replica] = field(default_factory=list)
+    keys: list[str] = field(default_factory=list)
+    key_args: list[bytes] = field(default_factory=list)
+    blob: list[bytes] = field(default_factory=list)
+
+    def packed(self, sha: str) -> list[bytes]:
+        """`EVALSHA sha numkeys keys... blob` as Redis reads it: built here from each key's
+        argument made once per stream, not by redis-py's packer (~1 µs an argument)."""
+        blob = b"".join(self.blob)
+        count = len(self.key_args)
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n%b%b" % (
+            count + 4,
+            resp_arg(sha.encode()),
+            resp_arg(b"%d" % count),
+        )
+        return [b"".join((head, *self.key_args, b"$%d\r\n" % len(blob), blob, b"\r\n"))]
 
 
 @dataclass(slots=True, eq=False)
@@ -216,7 +245,6 @@ class RedisStore:
         self.redis = redis_client(url, max_connections=max_connections, cluster=cluster)
         self.cluster = cluster
         self.max_events = max_events
-        self._trim_at = max_events + (max_events >> 3)  # trimmed an eighth at a time
         self.instance = uuid.uuid4().hex
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
@@ -225,6 +253,7 @@ class RedisStore:
         self.resyncs = 0
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
+        self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
         self._wake = anyio.Event()
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
         self._script_missing = True  # loaded before the first flush, and after a restart
@@ -266,6 +295,8 @@ class RedisStore:
             "firsttoken_redis_events_dropped",
             "Events that never reached Redis: they fell off a stream's backlog bound.",
         )
+        for rep in self._replicas.values():  # live while Redis is away, not at its return
+            self.events_dropped += rep.newly_lost()
         dropped.add_metric([], self.events_dropped)
         yield dropped
         kept = GaugeMetricFamily(
@@ -324,12 +355,15 @@ class RedisStore:
 
     # -- the owner's side -----------------------------------------------------------------
 
-    def open(self, record: StreamRecord, ttl_s: float) -> None:
-        """Keep the stream's replica from now, and send its meta with every other stream
-        opened in the same turn of the loop (one pipeline: a burst of 500 new streams made
-        500 round trips, each waiting for a connection). The engine may start meanwhile;
-        `registered` waits for the write before the stream's id is handed out."""
-        rep = _Replica(record, ttl_s, events_key(record.id))
+    def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
+        """Replicate `log` from now, and send the stream's meta with every other stream
+        opened in the same turn of the loop (one round trip: a burst of 500 new streams made
+        500, each waiting for a connection). The engine may start meanwhile; `registered`
+        waits for the write before the stream's id is handed out."""
+        key = events_key(record.id)
+        rep = _Replica(record, ttl_s, key, log, key_arg=resp_arg(key.encode()))
+        rep.wanted = partial(self._mark, rep)
+        log.on_append = rep.wanted
         self._replicas[record.id] = rep
         if not self.up:
             self._mark(rep)  # the flusher writes it when Redis is back
@@ -358,15 +392,15 @@ class RedisStore:
         if error is not None:
             self._set_up(False, error)
             rep = self._replicas.get(stream_id)
-            if rep is not None and not rep.meta_done and not rep.queued:
+            if rep is not None and not rep.meta_done:
                 self._mark(rep)
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None:
-        self.open(record, ttl_s)
+    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
+        self.open(record, ttl_s, log)
         await self.registered(record.id)
 
     async def _write_metas(self) -> None:
-        """The metas of the streams opened since the last round trip, in one pipeline."""
+        """The metas of the streams opened since the last round trip, in one write."""
         while True:
             await self._metas_wake.wait()
             self._metas_wake = anyio.Event()
@@ -374,38 +408,18 @@ class RedisStore:
             if batch is None:
                 continue
             try:
+                commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
                 with anyio.fail_after(_OP_TIMEOUT_S):
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for rep in batch.reps:
-                            self._queue_meta(pipe, rep)
-                        await pipe.execute()
+                    replies = await self._send(commands)
+                error = next((r for r in replies if isinstance(r, BaseException)), None)
+                if error is not None:
+                    raise error
                 for rep in batch.reps:
                     rep.meta_done = True
             except REDIS_DOWN as exc:
                 batch.error = exc
             finally:
                 batch.done.set()
-
-    def replicate(self, stream_id: str, event: Event) -> None:
-        """The per-token path: keep a reference to the event's bytes, nothing more."""
-        rep = self._replicas.get(stream_id)
-        if rep is None:
-            return
-        seq, wire, tokens = event
-        wires = rep.wires
-        if seq != rep.first + len(wires):  # never: a log's seqs are consecutive
-            self.events_dropped += rep.drop_before(seq)
-            rep.first = seq
-        wires.append(wire)
-        if tokens != 1:
-            if rep.counts is None:
-                rep.counts = [seq, tokens]
-            else:
-                rep.counts += (seq, tokens)
-        if len(wires) > self._trim_at:
-            self.events_dropped += rep.drop_before(seq - self.max_events + 1)
-        if not rep.queued:
-            self._mark(rep)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
         rep = self._replicas.get(stream_id)
@@ -415,32 +429,39 @@ class RedisStore:
         rep.end = (outcome, last_seq)
         rep.ttl_s = ttl_s
         rep.expires_at = self.clock() + ttl_s
+        heapq.heappush(self._expiry, (rep.expires_at, stream_id))
         self._mark(rep)
 
     def release(self, stream_id: str) -> None:
-        """Keep only what Redis has not confirmed yet (it still has to go out)."""
+        """The stream's log is about to let its events go: keep those Redis has not
+        confirmed yet (they still have to go out)."""
         rep = self._replicas.get(stream_id)
         if rep is not None:
-            rep.drop_before(rep.flushed + 1)
+            rep.log = rep.log.detached_after(rep.flushed)
 
     def _mark(self, rep: _Replica) -> None:
-        rep.queued = True
-        self._dirty[rep.record.id] = rep
-        self._wake.set()
+        if not rep.queued:
+            rep.queued = True
+            self._dirty[rep.record.id] = rep
+            self._wake.set()
 
-    def _queue_meta(self, pipe: Any, rep: _Replica) -> None:
+    def _meta_commands(self, rep: _Replica) -> list[tuple[Any, ...]]:
         r = rep.record
-        mapping = {
-            "kind": r.kind,
-            "digest": r.token_digest,
-            "trace": r.trace_id,
-            "model": r.model,
-            "owner": self.instance,
-        }
+        key = meta_key(r.id)
+        fields = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id, "model", r.model]
+        fields += ("owner", self.instance)
         if rep.end is not None:
-            mapping["outcome"] = rep.end[0]
-        pipe.hset(meta_key(r.id), mapping=mapping)
-        pipe.expire(meta_key(r.id), int(rep.ttl_s + _LIVE_EXTRA_S))
+            fields += ("outcome", rep.end[0])
+        return [("HSET", key, *fields), ("EXPIRE", key, int(rep.ttl_s + _LIVE_EXTRA_S))]
+
+    async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
+        """Commands in one round trip, their replies in order (an error reply in its place)."""
+        if self.cluster:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for command in commands:
+                    pipe.execute_command(*command)
+                return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
+        return await roundtrip(self.redis, [pack(*c) for c in commands], len(commands))
 
     # -- the flusher ----------------------------------------------------------------------
 
@@ -493,62 +514,60 @@ class RedisStore:
         for rep in self._replicas.values():
             rep.flushed = rep.trimmed = rep.first - 1
             rep.meta_done = rep.end_done = rep.ttl_done = False
-            rep.queued = True
-            self._dirty[rep.record.id] = rep
-        self._wake.set()
+            self._mark(rep)
         log_event("redis.resync", streams=len(self._replicas))
 
     def _expire(self) -> None:
         now = self.clock()
-        gone = [
-            sid
-            for sid, rep in self._replicas.items()
-            if rep.expires_at is not None and rep.expires_at <= now
-        ]
-        for sid in gone:
-            del self._replicas[sid]
-            self._dirty.pop(sid, None)
+        expiry = self._expiry
+        while expiry and expiry[0][0] <= now:
+            _, sid = heapq.heappop(expiry)
+            rep = self._replicas.get(sid)
+            if rep is not None and rep.expires_at is not None and rep.expires_at <= now:
+                del self._replicas[sid]
+                self._dirty.pop(sid, None)
+                rep.log.on_append = None
 
     async def _flush_batch(self) -> int:
         """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are
-        missing and the gaps' trims as commands, every run and end marker in one Lua call
-        (one per key group on a cluster: a call's keys must share a slot), then the ends'
-        outcomes."""
+        missing and the gaps' trims as commands, then every run and end in one Lua call (one
+        per key group on a cluster: a call's keys must share a slot)."""
         if self._script_missing:
             await self.redis.script_load(_WRITE_RUNS)
             self._script_missing = False
         epoch = self._epoch
         batch: list[_Replica] = []
+        before: list[tuple[Any, ...]] = []  # the metas and trims
         metas: list[_Replica] = []
         trims: list[tuple[_Replica, int]] = []
-        ends: list[_Replica] = []
-        calls: dict[str, tuple[list[_Replica], list[bytes]]] = {}
+        calls: dict[str, _Call] = {}
         for sid in list(self._dirty):
             if len(batch) >= _FLUSH_BATCH:
                 break
             rep = self._dirty.pop(sid)
             rep.queued = False
+            rep.log.on_append = rep.wanted  # what comes after this run marks it again
             batch.append(rep)
             if not rep.meta_done:
                 metas.append(rep)
-            if rep.first > rep.flushed + 1 and rep.trimmed < rep.first - 1:
-                trims.append((rep, rep.first - 1))  # a gap: not to be stitched to what follows
-            reps, blob = calls.setdefault(tag_of(rep.key) if self.cluster else "", ([], []))
-            reps.append(rep)
-            self._pack(rep, blob)
-            if rep.end_sent:
-                ends.append(rep)
+                before += self._meta_commands(rep)
+            if rep.first > rep.flushed + 1:
+                self.events_dropped += rep.newly_lost()
+                if rep.trimmed < rep.first - 1:  # a gap: not to be stitched to what follows
+                    trims.append((rep, rep.first - 1))
+                    before.append(("XTRIM", rep.key, "MINID", f"{rep.first}-0"))
+            call = calls.get(tag_of(rep.key) if self.cluster else "")
+            if call is None:
+                call = calls[tag_of(rep.key) if self.cluster else ""] = _Call()
+            self._pack(rep, call)
         try:
             if self.cluster:
-                results = await self._write_apart(metas, trims, list(calls.values()), ends)
+                results = await self._write_apart(before, list(calls.values()))
             else:
-                async with self.redis.pipeline(transaction=False) as pipe:
-                    self._queue_before(pipe, metas, trims)
-                    for reps, blob in calls.values():
-                        keys = [rep.key for rep in reps]
-                        pipe.evalsha(self._write_runs.sha, len(keys), *keys, b"".join(blob))
-                    self._queue_ends(pipe, ends)
-                    results = await pipe.execute(raise_on_error=False)
+                (call,) = calls.values()
+                pieces = [pack(*c) for c in before]
+                pieces += call.packed(self._write_runs.sha)
+                results = await roundtrip(self.redis, pieces, len(before) + 1)
         except BaseException:
             for rep in batch:  # nothing confirmed: all of it goes again
                 rep.sent = 0
@@ -560,79 +579,62 @@ class RedisStore:
                 rep.sent = 0
                 rep.end_sent = False
             return len(batch)
-        self._confirm(batch, metas, trims, [reps for reps, _ in calls.values()], ends, results)
+        self._confirm(batch, metas, trims, [call.reps for call in calls.values()], results)
         return len(batch)
 
-    def _queue_before(
-        self, pipe: Any, metas: list[_Replica], trims: list[tuple[_Replica, int]]
-    ) -> None:
-        for rep in metas:
-            self._queue_meta(pipe, rep)
-        for rep, upto in trims:
-            pipe.xtrim(rep.key, minid=f"{upto + 1}-0")
-
-    def _queue_ends(self, pipe: Any, ends: list[_Replica]) -> None:
-        for rep in ends:
-            pipe.hset(meta_key(rep.record.id), "outcome", rep.end[0])  # type: ignore[index]
-            pipe.expire(meta_key(rep.record.id), max(1, int(rep.ttl_s)))
-
-    async def _write_apart(
-        self,
-        metas: list[_Replica],
-        trims: list[tuple[_Replica, int]],
-        calls: list[tuple[list[_Replica], list[bytes]]],
-        ends: list[_Replica],
-    ) -> list[Any]:
+    async def _write_apart(self, before: list[tuple[Any, ...]], calls: list[_Call]) -> list[Any]:
         """A flush on a cluster, whose pipelines refuse scripts: the metas and trims, then
-        the Lua calls (one per group, each to its master, at once), then the ends."""
-        results: list[Any] = []
-        if metas or trims:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                self._queue_before(pipe, metas, trims)
-                results += await pipe.execute(raise_on_error=False)
+        the Lua calls (one per group, each to its master, at once)."""
+        results: list[Any] = await self._send(before) if before else []
         runs: list[Any] = [None] * len(calls)
 
-        async def call(i: int, keys: list[str], blob: bytes) -> None:
+        async def call(i: int, c: _Call) -> None:
             try:
-                runs[i] = await self.redis.evalsha(self._write_runs.sha, len(keys), *keys, blob)
+                runs[i] = await self.redis.evalsha(
+                    self._write_runs.sha, len(c.keys), *c.keys, b"".join(c.blob)
+                )
             except REDIS_DOWN as exc:
                 runs[i] = exc
 
         async with anyio.create_task_group() as tg:
-            for i, (reps, blob) in enumerate(calls):
-                tg.start_soon(call, i, [rep.key for rep in reps], b"".join(blob))
-        results += runs
-        if ends:
-            async with self.redis.pipeline(transaction=False) as pipe:
-                self._queue_ends(pipe, ends)
-                results += await pipe.execute(raise_on_error=False)
-        return results
+            for i, c in enumerate(calls):
+                tg.start_soon(call, i, c)
+        return results + runs
 
-    def _pack(self, rep: _Replica, out: list[bytes]) -> None:
-        """One stream's part of the Lua call's argument: its run of unconfirmed events, its
-        end once every event is written, the TTL where it changes."""
+    def _pack(self, rep: _Replica, call: _Call) -> None:
+        """One stream's part of its Lua call: its run of unconfirmed events, its end once
+        every event is written, the TTL where it changes."""
         ttl = 0
         w = n = t = outcome = b""
         rep.sent = first = 0
         if rep.last > rep.flushed:
-            first, wires, counts = rep.run_after(rep.flushed)
+            first, wires, counts = rep.log.run_after(rep.flushed)
             rep.sent = first + len(wires) - 1
             w, n = b"".join(wires), pack_lengths(wires)
             if counts:
                 t = pack_counts(first, counts)
         end = 0
+        call.reps.append(rep)
+        call.keys.append(rep.key)
+        call.key_args.append(rep.key_arg)
         if rep.end is not None and not rep.end_done:
             outcome = rep.end[0].encode()
             end = rep.end[1]
             rep.end_sent = True
             ttl = max(1, int(rep.ttl_s))
+            meta = meta_key(rep.record.id)
+            call.keys.append(meta)
+            call.key_args.append(resp_arg(meta.encode()))
         elif not rep.ttl_done and rep.sent:
             ttl = int(rep.ttl_s + _LIVE_EXTRA_S)
         minid = max(1, rep.sent - self.max_events + 1)
-        out.append(
-            _HEAD.pack(rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl)
+        call.blob += (
+            _HEAD.pack(rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl),
+            w,
+            n,
+            t,
+            outcome,
         )
-        out += (w, n, t, outcome)
 
     def _confirm(
         self,
@@ -640,7 +642,6 @@ class RedisStore:
         metas: list[_Replica],
         trims: list[tuple[_Replica, int]],
         calls: list[list[_Replica]],
-        ends: list[_Replica],
         results: list[Any],
     ) -> None:
         """Mark what Redis took; a stream with a failed write goes round again."""
@@ -658,8 +659,7 @@ class RedisStore:
             else:
                 rep.trimmed = upto
         at += len(trims)
-        written: list[tuple[_Replica, Any]] = []
-        for reps, refused in zip(calls, results[at : at + len(calls)], strict=True):
+        for reps, refused in zip(calls, results[at:], strict=True):
             runs: list[Any] = [1] * len(reps)
             if isinstance(refused, BaseException):
                 failed = refused
@@ -669,30 +669,20 @@ class RedisStore:
             else:
                 for i, error in zip(refused[0::2], refused[1::2], strict=True):
                     runs[int(i) - 1] = error
-            written += zip(reps, runs, strict=True)
-        outcomes = results[at + len(calls) :]
-        ended = {
-            id(rep)
-            for i, rep in enumerate(ends)
-            if not any(isinstance(r, BaseException) for r in outcomes[2 * i : 2 * i + 2])
-        }
-        for rep, result in written:
-            if result == 1:
-                if rep.sent:
-                    rep.flushed = max(rep.flushed, rep.sent)
-                    rep.ttl_done = True
-                if rep.end_sent and id(rep) in ended:
-                    rep.end_done = True
-            else:
-                failed = failed or (result.decode() if isinstance(result, bytes) else result)
-            rep.sent = 0
-            rep.end_sent = False
-        if len(ended) < len(ends):
-            failed = failed or next(r for r in outcomes if isinstance(r, BaseException))
+            for rep, result in zip(reps, runs, strict=True):
+                if result == 1:
+                    if rep.sent:
+                        rep.flushed = max(rep.flushed, rep.sent)
+                        rep.ttl_done = True
+                    if rep.end_sent:
+                        rep.end_done = True
+                else:
+                    failed = failed or (result.decode() if isinstance(result, bytes) else result)
+                rep.sent = 0
+                rep.end_sent = False
         for rep in batch:
-            if rep.dirty() and rep.record.id in self._replicas and not rep.queued:
-                rep.queued = True
-                self._dirty[rep.record.id] = rep
+            if rep.dirty() and rep.record.id in self._replicas:
+                self._mark(rep)
         if failed is not None:  # e.g. OOM: Redis answers but takes nothing; back off
             raise RedisError(f"Redis refused a replication write: {failed!r}")
 

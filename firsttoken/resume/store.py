@@ -15,7 +15,7 @@ from typing import Protocol
 import anyio
 from anyio.abc import TaskStatus
 
-from firsttoken.eventlog import Event, EventLog
+from firsttoken.eventlog import EventLog
 
 __all__ = ["EventStore", "MemoryStore", "StreamRecord", "token_digest"]
 
@@ -38,20 +38,18 @@ class EventStore(Protocol):
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
     ) -> None: ...
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
         """`open`, then `registered`."""
         ...
 
-    def open(self, record: StreamRecord, ttl_s: float) -> None:
-        """A new stream of this instance: replicate it from now (its first event may come
-        before `registered` returns)."""
+    def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
+        """A new stream of this instance: replicate its log from now (its first event may
+        come before `registered` returns)."""
         ...
 
     async def registered(self, stream_id: str) -> None:
         """Return once another instance can find the stream (before its id is handed out)."""
         ...
-
-    def replicate(self, stream_id: str, event: Event) -> None: ...
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None: ...
 
@@ -64,8 +62,8 @@ class EventStore(Protocol):
     async def has_remote_readers(self, stream_id: str) -> bool: ...
 
     def release(self, stream_id: str) -> None:
-        """The process's own copy of a finished stream's events may go (the resume budget
-        dropped its buffer); what another instance reads from the shared store stays."""
+        """The stream's log is about to drop its events (the resume budget): what another
+        instance reads from the shared store stays."""
         ...
 
 
@@ -78,16 +76,13 @@ class MemoryStore:
         task_status.started()
         await anyio.sleep_forever()
 
-    async def register(self, record: StreamRecord, ttl_s: float) -> None:
+    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
         return None
 
-    def open(self, record: StreamRecord, ttl_s: float) -> None:
+    def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
         return None
 
     async def registered(self, stream_id: str) -> None:
-        return None
-
-    def replicate(self, stream_id: str, event: Event) -> None:
         return None
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:

@@ -19,7 +19,7 @@ import pytest
 from anyio.abc import TaskGroup, TaskStatus
 
 import firsttoken.resume.tailer as tailer_module
-from firsttoken.eventlog import Event, EventLog
+from firsttoken.eventlog import EventLog
 from firsttoken.resume.keys import events_key
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
@@ -46,12 +46,15 @@ async def stores(url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, TaskGr
         tg.cancel_scope.cancel()
 
 
-async def owned(a: RedisStore, sid: str) -> None:
-    await a.register(StreamRecord(sid, "native", "digest", "trace", "synthetic"), TTL_S)
+async def owned(a: RedisStore, sid: str) -> EventLog:
+    """A stream of A's: its log, which A replicates."""
+    log = EventLog(max_events=1000)
+    await a.register(StreamRecord(sid, "native", "digest", "trace", "synthetic"), TTL_S, log)
+    return log
 
 
-def event(seq: int) -> Event:
-    return Event(seq, f"id: {seq}\ndata: {seq}\n\n".encode(), 1)
+def emit(log: EventLog, seq: int) -> None:
+    assert log.append(f"id: {seq}\ndata: {seq}\n\n".encode(), 1) == seq
 
 
 class Recorder:
@@ -128,11 +131,11 @@ def test_a_joiner_does_not_wait_out_the_block(
             waits = []
             for i in range(5):
                 sid = f"joiner-{i}"
-                await owned(a, sid)
+                src = await owned(a, sid)
                 await anyio.sleep(0.3)  # the lane is into its block
                 log, _ = follow(tg, b, sid)
                 await until(lambda sid=sid: events_key(sid) in b._tailer.keys())
-                a.replicate(sid, event(1))  # live: after the catch-up
+                emit(src, 1)  # live: after the catch-up
                 waits.append(await until(lambda log=log: log.last_seq >= 1))
             assert max(waits) < 1.5, waits
 
@@ -142,9 +145,9 @@ def test_a_joiner_does_not_wait_out_the_block(
 def test_a_follower_that_leaves_is_dropped(server: RedisServer) -> None:
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
-            for sid in ("stays", "leaves"):
-                await owned(a, sid)
-                a.replicate(sid, event(1))
+            src = {sid: await owned(a, sid) for sid in ("stays", "leaves")}
+            for sid in src:
+                emit(src[sid], 1)
             stays, _ = follow(tg, b, "stays")
             leaves, scope = follow(tg, b, "leaves")
             await until(lambda: stays.last_seq == 1 and leaves.last_seq == 1)
@@ -152,8 +155,8 @@ def test_a_follower_that_leaves_is_dropped(server: RedisServer) -> None:
             scope.cancel()
             await until(lambda: b._tailer.keys() == {events_key("stays")})
             for seq in (2, 3):
-                a.replicate("stays", event(seq))
-                a.replicate("leaves", event(seq))
+                emit(src["stays"], seq)
+                emit(src["leaves"], seq)
             await until(lambda: stays.last_seq == 3)
             await anyio.sleep(0.3)
             assert leaves.last_seq == 1 and not leaves.closed
@@ -171,12 +174,12 @@ def test_lanes_and_readers_of_one_stream(
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
             sids = [f"lane-{i}" for i in range(5)]
+            src = {sid: await owned(a, sid) for sid in sids}
             for sid in sids:
-                await owned(a, sid)
-                a.replicate(sid, event(1))
+                emit(src[sid], 1)
             logs = [follow(tg, b, sid)[0] for sid in sids]
             # Two readers of one stream here, from different places: one key, two logs.
-            a.replicate("lane-0", event(2))
+            emit(src["lane-0"], 2)
             await until(lambda: logs[0].last_seq == 2)
             late = follow(tg, b, "lane-0", after=1)[0]
             await until(lambda: b._tailer.count() == 6)
@@ -184,7 +187,7 @@ def test_lanes_and_readers_of_one_stream(
             for seq in range(2, 8):
                 for sid in sids:
                     if (sid, seq) != ("lane-0", 2):
-                        a.replicate(sid, event(seq))
+                        emit(src[sid], seq)
                 await anyio.sleep(0.01)
             for sid in sids:
                 a.finish(sid, "completed", 7, TTL_S)
@@ -227,8 +230,7 @@ def test_an_owner_gone_ends_its_followers_with_stream_lost(server: RedisServer) 
 
             await tg.start(own)
             for sid, store in (("orphan", gone), ("kept", a)):
-                await owned(store, sid)
-                store.replicate(sid, event(1))
+                emit(await owned(store, sid), 1)
             orphan, _ = follow(tg, b, "orphan")
             kept, _ = follow(tg, b, "kept")
             await until(lambda: orphan.last_seq == kept.last_seq == 1)
@@ -249,22 +251,22 @@ def test_followers_go_on_after_a_redis_restart(server: RedisServer) -> None:
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
             sids = [f"restart-{i}" for i in range(3)]
+            src = {sid: await owned(a, sid) for sid in sids}
             for sid in sids:
-                await owned(a, sid)
                 for seq in range(1, 6):
-                    a.replicate(sid, event(seq))
+                    emit(src[sid], seq)
             logs = [follow(tg, b, sid)[0] for sid in sids]
             await until(lambda: all(log.last_seq == 5 for log in logs))
             await anyio.to_thread.run_sync(server.stop)
             for seq in range(6, 11):  # kept by A while Redis is away
                 for sid in sids:
-                    a.replicate(sid, event(seq))
+                    emit(src[sid], seq)
             await until(lambda: not b.up)
             await anyio.sleep(1)
             await anyio.to_thread.run_sync(server.start)  # empty: A writes it all again
             for seq in range(11, 16):
                 for sid in sids:
-                    a.replicate(sid, event(seq))
+                    emit(src[sid], seq)
             for sid in sids:
                 a.finish(sid, "completed", 15, TTL_S)
             await until(lambda: all(log.closed for log in logs), within=15)
@@ -280,9 +282,9 @@ def test_one_entry_per_flush_and_a_resume_mid_run(server: RedisServer) -> None:
 
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
-            await owned(a, "runs")
+            src = await owned(a, "runs")
             for seq in range(1, 31):  # well within one flush interval
-                a.replicate("runs", event(seq))
+                emit(src, seq)
             await until(lambda: a.backlog() == 0)
             entries = await b.redis.xlen(events_key("runs"))
             assert 1 <= entries <= 3, entries  # was 30
@@ -302,10 +304,10 @@ def test_events_redis_lost_are_an_error_for_the_reader_not_a_hole(server: RedisS
 
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
-            await owned(a, "holed")
+            src = await owned(a, "holed")
             for first, last in ((1, 3), (4, 6), (7, 9)):
                 for seq in range(first, last + 1):
-                    a.replicate("holed", event(seq))
+                    emit(src, seq)
                 await until(lambda: a.backlog() == 0)
             ids = [e[0] for e in await b.redis.xrange(events_key("holed"))]
             assert len(ids) == 3, ids
@@ -332,12 +334,11 @@ def test_events_arriving_over_time_go_one_run_per_interval(server: RedisServer) 
     async def main() -> None:
         async with stores(server.url) as (a, b, tg):
             sids = [f"paced-{i}" for i in range(200)]
-            for sid in sids:
-                await owned(a, sid)
+            src = {sid: await owned(a, sid) for sid in sids}
             start = time.monotonic()
             for seq in range(1, 151):
                 for sid in sids:
-                    a.replicate(sid, event(seq))
+                    emit(src[sid], seq)
                 await anyio.sleep(0.002)
             took = time.monotonic() - start
             await until(lambda: a.backlog() == 0)

@@ -138,3 +138,28 @@ def test_a_log_begun_past_zero_replays_and_trims_from_there() -> None:
     assert [e.wire for e in log.after(log.first_seq - 1)] == [b"26", b"27", b"28", b"29"]
     with pytest.raises(AssertionError):
         log.begin_at(5)
+
+
+def test_on_append_is_called_by_the_next_append_only() -> None:
+    log = EventLog(max_events=10)
+    calls: list[int] = []
+    log.on_append = lambda: calls.append(log.last_seq)
+    log.append(b"a")
+    log.append(b"b")
+    assert calls == [1] and log.on_append is None  # once, until set again
+    log.on_append = lambda: calls.append(log.last_seq)
+    log.append(b"c", 0)
+    assert calls == [1, 3]
+
+
+def test_a_run_after_a_seq_is_the_kept_events_and_their_counts() -> None:
+    log = EventLog(max_events=4)
+    log.append(b"role", 0)
+    for i in range(2, 7):
+        log.append(b"e%d" % i, 1 if i != 5 else 3)
+    assert log.run_after(0) == (3, [b"e3", b"e4", b"e5", b"e6"], {5: 3})  # 1, 2 fell off
+    assert log.run_after(5) == (6, [b"e6"], {})
+    assert log.run_after(6) == (7, [], {})
+    copy = log.detached_after(3)
+    assert copy.run_after(0) == (4, [b"e4", b"e5", b"e6"], {5: 3})
+    assert copy.last_seq == 6 and copy.after(4) == [Event(5, b"e5", 3), Event(6, b"e6", 1)]

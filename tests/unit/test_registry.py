@@ -16,7 +16,7 @@ from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.base import Delta, Engine, Generation, Sink
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.observability import Metrics
-from firsttoken.resume import MemoryStore, ResumeExpired, StreamRecord
+from firsttoken.resume import EventLog, MemoryStore, ResumeExpired, StreamRecord
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
@@ -45,7 +45,7 @@ class _Store(MemoryStore):
         self.opened: list[str] = []
         self.finished: list[tuple[str, str]] = []
 
-    def open(self, record: StreamRecord, ttl_s: float) -> None:
+    def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
         self.opened.append(record.id)
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
@@ -261,3 +261,25 @@ def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
         assert budget.held == 0 and await registry.find("b3") is None
 
     asyncio.run(body())
+
+
+def test_the_store_is_told_of_a_dropped_buffer_while_the_log_still_holds_it() -> None:
+    """Redis may still lack a finished stream's last events when the resume budget drops its
+    buffer: the store keeps them only if it hears first."""
+
+    class Keeping(_Store):
+        def __init__(self) -> None:
+            super().__init__()
+            self.kept: dict[str, int] = {}
+
+        def release(self, stream_id: str) -> None:
+            self.kept[stream_id] = len(registry._streams[stream_id].log.after(0))
+
+    registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
+    registry.store = store = Keeping()
+    registry.budget = ResumeBudget(10_000)
+    first = _finished(registry, "first", "alice", 100)
+    _finished(registry, "second", "alice", 100)
+    assert store.kept == {"first": 102}  # 100 tokens and the closing events
+    with pytest.raises(ResumeExpired):
+        first.log.after(0)

@@ -10,8 +10,9 @@ import anyio
 import pytest
 from redis.exceptions import NoScriptError, RedisError
 
-from firsttoken.eventlog import Event
-from firsttoken.resume.redis import RedisStore
+from firsttoken.eventlog import EventLog
+from firsttoken.resume.keys import events_key, meta_key
+from firsttoken.resume.redis import RedisStore, _Call
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord
 from tests.unit.clock import FakeClock
@@ -22,27 +23,31 @@ TTL_S = 60.0
 def store(max_events: int = 100) -> RedisStore:
     s = RedisStore("redis://127.0.0.1:1/0", max_events=max_events, max_connections=1)
     s.up = False  # register() queues the meta for the flusher instead of writing it
-    anyio.run(s.register, StreamRecord("s1", "native", "d", "t", "m"), TTL_S)
+    record = StreamRecord("s1", "native", "d", "t", "m")
+    anyio.run(s.register, record, TTL_S, EventLog(max_events))
     return s
 
 
 def replicate(s: RedisStore, first: int, last: int, tokens: int = 1) -> None:
+    """The stream's producer appends to its log; the store is told, once, that it is dirty."""
+    log = s._replicas["s1"].log
     for seq in range(first, last + 1):
-        s.replicate("s1", Event(seq, b"e%d" % seq, tokens))
+        assert log.append(b"e%d" % seq, tokens) == seq
 
 
 def flush(s: RedisStore) -> dict:
-    """s1's part of the Lua call's argument, as one flush builds it, read back."""
+    """s1's part of the Lua call, as one flush builds it, read back."""
     (rep,) = s._dirty.values()
     s._dirty.clear()
     rep.queued = False
-    out: list[bytes] = []
-    s._pack(rep, out)
-    head, w, n, t, outcome = out
+    rep.log.on_append = rep.wanted
+    call = _Call()
+    s._pack(rep, call)
+    head, w, n, t, outcome = call.blob
     names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "end", "ttl")
     args = dict(zip(names, struct.unpack("<9I", head), strict=True))
     assert (args["wl"], args["nl"], args["tl"], args["ol"]) == tuple(map(len, (w, n, t, outcome)))
-    return {**args, "w": w, "n": n, "t": t, "outcome": outcome}
+    return {**args, "w": w, "n": n, "t": t, "outcome": outcome, "keys": call.keys}
 
 
 def events_of(args: dict) -> list[tuple[int, bytes, int]]:
@@ -53,14 +58,17 @@ def events_of(args: dict) -> list[tuple[int, bytes, int]]:
 
 
 def confirm(s: RedisStore, result: object) -> None:
-    """Redis's answers to one flush: the meta's HSET and EXPIRE if it went, the call's, and
-    the end's HSET and EXPIRE if it went."""
+    """Redis's answers to one flush: the meta's HSET and EXPIRE if it went, then the call's
+    (which carries the end, if any)."""
     rep = s._replicas["s1"]
     metas = [] if rep.meta_done else [rep]
-    ends = [rep] if rep.end_sent else []
     refused = [] if result == 1 else [1, result]  # the Lua call names the streams it failed
-    answers = [*[1, 1][: 2 * len(metas)], refused, *[1, 1][: 2 * len(ends)]]
-    s._confirm([rep], metas, [], [[rep]], ends, answers)
+    s._confirm([rep], metas, [], [[rep]], [*[1, 1][: 2 * len(metas)], refused])
+
+
+def dropped(s: RedisStore) -> float:
+    (metric,) = [m for m in s.collect() if m.name == "firsttoken_redis_events_dropped"]
+    return metric.samples[0].value
 
 
 def test_one_run_per_flush_carries_every_event_since_the_last() -> None:
@@ -69,9 +77,11 @@ def test_one_run_per_flush_carries_every_event_since_the_last() -> None:
     args = flush(s)
     assert args["last"] == 5 and events_of(args) == [(q, b"e%d" % q, 1) for q in range(1, 6)]
     assert args["ttl"] == int(TTL_S + 3600)  # the live TTL, once
+    assert args["keys"] == [events_key("s1")]
     confirm(s, 1)
     assert s.backlog() == 0 and not s._dirty
     replicate(s, 6, 7, tokens=0)
+    assert "s1" in s._dirty  # the first new event marked it
     args = flush(s)
     assert events_of(args) == [(6, b"e6", 0), (7, b"e7", 0)]
     assert args["ttl"] == 0  # the TTL is set already
@@ -104,6 +114,7 @@ def test_the_end_goes_only_with_or_after_every_event() -> None:
     args = flush(s)
     assert args["last"] == 0 and (args["outcome"], args["end"]) == (b"completed", 3)
     assert args["ttl"] == 60
+    assert args["keys"] == [events_key("s1"), meta_key("s1")]  # the outcome goes to the meta
     confirm(s, 1)
     assert rep.end_done and not rep.dirty()
 
@@ -113,12 +124,13 @@ def test_a_backlog_past_the_bound_is_counted_and_trimmed_before_the_gap() -> Non
     replicate(s, 1, 2)
     flush(s)
     confirm(s, 1)
-    replicate(s, 3, 20)  # Redis away: 18 more, the bound is 8 (9 before a trim)
+    replicate(s, 3, 20)  # Redis away: 18 more, the bound is 8
     rep = s._replicas["s1"]
-    assert len(rep.wires) <= 9 and rep.last == 20
-    assert s.events_dropped == rep.first - 3
+    assert (rep.first, rep.last) == (13, 20)
+    assert dropped(s) == 10  # 3..12, counted while Redis is still away
+    assert dropped(s) == 10  # once
     args = flush(s)
-    assert [seq for seq, _, _ in events_of(args)] == list(range(rep.first, 21))
+    assert [seq for seq, _, _ in events_of(args)] == list(range(13, 21))
     assert args["minid"] == 13  # MINID: the last 8 events stay in Redis
 
 
@@ -131,8 +143,8 @@ def test_release_keeps_only_what_redis_lacks_and_expiry_follows_the_clock() -> N
     replicate(s, 5, 6)
     s.finish("s1", "completed", 6, TTL_S)
     s.release("s1")
-    rep = s._replicas["s1"]
-    assert rep.first == 5 and rep.wires == [b"e5", b"e6"]
+    s_log = s._replicas["s1"].log
+    assert s_log.run_after(0)[:2] == (5, [b"e5", b"e6"])
     clock.advance(TTL_S - 1)
     s._expire()
     assert "s1" in s._replicas
@@ -149,5 +161,5 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     s._script_missing = False
     missing = NoScriptError("No matching script. Please use EVAL.")
     with pytest.raises(RedisError, match="NoScriptError"):
-        s._confirm([rep], [rep], [], [[rep]], [], [1, 1, missing])
+        s._confirm([rep], [rep], [], [[rep]], [1, 1, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
