@@ -551,14 +551,16 @@ class RedisStore:
             if not rep.meta_done:
                 metas.append(rep)
                 before += self._meta_commands(rep)
-            if rep.first > rep.flushed + 1:
+            first = rep.log.first_seq
+            if first > rep.flushed + 1:
                 self.events_dropped += rep.newly_lost()
-                if rep.trimmed < rep.first - 1:  # a gap: not to be stitched to what follows
-                    trims.append((rep, rep.first - 1))
-                    before.append(("XTRIM", rep.key, "MINID", f"{rep.first}-0"))
-            call = calls.get(tag_of(rep.key) if self.cluster else "")
+                if rep.trimmed < first - 1:  # a gap: not to be stitched to what follows
+                    trims.append((rep, first - 1))
+                    before.append(("XTRIM", rep.key, "MINID", f"{first}-0"))
+            group = tag_of(rep.key) if self.cluster else ""
+            call = calls.get(group)
             if call is None:
-                call = calls[tag_of(rep.key) if self.cluster else ""] = _Call()
+                call = calls[group] = _Call()
             self._pack(rep, call)
         try:
             if self.cluster:
@@ -607,7 +609,7 @@ class RedisStore:
         ttl = 0
         w = n = t = outcome = b""
         rep.sent = first = 0
-        if rep.last > rep.flushed:
+        if rep.log.last_seq > rep.flushed:
             first, wires, counts = rep.log.run_after(rep.flushed)
             rep.sent = first + len(wires) - 1
             w, n = b"".join(wires), pack_lengths(wires)
