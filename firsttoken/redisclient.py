@@ -3,13 +3,16 @@ and open a bounded number of connections however many calls are in flight."""
 
 from __future__ import annotations
 
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 from redis.asyncio import BlockingConnectionPool, Redis
-from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.cluster import ClusterPipeline, RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import ExponentialBackoff
-from redis.exceptions import RedisClusterException, RedisError, ResponseError
+from redis.exceptions import ConnectionError, RedisClusterException, RedisError, ResponseError
 
 __all__ = [
     "POOL_WAIT_S",
@@ -62,10 +65,10 @@ def redis_client(url: str, *, max_connections: int, cluster: bool = False) -> An
     `cluster`: `url` names one node of a Redis Cluster; redis-py's cluster client learns the
     others, sends each command to its slot's node and follows MOVED/ASK and failovers. It
     keeps a pool per node of at most `max_connections`, which refuses a call beyond it at
-    once instead of queueing it (redis-py's cluster pools do not block)."""
+    once; `_WaitingCluster` makes calls beyond it wait, as the single node's pool does."""
     retry = Retry(ExponentialBackoff(cap=0.05, base=0.01), 1)
     if cluster:
-        return RedisCluster.from_url(
+        return _WaitingCluster.from_url(
             url,
             max_connections=max_connections,
             retry=retry,
@@ -83,6 +86,44 @@ def redis_client(url: str, *, max_connections: int, cluster: bool = False) -> An
         health_check_interval=5,
     )
     return Redis.from_pool(pool)  # the client closes the pool with it
+
+
+class _WaitingCluster(RedisCluster):
+    """redis-py's cluster client refuses a call at once when the node's pool is at
+    `max_connections` (MaxConnectionsError: a burst of 1,000 admissions taken for an outage,
+    each one falling back to this instance's own limits). Here at most `max_connections`
+    calls (a pipeline is one: it takes a connection per node) run at once, and the others
+    wait up to `POOL_WAIT_S` for a turn, then fail as the single node's pool does."""
+
+    def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
+        super().__init__(*args, max_connections=max_connections, **kwargs)
+        self.turns = asyncio.Semaphore(max_connections)
+
+    @asynccontextmanager
+    async def turn(self) -> AsyncIterator[None]:
+        try:
+            await asyncio.wait_for(self.turns.acquire(), POOL_WAIT_S)
+        except TimeoutError:
+            raise ConnectionError("No connection available.") from None
+        try:
+            yield
+        finally:
+            self.turns.release()
+
+    async def execute_command(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.turn():
+            return await super().execute_command(*args, **kwargs)
+
+    def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
+        if shard_hint:
+            return super().pipeline(transaction, shard_hint)  # which refuses it
+        return _WaitingPipeline(self, transaction)
+
+
+class _WaitingPipeline(ClusterPipeline):
+    async def execute(self, *args: Any, **kwargs: Any) -> Any:
+        async with self.cluster_client.turn():
+            return await super().execute(*args, **kwargs)
 
 
 def resp_arg(value: bytes) -> bytes:

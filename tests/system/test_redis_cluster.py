@@ -10,6 +10,7 @@ every reader either exact or told (`event: error`), and the owner writes its str
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import redis
 from redis.crc import key_slot
 
 from firsttoken.engines import synthetic_tokens
+from firsttoken.redisclient import redis_client
 from firsttoken.resume.keys import events_key, group_of, meta_key
 from tests.events import tokens_of
 from tests.rawhttp import RawStream
@@ -160,6 +162,35 @@ def test_followers_on_b_share_one_tail_per_group(
         assert got == (synthetic_tokens(prompt, None, 30)[0], True, None)
     groups = len({group_of(c["id"]) for c in created})
     assert 1 <= blocked <= groups, (blocked, groups)  # a lane per group, not per reader
+
+
+def test_a_burst_past_the_pool_waits_for_connections(
+    fleet: tuple[RedisClusterServers, Server, Server],
+) -> None:
+    """redis-py's cluster pools refuse a call past `max_connections` at once (a burst of
+    admissions taken for an outage); ours wait for a turn: 300 calls and 30 pipelines at
+    once on 4 connections all go through, and no node opens more than 4."""
+    cluster, _, _ = fleet
+
+    async def main() -> list[int]:
+        client = redis_client(cluster.url, max_connections=4, cluster=True)
+        try:
+            counted = await asyncio.gather(*(client.incr("{burst}:calls") for _ in range(300)))
+
+            async def piped(i: int) -> list[int]:
+                async with client.pipeline(transaction=False) as pipe:
+                    pipe.incr(f"{{burst-{i % 3}}}:a")
+                    pipe.incr(f"{{other-{i % 5}}}:b")
+                    return await pipe.execute()
+
+            await asyncio.gather(*(piped(i) for i in range(30)))
+            opened = [len(node._connections) for node in client.get_nodes()]
+            assert max(opened) <= 4, opened
+            return sorted(counted)
+        finally:
+            await client.aclose()
+
+    assert asyncio.run(main()) == list(range(1, 301))
 
 
 def test_a_slot_moved_under_a_live_stream_loses_nothing(
