@@ -33,7 +33,7 @@ from firsttoken.resume.budget import ResumeBudget
 from firsttoken.routes import build_engine
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
-from firsttoken.wire.connection import RAW_SEND_KEY
+from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
 from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
@@ -220,19 +220,38 @@ class RawSendApp:
             endpoint = _hot_route(scope)
             if endpoint is not None:
                 return self._serve(endpoint, scope, receive, send)
+            return self._other(scope, receive, send)
         return self.app(scope, receive, send)
 
     async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app
         request = Request(scope, receive)
         try:
-            response = await endpoint(request)
-        except APIError as exc:  # e.g. 503 store_unavailable from a Redis call
-            response = exc.response(trace_id(request))
-        except Exception as exc:  # a bug: still the error shape, before the first byte
-            response = await _crashed(request, exc)
-        del request  # a waiting stream's frame need not keep it
-        await GZipResponses(response, self.gzip_min)(scope, receive, send)
+            try:
+                response = await endpoint(request)
+            except APIError as exc:  # e.g. 503 store_unavailable from a Redis call
+                response = exc.response(trace_id(request))
+            except Exception as exc:  # a bug: still the error shape, before the first byte
+                response = await _crashed(request, exc)
+            del request  # a waiting stream's frame need not keep it
+            await GZipResponses(response, self.gzip_min)(scope, receive, send)
+        finally:
+            _let_go(scope)
+
+    async def _other(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _let_go(scope)
+
+
+def _let_go(scope: Scope) -> None:
+    """The request is answered: drop what its scope holds of the connection. Each is a
+    cycle (the scope holds uvicorn's cycle's `send`, which holds the scope; the connection
+    holds the scope, which holds the connection), and cycles are freed only by the
+    collector's passes: ~18 objects a request, a 25 ms pause every ~1,000 streams."""
+    scope.pop(RAW_SEND_KEY, None)
+    scope.pop(CONNECTION_KEY, None)
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]

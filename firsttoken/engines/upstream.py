@@ -291,6 +291,7 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
+        self._parser = None  # it holds our callbacks: a cycle the collector would have to free
         self._cancel_timer()
         self.pool._forget(self)
         resp, self.response = self.response, None
@@ -391,6 +392,7 @@ class _Connection(asyncio.Protocol):
         if self.closed:
             return
         self.closed = True
+        self._parser = None
         self._cancel_timer()
         self.pool._forget(self)
         resp, self.response = self.response, None

@@ -554,6 +554,7 @@ class RoutedEngine:
         finally:
             if watch is not None:
                 watch.end(failure)
+            failure = None  # this frame is in its traceback: no cycle left for the collector
             deadline.close()
             target.give_slot()
             if self._current.get(rid) is target:
