@@ -72,6 +72,11 @@ def read_through_b(a: Server, b: Server, url: str, streams: int, stagger_s: floa
             http.post(a.v1 + "/streams", json={"prompt": p, "max_tokens": TOKENS}).json()
             for p in prompts
         ]
+        # B's first reader pays B's lazy set-up (imports, its first connections and lane),
+        # which a loaded machine can stretch while the next readers pile up: not sampled.
+        warm = {"prompt": "warm", "max_tokens": 2, "synthetic": {"ttft_ms": 10}}
+        events_url = http.post(a.v1 + "/streams", json=warm).json()["events_url"]
+    assert asyncio.run(_get(b.port, events_url))[0] == 200
     probe = redis.Redis.from_url(url)
     port = _redis_port(url)
     b_proc = psutil.Process(b.proc.pid)
