@@ -21,7 +21,6 @@ from starlette.requests import Request
 
 from firsttoken.admission.keys import ApiKey, KeyRing
 from firsttoken.admission.limits import (
-    DEFAULT_ANSWER_TOKENS,
     OK,
     RATE,
     SLOTS,
@@ -34,6 +33,7 @@ from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Usage
+from firsttoken.engines.base import DEFAULT_ANSWER_TOKENS
 from firsttoken.observability import OPEN_KEY, Metrics, key_label
 from firsttoken.wire.errors import APIError
 

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 __all__ = [
-    "DEFAULT_ANSWER_TOKENS",
     "OK",
     "RATE",
     "SLOTS",
@@ -30,9 +29,6 @@ __all__ = [
     "seconds_to_next_minute",
 ]
 
-# Answer tokens reserved for a request that names no max_tokens: what the fair queue charges it
-# too (routes/target.py). An answer that runs longer is billed in full when it ends.
-DEFAULT_ANSWER_TOKENS = 1024
 
 OK, RATE, SLOTS = "ok", "rate", "slots"
 

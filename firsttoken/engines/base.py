@@ -12,6 +12,7 @@ from typing import Any, Protocol
 from firsttoken.delta import Delta, ToolCallDelta
 
 __all__ = [
+    "DEFAULT_ANSWER_TOKENS",
     "Delta",
     "Engine",
     "EngineError",
@@ -22,6 +23,12 @@ __all__ = [
     "ToolCallDelta",
     "delivers_steps",
 ]
+
+
+# The answer a request that names no max_tokens is taken to ask for: what admission reserves
+# of a key's token budget and what the routes' fair queue charges it. One that runs longer is
+# billed in full when it ends.
+DEFAULT_ANSWER_TOKENS = 1024
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,17 +7,22 @@ import logging
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 
-from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest, delivers_steps
+from firsttoken.engines.base import (
+    DEFAULT_ANSWER_TOKENS,
+    Delta,
+    Engine,
+    EngineError,
+    GenerationRequest,
+    delivers_steps,
+)
 from firsttoken.engines.steps import pull
 from firsttoken.observability import TTFT_BUCKETS, Histogram, log_event
 from firsttoken.routes.config import TargetConfig
 from firsttoken.routes.health import TargetHealth
 from firsttoken.routes.queue import FairQueue, Waiter
 
-__all__ = ["DEFAULT_ANSWER_TOKENS", "HEDGE_MIN_S", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
+__all__ = ["HEDGE_MIN_S", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
 
-# A request without max_tokens is charged this much answer in the fair queue.
-DEFAULT_ANSWER_TOKENS = 1024
 QUEUE_WAIT_BUCKETS = TTFT_BUCKETS  # fine to 0.5 s, coarse to 60 s
 # A target with streams running and no chunk from any of them for this long is taken for
 # stalled when choosing where to splice (engines write tokens every few ms while they work).
