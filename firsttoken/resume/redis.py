@@ -512,6 +512,7 @@ class RedisStore:
         self._epoch += 1
         self.resyncs += 1
         for rep in self._replicas.values():
+            self.events_dropped += rep.newly_lost()  # before the gap is written off below
             rep.flushed = rep.trimmed = rep.first - 1
             rep.meta_done = rep.end_done = rep.ttl_done = False
             self._mark(rep)

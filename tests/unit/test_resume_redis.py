@@ -163,3 +163,17 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     with pytest.raises(RedisError, match="NoScriptError"):
         s._confirm([rep], [rep], [], [[rep]], [1, 1, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
+
+
+def test_events_lost_in_an_outage_are_counted_when_redis_comes_back_empty() -> None:
+    """Nobody scraped /metrics while Redis was away: the resync after its restart (which
+    writes off everything before the first kept event) counts them first."""
+    s = store(max_events=8)
+    replicate(s, 1, 2)
+    flush(s)
+    confirm(s, 1)
+    replicate(s, 3, 20)
+    s._resync("a new run id")
+    assert dropped(s) == 10
+    args = flush(s)
+    assert args["first"] == 13 and args["minid"] == 13
