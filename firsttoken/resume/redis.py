@@ -528,6 +528,7 @@ class RedisStore:
                 del self._replicas[sid]
                 self._dirty.pop(sid, None)
                 rep.log.on_append = None
+                rep.wanted = _nothing  # it holds `rep`: no cycle left for the collector
 
     async def _flush_batch(self) -> int:
         """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are

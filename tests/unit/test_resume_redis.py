@@ -5,6 +5,7 @@ what Redis's answers confirm. The answers are what Redis returns, written out he
 from __future__ import annotations
 
 import struct
+from functools import partial
 
 import anyio
 import pytest
@@ -143,14 +144,15 @@ def test_release_keeps_only_what_redis_lacks_and_expiry_follows_the_clock() -> N
     replicate(s, 5, 6)
     s.finish("s1", "completed", 6, TTL_S)
     s.release("s1")
-    s_log = s._replicas["s1"].log
-    assert s_log.run_after(0)[:2] == (5, [b"e5", b"e6"])
+    assert s._replicas["s1"].log.run_after(0)[:2] == (5, [b"e5", b"e6"])
     clock.advance(TTL_S - 1)
     s._expire()
     assert "s1" in s._replicas
     clock.advance(1)
+    rep = s._replicas["s1"]
     s._expire()
     assert "s1" not in s._replicas and not s._dirty
+    assert rep.log.on_append is None and not isinstance(rep.wanted, partial)  # no cycle left
 
 
 def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
