@@ -407,17 +407,17 @@ class RedisStore:
             batch, self._metas = self._metas, None
             if batch is None:
                 continue
+            commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
             try:
-                commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
                 with anyio.fail_after(_OP_TIMEOUT_S):
                     replies = await self._send(commands)
-                error = next((r for r in replies if isinstance(r, BaseException)), None)
-                if error is not None:
-                    raise error
-                for rep in batch.reps:
-                    rep.meta_done = True
             except REDIS_DOWN as exc:
                 batch.error = exc
+            else:  # an error reply (e.g. OOM) fails the batch as an outage would
+                batch.error = next((r for r in replies if isinstance(r, BaseException)), None)
+                if batch.error is None:
+                    for rep in batch.reps:
+                        rep.meta_done = True
             finally:
                 batch.done.set()
 
