@@ -39,7 +39,7 @@ from firsttoken.wire.errors import APIError
 if TYPE_CHECKING:
     from firsttoken.telemetry import Telemetry
 
-__all__ = ["RawSendApp", "asgi_app", "create_app"]
+__all__ = ["RawSendApp", "asgi_app", "create_app", "direct_routes"]
 
 WEB_DIR = Path(__file__).parent / "web"
 
@@ -196,6 +196,12 @@ def asgi_app(starlette: Starlette) -> ASGIApp:
     return app
 
 
+def direct_routes(app: ASGIApp) -> RawSendApp | None:
+    """What our protocol may serve past the ASGI layers: the hot routes, unless a layer
+    must see them (CORS wraps the app when it is on)."""
+    return app if isinstance(app, RawSendApp) else None
+
+
 class RawSendApp:
     """The outermost ASGI layer.
 
@@ -213,15 +219,37 @@ class RawSendApp:
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # A plain `def`: no frame of its own kept per open stream.
         if scope["type"] == "http":
+            route = self.route(scope["method"], scope["path"])
+            if route is not None:
+                return self.serve(route, scope, receive, send)
             refusal = oversized(scope)
             if refusal is not None:
                 return refusal.response()(scope, receive, send)
             scope[RAW_SEND_KEY] = send
-            endpoint = _hot_route(scope)
-            if endpoint is not None:
-                return self._serve(endpoint, scope, receive, send)
             return self._other(scope, receive, send)
         return self.app(scope, receive, send)
+
+    # `wire.cycle.DirectRoutes`: our protocol serves these without uvicorn's ASGI layers.
+
+    def route(self, method: str, path: str) -> HotRoute | None:
+        endpoint = HOT_ROUTES.get((method, path))
+        if endpoint is not None:
+            return endpoint, None
+        if method == "GET" and path.startswith("/v1/streams/"):
+            stream_id, slash, rest = path[12:].partition("/")
+            if slash and rest == "events" and stream_id:
+                return native.stream_events, {"stream_id": stream_id}
+        return None
+
+    def serve(self, route: HotRoute, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        refusal = oversized(scope)
+        if refusal is not None:
+            return refusal.response()(scope, receive, send)
+        endpoint, params = route
+        if params is not None:
+            scope["path_params"] = params
+        scope[RAW_SEND_KEY] = send
+        return self._serve(endpoint, scope, receive, send)
 
     async def _serve(self, endpoint: Endpoint, scope: Scope, receive: Receive, send: Send) -> None:
         scope["app"] = self.app
@@ -255,6 +283,7 @@ def _let_go(scope: Scope) -> None:
 
 
 Endpoint = Callable[[Request], Awaitable[Response]]
+HotRoute = tuple[Endpoint, dict[str, str] | None]  # the handler, and its path parameters
 HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
     ("POST", "/v1/chat/completions"): openai.chat_completions,
     ("POST", "/v1/completions"): openai.completions,
@@ -262,17 +291,6 @@ HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
     ("POST", "/v1/messages"): anthropic.messages,
     ("POST", "/v1/streams"): native.create_stream,
 }
-
-
-def _hot_route(scope: Scope) -> Endpoint | None:
-    path: str = scope["path"]
-    endpoint = HOT_ROUTES.get((scope["method"], path))
-    if endpoint is None and scope["method"] == "GET" and path.startswith("/v1/streams/"):
-        stream_id, slash, rest = path[12:].partition("/")
-        if slash and rest == "events" and stream_id:
-            scope["path_params"] = {"stream_id": stream_id}
-            return native.stream_events
-    return endpoint
 
 
 async def _metrics(request: Request) -> Response:

@@ -19,7 +19,7 @@ import uvicorn
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from firsttoken.api.gateway import Gateway
-from firsttoken.app import asgi_app, create_app
+from firsttoken.app import asgi_app, create_app, direct_routes
 from firsttoken.config import Settings, unknown_variables
 from firsttoken.observability import configure_logging, flush_logs, log_event
 from firsttoken.preflight import StartupError, describe, preflight
@@ -216,7 +216,9 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     try:
         starlette = create_app(settings)
-        app = _WatchStartup(asgi_app(starlette))
+        outer = asgi_app(starlette)
+        app = _WatchStartup(outer)
+        StreamingProtocol.direct = direct_routes(outer)
     except Exception as exc:
         _startup_failed(settings, exc)
     uvicorn_log = logging.getLogger("uvicorn")

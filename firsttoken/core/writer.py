@@ -474,6 +474,10 @@ class EventStreamResponse:
         writer.open(self.preamble)
         if self.start:
             await self.registry.start(self.stream)
+            # The engine has its request, and the first token is a TTFT away: let what is ready
+            # run before this stream's first write (other new streams up to their engines, a
+            # relay's upstream request), so a burst's streams start one set-up apart, not two.
+            await asyncio.sleep(0)
 
     async def _finish(self, end: End, writer: EventWriter, scope: Scope, send: Send) -> None:
         if end is End.FINISHED:

@@ -6,11 +6,13 @@ import asyncio
 import collections
 import socket
 import time
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 from starlette.types import Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+from firsttoken.wire.cycle import DirectCycle, DirectRoutes
 
 __all__ = [
     "ABORT_KEY",
@@ -56,7 +58,9 @@ class StreamingProtocol(HttpToolsProtocol):
       close would wait for it to read the buffered data, forever);
     - `scope["firsttoken.wire.connection"]` and `listener`: an event stream writes to the
       transport itself and hears pause, resume and loss as callbacks, with no task waiting
-      on `receive()` or on uvicorn's drain.
+      on `receive()` or on uvicorn's drain;
+    - `direct`: the app's hot routes are served from here (`cycle.DirectCycle`), past
+      uvicorn's per-request ASGI layers.
     """
 
     header_timeout_s = 10.0
@@ -68,6 +72,8 @@ class StreamingProtocol(HttpToolsProtocol):
     # Slots for ours: uvicorn's attributes fill the instance dict's shared keys, and one more
     # turned it into a table of its own (~1.5 KiB per connection).
     __slots__ = ("_head_bytes", "_header_timer", "listener")
+    # Set by the server when nothing must wrap the app's hot routes (CORS does).
+    direct: ClassVar[DirectRoutes | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
@@ -131,9 +137,55 @@ class StreamingProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
+        if self.direct is not None and self._serve_direct(self.direct):
+            return
         super().on_headers_complete()
         if self.cycle is not None:
             lean_event(self.cycle.message_event)
+
+    def _serve_direct(self, direct: DirectRoutes) -> bool:
+        """Start a hot route's request without uvicorn's ASGI layers; False leaves it to them
+        (a pipelined request, HTTP/1.0, an upgrade, `expect: 100-continue`, an escaped or
+        absolute-form path)."""
+        current = self.cycle
+        if current is not None and not current.response_complete:
+            return False
+        parser = self.parser
+        if (
+            self.expect_100_continue
+            or parser.should_upgrade()
+            or parser.get_http_version() != "1.1"
+            or self.limit_concurrency is not None
+            or self.root_path
+        ):
+            return False
+        raw_path, _, query = self.url.partition(b"?")
+        if raw_path[:1] != b"/" or b"%" in raw_path or not raw_path.isascii():
+            return False
+        method = parser.get_method().decode("ascii")
+        path = raw_path.decode("ascii")
+        route = direct.route(method, path)
+        if route is None:
+            return False
+        scope = self.scope
+        scope["method"] = method
+        scope["path"] = path
+        scope["raw_path"] = raw_path
+        scope["query_string"] = query
+        cycle = DirectCycle(
+            scope,  # type: ignore[arg-type]
+            self.transport,
+            self.flow,
+            self.server_state.default_headers,
+            parser.should_keep_alive(),
+            self.on_response_complete,
+        )
+        self.cycle = cycle  # type: ignore[assignment]
+        serve = _Served(direct, route)
+        task = self.loop.create_task(cycle.run_asgi(serve))  # type: ignore[arg-type]
+        task.add_done_callback(self.tasks.discard)
+        self.tasks.add(task)
+        return True
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._header_timer is not None:
@@ -168,6 +220,19 @@ class StreamingProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class _Served:
+    """`DirectRoutes.serve` for one route, as the ASGI app uvicorn's cycle runs."""
+
+    __slots__ = ("direct", "route")
+
+    def __init__(self, direct: DirectRoutes, route: Any) -> None:
+        self.direct = direct
+        self.route = route
+
+    def __call__(self, scope: Scope, receive: Any, send: Send) -> Any:
+        return self.direct.serve(self.route, scope, receive, send)
 
 
 def lean_event(event: asyncio.Event) -> None:

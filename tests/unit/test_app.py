@@ -39,3 +39,23 @@ def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
     error = json.loads(body["body"])["error"]
     assert (error["code"], error["message"]) == ("internal_error", "internal error")
     assert set(error) == {"code", "message", "type", "param"}
+
+
+def test_the_hot_routes_are_found_by_method_and_path() -> None:
+    app = RawSendApp(create_app(Settings()))
+    for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
+        route = app.route("POST", path)
+        assert route is not None and route[1] is None
+    events = app.route("GET", "/v1/streams/abc/events")
+    assert events is not None and events[1] == {"stream_id": "abc"}
+    # Everything else goes through Starlette's router (its 404s and 405s included).
+    for method, path in [
+        ("GET", "/v1/chat/completions"),
+        ("POST", "/v1/streams/abc/events"),
+        ("GET", "/v1/streams//events"),
+        ("GET", "/v1/streams/abc/events/more"),
+        ("GET", "/v1/models"),
+        ("POST", "/v1/messages/count_tokens"),
+        ("GET", "/"),
+    ]:
+        assert app.route(method, path) is None, (method, path)

@@ -94,3 +94,127 @@ def test_a_lean_event_still_wakes_its_waiters() -> None:
 def test_a_connection_keeps_both_of_its_events_lean() -> None:
     protocol = _made("127.0.0.1")[0]
     assert type(protocol.flow._is_writable_event._waiters) is list
+
+
+class _Hot:
+    """DirectRoutes for the tests: paths under /hot, answered with what the cycle saw."""
+
+    def __init__(self) -> None:
+        self.served: list[str] = []
+
+    def route(self, method: str, path: str) -> Any | None:
+        return path if path.startswith("/hot") else None
+
+    async def serve(self, route: Any, scope: Any, receive: Any, send: Any) -> None:
+        message = await receive()
+        self.served.append(route)
+        body = b"direct " + message["body"]
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+async def _exchange(hot: _Hot, raw: bytes, replies: int) -> bytes:
+    """Send `raw` to a StreamingProtocol serving `hot` directly; read `replies` answers (or
+    until the server closes)."""
+    config = uvicorn.Config(_app, lifespan="off", log_config=None)
+    state = ServerState()
+
+    class Protocol(StreamingProtocol):
+        direct = hot
+
+    loop = asyncio.get_running_loop()
+    server = await loop.create_server(lambda: Protocol(config, state, {}), "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(raw)
+    got = b""
+    try:
+        async with asyncio.timeout(5):
+            while got.count(b"HTTP/1.1 ") < replies or not _complete(got):
+                chunk = await reader.read(65536)
+                if not chunk:
+                    break
+                got += chunk
+    finally:
+        writer.close()
+        server.close()
+    return got
+
+
+def _complete(got: bytes) -> bool:
+    last = got.rpartition(b"HTTP/1.1 ")[2]
+    if last.startswith(b"204"):
+        return last.endswith(b"\r\n\r\n")
+    return last.endswith(b"direct ") or last.endswith(b"}")
+
+
+def _post(path: str, body: bytes = b"{}", extra: bytes = b"", version: bytes = b"1.1") -> bytes:
+    return b"POST %s HTTP/%s\r\nhost: x\r\ncontent-length: %d\r\n%s\r\n%s" % (
+        path.encode(),
+        version,
+        len(body),
+        extra,
+        body,
+    )
+
+
+def test_a_hot_route_is_served_from_the_connection_and_keeps_it_alive() -> None:
+    hot = _Hot()
+    got = uvloop.run(_exchange(hot, _post("/hot/a", b"{1}") + _post("/hot/b", b"{2}"), 2))
+    # The second request came while the first was answered (pipelined): it waited for it,
+    # and uvicorn's ASGI path took it (this test's ASGI app answers 204).
+    assert got.startswith(b"HTTP/1.1 200 OK"), got
+    assert got.index(b"direct {1}") < got.index(b"HTTP/1.1 204 No Content")
+    assert hot.served == ["/hot/a"]
+
+    hot = _Hot()
+
+    async def one_after_another() -> list[bytes]:
+        config = uvicorn.Config(_app, lifespan="off", log_config=None)
+
+        class Protocol(StreamingProtocol):
+            direct = hot
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        answers = []
+        for path in ("/hot/a", "/hot/b"):
+            writer.write(_post(path, b"{}"))
+            answers.append(await reader.readuntil(b"direct {}"))
+        writer.close()
+        server.close()
+        return answers
+
+    answers = uvloop.run(one_after_another())
+    assert all(a.startswith(b"HTTP/1.1 200 OK") for a in answers)
+    assert hot.served == ["/hot/a", "/hot/b"]  # the same connection, both served directly
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _post("/hot/a", version=b"1.0"),
+        _post("/hot/a", extra=b"expect: 100-continue\r\n"),
+        _post("/hot%2Fa"),
+        _post("/other"),
+    ],
+    ids=["http-1.0", "expect-100-continue", "escaped-path", "not-a-hot-route"],
+)
+def test_what_the_direct_path_leaves_to_uvicorns_asgi_layers(request_bytes: bytes) -> None:
+    hot = _Hot()
+    got = uvloop.run(_exchange(hot, request_bytes, 1))
+    assert hot.served == []
+    assert b" 204 " in got.split(b"\r\n", 1)[0], got
+
+
+def test_a_direct_request_asking_to_close_gets_its_answer_then_the_close() -> None:
+    hot = _Hot()
+    got = uvloop.run(_exchange(hot, _post("/hot/a", extra=b"connection: close\r\n"), 2))
+    assert hot.served == ["/hot/a"]
+    assert got.startswith(b"HTTP/1.1 200 OK") and b"connection: close" in got
+    assert got.endswith(b"direct {}")  # and then the server closed: no second reply came

@@ -266,3 +266,53 @@ def test_a_long_replay_is_released_to_the_transport_past_the_hold_bound(
         assert sum(map(len, transport.writes)) > 3000 * 50
 
     run(body)
+
+
+def test_a_started_stream_lets_its_engine_run_before_its_first_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A relay's upstream request leaves before the client's head and opening events (and in
+    a burst, the other new streams reach their engines first): the first token is a TTFT
+    away, the head is not what the client waits for."""
+    import anyio
+
+    from firsttoken.core.writer import EventStreamResponse
+    from firsttoken.delta import Delta
+
+    order: list[str] = []
+
+    class Upstream:  # an iterator engine: the registry pulls it from a task
+        models = ("synthetic",)
+        tokens_generated = 0
+
+        def generate(self, request: GenerationRequest) -> Any:
+            return self._deltas()
+
+        async def _deltas(self) -> Any:
+            order.append("upstream request")
+            yield Delta("hi", "stop")
+
+        async def abort(self, request_id: str) -> None:
+            pass
+
+    class Recording(Transport):
+        def write(self, data: bytes) -> None:
+            order.append("first write" if not self.writes else "write")
+            super().write(data)
+
+    async def body() -> None:
+        _, stream, _, _, _ = setup(monkeypatch)
+        registry = StreamRegistry(Upstream(), Metrics(), ttl_s=10)  # type: ignore[arg-type]
+        response = EventStreamResponse(stream, registry, registry.metrics, start=True)
+        transport = Recording()
+        writer = response._writer(transport, chunked=True)
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            writer.hold(b"HTTP/1.1 200 OK\r\n\r\n")
+            await response._run(writer)
+            writer.release()
+            await writer.done
+            tg.cancel_scope.cancel()
+
+    run(body)
+    assert order[:2] == ["upstream request", "first write"]

@@ -1,0 +1,99 @@
+"""A request the connection serves itself: uvicorn's response cycle, minus what it does for
+every ASGI app.
+
+The streaming routes are the server's hot path, and each of uvicorn's per-request layers
+(the proxy-headers middleware, the app's outer layers, a logger lookup and an `asyncio.Event`
+per request, `send`'s checks of every header) is paid once per new stream. Our protocol
+(`connection.StreamingProtocol`) hands a hot route's request to `DirectRoutes.serve` with this
+cycle's `receive` and `send`: the same ASGI messages, bodies and keep-alive bookkeeping as
+uvicorn's (it is uvicorn's class, pinned at 0.54), built and run with less.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+__all__ = ["Arrival", "DirectCycle", "DirectRoutes"]
+
+_LOGGER = logging.getLogger("uvicorn.error")  # what uvicorn's own cycle logs a crash to
+
+
+class DirectRoutes(Protocol):
+    """The app's side: which requests it serves straight from the connection, and how."""
+
+    def route(self, method: str, path: str) -> Any | None:
+        """A route for `method` and `path` (handed back to `serve`), or None: ASGI serves it."""
+
+    def serve(self, route: Any, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
+        """Answer the request (as an ASGI app would, with the route already found)."""
+
+
+class Arrival:
+    """What `asyncio.Event` is to uvicorn's cycle (the body arrived, or the client left),
+    with no waiter queue until a request's body is actually waited for."""
+
+    __slots__ = ("_set", "_waiter")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._waiter: asyncio.Future[None] | None = None
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def set(self) -> None:
+        self._set = True
+        waiter, self._waiter = self._waiter, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def clear(self) -> None:
+        self._set = False
+
+    async def wait(self) -> bool:
+        while not self._set:
+            if self._waiter is None or self._waiter.done():
+                self._waiter = asyncio.get_running_loop().create_future()
+            await asyncio.shield(self._waiter)  # one cancelled waiter must not break the next
+        return True
+
+
+class DirectCycle(RequestResponseCycle):
+    """uvicorn's `RequestResponseCycle` for a request the protocol serves itself."""
+
+    def __init__(
+        self,
+        scope: Scope,
+        transport: asyncio.Transport,
+        flow: FlowControl,
+        default_headers: list[tuple[bytes, bytes]],
+        keep_alive: bool,
+        on_response: Callable[[], None],
+    ) -> None:
+        # uvicorn's __init__, with its loggers shared, no access log (ours is off) and no
+        # `expect: 100-continue` (such a request goes the ASGI way).
+        self.scope = scope  # type: ignore[assignment]
+        self.transport = transport
+        self.flow = flow
+        self.logger = _LOGGER
+        self.access_logger = _LOGGER
+        self.access_log = False
+        self.default_headers = default_headers
+        self.message_event = Arrival()  # type: ignore[assignment]
+        self.on_response = on_response
+        self.disconnected = False
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = False
+        self.body = bytearray()
+        self.more_body = True
+        self.response_started = False
+        self.response_complete = False
+        self.chunked_encoding = None
+        self.expected_content_length = 0
