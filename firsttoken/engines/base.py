@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -63,7 +63,23 @@ class GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
         what a stream keeps once the engine has the request. A waiting stream would otherwise
         hold ~2 KiB of parsed body for its whole life."""
-        return replace(self, prompt="", messages=None, body=None, options=_NO_OPTIONS)
+        # Spelled out: `dataclasses.replace` reads every field by name (~3.6 µs against ~1).
+        return GenerationRequest(
+            self.request_id,
+            "",
+            self.model,
+            self.max_tokens,
+            self.seed,
+            self.temperature,
+            self.stop,
+            None,
+            None,
+            _NO_OPTIONS,
+            self.tenant,
+            self.priority,
+            self.weight,
+            self.traceparent,
+        )
 
 
 _NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})

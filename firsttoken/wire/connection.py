@@ -51,7 +51,8 @@ class ConnectionListener(Protocol):
 class StreamingProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus what streaming needs from the connection:
 
-    - TCP_NODELAY: every token is a small write; Nagle's algorithm would hold it back ~40 ms;
+    - TCP_NODELAY (set by the event loop): every token is a small write; Nagle's algorithm
+      would hold it back ~40 ms;
     - a fixed SO_SNDBUF, so what a stalled reader holds in the kernel is bounded;
     - a header deadline: a slow-loris client trickling headers is cut off;
     - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
@@ -82,14 +83,14 @@ class StreamingProtocol(HttpToolsProtocol):
         super().__init__(*args, **kwargs)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        sock = transport.get_extra_info("socket")
+        # TCP_NODELAY is the event loop's own doing: uvloop and asyncio set it on every TCP
+        # transport (a test holds it), so no system call of ours per connection for it.
+        sock = transport.get_extra_info("socket") if self.send_buffer_bytes > 0 else None
         if sock is not None:
             try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self.send_buffer_bytes > 0:
-                    # A fixed kernel buffer (no autotuning up to MBs): a stalled reader holds
-                    # a bounded amount, and the stream's backpressure starts soon enough.
-                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+                # A fixed kernel buffer (no autotuning up to MBs): a stalled reader holds a
+                # bounded amount, and the stream's backpressure starts soon enough.
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
             except OSError:
                 pass
         # uvicorn's own connection_made (0.54), with the addresses the event loop already

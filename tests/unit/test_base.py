@@ -1,0 +1,37 @@
+"""The engine interface's request: what a stream keeps of it once the engine has it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from firsttoken.engines.base import GenerationRequest
+
+CLEARED = {"prompt": "", "messages": None, "body": None, "options": {}}
+
+
+def test_a_request_without_inputs_keeps_every_other_field() -> None:
+    given = GenerationRequest(
+        request_id="r1",
+        prompt="a long prompt",
+        model="m",
+        max_tokens=7,
+        seed=3,
+        temperature=0.5,
+        stop=("x",),
+        messages=({"role": "user", "content": "hi"},),
+        body={"model": "m"},
+        options={"synthetic": {}},
+        tenant="team-a",
+        priority=2,
+        weight=0.25,
+        traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+    )
+    # Every field set above differs from its default: a field added later and not carried
+    # over by `without_inputs` fails here.
+    for f in dataclasses.fields(GenerationRequest):
+        default = f.default_factory() if callable(f.default_factory) else f.default
+        assert getattr(given, f.name) != default, f"give {f.name} a value in this test"
+    kept = given.without_inputs()
+    for f in dataclasses.fields(GenerationRequest):
+        expected = CLEARED.get(f.name, getattr(given, f.name))
+        assert getattr(kept, f.name) == expected, f.name
