@@ -2,11 +2,11 @@
 every ASGI app.
 
 The streaming routes are the server's hot path, and each of uvicorn's per-request layers
-(the proxy-headers middleware, the app's outer layers, a logger lookup and an `asyncio.Event`
-per request, `send`'s checks of every header) is paid once per new stream. Our protocol
+(the proxy-headers middleware, the app's outer layers, two logger lookups and an
+`asyncio.Event` per request) is paid once per new stream. Our protocol
 (`connection.StreamingProtocol`) hands a hot route's request to `DirectRoutes.serve` with this
-cycle's `receive` and `send`: the same ASGI messages, bodies and keep-alive bookkeeping as
-uvicorn's (it is uvicorn's class, pinned at 0.54), built and run with less.
+cycle's `receive` and `send`: uvicorn's own (it is uvicorn's class, pinned at 0.54), so the
+ASGI messages, bodies and keep-alive bookkeeping are the same; only the set-up is lighter.
 """
 
 from __future__ import annotations
