@@ -2,8 +2,8 @@
 every ASGI app.
 
 The streaming routes are the server's hot path, and each of uvicorn's per-request layers
-(the proxy-headers middleware, the app's outer layers, two logger lookups and an
-`asyncio.Event` per request) is paid once per new stream. Our protocol
+(the proxy-headers middleware, the app's outer layers and their dispatch, an `asyncio.Event`
+per request) is paid once per new stream. Our protocol
 (`connection.StreamingProtocol`) hands a hot route's request to `DirectRoutes.serve` with this
 cycle's `receive` and `send`: uvicorn's own (it is uvicorn's class, pinned at 0.54), so the
 ASGI messages, bodies and keep-alive bookkeeping are the same; only the set-up is lighter.
@@ -77,8 +77,8 @@ class DirectCycle(RequestResponseCycle):
         keep_alive: bool,
         on_response: Callable[[], None],
     ) -> None:
-        # uvicorn's __init__, with its loggers shared, no access log (ours is off) and no
-        # `expect: 100-continue` (such a request goes the ASGI way).
+        # uvicorn's __init__, with no access log (ours is off), no `expect: 100-continue`
+        # (such a request goes the ASGI way) and a lighter arrival flag.
         self.scope = scope  # type: ignore[assignment]
         self.transport = transport
         self.flow = flow
