@@ -218,7 +218,6 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         starlette = create_app(settings)
         outer = asgi_app(starlette)
         app = _WatchStartup(outer)
-        StreamingProtocol.direct = direct_routes(outer)
     except Exception as exc:
         _startup_failed(settings, exc)
     uvicorn_log = logging.getLogger("uvicorn")
@@ -242,6 +241,8 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
     )
+    # Our config sets neither `root_path` nor `limit_concurrency`, which the direct path skips.
+    StreamingProtocol.direct = direct_routes(outer)
     _tune_gc()
     try:
         _Server(config, url, starlette.state.gateway, settings.drain_timeout_s).run(sockets=[sock])

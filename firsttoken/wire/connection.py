@@ -6,6 +6,7 @@ import asyncio
 import collections
 import socket
 import time
+from functools import partial
 from typing import Any, ClassVar, Protocol
 
 from starlette.types import Scope, Send
@@ -73,7 +74,8 @@ class StreamingProtocol(HttpToolsProtocol):
     # Slots for ours: uvicorn's attributes fill the instance dict's shared keys, and one more
     # turned it into a table of its own (~1.5 KiB per connection).
     __slots__ = ("_head_bytes", "_header_timer", "listener")
-    # Set by the server when nothing must wrap the app's hot routes (CORS does).
+    # Set by the server when nothing must wrap the app's hot routes (CORS does) and uvicorn
+    # would add nothing to them (no `root_path`, no `limit_concurrency`).
     direct: ClassVar[DirectRoutes | None] = None
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
@@ -152,13 +154,9 @@ class StreamingProtocol(HttpToolsProtocol):
         if current is not None and not current.response_complete:
             return False
         parser = self.parser
-        if (
-            self.expect_100_continue
-            or parser.should_upgrade()
-            or parser.get_http_version() != "1.1"
-            or self.limit_concurrency is not None
-            or self.root_path
-        ):
+        if self.expect_100_continue or parser.should_upgrade():
+            return False
+        if parser.get_http_version() != "1.1":
             return False
         raw_path, _, query = self.url.partition(b"?")
         if raw_path[:1] != b"/" or b"%" in raw_path or not raw_path.isascii():
@@ -182,8 +180,8 @@ class StreamingProtocol(HttpToolsProtocol):
             self.on_response_complete,
         )
         self.cycle = cycle  # type: ignore[assignment]
-        serve = _Served(direct, route)
-        task = self.loop.create_task(cycle.run_asgi(serve))  # type: ignore[arg-type]
+        serve = partial(direct.serve, route)  # the ASGI app the cycle runs
+        task = self.loop.create_task(cycle.run_asgi(serve))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
         return True
@@ -221,19 +219,6 @@ class StreamingProtocol(HttpToolsProtocol):
         self._header_timer = None
         if not self.transport.is_closing():
             self.transport.close()
-
-
-class _Served:
-    """`DirectRoutes.serve` for one route, as the ASGI app uvicorn's cycle runs."""
-
-    __slots__ = ("direct", "route")
-
-    def __init__(self, direct: DirectRoutes, route: Any) -> None:
-        self.direct = direct
-        self.route = route
-
-    def __call__(self, scope: Scope, receive: Any, send: Send) -> Any:
-        return self.direct.serve(self.route, scope, receive, send)
 
 
 def lean_event(event: asyncio.Event) -> None:
