@@ -56,6 +56,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         max_events=settings.resume_max_events,
         max_connections=settings.redis_max_connections,
         cluster=settings.redis_cluster,
+        flush_interval_s=settings.redis_flush_ms / 1000,
+        durable=settings.durable,
     )
     registry = StreamRegistry(
         engine,
@@ -81,6 +83,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     gw = Gateway(
         settings=settings, engine=engine, registry=registry, metrics=metrics, admission=admission
     )
+    registry.reopen = gw.reopen
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:

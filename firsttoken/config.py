@@ -311,6 +311,24 @@ class Settings:
         range=Range(2),
         needs=(REDIS,),
     )
+    takeover_max_bytes: int = _knob(
+        1 << 20,
+        "Redis mode: a stream's request is stored with it, so that another instance can take "
+        "the stream over, up to this many bytes (a larger one is not taken over)",
+        needs=(REDIS,),
+    )
+    durable: bool = _knob(
+        False,
+        "Redis mode: an event reaches readers only once Redis confirmed it, so every takeover "
+        "is exact (1/true/yes or 0/false/no; the bare flag: on)",
+        needs=(REDIS,),
+    )
+    redis_flush_ms: float = _knob(
+        50.0,
+        "Redis mode: a stream's new events go to Redis at most this often, as one write",
+        range=Range(1, 1000),
+        needs=(REDIS,),
+    )
     api_keys: str | None = _knob(None, "API keys file (default: open server)", check=_existing_file)
     heartbeat_s: float = _knob(
         15.0,

@@ -12,7 +12,7 @@ import asyncio
 import sys
 from bisect import bisect_left
 from collections.abc import Callable
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 
 __all__ = ["Event", "EventLog", "LogReader", "ResumeExpired"]
 
@@ -45,6 +45,10 @@ class LogReader(Protocol):
 
     def catch_up(self) -> None: ...
 
+    def move_to(self, stream: Any) -> None:
+        """Read another stream's log from this reader's cursor on (a takeover)."""
+        ...
+
 
 class EventLog:
     """Events numbered 1, 2, 3...; the oldest are dropped past `max_events`."""
@@ -59,6 +63,7 @@ class EventLog:
         "capacity",
         "closed",
         "last_seq",
+        "limit",
         "on_append",
         "on_room",
         "readers",
@@ -85,6 +90,9 @@ class EventLog:
         self.on_room: Callable[[], None] | None = None  # the producer, paused for room
         self._waiters: list[asyncio.Future[None]] | None = None  # made by the first wait()
         self.last_seq = 0
+        # `--durable`: readers see events up to this seq only (what Redis confirmed); None:
+        # every event, as it is appended.
+        self.limit: int | None = None
         self.closed = False
         self._corked = False
         # Called by the next append, once: the Redis store learns that a stream has events
@@ -120,7 +128,7 @@ class EventLog:
         if self.on_append is not None:
             notify, self.on_append = self.on_append, None
             notify()
-        if not self._corked:
+        if not self._corked and self.limit is None:
             for reader in self.readers:
                 reader.deliver(seq, wire, tokens)
         if self._waiters:
@@ -139,6 +147,19 @@ class EventLog:
         (the last token with the closing events)."""
         self._corked = True
 
+    def hold(self, seq: int) -> None:
+        """Show readers the events up to `seq` only, from now on (`--durable`: what Redis
+        confirmed); raising it writes the newly confirmed events to the caught-up readers."""
+        if self.limit is not None and seq <= self.limit:
+            return
+        self.limit = seq
+        if self._corked:
+            return
+        for reader in list(self.readers):
+            reader.catch_up()
+            if self.closed:
+                reader.log_closed()
+
     def uncork(self) -> None:
         self._corked = False
         for reader in list(self.readers):
@@ -148,14 +169,15 @@ class EventLog:
 
     def after(self, seq: int, limit: int | None = None) -> list[Event]:
         """Events with a sequence number above `seq` (none if the reader is caught up)."""
-        if seq >= self.last_seq:
+        last = self.last_seq if self.limit is None else min(self.limit, self.last_seq)
+        if seq >= last:
             return []
         first = self.first_seq
         if seq + 1 < first:
             raise ResumeExpired(f"events up to {first - 1} are no longer kept")
         start = seq + 1 - first
         offset = first - self._wires_seq  # events kept past the bound until the next trim
-        count = self.last_seq - first + 1
+        count = last - first + 1
         stop = count if limit is None else min(count, start + limit)
         wires = self._wires
         counts = self._counts_between(first + start, first + stop)
@@ -238,10 +260,15 @@ class EventLog:
 
     def has_room(self) -> bool:
         readers = self.readers
+        last = self.last_seq
+        if self.limit is not None:  # readers are judged on what they may read
+            if last - self.limit >= self.capacity:
+                return False
+            last = self.limit
         if len(readers) == 1:
-            return self.last_seq - readers[0].cursor < self.window
+            return last - readers[0].cursor < self.window
         if readers:
-            return self.last_seq - min(r.cursor for r in readers) < self.window
+            return last - min(r.cursor for r in readers) < self.window
         # Nobody reading (the grace window): generate into the buffer until it is full.
         return self.last_seq - self._floor < self.capacity
 

@@ -131,6 +131,9 @@ class Metrics:
         self.memory_rss_bytes = 0
         self.readers_paused = 0  # writers whose socket is full (the transport paused them)
         self.readers_stalled = 0  # readers cut off for taking no bytes for --send-timeout-s
+        # Redis mode: streams of gone instances continued here, or not (and why).
+        self.takeovers = dict.fromkeys(("continued", "lost", "refused"), 0)
+        self.streams_moved = 0  # streams this instance let another continue
         # Tokens by (key name, kind): bounded, since names come from the keys file only.
         self.key_tokens: dict[tuple[str, str], int] = {}
         self.tokens_generated = tokens_generated
@@ -213,6 +216,21 @@ class Metrics:
             "firsttoken_readers_stalled",
             "Readers cut off for taking no bytes for --send-timeout-s.",
             self.readers_stalled,
+        )
+        yield _labelled(
+            CounterMetricFamily,
+            "firsttoken_takeovers",
+            "Streams of gone instances read here: continued here, lost (a reader had seen "
+            "more than the store held), refused (not to be taken over).",
+            "outcome",
+            self.takeovers,
+        )
+        yield _one(
+            CounterMetricFamily,
+            "firsttoken_streams_moved",
+            "Streams this instance stopped generating for another to continue (a hand-over "
+            "at shutdown, or a takeover of a stream it still generated).",
+            self.streams_moved,
         )
         per_key = CounterMetricFamily(
             "firsttoken_key_tokens",

@@ -4,6 +4,7 @@ and open a bounded number of connections however many calls are in flight."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -18,6 +19,7 @@ __all__ = [
     "POOL_WAIT_S",
     "REDIS_DOWN",
     "AnyRedis",
+    "Liveness",
     "pack",
     "redis_client",
     "resp_arg",
@@ -165,3 +167,65 @@ async def roundtrip(client: Redis, commands: list[bytes], replies: int) -> list[
         raise
     finally:
         await pool.release(conn)
+
+
+class Liveness:
+    """A key that lives `ttl_ms` and is written again every `every_s` by a thread with its
+    own connection, while this process runs: another instance reads its absence as this one
+    being gone. A thread, not a task: an event loop busy for a second (a burst, a collector
+    pass) must not look like a dead process; a stopped or killed one does."""
+
+    def __init__(
+        self, url: str, key: str, *, cluster: bool, ttl_ms: int = 1200, every_s: float = 0.2
+    ) -> None:
+        self.url = url
+        self.key = key
+        self.cluster = cluster
+        self.ttl_ms = ttl_ms
+        self.every_s = every_s
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._stop.clear()
+        self._thread = threading.Thread(target=self._run, name="redis-liveness", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop writing and delete the key (blocking: run it in a thread from async code)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None
+
+    def _client(self) -> Any:
+        import redis
+        import redis.cluster
+
+        timeouts = {"socket_timeout": 0.5, "socket_connect_timeout": 0.5}
+        if self.cluster:
+            return redis.cluster.RedisCluster.from_url(self.url, **timeouts)
+        return redis.Redis.from_url(self.url, **timeouts)
+
+    def _run(self) -> None:
+        client = None
+        while True:
+            try:
+                if client is None:
+                    client = self._client()
+                if self._stop.is_set():
+                    client.delete(self.key)
+                    break
+                client.set(self.key, 1, px=self.ttl_ms)
+            except Exception:  # Redis away (or the cluster reconfiguring): try again
+                if client is not None:
+                    try:
+                        client.close()
+                    except Exception:
+                        pass
+                    client = None
+                if self._stop.is_set():
+                    break
+            self._stop.wait(self.every_s)
+        if client is not None:
+            client.close()

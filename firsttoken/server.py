@@ -36,6 +36,12 @@ class _Server(uvicorn.Server):
     running streams go on for up to `drain_timeout_s`; what still runs then ends with
     `event: error` `server_shutdown` (never a bare close), and uvicorn's own shutdown follows.
     A second signal cuts the drain short.
+
+    With a shared store (Redis) the drain hands over instead of waiting: every stream another
+    instance can continue stops here at once (`StreamRegistry.move_all`), its readers get
+    what was generated and reconnect, and the instance their reconnect reaches goes on with
+    it once this one has written its last events and deleted its liveness key (on its way
+    out, within a second or two).
     """
 
     def __init__(
@@ -47,6 +53,7 @@ class _Server(uvicorn.Server):
         self.drain_timeout_s = drain_timeout_s
         self._drain_deadline: float | None = None
         self._ending = False
+        self._hand_over = False  # streams go to other instances at the next tick
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets)
@@ -65,6 +72,8 @@ class _Server(uvicorn.Server):
             return
         self._drain_deadline = time.monotonic() + self.drain_timeout_s
         gw.admission.shedder.draining = True
+        # In the loop's own time, not in this signal handler (it interrupts any code).
+        self._hand_over = gw.registry.store.replicates
         log_event(
             "drain.start",
             signal=signal.Signals(sig).name,
@@ -75,6 +84,9 @@ class _Server(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         deadline = self._drain_deadline
         if deadline is not None and self.gateway is not None:
+            if self._hand_over:
+                self._hand_over = False
+                log_event("drain.hand_over", streams=self.gateway.registry.move_all())
             if self._ending:
                 self.should_exit = True  # the ended streams had a tick to write their end
             elif self.gateway.metrics.active_streams == 0 or time.monotonic() >= deadline:

@@ -158,6 +158,13 @@ class Admission:
             )
         return key
 
+    def key_named(self, name: str) -> ApiKey | None:
+        """The key a stream was admitted for, by name (a takeover continues it under the same
+        key's limits); None when this instance has no such key."""
+        if self.keys is None:
+            return _OPEN if name == "" else None
+        return self.keys.named(name)
+
     async def admit(
         self, key: ApiKey, prompt_tokens: int = 0, max_tokens: int | None = None
     ) -> Ticket:

@@ -97,6 +97,10 @@ class KeyRing:
     def find(self, secret: str) -> ApiKey | None:
         return self._by_digest.get(_digest(secret))
 
+    def named(self, name: str) -> ApiKey | None:
+        """The key of that name (a stream taken over carries its key's name, not its secret)."""
+        return next((k for k in self._by_digest.values() if k.name == name), None)
+
     def names(self) -> list[str]:
         """Every key's name, once each, in the file's order (the bounded label set)."""
         return list(dict.fromkeys(k.name for k in self._by_digest.values()))

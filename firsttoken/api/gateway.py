@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
+import orjson
 from pydantic import BaseModel
 from starlette.requests import Request
 
@@ -19,13 +20,23 @@ from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Renderer, Stream
+from firsttoken.core.stream import Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, key_label, log_event
+from firsttoken.resume import Claim
+from firsttoken.routes.splice import Transcript, continuation
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
+from firsttoken.wire.render import (
+    ChatRenderer,
+    CompletionRenderer,
+    NativeRenderer,
+    decode_delta,
+    renderer_from_spec,
+)
+from firsttoken.wire.sse import EventDecoder
 
 __all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id", "traceparent"]
 
@@ -34,6 +45,9 @@ B = TypeVar("B", bound=BaseModel)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+# The formats another instance can go on with: they keep no state past their first event.
+# (The Responses API and Messages number their events and blocks: not taken over yet.)
+_TAKEOVER_RENDERERS = (NativeRenderer, ChatRenderer, CompletionRenderer)
 
 
 @dataclass(slots=True)
@@ -79,9 +93,12 @@ class Gateway:
         coalesce: Coalesce,
         meta: bool,
         traceparent: str | None = None,
+        takeover: bool = True,
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings;
-        `traceparent` (the client's) goes with the request, to its span and its upstream."""
+        `traceparent` (the client's) goes with the request, to its span and its upstream.
+        With a shared store, what another instance needs to continue it goes with it
+        (`takeover`: False for a whole answer, which nobody could resume)."""
         s = self.settings
         if traceparent is not None:
             generation = replace(generation, traceparent=traceparent)
@@ -113,7 +130,108 @@ class Gateway:
         stream.coalesce = self.coalesce_policy(coalesce)
         if meta:
             stream.meta_interval_s = s.meta_interval_ms / 1000
+        if takeover and self.registry.store.replicates:
+            stream.handover = self._handover(stream, generation)
         return stream
+
+    def _handover(self, stream: Stream, generation: GenerationRequest) -> bytes | None:
+        """The stream's request, key, format and settings, as another instance rebuilds it
+        (`reopen`); None when it cannot be taken over (its format, or over
+        --takeover-max-bytes)."""
+        renderer = stream.renderer
+        if not isinstance(renderer, _TAKEOVER_RENDERERS):
+            return None
+        g = generation
+        coalesce = stream.coalesce
+        spec = {
+            "request": {
+                "prompt": g.prompt,
+                "model": g.model,
+                "max_tokens": g.max_tokens,
+                "seed": g.seed,
+                "temperature": g.temperature,
+                "stop": g.stop,
+                "messages": g.messages,
+                "body": g.body,
+                "options": g.options,
+                "tenant": g.tenant,
+            },
+            "renderer": renderer.spec(),
+            "prompt_tokens": stream.prompt_tokens,
+            "grace_s": stream.grace_s,
+            "coalesce": None
+            if coalesce is None
+            else {"max_wait_s": coalesce.max_wait_s, "max_bytes": coalesce.max_bytes},
+            "meta_interval_s": stream.meta_interval_s,
+        }
+        try:
+            handover = orjson.dumps(spec)
+        except TypeError:  # an option no JSON can hold: the stream stays where it is
+            return None
+        return handover if len(handover) <= self.settings.takeover_max_bytes else None
+
+    async def reopen(
+        self, claim: Claim, mirror: Stream
+    ) -> tuple[Stream, GenerationRequest | None, int]:
+        """A stream another instance started, as it was there (`_handover`), with the events
+        the store holds in its log, admitted here under its key; the request that continues
+        it from the text those events carry (a splice: None when its max_tokens is spent),
+        and the tokens generated before. What the registry continues when it takes the
+        stream over."""
+        spec = orjson.loads(claim.handover)
+        r = spec["request"]
+        key = self.admission.key_named(r["tenant"])
+        if key is None:
+            raise EngineError("key_unknown", f"no key {r['tenant']!r} on this instance")
+        if r["model"] not in self.engine.models:
+            raise EngineError("model_not_found", f"this instance does not serve {r['model']!r}")
+        generation = GenerationRequest(
+            request_id=mirror.id,
+            prompt=r["prompt"],
+            model=self.engine.models[self.engine.models.index(r["model"])],
+            max_tokens=r["max_tokens"],
+            seed=r["seed"],
+            temperature=r["temperature"],
+            stop=tuple(r["stop"]),
+            messages=tuple(r["messages"]) if r["messages"] is not None else None,
+            body=r["body"],
+            options=r["options"],
+            tenant=key.name,
+            priority=key.priority,
+            weight=key.weight,
+        )
+        s = self.settings
+        stream = Stream(
+            generation,
+            renderer_from_spec(spec["renderer"]),
+            kind=mirror.kind,
+            trace_id=mirror.trace_id,
+            grace_s=spec["grace_s"],
+            prompt_tokens=spec["prompt_tokens"],
+            max_events=s.resume_max_events,
+            accepted_at=time.perf_counter(),
+            window=s.stream_buffer_events,
+        )
+        stream.resume_token = ""  # only its digest travels
+        stream.token_digest = mirror.token_digest
+        if spec["coalesce"] is not None:
+            stream.coalesce = CoalescePolicy(**spec["coalesce"])
+        stream.meta_interval_s = spec["meta_interval_s"]
+        stream.handover = claim.handover
+        transcript = _replay(stream, claim.events, spec["renderer"]["format"])
+        why = transcript.why_not() if transcript.tokens else None
+        if why is not None:
+            raise EngineError("cannot_continue", why)
+        following = continuation(generation, transcript) if transcript.tokens else generation
+        remaining = following.max_tokens if following is not None else 0
+        try:
+            ticket = await self.admission.admit(key, 0, remaining)
+        except APIError as exc:
+            raise EngineError(exc.code, exc.message) from None
+        stream.ticket = ticket
+        ticket.prompt_tokens = spec["prompt_tokens"]
+        ticket.own_latency = sets_own_latency(generation.options)
+        return stream, following, transcript.tokens
 
     def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:
         """Refuse before the first byte what the engine can tell at once it would fail (a
@@ -216,3 +334,29 @@ def traceparent(request: Request) -> str | None:
 def new_stream_id() -> str:
     # 128 random bits: stream ids cannot be guessed or enumerated.
     return secrets.token_hex(16)
+
+
+def _replay(stream: Stream, events: list[tuple[int, bytes, int]], format: str) -> Transcript:
+    """Fill a taken-over stream's log with the events the store held, and read back what they
+    carry: the answer's text to continue from and the tokens generated (its `carried`
+    usage, billed where they were made)."""
+    log = stream.log
+    transcript = Transcript()
+    completion = reasoning = 0
+    decoder = EventDecoder()
+    for _, wire, tokens in events:
+        log.append(wire, tokens)
+        for event in decoder.feed(wire):
+            delta = decode_delta(format, event.event, (event.data or "").encode())
+            if delta is None:
+                continue
+            transcript.add(delta)
+            completion += tokens or 1
+            reasoning += 1 if delta.reasoning else 0
+    transcript.tokens = completion  # a coalesced event carries several tokens
+    stream.tokens_generated = completion
+    stream.reasoning_tokens = reasoning
+    stream.carried = Usage(stream.prompt_tokens, completion, reasoning)
+    if completion:
+        stream.first_token_at = stream.accepted_at  # its first token was the other instance's
+    return transcript

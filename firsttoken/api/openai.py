@@ -114,6 +114,7 @@ async def _serve(
         coalesce=coalesce,
         meta=bool(options and options.meta),
         traceparent=traceparent(request),
+        takeover=body.stream,
     )
     if not body.stream:
         return await _complete(gw, request, stream, chunk_id, created, chat, trace)

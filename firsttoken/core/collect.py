@@ -71,6 +71,11 @@ class Collector:
         if not self._closed.done():
             self._closed.set_result(None)
 
+    def move_to(self, stream: Stream) -> None:
+        self.stream = stream
+        stream.log.attach(self)
+        self.catch_up()
+
     def catch_up(self) -> None:
         for event in self.stream.log.after(self.cursor):  # what a corked append held back
             self.deliver(*event)

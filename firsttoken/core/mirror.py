@@ -3,21 +3,28 @@
 Its producer is not an engine but a tail of the shared store (Redis): the events the owner
 replicates are appended to the mirror's own log, and this instance's readers read that log as
 they read any other. It knows the resume token only by its digest, and cancelling it asks the
-owner through the store.
+owner through the store. When the owner is gone, the tail asks the registry to take the stream
+over, which hands the mirror's readers to the stream it continues here.
 """
 
 from __future__ import annotations
 
 import hmac
 import time
+from collections.abc import Awaitable, Callable
 
 import anyio
 
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines.base import EngineError, GenerationRequest
-from firsttoken.resume import EventStore, StreamRecord, token_digest
+from firsttoken.resume import EventStore, Orphan, StreamRecord, token_digest
+from firsttoken.resume.tailer import fail
 
-__all__ = ["Mirror"]
+__all__ = ["Mirror", "TakeOver"]
+
+# The registry's: True once the mirror's readers have their answer, False to follow again.
+TakeOver = Callable[["Mirror", Orphan], Awaitable[bool]]
+_FOLLOW_AGAIN_S = 5.0  # how long a takeover may find the stream nowhere before it is lost
 
 
 class Mirror(Stream):
@@ -51,9 +58,9 @@ class Mirror(Stream):
         if self.generation is not None:
             self.generation.cancel()
 
-    def follow(self, store: EventStore, after: int) -> _Tail:
+    def follow(self, store: EventStore, after: int, take_over: TakeOver | None = None) -> _Tail:
         """The producer: a tail of the store from `after`, run by the caller's task group."""
-        tail = _Tail(self, store, after)
+        tail = _Tail(self, store, after, take_over)
         self.generation = tail
         return tail
 
@@ -61,16 +68,32 @@ class Mirror(Stream):
 class _Tail:
     """The mirror's producer (a `Generation`): it has no pace to pause, only an end."""
 
-    def __init__(self, mirror: Mirror, store: EventStore, after: int) -> None:
+    def __init__(
+        self, mirror: Mirror, store: EventStore, after: int, take_over: TakeOver | None
+    ) -> None:
         self.mirror = mirror
         self.store = store
         self.after = after
+        self.take_over = take_over
         self.scope = anyio.CancelScope()
 
     async def run(self) -> None:
         log = self.mirror.log
         with self.scope:
-            await self.store.tail(self.mirror.id, self.after, log)
+            since: float | None = None
+            while True:
+                orphan = await self.store.tail(self.mirror.id, self.after, log)
+                if orphan is None or self.take_over is None or log.closed:
+                    break
+                if await self.take_over(self.mirror, orphan):
+                    return  # its readers read the stream continued here (or were told)
+                # Another instance has it, or the store could not say: follow it again.
+                now = time.monotonic()
+                since = since or now
+                if now - since > _FOLLOW_AGAIN_S:
+                    fail(log, "stream_lost", "the instance generating this stream is gone")
+                    break
+                await anyio.sleep(0.05)
         if not log.closed:
             log.close()
 

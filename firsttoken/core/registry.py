@@ -2,6 +2,14 @@
 
 It owns the one task group of the data plane: the pull tasks of iterator engines, the tails
 of mirrors, ticket releases and the expiry sweep. Everything per token happens in `Stream`.
+
+With a shared store (Redis) a stream outlives the instance that generates it. A reader here
+of a stream whose owner is gone takes it over (`_take_over`): the store's claim makes this
+instance the owner (one wins), the stream is rebuilt from the request stored with it
+(`reopen`, the API's) and the events the store holds, and generation goes on from exactly the
+text sent: a splice (`routes/splice.py`) onto this instance's engine. The other side: a
+stream this instance generates is `move`d, not ended, when it hands its streams over at
+shutdown or learns another instance took it over (`_on_fenced`).
 """
 
 from __future__ import annotations
@@ -20,7 +28,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
-from firsttoken.engines.base import Engine, EngineError, GenerationRequest, delivers_steps
+from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest, delivers_steps
 from firsttoken.observability import (
     LOOP_LAG_SAMPLE_S,
     Metrics,
@@ -28,10 +36,17 @@ from firsttoken.observability import (
     log_enabled,
     log_event,
 )
-from firsttoken.resume import EventStore, MemoryStore
+from firsttoken.resume import Claim, EventStore, MemoryStore, Orphan
 from firsttoken.resume.budget import ResumeBudget
+from firsttoken.resume.tailer import fail
 
-__all__ = ["StreamRegistry", "StreamTracer"]
+__all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
+
+# The API's half of a takeover: the stream as it was (request, key, format) from what the
+# store kept, its log holding those events, admitted here; and the request that continues
+# it from the text they carry (None: the answer is complete), and the tokens already
+# generated. Raises EngineError to refuse.
+Reopen = Callable[[Claim, Stream], Awaitable[tuple[Stream, GenerationRequest | None, int]]]
 
 
 class StreamTracer(Protocol):
@@ -117,6 +132,7 @@ class StreamRegistry:
         self.max_response_bytes: int | None = None  # --max-response-bytes: a whole answer's
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
+        self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
         self._expiry: deque[tuple[float, str]] = deque()
@@ -139,6 +155,7 @@ class StreamRegistry:
                 self.schedule.sample_lag(LOOP_LAG_SAMPLE_S, self.metrics.loop_lag.observe)
                 tg.start_soon(self._sweep)
                 tg.start_soon(self._spawner)
+                self.store.on_fenced = self._on_fenced
                 await tg.start(self.store.run, self._on_remote_cancel)
                 task_status.started()
                 await anyio.sleep_forever()
@@ -156,9 +173,124 @@ class StreamRegistry:
         return Mirror(record, max_events=self.max_events)
 
     async def tail(self, mirror: Mirror, after: int) -> None:
-        """Start filling a mirror from the store; it stops when its reader leaves."""
+        """Start filling a mirror from the store; it stops when its reader leaves, and takes
+        the stream over when its owner is gone."""
         assert self._tg is not None
-        self._tg.start_soon(mirror.follow(self.store, after).run)
+        self._tg.start_soon(mirror.follow(self.store, after, self._take_over).run)
+
+    # -- takeovers -------------------------------------------------------------------------
+
+    async def _take_over(self, mirror: Mirror, orphan: Orphan) -> bool:
+        """The owner of the stream `mirror` reads is gone: continue it here, or hand its
+        readers to this instance's copy of it. True once the mirror's readers have their
+        answer (continued, or told it is lost); False: follow the stream again (another
+        instance has it, or the store could not say)."""
+        local = self._streams.get(mirror.id)
+        if local is None:
+            if self.reopen is None:
+                return self._lost(mirror, "refused", "the instance generating it is gone")
+            # Once claimed, the stream is this instance's to continue even if its reader
+            # leaves meanwhile (the grace then ends it): never claimed and left standing.
+            with anyio.CancelScope(shield=True):
+                claim = await self.store.claim(mirror.id, orphan.owner, mirror.log.last_seq)
+                local = await self._continue(claim, mirror) if isinstance(claim, Claim) else None
+            if not isinstance(claim, Claim):
+                if claim in ("moved", "ended"):
+                    return False
+                if claim == "lost":
+                    return self._lost(
+                        mirror,
+                        "lost",
+                        "the instance generating this stream is gone, and the shared store "
+                        "lacks events this reader was sent",
+                    )
+                if claim == "refused":
+                    return self._lost(mirror, "refused", "the instance generating it is gone")
+                return False  # "gone": the store lost its meta, or was unreachable
+            if local is None:
+                return True
+        elif local.outcome is Outcome.MOVED:
+            return False
+        self._hand_readers(mirror, local)
+        return True
+
+    def _lost(self, mirror: Mirror, outcome: str, message: str) -> bool:
+        self.metrics.takeovers[outcome] += 1
+        log = mirror.log
+        if not log.closed:
+            fail(log, "stream_lost", message)
+        log_event("stream.takeover_failed", stream=mirror.id, outcome=outcome, reason=message)
+        return True
+
+    async def _continue(self, claim: Claim, mirror: Mirror) -> Stream | None:
+        """This instance now owns the stream: rebuild it from what the store holds and go on
+        generating from exactly the text its readers were sent."""
+        assert self.reopen is not None
+        try:
+            stream, following, at_token = await self.reopen(claim, mirror)
+        except EngineError as exc:
+            self._lost(mirror, "refused", f"the stream could not be taken over: {exc.message}")
+            return None
+        request = stream.request
+        stream.delivered_seq = mirror.delivered_seq
+        stream.tokens_sent = mirror.tokens_sent
+        stream.last_content_at = mirror.last_content_at
+        self._register(stream)
+        self.store.adopt(stream.record(), self.ttl_s, stream.log, claim.fence)
+        self.metrics.takeovers["continued"] += 1
+        to = self.store.instance
+        log_event(
+            "stream.taken_over",
+            stream=stream.id,
+            trace_id=stream.trace_id,
+            key=key_label(request.tenant),
+            owner=claim.owner,
+            to=to,
+            at_token=at_token,
+            fence=claim.fence,
+        )
+        stream.push_delta(
+            Delta(meta={"takeover": {"from": claim.owner, "to": to, "at_token": at_token}})
+        )
+        if following is None:  # cut exactly at its max_tokens: it is complete
+            stream.finish("length")
+            return stream
+        try:
+            self._launch(stream, following)
+        except EngineError as exc:
+            stream.fail(exc)
+        except Exception as exc:
+            log_event("stream.open_failed", logging.ERROR, stream=stream.id, error=repr(exc))
+            stream.fail(EngineError("internal_error", "the engine failed to continue this stream"))
+        finally:
+            stream.request = request.without_inputs()
+        return stream
+
+    def _hand_readers(self, mirror: Mirror, stream: Stream) -> None:
+        """The mirror's readers read `stream` from now on, from where each one is."""
+        for reader in list(mirror.log.readers):
+            mirror.log.detach(reader)
+            mirror.readers -= 1
+            reader.move_to(stream)
+        if stream.readers == 0 and stream.outcome is None:
+            self._schedule_abandon(stream)
+
+    def _on_fenced(self, stream_id: str) -> None:
+        """Another instance took over a stream this one still generates (this one was
+        paused, or cut off from the store): stop, and let its readers go there."""
+        stream = self._streams.get(stream_id)
+        if stream is not None and stream.outcome is None:
+            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id)
+            stream.move()
+
+    def move_all(self) -> int:
+        """Hand every live stream that another instance can continue over to it (a shutdown
+        with a shared store): their engines stop, their readers get what was generated and
+        come back elsewhere. Returns how many were moved."""
+        moving = [s for s in self._streams.values() if s.outcome is None and s.handover]
+        for stream in moving:
+            stream.move()
+        return len(moving)
 
     async def cancel(self, stream: Stream) -> str:
         if isinstance(stream, Mirror):
@@ -178,12 +310,7 @@ class StreamRegistry:
         active gauge, store registration) and counts `error`. Returns that error (a handler
         that has sent nothing yet answers it as JSON), or None."""
         assert self._tg is not None, "registry is not running"
-        self._streams[stream.id] = stream
-        self.metrics.active_streams += 1
-        stream.on_end = self._on_end
-        stream.on_first_token = self._on_first_token
-        if self.tracer is not None:
-            self.tracer.started(stream)
+        self._register(stream)
         request = stream.request
         try:
             if self.store.replicates:
@@ -199,12 +326,7 @@ class StreamRegistry:
                     max_tokens=request.max_tokens,
                 )
             stream.begin()
-            if self._steps:
-                stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
-            else:
-                pulled = _Pulled(self.engine, stream, request)
-                stream.generation = pulled
-                self._tg.start_soon(pulled.run)
+            self._launch(stream, request)
             if self.store.replicates:
                 # Findable on other instances before its id is handed out; the engine is
                 # already on its way, so the round trip is not added to the first token.
@@ -233,6 +355,24 @@ class StreamRegistry:
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
         return None
+
+    def _register(self, stream: Stream) -> None:
+        self._streams[stream.id] = stream
+        self.metrics.active_streams += 1
+        stream.on_end = self._on_end
+        stream.on_first_token = self._on_first_token
+        if self.tracer is not None:
+            self.tracer.started(stream)
+
+    def _launch(self, stream: Stream, request: GenerationRequest) -> None:
+        """The engine starts on `request`, with `stream` as its sink."""
+        assert self._tg is not None
+        if self._steps:
+            stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
+        else:
+            pulled = _Pulled(self.engine, stream, request)
+            stream.generation = pulled
+            self._tg.start_soon(pulled.run)
 
     def forget(self, stream: Stream) -> None:
         """Drop an ended stream nobody can ask for (it failed before its id was handed out)."""
@@ -339,6 +479,9 @@ class StreamRegistry:
         outcome = stream.outcome
         assert outcome is not None
         self.metrics.active_streams -= 1
+        if outcome is Outcome.MOVED:
+            self._moved(stream)
+            return
         self.metrics.streams[outcome.value] += 1
         if self.tracer is not None:
             self.tracer.ended(stream)
@@ -353,7 +496,27 @@ class StreamRegistry:
         if stream.ticket is not None:
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
-            self._spawn(self._release, stream.ticket, outcome, stream.usage(), inline=True)
+            self._spawn(self._release, stream.ticket, outcome, _own_usage(stream), inline=True)
+
+    def _moved(self, stream: Stream) -> None:
+        """Another instance goes on with it: nothing ends in the store, and this instance
+        forgets it at once (a reader back here finds the store's, and follows that)."""
+        self.metrics.streams_moved += 1
+        if self.tracer is not None:
+            self.tracer.ended(stream)
+        self.store.let_go(stream.id, flush=True)
+        if self._streams.get(stream.id) is stream:
+            del self._streams[stream.id]
+        log_event(
+            "stream.moved",
+            stream=stream.id,
+            trace_id=stream.trace_id,
+            key=key_label(stream.request.tenant),
+            tokens_generated=stream.tokens_generated,
+        )
+        if stream.ticket is not None:
+            usage = _own_usage(stream)
+            self._spawn(self._release, stream.ticket, Outcome.MOVED, usage, inline=True)
 
     def _drop_buffer(self, stream_id: str) -> None:
         """A finished stream's events go before its TTL (the resume budget): it stays known,
@@ -439,3 +602,19 @@ class StreamRegistry:
             self._streams.pop(stream_id, None)
             if self.budget is not None:
                 self.budget.forget(stream_id)
+
+
+def _own_usage(stream: Stream) -> Usage:
+    """What this instance generated of the answer: a stream taken over was billed for its
+    prompt and what came before where it started."""
+    usage = stream.usage()
+    carried = stream.carried
+    if carried is None:
+        return usage
+    return Usage(
+        0,
+        max(0, usage.completion - carried.completion),
+        max(0, usage.reasoning - carried.reasoning),
+        0,
+    )
+

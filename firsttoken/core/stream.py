@@ -39,6 +39,9 @@ class Outcome(StrEnum):
     CANCELLED = "cancelled"
     DISCONNECTED = "disconnected"
     ERROR = "error"
+    # Not an end of the answer: another instance goes on with it (a hand-over at shutdown,
+    # or a takeover this instance learned of late). Counted apart from the others.
+    MOVED = "moved"
 
 
 class Renderer(Protocol):
@@ -119,6 +122,7 @@ class Stream:
         "_template",
         "_token_event",
         "accepted_at",
+        "carried",
         "coalesce",
         "counted",
         "delivered_seq",
@@ -129,6 +133,7 @@ class Stream:
         "first_token_at",
         "generation",
         "grace_s",
+        "handover",
         "id",
         "kind",
         "last_content_at",
@@ -203,6 +208,10 @@ class Stream:
         self._frame: bytes | None = None  # the hot path's per-token template (see begin())
         self._in_text = False  # the last event was answer text (its template is current)
         self._abandon_epoch = 0
+        # Redis mode: what another instance needs to continue this stream (`StreamRecord`).
+        self.handover: bytes | None = None
+        # Taken over: what the instance before generated (its key was billed there).
+        self.carried: Usage | None = None
 
     @property
     def ended(self) -> bool:
@@ -221,11 +230,18 @@ class Stream:
     def check_token(self, token: str | None) -> bool:
         if token is None:
             return False
+        if not self.resume_token:  # taken over: only the digest came with it
+            return hmac.compare_digest(token_digest(token), self.token_digest)
         return hmac.compare_digest(token.encode(), self.resume_token.encode())
 
     def record(self) -> StreamRecord:
         return StreamRecord(
-            self.id, self.kind, self.token_digest, self.trace_id, self.request.model
+            self.id,
+            self.kind,
+            self.token_digest,
+            self.trace_id,
+            self.request.model,
+            self.handover,
         )
 
     # -- the engine's sink -----------------------------------------------------------------
@@ -400,6 +416,25 @@ class Stream:
             return
         self._flush_pending()  # keep what arrived, even before an error
         self._end(Outcome.ERROR, error)
+
+    def move(self) -> None:
+        """Stop generating here without ending the answer: another instance goes on with it
+        from what the shared store holds. Readers get what the log has, then their connection
+        ends without a last event, and they come back with Last-Event-ID."""
+        if self.outcome is not None:
+            return
+        if self.generation is not None:
+            self.generation.cancel()
+        self._flush_pending()
+        if self._flush_timer is not None:
+            self._flush_timer.cancel()
+            self._flush_timer = None
+        self.outcome = Outcome.MOVED
+        self.log.on_room = None
+        self.log.close()
+        if self.on_end is not None:
+            self.on_end(self)
+        self.generation = None
 
     def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
         """Stop generation now; readers still attached learn why (no-op once ended)."""

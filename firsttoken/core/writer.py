@@ -37,7 +37,7 @@ from starlette.types import Receive, Scope, Send
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
-from firsttoken.core.stream import Stream
+from firsttoken.core.stream import Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
@@ -160,6 +160,15 @@ class EventWriter:
         if preamble:
             self._write(preamble)
         self._arm(self.heartbeat_s)
+        self.catch_up()
+
+    def move_to(self, stream: Stream) -> None:
+        """Read `stream` from here on, from this reader's cursor: the stream another
+        instance generated, now continued by this one (a takeover)."""
+        self.stream = stream
+        self.log = stream.log
+        self.registry.attach(stream)
+        stream.log.attach(self)
         self.catch_up()
 
     def hold(self, head: bytes) -> None:
@@ -497,6 +506,12 @@ class EventStreamResponse:
             else:
                 await sent
             if not waited_out:
+                if writer.stream.outcome is Outcome.MOVED:
+                    # Another instance goes on with it: the reader comes back with
+                    # Last-Event-ID on a new connection, not this one (this instance may
+                    # be on its way out).
+                    writer.transport.close()
+                    return
                 schedule, cut = self.registry.schedule, self._stalled_after(scope)
                 _cut_if_unread(writer.transport, schedule, self.send_timeout_s, cut)
                 return

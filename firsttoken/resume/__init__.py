@@ -1,14 +1,23 @@
 """The resume buffer: every event of a stream, kept for readers that come back."""
 
 from firsttoken.eventlog import Event, EventLog, LogReader, ResumeExpired
-from firsttoken.resume.store import EventStore, MemoryStore, StreamRecord, token_digest
+from firsttoken.resume.store import (
+    Claim,
+    EventStore,
+    MemoryStore,
+    Orphan,
+    StreamRecord,
+    token_digest,
+)
 
 __all__ = [
+    "Claim",
     "Event",
     "EventLog",
     "EventStore",
     "LogReader",
     "MemoryStore",
+    "Orphan",
     "ResumeExpired",
     "StreamRecord",
     "open_store",
@@ -17,12 +26,23 @@ __all__ = [
 
 
 def open_store(
-    redis_url: str | None, *, max_events: int, max_connections: int, cluster: bool = False
+    redis_url: str | None,
+    *,
+    max_events: int,
+    max_connections: int,
+    cluster: bool = False,
+    flush_interval_s: float = 0.05,
+    durable: bool = False,
 ) -> EventStore:
     if not redis_url:
         return MemoryStore()
     from firsttoken.resume.redis import RedisStore
 
     return RedisStore(
-        redis_url, max_events=max_events, max_connections=max_connections, cluster=cluster
+        redis_url,
+        max_events=max_events,
+        max_connections=max_connections,
+        cluster=cluster,
+        flush_interval_s=flush_interval_s,
+        durable=durable,
     )

@@ -2,12 +2,16 @@
 
 Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in one slot):
   ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
+                       fence (raised by each takeover; every write of the owner carries it),
+                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`),
                        outcome
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
                        events written since the stream's previous flush; a final
                        `<last seq>-1` entry with `end` closes it
   ft:{g}:<id>:readers  set with a short expiry while another instance has a reader attached
-  ft:instance:<n>      the owner's liveness, refreshed every second
+  ft:instance:<n>      the owner's liveness: lives 1.2 s, rewritten every 0.2 s by a thread of
+                       its own (a busy event loop does not make an owner look dead); deleted
+                       when the instance hands its streams over and exits
   ft:cancel            pub/sub channel: stream ids to stop, heard by the owner
   ft:[{g}:]wake:<n>:<l> a reading instance's wake-ups for its shared tail (`tailer.py`)
 Nothing happens here per token: a stream's log tells the store once that it has new events
@@ -15,7 +19,13 @@ Nothing happens here per token: a stream's log tells the store once that it has 
 `FLUSH_INTERVAL_S`, reading them from the log: one Lua call per flush (per key group on Redis
 Cluster) carries one run per stream and the ends (an `XADD` per token cost 3× the token
 itself), packed here (`redisclient.pack`). A crash of this instance loses at most the events
-of the last interval and the round trip in flight.
+of the last interval and the round trip in flight; `durable`: nothing a reader saw, since its
+events reach readers only once Redis confirmed them.
+
+A stream outlives its owner: a reader here of a stream whose owner's liveness key is gone
+claims it (`claim`: one Lua call on its meta; one instance wins, and the stream's fence goes
+up), and the core continues it from what Redis holds (`core/registry.py`). The old owner, if
+it was only paused or cut off, finds its next write refused (`fenced`) and lets go.
 Reads of other instances' streams go through one shared tail (`Tailer`), whatever their number.
 
 Redis going away never touches a local stream. Each stream this instance owns keeps its
@@ -50,10 +60,17 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.observability import log_event
-from firsttoken.redisclient import REDIS_DOWN, pack, redis_client, resp_arg, roundtrip
+from firsttoken.redisclient import (
+    REDIS_DOWN,
+    Liveness,
+    pack,
+    redis_client,
+    resp_arg,
+    roundtrip,
+)
 from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
-from firsttoken.resume.runs import pack_counts, pack_lengths, run_first
-from firsttoken.resume.store import StreamRecord
+from firsttoken.resume.runs import decode_run, pack_counts, pack_lengths, run_first
+from firsttoken.resume.store import Claim, Orphan, StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
 from firsttoken.wire.errors import APIError
 
@@ -62,7 +79,11 @@ __all__ = ["RedisStore"]
 _CANCEL = "ft:cancel"
 _LIVE_EXTRA_S = 3600  # a live stream's keys outlast any sane answer; the TTL applies at the end
 _PRESENCE_MS = 3000
-_INSTANCE_MS = 5000
+_INSTANCE_MS = 1200
+_LIVENESS_S = 0.2
+# A stream that cannot be taken over is lost once its owner's key has been missing this long
+# past its lapse (a Redis that restarted empty has it back within _LIVENESS_S).
+_OWNER_GONE_S = 2.0
 _OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
 # Streams per round trip: building a write is synchronous (~6 µs a stream), so 1,000 streams
@@ -79,16 +100,16 @@ def _unavailable(what: str) -> APIError:
     )
 
 
-# One call writes every stream of a flush. ARGV[1]: per stream, nine little-endian uint32s (the
+# One call writes every stream of a flush. ARGV[1]: per stream, ten little-endian uint32s (the
 # run's last seq, 0 for no run; the trim's MINID seq; the run's first seq; the byte lengths of
 # its fields w, n, t and of the end's outcome; the end's seq, 0 for none; the TTL to set, 0 to
-# keep), then those four fields' bytes. One argument, not nine a stream: each argument costs
-# packing and parsing. KEYS, in the same order: each stream's events, and after it its meta
-# where the call carries its end (the outcome goes there too: one call a flush, not a
-# pipeline of ends beside it). Returns the streams whose write failed, as (position in the
-# argument, error) pairs: none, nearly always (a reply of 500 ones cost 3% of the process to
-# parse). A run or end already there ("equal or smaller": written before a reply that was
-# lost) counts as written.
+# keep; the writer's fence), then those four fields' bytes. One argument, not ten a stream:
+# each argument costs packing and parsing. KEYS, in the same order: each stream's events and
+# its meta (the outcome goes there: one call a flush, not a pipeline of ends beside it). A
+# stream whose meta holds another fence was taken over: nothing of it is written ("fenced").
+# Returns the streams whose write failed, as (position in the argument, error) pairs: none,
+# nearly always (a reply of 500 ones cost 3% of the process to parse). A run or end already
+# there ("equal or smaller": written before a reply that was lost) counts as written.
 _WRITE_RUNS = """
 local blob = ARGV[1]
 local pos = 1
@@ -104,9 +125,11 @@ while pos <= #blob do
   i = i + 1
   k = k + 1
   local key = KEYS[k]
-  local last, minid, first, wl, nl, tl, ol, done, ttl
-  last, minid, first, wl, nl, tl, ol, done, ttl, pos =
-    struct.unpack('<I4I4I4I4I4I4I4I4I4', blob, pos)
+  k = k + 1
+  local meta = KEYS[k]
+  local last, minid, first, wl, nl, tl, ol, done, ttl, fence
+  last, minid, first, wl, nl, tl, ol, done, ttl, fence, pos =
+    struct.unpack('<I4I4I4I4I4I4I4I4I4I4', blob, pos)
   local w = string.sub(blob, pos, pos + wl - 1)
   pos = pos + wl
   local n = string.sub(blob, pos, pos + nl - 1)
@@ -115,13 +138,11 @@ while pos <= #blob do
   pos = pos + tl
   local outcome = string.sub(blob, pos, pos + ol - 1)
   pos = pos + ol
-  local meta
-  if done > 0 then
-    k = k + 1
-    meta = KEYS[k]
-  end
   local err
-  if last > 0 then
+  local held = tonumber(redis.call('HGET', meta, 'fence') or '0')
+  if held ~= 0 and held ~= fence then
+    err = 'fenced'
+  elseif last > 0 then
     if tl > 0 then
       err = failed(redis.pcall('XADD', key, 'MINID', '~', minid .. '-0', last .. '-0',
                                'f', first, 'w', w, 'n', n, 't', t))
@@ -145,12 +166,32 @@ while pos <= #blob do
 end
 return out
 """
-_HEAD = struct.Struct("<9I")
+_HEAD = struct.Struct("<10I")
+_META_COMMANDS = 4  # per stream (`_meta_commands`)
 
 FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as one run
+FENCED = "fenced"
+
+# A takeover: one instance wins. KEYS[1]: the stream's meta; ARGV: the owner the claimer saw
+# die, the claimer. Returns {"claimed", fence, request} or {why not[, the owner now]}.
+_CLAIM = """
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return {'gone'} end
+if redis.call('HEXISTS', KEYS[1], 'outcome') == 1 then return {'ended'} end
+if owner ~= ARGV[1] then return {'moved', owner} end
+local req = redis.call('HGET', KEYS[1], 'req')
+if redis.call('HGET', KEYS[1], 'takeover') ~= '1' or not req then return {'refused'} end
+local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
+redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+return {'claimed', fence, req}
+"""
 
 
 def _nothing() -> None:
+    return None
+
+
+def _ignore(stream_id: str) -> None:
     return None
 
 
@@ -166,9 +207,12 @@ class _Replica:
     record: StreamRecord
     ttl_s: float
     key: str  # its events' key
+    meta: str  # its meta's
     log: EventLog
     wanted: Callable[[], None] = _nothing  # marks it dirty: the log's `on_append`
     key_arg: bytes = b""  # the key as a RESP argument, for the calls packed here
+    meta_arg: bytes = b""  # its meta's, likewise
+    fence: int = 1  # what its writes carry: 1 for the stream's first owner
     flushed: int = 0  # highest seq Redis confirmed
     trimmed: int = 0  # entries up to this seq were trimmed in Redis after a gap
     lost: int = 0  # events up to this seq are counted in `events_dropped`, if not flushed
@@ -240,12 +284,31 @@ class RedisStore:
     replicates = True
 
     def __init__(
-        self, url: str, *, max_events: int, max_connections: int, cluster: bool = False
+        self,
+        url: str,
+        *,
+        max_events: int,
+        max_connections: int,
+        cluster: bool = False,
+        flush_interval_s: float = FLUSH_INTERVAL_S,
+        durable: bool = False,
     ) -> None:
         self.redis = redis_client(url, max_connections=max_connections, cluster=cluster)
         self.cluster = cluster
         self.max_events = max_events
+        self.flush_interval_s = flush_interval_s
+        self.durable = durable  # readers see an event only once Redis confirmed it
         self.instance = uuid.uuid4().hex
+        self._liveness = Liveness(
+            url,
+            f"ft:instance:{self.instance}",
+            cluster=cluster,
+            ttl_ms=_INSTANCE_MS,
+            every_s=_LIVENESS_S,
+        )
+        # Told of each stream another instance took over while this one still generated it.
+        self.on_fenced: Callable[[str], None] = _ignore
+        self.fenced = 0
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
@@ -256,6 +319,7 @@ class RedisStore:
         self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
         self._wake = anyio.Event()
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
+        self._claim = self.redis.register_script(_CLAIM)
         self._script_missing = True  # loaded before the first flush, and after a restart
         self._metas: _MetaBatch | None = None  # streams opened since the last meta write
         self._metas_wake = anyio.Event()
@@ -269,7 +333,7 @@ class RedisStore:
             on_error=self._down,
             cluster=cluster,
             presence_ms=_PRESENCE_MS,
-            owner_gone_s=_INSTANCE_MS / 1000,
+            owner_gone_s=_OWNER_GONE_S,
         )
 
     # -- health, for /readyz and /metrics -------------------------------------------------
@@ -333,6 +397,7 @@ class RedisStore:
         await self.redis.ping()  # fail at start, not at the first stream
         self._run_id = await self._server_run_id()
         await self._heartbeat_once()
+        self._liveness.start()
         try:
             async with anyio.create_task_group() as tg:
                 tg.start_soon(self._flush_forever)
@@ -351,6 +416,9 @@ class RedisStore:
                             await self._flush_batch()
                     except REDIS_DOWN as exc:
                         log_event("redis.final_flush_failed", logging.WARNING, error=repr(exc))
+                # Gone on purpose, after the last write: a reader elsewhere takes the streams
+                # over now, not once the key lapses.
+                await anyio.to_thread.run_sync(self._liveness.stop)
                 await self.redis.aclose()
 
     # -- the owner's side -----------------------------------------------------------------
@@ -360,11 +428,7 @@ class RedisStore:
         opened in the same turn of the loop (one round trip: a burst of 500 new streams made
         500, each waiting for a connection). The engine may start meanwhile; `registered`
         waits for the write before the stream's id is handed out."""
-        key = events_key(record.id)
-        rep = _Replica(record, ttl_s, key, log, key_arg=resp_arg(key.encode()))
-        rep.wanted = partial(self._mark, rep)
-        log.on_append = rep.wanted
-        self._replicas[record.id] = rep
+        rep = self._replica(record, ttl_s, log)
         if not self.up:
             self._mark(rep)  # the flusher writes it when Redis is back
             return
@@ -374,6 +438,55 @@ class RedisStore:
             self._metas_wake.set()
         batch.reps.append(rep)
         self._opening[record.id] = batch
+
+    def _replica(self, record: StreamRecord, ttl_s: float, log: EventLog) -> _Replica:
+        key, meta = events_key(record.id), meta_key(record.id)
+        rep = _Replica(
+            record,
+            ttl_s,
+            key,
+            meta,
+            log,
+            key_arg=resp_arg(key.encode()),
+            meta_arg=resp_arg(meta.encode()),
+        )
+        rep.wanted = partial(self._mark, rep)
+        log.on_append = rep.wanted
+        if self.durable:
+            log.hold(log.last_seq)  # what it holds now, Redis has (a takeover's prefix)
+        self._replicas[record.id] = rep
+        return rep
+
+    def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
+        """A stream taken over: Redis holds its log up to now and its meta (`claim`)."""
+        rep = self._replica(record, ttl_s, log)
+        rep.fence = fence
+        rep.flushed = log.last_seq
+        rep.meta_done = True
+        if log.last_seq:
+            rep.ttl_done = True
+        self._mark(rep)
+
+    def let_go(self, stream_id: str, *, flush: bool) -> None:
+        """Stop replicating a stream this instance no longer generates. A hand-over writes
+        what Redis lacks first (the final flush, or the next one); a fenced stream is
+        another instance's, and nothing more of it is written."""
+        rep = self._replicas.get(stream_id)
+        if rep is None:
+            return
+        if flush:
+            rep.expires_at = self.clock()  # gone at the first expiry after its last write
+            heapq.heappush(self._expiry, (rep.expires_at, stream_id))
+            self._mark(rep)
+            return
+        self._forget(stream_id, rep)
+
+    def _forget(self, stream_id: str, rep: _Replica) -> None:
+        del self._replicas[stream_id]
+        self._dirty.pop(stream_id, None)
+        self._opening.pop(stream_id, None)
+        rep.log.on_append = None
+        rep.wanted = _nothing  # it holds `rep`: no cycle left for the collector
 
     async def registered(self, stream_id: str) -> None:
         """Return once the stream's meta is in Redis, so that another instance finds it as
@@ -446,13 +559,23 @@ class RedisStore:
             self._wake.set()
 
     def _meta_commands(self, rep: _Replica) -> list[tuple[Any, ...]]:
+        """`_META_COMMANDS` commands. The owner and fence are set only where missing: written
+        again after a Redis restart, a meta must not take back a stream another instance has
+        taken over since (its fence is higher; the next write here is refused)."""
         r = rep.record
         key = meta_key(r.id)
-        fields = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id, "model", r.model]
-        fields += ("owner", self.instance)
+        fields: list[Any] = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id]
+        fields += ("model", r.model, "takeover", 0 if r.handover is None else 1)
+        if r.handover is not None:
+            fields += ("req", r.handover)
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
-        return [("HSET", key, *fields), ("EXPIRE", key, int(rep.ttl_s + _LIVE_EXTRA_S))]
+        return [
+            ("HSET", key, *fields),
+            ("HSETNX", key, "owner", self.instance),
+            ("HSETNX", key, "fence", rep.fence),
+            ("EXPIRE", key, int(rep.ttl_s + _LIVE_EXTRA_S)),
+        ]
 
     async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
         """Commands in one round trip, their replies in order (an error reply in its place)."""
@@ -473,7 +596,9 @@ class RedisStore:
                 await self._wake.wait()
             if self.up:
                 # One run per stream per interval: the events of the wait go out together.
-                await anyio.sleep(max(0.0, last_flush + FLUSH_INTERVAL_S - time.monotonic()))
+                await anyio.sleep(
+                    max(0.0, last_flush + self.flush_interval_s - time.monotonic())
+                )
             self._wake = anyio.Event()
             self._expire()
             last_flush = time.monotonic()
@@ -524,11 +649,12 @@ class RedisStore:
         while expiry and expiry[0][0] <= now:
             _, sid = heapq.heappop(expiry)
             rep = self._replicas.get(sid)
-            if rep is not None and rep.expires_at is not None and rep.expires_at <= now:
-                del self._replicas[sid]
-                self._dirty.pop(sid, None)
-                rep.log.on_append = None
-                rep.wanted = _nothing  # it holds `rep`: no cycle left for the collector
+            if rep is None or rep.expires_at is None or rep.expires_at > now:
+                continue
+            if rep.end is None and rep.dirty():  # let go, with events still to write
+                heapq.heappush(expiry, (now + self.flush_interval_s, sid))
+                continue
+            self._forget(sid, rep)
 
     async def _flush_batch(self) -> int:
         """Write up to `_FLUSH_BATCH` dirty streams in one round trip: the metas that are
@@ -619,21 +745,20 @@ class RedisStore:
                 t = pack_counts(first, counts)
         end = 0
         call.reps.append(rep)
-        call.keys.append(rep.key)
-        call.key_args.append(rep.key_arg)
+        call.keys += (rep.key, rep.meta)
+        call.key_args += (rep.key_arg, rep.meta_arg)
         if rep.end is not None and not rep.end_done:
             outcome = rep.end[0].encode()
             end = rep.end[1]
             rep.end_sent = True
             ttl = max(1, int(rep.ttl_s))
-            meta = meta_key(rep.record.id)
-            call.keys.append(meta)
-            call.key_args.append(resp_arg(meta.encode()))
         elif not rep.ttl_done and rep.sent:
             ttl = int(rep.ttl_s + _LIVE_EXTRA_S)
         minid = max(1, rep.sent - self.max_events + 1)
         call.blob += (
-            _HEAD.pack(rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl),
+            _HEAD.pack(
+                rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl, rep.fence
+            ),
             w,
             n,
             t,
@@ -648,15 +773,18 @@ class RedisStore:
         calls: list[list[_Replica]],
         results: list[Any],
     ) -> None:
-        """Mark what Redis took; a stream with a failed write goes round again."""
+        """Mark what Redis took; a stream with a failed write goes round again, and one that
+        another instance took over is let go."""
         failed: BaseException | str | None = None
+        fenced: list[_Replica] = []
         for i, rep in enumerate(metas):
-            meta, ttl = results[2 * i], results[2 * i + 1]
-            if isinstance(meta, BaseException) or isinstance(ttl, BaseException):
-                failed = meta if isinstance(meta, BaseException) else ttl
+            replies = results[_META_COMMANDS * i : _META_COMMANDS * (i + 1)]
+            error = next((r for r in replies if isinstance(r, BaseException)), None)
+            if error is not None:
+                failed = error
             else:
                 rep.meta_done = True
-        at = 2 * len(metas)
+        at = _META_COMMANDS * len(metas)
         for (rep, upto), result in zip(trims, results[at : at + len(trims)], strict=True):
             if isinstance(result, BaseException):
                 failed = result
@@ -678,12 +806,22 @@ class RedisStore:
                     if rep.sent:
                         rep.flushed = max(rep.flushed, rep.sent)
                         rep.ttl_done = True
+                        if self.durable:
+                            rep.log.hold(rep.flushed)  # its readers may have it now
                     if rep.end_sent:
                         rep.end_done = True
                 else:
-                    failed = failed or (result.decode() if isinstance(result, bytes) else result)
+                    error = result.decode() if isinstance(result, bytes) else result
+                    if error == FENCED:
+                        fenced.append(rep)
+                    else:
+                        failed = failed or error
                 rep.sent = 0
                 rep.end_sent = False
+        for rep in fenced:
+            self.fenced += 1
+            self._forget(rep.record.id, rep)
+            self.on_fenced(rep.record.id)
         for rep in batch:
             if rep.dirty() and rep.record.id in self._replicas:
                 self._mark(rep)
@@ -695,14 +833,16 @@ class RedisStore:
     async def lookup(self, stream_id: str) -> StreamRecord | None:
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                meta = await self.redis.hgetall(meta_key(stream_id))
+                meta = await self.redis.hmget(
+                    meta_key(stream_id), ["kind", "digest", "trace", "model"]
+                )
         except REDIS_DOWN as exc:
             self._set_up(False, exc)
             raise _unavailable("streams of other instances cannot be found now") from None
-        if not meta:
+        if meta[0] is None:
             return None
-        m = {k.decode(): v.decode() for k, v in meta.items()}
-        return StreamRecord(stream_id, m["kind"], m["digest"], m["trace"], m["model"])
+        kind, digest, trace, model = (v.decode() for v in meta)
+        return StreamRecord(stream_id, kind, digest, trace, model)
 
     async def cancel(self, stream_id: str) -> str | None:
         try:
@@ -731,13 +871,16 @@ class RedisStore:
             # than abandon it; the buffer's bound still holds.
             return True
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
         """Fill `log` (a mirror on this instance) with the events after `after`, then the live
-        tail, until the owner closes the stream or is gone. Through a Redis outage it waits
-        (the reader keeps its heartbeats) and goes on from where it was.
+        tail, until the owner closes the stream, or is gone: then an `Orphan` when the stream
+        may be taken over, else `stream_lost`. Through a Redis outage it waits (the reader
+        keeps its heartbeats) and goes on from where it was.
 
         The catch-up is this reader's own; the live tail is the shared one (`Tailer`)."""
-        log.begin_at(after)
+        if not log.last_seq:
+            log.begin_at(after)
+        after = log.last_seq
         key = events_key(stream_id)
         entries = await self._retrying(
             lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
@@ -747,17 +890,58 @@ class RedisStore:
             return
         last = entry_id(entries[-1][0]) if entries else (after, 0)
         if apply_entries(entries, log):
-            return
-        owner = await self._retrying(lambda: self.redis.hget(meta_key(stream_id), "owner"))
-        await self._tailer.follow(
-            Follower(
-                key=key,
-                presence_key=readers_key(stream_id),
-                owner_key=f"ft:instance:{owner.decode()}" if owner else None,
-                log=log,
-                last=last,
-            )
+            return None
+        owner, takeover = await self._retrying(
+            lambda: self.redis.hmget(meta_key(stream_id), ["owner", "takeover"])
         )
+        follower = Follower(
+            key=key,
+            presence_key=readers_key(stream_id),
+            owner_key=f"ft:instance:{owner.decode()}" if owner else None,
+            log=log,
+            last=last,
+            takeover=takeover == b"1",
+        )
+        await self._tailer.follow(follower)
+        if follower.orphaned and owner:
+            return Orphan(owner.decode())
+        return None
+
+    async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
+        """Take `stream_id` over from `owner`, gone, for a reader at `after`: the claim is one
+        Lua call (`_CLAIM`); then every event Redis holds, which nobody adds to any more."""
+        key = events_key(stream_id)
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                newest = await self.redis.xrevrange(key, count=1)
+                if newest and b"end" not in newest[0][1]:
+                    held = entry_id(newest[0][0])[0]
+                    if after > held:  # the reader saw what died with its owner
+                        return "lost"
+                oldest = await self.redis.xrange(key, min="-", max="+", count=1)
+                if oldest and b"end" not in oldest[0][1] and run_first(oldest[0][1]) > 1:
+                    return "lost"  # its start was trimmed: no text to go on from
+                answer = await self._claim(
+                    keys=[meta_key(stream_id)], args=[owner, self.instance]
+                )
+            why = answer[0].decode()
+            if why != "claimed":
+                return why
+            fence, handover = int(answer[1]), answer[2]
+            with anyio.fail_after(_OP_TIMEOUT_S * 5):
+                entries = await self.redis.xrange(key, min="-", max="+")
+        except REDIS_DOWN as exc:
+            self._set_up(False, exc)
+            return "gone"
+        events: list[tuple[int, bytes, int]] = []
+        for _, fields in entries:
+            if b"end" in fields:
+                break
+            if run_first(fields) > len(events) + 1:  # trimmed or lost: no text to go on from
+                return "lost"
+            last = len(events)
+            events += decode_run(fields, last)
+        return Claim(fence, owner, handover, events)
 
     async def _retrying(self, call: Callable[[], Any]) -> Any:
         delay = _RETRY_MIN_S

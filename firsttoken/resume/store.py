@@ -17,7 +17,7 @@ from anyio.abc import TaskStatus
 
 from firsttoken.eventlog import EventLog
 
-__all__ = ["EventStore", "MemoryStore", "StreamRecord", "token_digest"]
+__all__ = ["Claim", "EventStore", "MemoryStore", "Orphan", "StreamRecord", "token_digest"]
 
 
 def token_digest(token: str) -> str:
@@ -31,9 +31,34 @@ class StreamRecord:
     token_digest: str
     trace_id: str
     model: str
+    # What another instance needs to continue the stream (its request, key and format; see
+    # `api/gateway.py`), stored with it; None: it cannot be taken over.
+    handover: bytes | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Orphan:
+    """A followed stream whose owner is gone: `owner` is the instance that was generating it."""
+
+    owner: str
+
+
+@dataclass(frozen=True, slots=True)
+class Claim:
+    """A stream this instance now owns: every later write carries `fence`; `events` are all
+    Redis holds of it, from its first, as (seq, framed event, tokens)."""
+
+    fence: int
+    owner: str  # the instance it was taken from
+    handover: bytes
+    events: list[tuple[int, bytes, int]]
 
 
 class EventStore(Protocol):
+    instance: str  # this process, as the store names it to other instances
+    # Told of each stream another instance took over while this one still generated it.
+    on_fenced: Callable[[str], None]
+
     async def run(
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
     ) -> None: ...
@@ -55,11 +80,29 @@ class EventStore(Protocol):
 
     async def lookup(self, stream_id: str) -> StreamRecord | None: ...
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> None: ...
-
     async def cancel(self, stream_id: str) -> str | None: ...
 
     async def has_remote_readers(self, stream_id: str) -> bool: ...
+
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
+        """Fill a mirror's log until the stream ends there; an `Orphan` when its owner is
+        gone and it may be taken over."""
+        ...
+
+    async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
+        """Take over an orphaned stream whose reader is at `after`: one instance wins. Else
+        why not: "moved" (another instance has it; follow it), "ended", "gone", "lost" (the
+        reader saw events the store does not hold), "refused" (not to be taken over)."""
+        ...
+
+    def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
+        """Replicate a stream taken over, whose log holds what the store has, from now on."""
+        ...
+
+    def let_go(self, stream_id: str, *, flush: bool) -> None:
+        """Stop replicating a stream this instance no longer generates: after writing what
+        the store lacks (`flush`: a hand-over), or at once (another instance took it)."""
+        ...
 
     def release(self, stream_id: str) -> None:
         """The stream's log is about to drop its events (the resume budget): what another
@@ -71,6 +114,10 @@ class MemoryStore:
     """One process: nothing to share."""
 
     replicates = False
+    instance = ""
+
+    def __init__(self) -> None:
+        self.on_fenced: Callable[[str], None] = lambda stream_id: None
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
         task_status.started()
@@ -91,8 +138,18 @@ class MemoryStore:
     async def lookup(self, stream_id: str) -> StreamRecord | None:
         return None
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
         log.close()
+        return None
+
+    async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
+        return "refused"
+
+    def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
+        return None
+
+    def let_go(self, stream_id: str, *, flush: bool) -> None:
+        return None
 
     async def cancel(self, stream_id: str) -> str | None:
         return None

@@ -41,6 +41,9 @@ LANE_KEYS = 1000  # streams per XREAD: a longer command is slower for Redis to p
 BLOCK_MS = 1000
 COUNT = 1000  # entries per stream per read: a follower far behind catches up over reads
 UPKEEP_S = 1.0  # presence lives _PRESENCE_MS (3 s): refreshed twice or more in its life
+# The owners' liveness keys are read this often: a dead owner's stream is taken over within
+# this of its key lapsing (a pipeline of one EXISTS per owner instance, not per stream).
+OWNER_CHECK_S = 0.25
 WAKE_LEN = 100
 WAKE_TTL_MS = 60_000  # nothing of a gone instance lingers
 WAKE_TIMEOUT_S = 1.0
@@ -91,8 +94,10 @@ class Follower:
     owner_key: str | None  # the owner's liveness key; None: unknown, taken as alive
     log: EventLog
     last: EntryId
+    takeover: bool = False  # its stream may be taken over when its owner is gone
     heard: bool = False  # events came since the last liveness check
     missing_since: float | None = None  # monotonic: the owner's key first found missing
+    orphaned: bool = False  # ended because its owner is gone, for a takeover
     done: anyio.Event = field(default_factory=anyio.Event)
     error: BaseException | None = None  # raised in the follower's own task
 
@@ -273,7 +278,7 @@ class Tailer:
     # -- presence and the owners' liveness -------------------------------------------------
 
     async def _upkeep(self) -> None:
-        next_check = time.monotonic() + UPKEEP_S
+        next_presence = next_check = time.monotonic() + OWNER_CHECK_S
         while True:
             with anyio.move_on_after(max(0.0, next_check - time.monotonic())):
                 await self._joined.wait()
@@ -282,13 +287,17 @@ class Tailer:
             check = now >= next_check
             fresh, self._fresh = self._fresh, []
             if check:
-                next_check = now + UPKEEP_S
+                next_check = now + OWNER_CHECK_S
                 followers = list(self._all())
             else:  # joiners only: the owner hears of them at once, not within a second
                 followers = [f for f in fresh if not f.done.is_set()]
             if not followers:
                 continue
-            presence = {f.presence_key for f in followers}
+            if now >= next_presence:
+                next_presence = now + UPKEEP_S
+                presence = {f.presence_key for f in followers}
+            else:
+                presence = {f.presence_key for f in fresh}
             owners = sorted({f.owner_key for f in followers if f.owner_key}) if check else []
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
@@ -315,6 +324,12 @@ class Tailer:
             if f.heard or f.owner_key is None or alive.get(f.owner_key):
                 f.heard = False
                 f.missing_since = None
+                continue
+            if f.takeover:
+                # Its key lapsed (1.2 s unwritten) or was deleted by a hand-over: the claim
+                # decides, once (a paused owner that comes back finds its writes fenced).
+                f.orphaned = True
+                self._end(f)
                 continue
             # The owner refreshes its key every second; after a Redis restart it may take
             # that long to come back, so only a key missing for its whole lifetime counts.

@@ -45,8 +45,8 @@ def flush(s: RedisStore) -> dict:
     call = _Call()
     s._pack(rep, call)
     head, w, n, t, outcome = call.blob
-    names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "end", "ttl")
-    args = dict(zip(names, struct.unpack("<9I", head), strict=True))
+    names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "end", "ttl", "fence")
+    args = dict(zip(names, struct.unpack("<10I", head), strict=True))
     assert (args["wl"], args["nl"], args["tl"], args["ol"]) == tuple(map(len, (w, n, t, outcome)))
     return {**args, "w": w, "n": n, "t": t, "outcome": outcome, "keys": call.keys}
 
@@ -59,12 +59,12 @@ def events_of(args: dict) -> list[tuple[int, bytes, int]]:
 
 
 def confirm(s: RedisStore, result: object) -> None:
-    """Redis's answers to one flush: the meta's HSET and EXPIRE if it went, then the call's
-    (which carries the end, if any)."""
+    """Redis's answers to one flush: the meta's HSET, two HSETNX and EXPIRE if it went, then
+    the call's (which carries the end, if any)."""
     rep = s._replicas["s1"]
     metas = [] if rep.meta_done else [rep]
     refused = [] if result == 1 else [1, result]  # the Lua call names the streams it failed
-    s._confirm([rep], metas, [], [[rep]], [*[1, 1][: 2 * len(metas)], refused])
+    s._confirm([rep], metas, [], [[rep]], [*[1] * (4 * len(metas)), refused])
 
 
 def dropped(s: RedisStore) -> float:
@@ -78,7 +78,7 @@ def test_one_run_per_flush_carries_every_event_since_the_last() -> None:
     args = flush(s)
     assert args["last"] == 5 and events_of(args) == [(q, b"e%d" % q, 1) for q in range(1, 6)]
     assert args["ttl"] == int(TTL_S + 3600)  # the live TTL, once
-    assert args["keys"] == [events_key("s1")]
+    assert args["keys"] == [events_key("s1"), meta_key("s1")]  # the meta holds the fence
     confirm(s, 1)
     assert s.backlog() == 0 and not s._dirty
     replicate(s, 6, 7, tokens=0)
@@ -115,7 +115,7 @@ def test_the_end_goes_only_with_or_after_every_event() -> None:
     args = flush(s)
     assert args["last"] == 0 and (args["outcome"], args["end"]) == (b"completed", 3)
     assert args["ttl"] == 60
-    assert args["keys"] == [events_key("s1"), meta_key("s1")]  # the outcome goes to the meta
+    assert args["keys"] == [events_key("s1"), meta_key("s1")]  # the outcome goes there too
     confirm(s, 1)
     assert rep.end_done and not rep.dirty()
 
@@ -163,7 +163,7 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     s._script_missing = False
     missing = NoScriptError("No matching script. Please use EVAL.")
     with pytest.raises(RedisError, match="NoScriptError"):
-        s._confirm([rep], [rep], [], [[rep]], [1, 1, missing])
+        s._confirm([rep], [rep], [], [[rep]], [1, 1, 1, 1, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
 
 
