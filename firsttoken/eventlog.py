@@ -137,7 +137,7 @@ class EventLog:
 
     def close(self) -> None:
         self.closed = True
-        if not self._corked:
+        if not self._corked and (self.limit is None or self.limit >= self.last_seq):
             for reader in list(self.readers):
                 reader.log_closed()
         self._wake()
@@ -155,16 +155,18 @@ class EventLog:
         self.limit = seq
         if self._corked:
             return
+        done = self.closed and seq >= self.last_seq
         for reader in list(self.readers):
             reader.catch_up()
-            if self.closed:
+            if done:
                 reader.log_closed()
 
     def uncork(self) -> None:
         self._corked = False
+        done = self.closed and (self.limit is None or self.limit >= self.last_seq)
         for reader in list(self.readers):
             reader.catch_up()
-            if self.closed:
+            if done:
                 reader.log_closed()
 
     def after(self, seq: int, limit: int | None = None) -> list[Event]:

@@ -388,6 +388,8 @@ class Stream:
         if self.reasoning_tokens:
             usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
         if counted and isinstance(counted.get("completion_tokens"), int):
+            if self.carried is not None:  # the engine counted only what it made here
+                counted = _with_carried(counted, self.carried)
             usage = dict(counted)
             self.counted = counted
         for name, data in self.renderer.closing(reason, usage):
@@ -552,6 +554,23 @@ class Stream:
     def _emit_chunks(self, chunks: list[Chunk]) -> None:
         for chunk in chunks:
             self._emit(chunk.text, chunk.tokens)
+
+
+def _with_carried(counted: Mapping[str, Any], carried: Usage) -> dict[str, Any]:
+    """A taken-over stream's engine usage as the whole answer's: the original prompt once
+    (the continuation's prompt held the text sent before), and every token before it."""
+    out = dict(counted)
+    out["prompt_tokens"] = carried.prompt
+    out["completion_tokens"] = counted["completion_tokens"] + carried.completion
+    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+    details = out.get("completion_tokens_details")
+    reasoning = _detail(counted, "completion_tokens_details", "reasoning_tokens")
+    if isinstance(details, Mapping) and isinstance(reasoning, int):
+        out["completion_tokens_details"] = {
+            **details,
+            "reasoning_tokens": reasoning + carried.reasoning,
+        }
+    return out
 
 
 def _count(value: object, otherwise: int) -> int:
