@@ -163,3 +163,50 @@ def test_a_run_after_a_seq_is_the_kept_events_and_their_counts() -> None:
     copy = log.detached_after(3)
     assert copy.run_after(0) == (4, [b"e4", b"e5", b"e6"], {5: 3})
     assert copy.last_seq == 6 and copy.after(4) == [Event(5, b"e5", 3), Event(6, b"e6", 1)]
+
+
+class Catching(Reader):
+    """A reader that writes what the log shows it when asked to catch up."""
+
+    def __init__(self, log: EventLog) -> None:
+        super().__init__()
+        self.log = log
+
+    def catch_up(self) -> None:
+        super().catch_up()
+        for event in self.log.after(self.cursor):
+            self.seen.append(event.seq)
+            self.cursor = event.seq
+
+
+def test_a_held_log_shows_readers_only_what_the_store_confirmed() -> None:
+    """--durable: events reach readers once Redis has them, in the order they came."""
+    log = EventLog(max_events=10, window=2)
+    reader = Catching(log)
+    log.attach(reader)
+    log.hold(0)
+    for _ in range(3):
+        log.append(b"x", 1)
+    assert reader.seen == [] and log.after(0) == []
+    assert log.has_room()  # nothing is shown yet: the reader is not behind what it may read
+    log.hold(2)
+    assert reader.seen == [1, 2] and [e.seq for e in log.after(0)] == [1, 2]
+    log.close()
+    assert not reader.closed  # event 3 is not confirmed: the reader must not end before it
+    log.hold(3)
+    assert reader.seen == [1, 2, 3] and reader.closed
+
+
+def test_a_held_log_pauses_its_producer_past_the_window_of_what_is_shown() -> None:
+    log = EventLog(max_events=4, window=2)
+    reader = Reader()
+    reader.keep_up = False
+    log.attach(reader)
+    log.hold(0)
+    for _ in range(4):
+        log.append(b"x", 1)
+    assert not log.has_room()  # a whole buffer unconfirmed: the store is behind
+    log.hold(4)
+    assert not log.has_room()  # confirmed, and the reader is a window behind it
+    reader.cursor = 3
+    assert log.has_room()

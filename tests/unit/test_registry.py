@@ -1,4 +1,5 @@
-"""The registry: a stream whose engine fails to open releases everything, once."""
+"""The registry: a stream whose engine fails to open releases everything, once; a stream
+whose owner is gone is taken over, and one taken from this instance is let go."""
 
 from __future__ import annotations
 
@@ -10,13 +11,14 @@ import anyio.lowlevel
 import pytest
 
 from firsttoken.config import Settings
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.base import Delta, Engine, Generation, Sink
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.observability import Metrics
-from firsttoken.resume import EventLog, MemoryStore, ResumeExpired, StreamRecord
+from firsttoken.resume import Claim, EventLog, MemoryStore, Orphan, ResumeExpired, StreamRecord
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
@@ -283,3 +285,184 @@ def test_the_store_is_told_of_a_dropped_buffer_while_the_log_still_holds_it() ->
     assert store.kept == {"first": 102}  # 100 tokens and the closing events
     with pytest.raises(ResumeExpired):
         first.log.after(0)
+
+
+class _Reader:
+    """A connection's writer, as far as the registry sees it."""
+
+    def __init__(self, log: EventLog, registry: StreamRegistry, stream: Stream) -> None:
+        self.cursor = log.last_seq
+        self.log = log
+        self.stream = stream
+        registry.attach(stream)
+        log.attach(self)
+
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        self.cursor = seq
+
+    def log_closed(self) -> None:
+        pass
+
+    def catch_up(self) -> None:
+        for event in self.log.after(self.cursor):
+            self.cursor = event.seq
+
+    def move_to(self, stream: Stream) -> None:
+        self.stream, self.log = stream, stream.log
+        stream.readers += 1
+        stream.log.attach(self)
+        self.catch_up()
+
+
+class _Recording:
+    """A step engine that writes down what it was asked to generate."""
+
+    models = ("synthetic",)
+    tokens_generated = 0
+
+    def __init__(self) -> None:
+        self.opened: list[GenerationRequest] = []
+
+    def open(self, request: GenerationRequest, sink: Sink) -> Generation:
+        self.opened.append(request)
+        return _Idle()
+
+    def prompt_tokens(self, prompt: str) -> int:
+        return 1
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+
+class _Idle:
+    cancelled = False
+
+    def resume(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class _Claims(_Store):
+    """A store whose claims answer as told; what is adopted and let go is written down."""
+
+    instance = "b"
+
+    def __init__(self, answer: Claim | str) -> None:
+        super().__init__()
+        self.answer = answer
+        self.adopted: list[tuple[str, int, int]] = []
+        self.let_go_of: list[tuple[str, bool]] = []
+
+    async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
+        return self.answer
+
+    def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
+        self.adopted.append((record.id, log.last_seq, fence))
+
+    def let_go(self, stream_id: str, *, flush: bool) -> None:
+        self.let_go_of.append((stream_id, flush))
+
+
+def _mirror(after: int) -> Mirror:
+    mirror = Mirror(StreamRecord("s1", "native", "d", "t", "synthetic"), max_events=100)
+    mirror.log.begin_at(after)
+    return mirror
+
+
+async def _reopen(claim: Claim, mirror: Stream) -> tuple[Stream, GenerationRequest | None, int]:
+    stream = _stream(mirror.id)
+    for _, wire, tokens in claim.events:
+        stream.log.append(wire, tokens)
+    stream.ticket = _Ticket()
+    following = GenerationRequest("s1", "hi", "synthetic", max_tokens=7)
+    return stream, following, 3
+
+
+def _claim() -> Claim:
+    wires = [b'id: %d\ndata: {"token":"t%d"}\n\n' % (i, i) for i in range(1, 4)]
+    return Claim(2, "a", b"{}", [(i + 1, w, 1) for i, w in enumerate(wires)])
+
+
+def test_a_claimed_stream_goes_on_here_and_its_reader_reads_it_from_where_it_was() -> None:
+    async def body() -> None:
+        engine, store, metrics = _Recording(), _Claims(_claim()), Metrics()
+        registry = StreamRegistry(engine, metrics, ttl_s=10, store=store)  # type: ignore[arg-type]
+        registry.reopen = _reopen
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            mirror = _mirror(after=2)
+            reader = _Reader(mirror.log, registry, mirror)
+            assert await registry._take_over(mirror, Orphan("a"))
+            local = await registry.find("s1")
+            assert local is not None and local is not mirror and reader.stream is local
+            assert mirror.readers == 0 and local.readers == 1
+            # The events Redis held, then the takeover's news for native readers.
+            assert reader.cursor == 4 and store.adopted == [("s1", 3, 2)]
+            meta = local.log.after(3)[0].wire
+            assert b"event: meta" in meta
+            assert b'"takeover":{"from":"a","to":"b","at_token":3}' in meta
+            assert [r.max_tokens for r in engine.opened] == [7]
+            assert metrics.takeovers == {"continued": 1, "lost": 0, "refused": 0}
+            assert metrics.active_streams == 1
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("answer", "handled", "outcome"),
+    [("moved", False, None), ("ended", False, None), ("gone", False, None),
+     ("lost", True, "lost"), ("refused", True, "refused")],
+)  # fmt: skip
+def test_a_claim_that_fails_follows_the_stream_again_or_tells_its_reader(
+    answer: str, handled: bool, outcome: str | None
+) -> None:
+    async def body() -> None:
+        metrics = Metrics()
+        registry = StreamRegistry(_Recording(), metrics, ttl_s=10, store=_Claims(answer))  # type: ignore[arg-type]
+        registry.reopen = _reopen
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            mirror = _mirror(after=2)
+            assert await registry._take_over(mirror, Orphan("a")) is handled
+            assert await registry.find("s1") is None  # nothing continued here
+            if outcome is not None:
+                assert metrics.takeovers[outcome] == 1 and mirror.log.closed
+                assert b"stream_lost" in mirror.log.after(2)[0].wire
+            else:
+                assert not mirror.log.closed
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
+    async def body() -> None:
+        store, metrics = _Claims("moved"), Metrics()
+        registry = StreamRegistry(_Recording(), metrics, ttl_s=10, store=store)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            taken, kept = _stream("s1"), _stream("s2")
+            taken.handover = kept.handover = b"{}"
+            for stream in (taken, kept):
+                stream.ticket = _Ticket()
+                await registry.start(stream)
+            store.on_fenced("s1")
+            assert taken.outcome is Outcome.MOVED and taken.generation is None
+            assert await registry.find("s1") is None  # a reader back here follows the store
+            assert store.let_go_of == [("s1", True)] and store.finished == []
+            await taken.ticket.released.wait()  # type: ignore[union-attr]
+            assert taken.ticket.releases == [Outcome.MOVED]  # type: ignore[union-attr]
+            assert metrics.active_streams == 1 and metrics.streams_moved == 1
+            assert sum(metrics.streams.values()) == 0  # not an end of the answer
+            # A shutdown hands over every stream another instance can continue.
+            plain = _stream("s3")
+            plain.ticket = _Ticket()
+            await registry.start(plain)
+            assert registry.move_all() == 1 and kept.outcome is Outcome.MOVED
+            assert plain.outcome is None
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())

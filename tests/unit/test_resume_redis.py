@@ -179,3 +179,69 @@ def test_events_lost_in_an_outage_are_counted_when_redis_comes_back_empty() -> N
     assert dropped(s) == 10
     args = flush(s)
     assert args["first"] == 13 and args["minid"] == 13
+
+
+def test_every_write_carries_the_fence_and_the_meta_never_takes_a_stream_back() -> None:
+    s = store()
+    replicate(s, 1, 2)
+    assert flush(s)["fence"] == 1
+    commands = s._meta_commands(s._replicas["s1"])
+    # Written again after a Redis restart, the meta must not undo a takeover since.
+    assert ("HSETNX", meta_key("s1"), "owner", s.instance) in commands
+    assert ("HSETNX", meta_key("s1"), "fence", 1) in commands
+    assert ("takeover", 0) == tuple(commands[0][10:12])  # no request stored with it
+
+
+def test_a_fenced_write_lets_the_stream_go_without_an_outage() -> None:
+    """Another instance took the stream over: its owner's write is refused, it is told and
+    forgets the stream; the other streams of the flush were written as usual."""
+    s = store()
+    told: list[str] = []
+    s.on_fenced = told.append
+    replicate(s, 1, 3)
+    flush(s)
+    confirm(s, b"fenced")  # no RedisError: Redis is fine
+    assert told == ["s1"] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
+
+
+def test_durable_readers_see_an_event_once_redis_confirmed_it() -> None:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1, durable=True)
+    s.up = False
+    log = EventLog(100)
+    anyio.run(s.register, StreamRecord("s1", "native", "d", "t", "m"), TTL_S, log)
+    replicate(s, 1, 3)
+    assert log.after(0) == []
+    flush(s)
+    replicate(s, 4, 4)
+    confirm(s, 1)
+    assert [e.seq for e in log.after(0)] == [1, 2, 3]
+
+
+def test_a_stream_taken_over_is_written_from_its_next_event_with_its_new_fence() -> None:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    log = EventLog(100)
+    for seq in range(1, 6):
+        log.append(b"e%d" % seq, 1)  # what Redis held when it was claimed
+    s.adopt(StreamRecord("s1", "native", "d", "t", "m", b"{}"), TTL_S, log, fence=3)
+    rep = s._replicas["s1"]
+    assert rep.meta_done and rep.flushed == 5
+    replicate(s, 6, 7)
+    args = flush(s)
+    assert args["fence"] == 3 and [seq for seq, _, _ in events_of(args)] == [6, 7]
+
+
+def test_a_stream_let_go_is_written_to_its_last_event_then_forgotten() -> None:
+    s = store()
+    s.clock = clock = FakeClock()
+    replicate(s, 1, 3)
+    s.let_go("s1", flush=True)  # handed over: what Redis lacks still goes out
+    s._expire()
+    assert "s1" in s._replicas
+    flush(s)
+    confirm(s, 1)
+    clock.advance(1)
+    s._expire()
+    assert "s1" not in s._replicas
+    s2 = store()
+    s2.let_go("s1", flush=False)  # fenced: nothing more of it is written
+    assert "s1" not in s2._replicas and not s2._dirty

@@ -312,3 +312,56 @@ def test_a_malformed_engine_count_falls_back_to_the_streams() -> None:
     odd = {"completion_tokens": 3, "prompt_tokens": "many", "prompt_tokens_details": None}
     stream.push_delta(Delta("", finish_reason="stop", usage=odd))
     assert stream.usage() == Usage(prompt=1, completion=3, reasoning=0, cached=0)
+
+
+class _Gen:
+    cancelled = False
+
+    def resume(self) -> None:
+        pass
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+def test_a_moved_stream_stops_its_engine_and_closes_without_a_last_event() -> None:
+    """Another instance goes on with it: its readers get what was made, then no end."""
+    stream = make()
+    stream.begin()
+    generation = stream.generation = _Gen()
+    ended: list[Stream] = []
+    stream.on_end = ended.append
+    stream.push("a")
+    stream.move()
+    assert generation.cancelled and stream.outcome is Outcome.MOVED and ended == [stream]
+    assert stream.log.closed and events(stream) == [(None, {"token": "a"})]
+    stream.stop(Outcome.CANCELLED)  # ended already: nothing more
+    assert events(stream) == [(None, {"token": "a"})]
+
+
+def test_a_stream_taken_over_checks_the_resume_token_by_its_digest() -> None:
+    first = make()
+    again = make()
+    again.resume_token = ""  # only the digest travels with it
+    again.token_digest = first.token_digest
+    assert again.check_token(first.resume_token)
+    assert not again.check_token("guess") and not again.check_token(None)
+
+
+def test_a_taken_over_engines_count_is_made_the_whole_answers() -> None:
+    """The engine counted its continuation (vLLM's way: the text before in its prompt); the
+    client is told what an uninterrupted answer would have used."""
+    stream = make()
+    stream.begin()
+    stream.carried = Usage(prompt=1, completion=6, reasoning=2)
+    counted = {
+        "prompt_tokens": 7,
+        "completion_tokens": 4,
+        "total_tokens": 11,
+        "completion_tokens_details": {"reasoning_tokens": 0},
+    }
+    stream.finish("length", counted)
+    usage = events(stream)[-2][1]["usage"]  # type: ignore[index]
+    assert usage["prompt_tokens"] == 1 and usage["completion_tokens"] == 10
+    assert usage["total_tokens"] == 11
+    assert usage["completion_tokens_details"]["reasoning_tokens"] == 2

@@ -1,4 +1,5 @@
-"""`apply_entries` (`firsttoken/resume/tailer.py`): runs read from Redis into a mirror's log."""
+"""The shared tail (`firsttoken/resume/tailer.py`): runs read from Redis into a mirror's log, and
+the owners' liveness judged on a fake clock (when a stream is taken over, when lost)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import json
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.runs import encode_run
-from firsttoken.resume.tailer import apply_entries
+from firsttoken.resume.tailer import Follower, Tailer, apply_entries
 
 
 def run(first: int, last: int) -> tuple[bytes, dict[bytes, bytes]]:
@@ -46,3 +47,60 @@ def test_a_hole_in_what_the_store_kept_ends_the_log_with_an_error() -> None:
     error = json.loads(log.after(3)[0].wire.decode().split("data: ", 1)[1])
     assert error["error"]["code"] == "stream_lost"
     assert "events 4 to 5" in error["error"]["message"]
+
+
+def follower(takeover: bool) -> Follower:
+    return Follower(
+        key="ft:{g}:s:events",
+        presence_key="ft:{g}:s:readers",
+        owner_key="ft:instance:a",
+        log=EventLog(),
+        last=(0, 0),
+        takeover=takeover,
+    )
+
+
+def tailer() -> Tailer:
+    return Tailer(None, "b", on_error=lambda exc: None, presence_ms=3000, owner_gone_s=2.0)
+
+
+def test_a_stream_that_can_be_taken_over_is_orphaned_at_the_first_check_its_owner_misses() -> None:
+    t = tailer()
+    f = follower(takeover=True)
+    t._judge([f], {"ft:instance:a": 1}, now=10.0)
+    assert not f.done.is_set()
+    t._judge([f], {"ft:instance:a": 0}, now=10.25)
+    # Ended for the takeover: nothing said to its reader yet (the claim decides).
+    assert f.done.is_set() and f.orphaned and not f.log.closed
+
+
+def test_events_heard_since_the_last_check_keep_an_owner_alive() -> None:
+    """A busy owner whose key lapsed still writes: not taken over on that check."""
+    t = tailer()
+    f = follower(takeover=True)
+    f.heard = True
+    t._judge([f], {"ft:instance:a": 0}, now=10.0)
+    assert not f.done.is_set() and not f.heard
+    t._judge([f], {"ft:instance:a": 0}, now=10.25)
+    assert f.orphaned
+
+
+def test_a_stream_that_cannot_be_taken_over_is_lost_once_its_owner_stays_missing() -> None:
+    t = tailer()
+    f = follower(takeover=False)
+    t._judge([f], {"ft:instance:a": 0}, now=10.0)
+    t._judge([f], {"ft:instance:a": 0}, now=11.9)
+    assert not f.done.is_set()
+    t._judge([f], {"ft:instance:a": 0}, now=12.0)
+    assert f.done.is_set() and not f.orphaned
+    error = json.loads(f.log.after(0)[0].wire.decode().split("data: ", 1)[1])
+    assert error["error"]["code"] == "stream_lost"
+
+
+def test_an_owner_back_before_its_grace_keeps_its_stream() -> None:
+    t = tailer()
+    f = follower(takeover=False)
+    t._judge([f], {"ft:instance:a": 0}, now=10.0)
+    t._judge([f], {"ft:instance:a": 1}, now=11.0)  # a Redis restart: the key is back
+    t._judge([f], {"ft:instance:a": 0}, now=12.5)
+    assert not f.done.is_set()

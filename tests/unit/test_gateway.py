@@ -1,0 +1,75 @@
+"""The gateway's half of a takeover (`firsttoken/api/gateway.py`): what travels with a stream
+(`_handover`), and the stream another instance rebuilds from it and the events the store held
+(`reopen`), ready to continue from exactly the text those events carry."""
+
+from __future__ import annotations
+
+import asyncio
+
+from firsttoken.app import create_app
+from firsttoken.config import Settings
+from firsttoken.core.mirror import Mirror
+from firsttoken.core.stream import Stream, Usage
+from firsttoken.engines import GenerationRequest
+from firsttoken.resume import Claim, StreamRecord
+from firsttoken.wire.render import ChatRenderer, NativeRenderer
+from firsttoken.wire.responses import ResponsesRenderer
+
+MESSAGES = ({"role": "user", "content": "hi"},)
+
+
+def original(renderer=None, **fields) -> tuple[Stream, GenerationRequest]:
+    generation = GenerationRequest(
+        "s1",
+        "user: hi",
+        "synthetic",
+        max_tokens=10,
+        seed=3,
+        messages=MESSAGES,
+        body={"model": "synthetic", "messages": list(MESSAGES), "max_tokens": 10},
+        options={"synthetic": {"itl_ms": 5}},
+        **fields,
+    )
+    stream = Stream(
+        generation,
+        renderer or ChatRenderer("chatcmpl-s1", "synthetic", 1, True),
+        kind="openai",
+        trace_id="t",
+        grace_s=5.0,
+        prompt_tokens=2,
+        max_events=100,
+        accepted_at=0.0,
+    )
+    stream.begin()
+    for text in ("Hel", "lo", " you"):
+        stream.push(text)
+    return stream, generation
+
+
+def test_a_rebuilt_stream_continues_from_the_text_its_events_carry() -> None:
+    gw = create_app(Settings()).state.gateway
+    first, generation = original()
+    handover = gw._handover(first, generation)
+    events = [(e.seq, e.wire, e.tokens) for e in first.log.after(0)]
+    claim = Claim(2, "a", handover, events)
+    record = StreamRecord("s1", "openai", first.token_digest, "t", "synthetic")
+    stream, following, at_token = asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
+    assert at_token == 3 and stream.carried == Usage(2, 3, 0)
+    assert [e.wire for e in stream.log.after(0)] == [w for _, w, _ in events]
+    assert following is not None and following.max_tokens == 7
+    assert following.options["continuation"] == "Hello you"
+    assert following.messages[-1] == {"role": "assistant", "content": "Hello you"}
+    assert following.body["continue_final_message"] is True
+    assert stream.renderer.token("x") == first.renderer.token("x")
+    assert stream.check_token(first.resume_token) and stream.ticket is not None
+
+
+def test_what_cannot_be_taken_over_stores_no_request() -> None:
+    gw = create_app(Settings()).state.gateway
+    assert gw._handover(*original(NativeRenderer())) is not None
+    responses = ResponsesRenderer({"id": "resp_1", "model": "synthetic"}, "k")
+    assert gw._handover(*original(responses)) is None  # numbered events: not yet
+    small = create_app(
+        Settings(redis="redis://127.0.0.1:1/0", takeover_max_bytes=100)
+    ).state.gateway
+    assert small._handover(*original()) is None  # over --takeover-max-bytes
