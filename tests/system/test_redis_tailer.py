@@ -238,7 +238,9 @@ def test_an_owner_gone_ends_its_followers_with_stream_lost(server: RedisServer) 
             await anyio.sleep(0.1)
             await b.redis.delete(f"ft:instance:{gone.instance}")
             took = await until(lambda: orphan.closed, within=8)
-            assert 4.5 <= took < 7.5, took
+            # A stream that cannot be taken over (no request stored with it): lost once the
+            # key has been missing for 2 s (a Redis restarted empty has it back in 0.2 s).
+            assert 1.8 <= took < 4.0, took
             (wire,) = orphan.readers[0].wires[1:]  # type: ignore[attr-defined]
             error = json.loads(wire.decode().split("data: ", 1)[1])
             assert error["error"]["code"] == "stream_lost"
