@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack
@@ -20,6 +21,7 @@ from firsttoken.engines.synthetic import synthetic_tokens
 from firsttoken.resume.keys import events_key, meta_key
 from firsttoken.resume.runs import decode_run
 from firsttoken.wire.sse import EventDecoder
+from tests.proxy import CuttableProxy
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for
@@ -238,3 +240,43 @@ def test_a_chat_completions_stream_is_taken_over_too(redis_url: str) -> None:
         whole = httpx.post(b.v1 + "/chat/completions", json={**body, "stream": False}, timeout=30)
         assert text == whole.json()["choices"][0]["message"]["content"]
         assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_an_owner_cut_off_from_redis_finds_its_stream_taken_when_it_is_back(
+    redis_url: str,
+) -> None:
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CuttableProxy(port)
+    through = f"redis://127.0.0.1:{proxy.port}/0"
+    with run_server("--redis", through, *COMMON, "--durable") as a, run_server(
+        "--redis", redis_url, *COMMON, "--durable"
+    ) as b:
+        created = create(a, "partitioned owner", itl_ms=100)
+        stream = RawStream(a.port, "GET", created["events_url"])
+        read_until(stream, 5)
+        stream.close()
+        before = native(stream.body)
+        proxy.close()  # A goes on generating, alone: nothing of it reaches Redis
+        got: dict = {}
+        reader = threading.Thread(
+            target=lambda: got.update(body=resume(b, created, before["last_id"])[0])
+        )
+        reader.start()
+        wait_for(lambda: b.metric('firsttoken_takeovers_total{outcome="continued"}'), 10)
+        proxy.reopen()  # A is back, still generating: its next write is refused
+        wait_for(lambda: a.metric("firsttoken_streams_moved_total") == 1, timeout=10)
+        assert any('"stream.fenced"' in line for line in a.log)
+        reader.join(timeout=30)
+        after = native(got["body"])
+        expected = synthetic_tokens("partitioned owner", None, MAX_TOKENS)[0]
+        assert before["tokens"] + after["tokens"] == expected and after["done"] == 1
+        generated = a.metric("firsttoken_tokens_generated_total")
+        time.sleep(0.5)
+        assert a.metric("firsttoken_tokens_generated_total") == generated
+        r = redis.Redis.from_url(redis_url)
+        events: list[bytes] = []
+        for _, fields in r.xrange(events_key(created["id"])):
+            if b"end" in fields:
+                break
+            events += [wire for _, wire, _ in decode_run(fields, len(events))]
+        assert native(b"".join(events))["tokens"] == expected  # none of A's late events
