@@ -48,6 +48,13 @@ class StreamError(Exception):
         self.text = text
 
 
+# Refusals of a resume that pass: the stream's instance was replaced meanwhile (a deploy, a
+# crash: another instance takes it over), or a proxy in front found none of them for a moment.
+_PASSING = frozenset(
+    ("stream_not_found", "store_unavailable", "http_502", "http_503", "http_504")
+)
+
+
 class StreamInterrupted(Exception):
     """The stream ended without `[DONE]` and could not be resumed."""
 
@@ -282,7 +289,7 @@ class _Answer:
         """After a break: the delay before resuming, or raise with the text kept."""
         state, client = self.state, self.client
         if isinstance(exc, StreamError):
-            if not state.stream_id or exc.code != "stream_not_found":
+            if not state.stream_id or exc.code not in _PASSING:
                 raise StreamError(exc.code, exc.message, state.text) from None
             reason = exc.message
         elif exc is not None:

@@ -58,6 +58,14 @@ class Mirror(Stream):
         if self.generation is not None:
             self.generation.cancel()
 
+    def move(self) -> None:
+        """Stop tailing without an end: its readers come back with Last-Event-ID on
+        another instance (this one is on its way out)."""
+        if self.generation is not None:
+            self.generation.cancel()
+        self.outcome = Outcome.MOVED
+        self.log.close()
+
     def follow(self, store: EventStore, after: int, take_over: TakeOver | None = None) -> _Tail:
         """The producer: a tail of the store from `after`, run by the caller's task group."""
         tail = _Tail(self, store, after, take_over)

@@ -135,6 +135,7 @@ class StreamRegistry:
         self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
         self._steps = delivers_steps(engine)
         self._streams: dict[str, Stream] = {}
+        self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
         self._expiry: deque[tuple[float, str]] = deque()
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self._tg: TaskGroup | None = None
@@ -176,7 +177,14 @@ class StreamRegistry:
         """Start filling a mirror from the store; it stops when its reader leaves, and takes
         the stream over when its owner is gone."""
         assert self._tg is not None
-        self._tg.start_soon(mirror.follow(self.store, after, self._take_over).run)
+        self._tg.start_soon(self._follow, mirror, after)
+
+    async def _follow(self, mirror: Mirror, after: int) -> None:
+        self._mirrors.add(mirror)
+        try:
+            await mirror.follow(self.store, after, self._take_over).run()
+        finally:
+            self._mirrors.discard(mirror)
 
     # -- takeovers -------------------------------------------------------------------------
 
@@ -290,6 +298,8 @@ class StreamRegistry:
         moving = [s for s in self._streams.values() if s.outcome is None and s.handover]
         for stream in moving:
             stream.move()
+        for mirror in list(self._mirrors):  # their readers go on elsewhere too
+            mirror.move()
         return len(moving)
 
     async def cancel(self, stream: Stream) -> str:
