@@ -76,3 +76,15 @@ def test_async_calls_all_await_to_an_answer_without_a_request() -> None:
             assert (resumed.stream_id, resumed.last_event_id) == ("s1", "4")
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("code", ["http_502", "http_503", "stream_not_found", "store_unavailable"])
+def test_a_resume_refused_while_instances_are_replaced_is_tried_again(code: str) -> None:
+    """A deploy or a crash: the proxy in front finds no instance for a moment, or the one it
+    finds does not know the stream yet. The answer's text is kept and the resume goes again."""
+    client = AsyncClient("http://127.0.0.1:9")
+    answer = AsyncAnswer(client, None)
+    answer.state.stream_id, answer.state.resume_token = "s1", "t"
+    assert answer._broken(StreamError(code, "", "")) > 0
+    with pytest.raises(StreamError):
+        answer._broken(StreamError("invalid_api_key", "", ""))  # the client's own problem
