@@ -384,11 +384,15 @@ def body_arrived(scope: Scope) -> bool:
     )
 
 
-async def held_send(raw_send: Send, send: Send, message: dict[str, Any]) -> bytes:
-    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`)
-    would write: the caller writes them with its own, or already has. Elsewhere than
-    uvicorn's httptools cycle the message is just sent, and b"" comes back."""
-    cycle = uvicorn_cycle(raw_send)
+async def held_send(
+    raw_send: Send, send: Send, message: dict[str, Any], cycle: Any = None
+) -> bytes:
+    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`,
+    or `cycle` when a middleware wrapped its `send`) would write: the caller writes them
+    with its own, or already has. Elsewhere than uvicorn's httptools cycle the message is
+    just sent, and b"" comes back."""
+    if cycle is None:
+        cycle = uvicorn_cycle(raw_send)
     if cycle is None:
         await send(message)
         return b""
