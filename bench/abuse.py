@@ -367,7 +367,8 @@ async def _pipelined_readers(server: Server, seen: Counter[str], until: float) -
     """Issue 37's worst: a huge streamed answer's request with a second request pipelined
     behind it, and nothing read. The stream must stay bounded and be cut (`closed` below)."""
     messages = [{"role": "user", "content": "everything, pipelined"}]
-    stream = {"messages": messages, "stream": True, "synthetic": {"answer_tokens": HUGE}}
+    knobs = {"answer_tokens": HUGE, "itl_ms": 0}
+    stream = {"messages": messages, "stream": True, "synthetic": knobs}
     behind = {"messages": messages, "max_tokens": 2}
     request = _raw_post("/v1/chat/completions", stream) + _raw_post("/v1/chat/completions", behind)
     await _raw_batches(server, seen, until, "pipelined_non_reader", request, PIPELINED_READERS)

@@ -7,7 +7,7 @@ import collections
 import socket
 import time
 from functools import partial
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NoReturn, Protocol
 
 import httptools
 from starlette.types import Scope, Send
@@ -162,14 +162,12 @@ class StreamingProtocol(HttpToolsProtocol):
         self._head_bytes += len(url)
         if self._head_bytes > self.max_head_bytes:
             self._head_too_large()
-            return
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > self.max_head_bytes:
             self._head_too_large()
-            return
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -239,13 +237,16 @@ class StreamingProtocol(HttpToolsProtocol):
     def send_400_response(self, msg: str) -> None:
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete and not cycle.more_body:
-            # The bad bytes came after the request being answered: a 400 now would land in
-            # (or before) its answer. That answer ends the connection instead.
-            cycle.keep_alive = False
-            self.pipeline.clear()
-            self._stop_reading()
+            self._end_after(cycle)  # the bad bytes came after the request being answered
             return
         super().send_400_response(msg)
+
+    def _end_after(self, cycle: Any) -> None:
+        """A refusal now would land in (or before) `cycle`'s unfinished answer: that answer
+        ends the connection instead, and what waits behind it is dropped."""
+        cycle.keep_alive = False
+        self.pipeline.clear()
+        self._stop_reading()
 
     def _should_upgrade(self) -> bool:
         return False  # no WebSocket here, whatever uvicorn found installed
@@ -326,10 +327,15 @@ class StreamingProtocol(HttpToolsProtocol):
             self._header_timer.cancel()
         self._header_timer = self.loop.call_later(delay, self._headers_too_slow)
 
-    def _head_too_large(self) -> None:
-        if not self.transport.is_closing():
+    def _head_too_large(self) -> NoReturn:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            self._end_after(cycle)
+        elif not self.transport.is_closing():
             self.transport.write(_HEAD_TOO_LARGE)
             self.transport.close()
+        self._stop_reading()
+        raise _StopParsing  # nothing more of this head, or of what follows it
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
