@@ -354,3 +354,41 @@ async def _closed(reader: asyncio.StreamReader) -> bool:
     except TimeoutError:
         return False
     return data == b""
+
+
+def test_a_slow_head_behind_an_answer_waits_for_it_then_has_its_deadline() -> None:
+    """The head's deadline used to cut the connection, and the answer under way with it."""
+
+    class Slower(_Slow):
+        async def serve(self, route: Any, scope: Any, receive: Any, send: Any) -> None:
+            await asyncio.sleep(0.6)  # twice the header deadline
+            await super().serve(route, scope, receive, send)
+
+    async def main() -> tuple[bytes, float]:
+        config = uvicorn.Config(_app, lifespan="off", log_config=None)
+
+        class Protocol(StreamingProtocol):
+            direct = Slower()
+            header_timeout_s = 0.3
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post("/hot/slow") + b"GET /next HTTP/1.1\r\nhost:")  # never ends
+        got, answered = b"", loop.time()
+        async with asyncio.timeout(5):
+            while chunk := await reader.read(65536):
+                got += chunk
+                if got.endswith(b"0\r\n\r\n"):
+                    answered = loop.time()
+        closed = loop.time() - answered
+        writer.close()
+        server.close()
+        return got, closed
+
+    got, closed = uvloop.run(main())
+    assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"direct slow\r\n0\r\n\r\n"), got
+    assert closed < 0.6, closed  # then the head's deadline, from the answer's end at most
