@@ -331,10 +331,11 @@ class StreamingProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and not cycle.response_complete:
             self._end_after(cycle)
-        elif not self.transport.is_closing():
-            self.transport.write(_HEAD_TOO_LARGE)
-            self.transport.close()
-        self._stop_reading()
+        else:
+            self._stop_reading()
+            if not self.transport.is_closing():
+                self.transport.write(_HEAD_TOO_LARGE)
+                self.transport.close()
         raise _StopParsing  # nothing more of this head, or of what follows it
 
     def _headers_too_slow(self) -> None:
