@@ -1,4 +1,4 @@
-"""`python -m bench.abuse`: what one unfriendly client does to everyone else (issue 25).
+"""`python -m bench.abuse`: what one unfriendly client does to everyone else (issues 25, 37).
 
 A well-behaved key (`alice`: streaming chat answers, a few at a time) runs alone for a
 baseline phase, then beside an unfriendly key (`mallory`) running every client of issue 25 at
@@ -11,7 +11,10 @@ once, against one `firsttoken serve` on 127.0.0.1:
   `--max-response-bytes`);
 - readers that never read (raw sockets asking for a finished long stream's events);
 - long native streams that are never opened (their resume buffers fill the server);
-- bad `Last-Event-ID` values (a superscript digit, 5,000 digits).
+- bad `Last-Event-ID` values (a superscript digit, 5,000 digits);
+- pipelined non-readers (raw sockets that send a huge streamed answer's request with a second
+  request pipelined behind it, and read nothing);
+- upgrade holds (raw sockets that POST with `Upgrade: websocket` and wait).
 
 It reports alice's completion rate and TTFT p99 and the server's peak RSS in each phase, and
 the abuse phase's ratios to the baseline: a ratio near 1 is a server that kept one client's
@@ -69,6 +72,8 @@ SERVER_ARGS = (
 ALICE_CONCURRENCY = 4
 ALICE_TOKENS = 40
 NEVER_READERS = 50  # raw sockets at once that never read
+PIPELINED_READERS = 20  # raw sockets at once with a request pipelined behind a stream
+UPGRADERS = 20  # raw sockets at once asking for a WebSocket upgrade
 READER_BATCH_S = 8.0  # a fresh batch of them this often
 TIMEOUT = httpx.Timeout(30.0, connect=10.0)
 
@@ -345,26 +350,83 @@ async def _never_readers(server: Server, seen: Counter[str], until: float) -> No
             seen[f"never_reader create {r.status_code}"] += 1
             return
         path = r.json()["events_url"]
-    loop = asyncio.get_running_loop()
     request = f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n".encode()
+    await _raw_batches(server, seen, until, "never_reader", request, NEVER_READERS)
+
+
+def _raw_post(path: str, body: dict[str, Any], extra: str = "") -> bytes:
+    payload = json.dumps(body).encode()
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer sk-mallory\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n{extra}\r\n"
+    )
+    return head.encode() + payload
+
+
+async def _pipelined_readers(server: Server, seen: Counter[str], until: float) -> None:
+    """Issue 37's worst: a huge streamed answer's request with a second request pipelined
+    behind it, and nothing read. The stream must stay bounded and be cut (`closed` below)."""
+    messages = [{"role": "user", "content": "everything, pipelined"}]
+    knobs = {"answer_tokens": HUGE, "itl_ms": 0}
+    stream = {"messages": messages, "stream": True, "synthetic": knobs}
+    behind = {"messages": messages, "max_tokens": 2}
+    request = _raw_post("/v1/chat/completions", stream) + _raw_post("/v1/chat/completions", behind)
+    await _raw_batches(server, seen, until, "pipelined_non_reader", request, PIPELINED_READERS)
+
+
+async def _upgraders(server: Server, seen: Counter[str], until: float) -> None:
+    """A POST asking for a WebSocket upgrade, then waiting: answered and closed, or held."""
+    extra = (
+        "Connection: Upgrade\r\nUpgrade: websocket\r\nSec-WebSocket-Version: 13\r\n"
+        "Sec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+    )
+    body = {"messages": [{"role": "user", "content": "upgrade me"}], "stream": True}
+    request = _raw_post("/v1/chat/completions", body, extra)
+    await _raw_batches(server, seen, until, "upgrade", request, UPGRADERS)
+
+
+async def _raw_batches(
+    server: Server, seen: Counter[str], until: float, name: str, request: bytes, count: int
+) -> None:
+    """`count` raw sockets at a time send `request` and read nothing; a fresh batch replaces
+    them every READER_BATCH_S. When a batch goes, those the server had closed by then are
+    counted `closed`, the others `held`."""
+    loop = asyncio.get_running_loop()
     batch: list[socket.socket] = []
+
+    def replace() -> None:
+        for sock in batch:
+            seen[f"{name} {'closed' if _closed(sock) else 'held'}"] += 1
+            sock.close()
+        batch.clear()
+
     try:
         while time.monotonic() < until:
-            for sock in batch:
-                sock.close()
-            batch = []
-            for _ in range(NEVER_READERS):
+            replace()
+            for _ in range(count):
                 sock = socket.socket()
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
                 sock.setblocking(False)
                 await loop.sock_connect(sock, ("127.0.0.1", server.port))
                 await loop.sock_sendall(sock, request)
                 batch.append(sock)
-                seen["never_reader opened"] += 1
+                seen[f"{name} opened"] += 1
             await asyncio.sleep(min(READER_BATCH_S, max(0.0, until - time.monotonic())))
     finally:
-        for sock in batch:
-            sock.close()
+        replace()
+
+
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server closed (or reset) `sock`: what it sent is read first."""
+    try:
+        for _ in range(64):
+            if not sock.recv(65536):
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    return False
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -391,6 +453,8 @@ async def abuse(
             others = [
                 *(lambda until, k=k: _loop(k, server, seen, until) for k in kinds),
                 lambda until: _never_readers(server, seen, until),
+                lambda until: _pipelined_readers(server, seen, until),
+                lambda until: _upgraders(server, seen, until),
             ]
             await _run_phase(server, result.abuse, duration_s * 2 / 3, *others)
             metrics = await server.metrics()

@@ -413,7 +413,9 @@ class Settings:
         range=AT_LEAST_1,
     )
     header_timeout_s: float = _knob(
-        10.0, "close connections whose request headers take longer", range=POSITIVE
+        10.0,
+        "close connections whose request headers take longer (with TLS: the handshake too)",
+        range=POSITIVE,
     )
     body_timeout_s: float = _knob(
         30.0, "answer 408 when a request body takes longer", range=POSITIVE

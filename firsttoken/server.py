@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import gc
 import ipaddress
@@ -12,6 +13,7 @@ import sys
 import time
 import traceback
 from collections.abc import Awaitable
+from functools import partial
 from types import FrameType
 from typing import NoReturn
 
@@ -56,9 +58,29 @@ class _Server(uvicorn.Server):
         self._hand_over = False  # streams go to other instances at the next tick
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets)
-        if not self.should_exit:
-            log_event("listening", url=self.url)
+        # uvicorn's, but the listening is ours: uvicorn leaves a TLS handshake the event
+        # loop's 60 s, and here it is under --header-timeout-s as a plain head is.
+        await super().startup([])
+        if self.should_exit:
+            return
+        config, loop = self.config, asyncio.get_running_loop()
+        protocol = partial(
+            config.http_protocol_class,
+            config=config,
+            server_state=self.server_state,
+            app_state=self.lifespan.state,
+        )
+        handshake_s = StreamingProtocol.header_timeout_s if config.ssl else None
+        for sock in sockets or ():
+            server = await loop.create_server(
+                protocol,
+                sock=sock,
+                ssl=config.ssl,
+                backlog=config.backlog,
+                ssl_handshake_timeout=handshake_s,
+            )
+            self.servers.append(server)
+        log_event("listening", url=self.url)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         gw = self.gateway
@@ -244,6 +266,7 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         access_log=False,
         log_config=None,  # uvicorn's lines go through _UvicornLog
         log_level="warning",
+        ws="none",  # no WebSocket is served (the protocol refuses upgrades either way)
         # The drain (`_Server`) has ended every stream by the time uvicorn shuts down: this
         # only bounds the wait for their last bytes.
         timeout_graceful_shutdown=3,

@@ -492,8 +492,10 @@ class EventStreamResponse:
         if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
             last = {"type": "http.response.body", "body": tail, "more_body": False}
-            if writer.terminated:
-                sent = held_send(send, send, last)  # the bytes are out: uvicorn's dropped
+            if writer.terminated:  # the bytes are out: uvicorn's are dropped
+                connection = _connection(scope)  # its cycle, when CORS wrapped `send`
+                cycle = connection.cycle if connection is not None else None
+                sent = held_send(send, send, last, cycle)
             else:
                 sent = send(last)
             waited_out = False

@@ -7,10 +7,11 @@ import collections
 import socket
 import time
 from functools import partial
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, NoReturn, Protocol
 
+import httptools
 from starlette.types import Scope, Send
-from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from firsttoken.wire.cycle import DirectCycle, DirectRoutes
@@ -55,7 +56,14 @@ class StreamingProtocol(HttpToolsProtocol):
     - TCP_NODELAY (set by the event loop): every token is a small write; Nagle's algorithm
       would hold it back ~40 ms;
     - a fixed SO_SNDBUF, so what a stalled reader holds in the kernel is bounded;
-    - a header deadline: a slow-loris client trickling headers is cut off;
+    - a header deadline, from accept (a TLS handshake included): a slow-loris client
+      trickling headers is cut off;
+    - pipelined requests answered one at a time: one parsed behind an unfinished answer
+      waits for it (at most `max_pipelined`, past which the rest is not read), and the
+      connection (`cycle`, flow control, `listener`) stays the answer's until it ends;
+    - no upgrades (WebSocket, h2c): such a request gets a plain answer, then the close;
+    - an answer given before its request's body was all in (an early 413) closes the
+      connection after a short linger, instead of reading the rest of the body;
     - `scope["firsttoken.abort"]`: a reader that takes no bytes can be reset (a graceful
       close would wait for it to read the buffered data, forever);
     - `scope["firsttoken.wire.connection"]` and `listener`: an event stream writes to the
@@ -71,9 +79,16 @@ class StreamingProtocol(HttpToolsProtocol):
     # httptools keeps every header byte it is given: a head past this is cut off while it is
     # parsed. Below it, a head over the API's limits is answered in full (requestlimits.py).
     max_head_bytes = 256 * 1024
+    # Requests parsed behind an unfinished answer (each holds its scope and body): past this
+    # many, the rest is not read, and the connection closes after the last one's answer.
+    max_pipelined = 8
+    # How long a connection answered before its request's body was all in reads and drops
+    # the rest before it closes: a close with unread bytes resets the connection, and the
+    # client may lose the answer (nginx's lingering close).
+    linger_s = 2.0
     # Slots for ours: uvicorn's attributes fill the instance dict's shared keys, and one more
     # turned it into a table of its own (~1.5 KiB per connection).
-    __slots__ = ("_head_bytes", "_header_timer", "listener")
+    __slots__ = ("_accepted", "_deaf", "_head_bytes", "_header_timer", "_reading", "listener")
     # Set by the server when nothing must wrap the app's hot routes (CORS does) and uvicorn
     # would add nothing to them (no `root_path`, no `limit_concurrency`).
     direct: ClassVar[DirectRoutes | None] = None
@@ -81,8 +96,15 @@ class StreamingProtocol(HttpToolsProtocol):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._header_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        # The request whose head or body is being read: `cycle` (the one being answered),
+        # or one pipelined behind it.
+        self._reading: Any = None
+        # Nothing more is read into a request (see `_stop_reading`).
+        self._deaf = False
         self.listener: ConnectionListener | None = None
         super().__init__(*args, **kwargs)
+        # Made at accept: under TLS, connection_made comes after the handshake.
+        self._accepted = self.loop.time()
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # TCP_NODELAY is the event loop's own doing: uvloop and asyncio set it on every TCP
@@ -110,7 +132,22 @@ class StreamingProtocol(HttpToolsProtocol):
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
         self.scheme = "https" if transport.get_extra_info("sslcontext") else "http"
-        self._arm_header_timer()
+        self._arm_header_timer(self._accepted + self.header_timeout_s - self.loop.time())
+
+    def data_received(self, data: bytes) -> None:
+        # uvicorn's, but an upgrade is never handed over (see `on_headers_complete`).
+        if self._deaf:
+            return
+        self._unset_keepalive_if_required()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # answered as plain HTTP, and reading stopped at its head
+        except httptools.HttpParserError:
+            if self._deaf:  # stopped on purpose, mid-data
+                return
+            self.logger.warning("Invalid HTTP request received.")
+            self.send_400_response("Invalid HTTP request received.")
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
@@ -119,20 +156,18 @@ class StreamingProtocol(HttpToolsProtocol):
         # The request's first byte: where TTFT starts (an outside client's clock starts there).
         self.scope[ARRIVED_KEY] = time.perf_counter()  # type: ignore[literal-required]
         if self._header_timer is None:  # still armed from connection_made on a first request
-            self._arm_header_timer()
+            self._arm_header_timer(self.header_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
         if self._head_bytes > self.max_head_bytes:
             self._head_too_large()
-            return
         super().on_url(url)
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self._head_bytes += len(name) + len(value)
         if self._head_bytes > self.max_head_bytes:
             self._head_too_large()
-            return
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
@@ -140,19 +175,101 @@ class StreamingProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
-        if self.direct is not None and self._serve_direct(self.direct):
-            return
-        super().on_headers_complete()
-        if self.cycle is not None:
+        answering = self.cycle
+        if answering is not None and answering.response_complete:
+            answering = None
+        if answering is not None and len(self.pipeline) >= self.max_pipelined:
+            # The rest is not read: the queued ones are answered, then the connection closes
+            # (a client re-sends what was not answered, RFC 9112 9.3.2).
+            self.pipeline[0][0].keep_alive = False
+            self._stop_reading()
+            raise _StopParsing
+        if answering is not None or self.direct is None or not self._serve_direct(self.direct):
+            # Started, or queued behind `answering` (uvicorn's pipeline, reading paused).
+            super().on_headers_complete()
             lean_event(self.cycle.message_event)
+        self._reading = self.cycle
+        if answering is not None:
+            self.cycle = answering  # still the connection's until its answer ends
+        if self.parser.should_upgrade():
+            # No upgrade is served: the request gets a plain answer and the connection
+            # closes. The parser skips its body, and what follows its head is another
+            # protocol's: nothing more is read.
+            self._reading.keep_alive = False
+            self._deaf = True
+            self.flow.pause_reading()
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self._reading
+        if cycle is None or cycle.response_complete:
+            return
+        cycle.body += body
+        if len(cycle.body) > HIGH_WATER_LIMIT:
+            self.flow.pause_reading()
+        cycle.message_event.set()
+
+    def on_message_complete(self) -> None:
+        cycle = self._reading
+        if cycle is None or cycle.response_complete:
+            return
+        cycle.more_body = False
+        cycle.message_event.set()
+
+    def on_response_complete(self) -> None:
+        # uvicorn's, with the next pipelined request taking the connection as it starts.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._unset_keepalive_if_required()
+        if self.cycle.more_body:
+            self._linger()  # answered before its body was all in
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self.cycle = cycle
+            self._start_asgi_task(cycle, app)
+        else:
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+    def send_400_response(self, msg: str) -> None:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete and not cycle.more_body:
+            self._end_after(cycle)  # the bad bytes came after the request being answered
+            return
+        super().send_400_response(msg)
+
+    def _end_after(self, cycle: Any) -> None:
+        """A refusal now would land in (or before) `cycle`'s unfinished answer: that answer
+        ends the connection instead, and what waits behind it is dropped."""
+        cycle.keep_alive = False
+        self.pipeline.clear()
+        self._stop_reading()
+
+    def _should_upgrade(self) -> bool:
+        return False  # no WebSocket here, whatever uvicorn found installed
+
+    def _stop_reading(self) -> None:
+        """Read nothing more into a request."""
+        self._deaf = True
+        self._reading = None
+        self.flow.pause_reading()
+
+    def _linger(self) -> None:
+        """Close once the client stops sending, or after `linger_s`; what it still sends is
+        read and dropped meanwhile, so the close does not reset the answer away."""
+        self._deaf = True
+        self._reading = None
+        self.flow.resume_reading()
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self._arm_header_timer(self.linger_s)
 
     def _serve_direct(self, direct: DirectRoutes) -> bool:
         """Start a hot route's request without uvicorn's ASGI layers; False leaves it to them
-        (a pipelined request, HTTP/1.0, an upgrade, `expect: 100-continue`, an escaped or
-        absolute-form path)."""
-        current = self.cycle
-        if current is not None and not current.response_complete:
-            return False
+        (HTTP/1.0, an upgrade, `expect: 100-continue`, an escaped or absolute-form path)."""
         parser = self.parser
         if self.expect_100_continue or parser.should_upgrade():
             return False
@@ -204,21 +321,37 @@ class StreamingProtocol(HttpToolsProtocol):
         if self.listener is not None:
             self.listener.resume_writing()
 
-    def _arm_header_timer(self) -> None:
+    def _arm_header_timer(self, delay: float) -> None:
+        """Close the connection after `delay`, unless a request's head is in by then."""
         if self._header_timer is not None:
             self._header_timer.cancel()
-        loop = asyncio.get_running_loop()
-        self._header_timer = loop.call_later(self.header_timeout_s, self._headers_too_slow)
+        self._header_timer = self.loop.call_later(delay, self._headers_too_slow)
 
-    def _head_too_large(self) -> None:
-        if not self.transport.is_closing():
-            self.transport.write(_HEAD_TOO_LARGE)
-            self.transport.close()
+    def _head_too_large(self) -> NoReturn:
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            self._end_after(cycle)
+        else:
+            self._stop_reading()
+            if not self.transport.is_closing():
+                self.transport.write(_HEAD_TOO_LARGE)
+                self.transport.close()
+        raise _StopParsing  # nothing more of this head, or of what follows it
 
     def _headers_too_slow(self) -> None:
         self._header_timer = None
+        cycle = self.cycle
+        if cycle is not None and not cycle.response_complete:
+            # A head behind an unfinished answer: reading waits for that answer, and so
+            # does the head's deadline.
+            self._arm_header_timer(self.header_timeout_s)
+            return
         if not self.transport.is_closing():
             self.transport.close()
+
+
+class _StopParsing(Exception):
+    """Raised from a parser callback to stop parsing the data in hand."""
 
 
 def lean_event(event: asyncio.Event) -> None:
@@ -258,11 +391,15 @@ def body_arrived(scope: Scope) -> bool:
     )
 
 
-async def held_send(raw_send: Send, send: Send, message: dict[str, Any]) -> bytes:
-    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`)
-    would write: the caller writes them with its own, or already has. Elsewhere than
-    uvicorn's httptools cycle the message is just sent, and b"" comes back."""
-    cycle = uvicorn_cycle(raw_send)
+async def held_send(
+    raw_send: Send, send: Send, message: dict[str, Any], cycle: Any = None
+) -> bytes:
+    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`,
+    or `cycle` when a middleware wrapped its `send`) would write: the caller writes them
+    with its own, or already has. Elsewhere than uvicorn's httptools cycle the message is
+    just sent, and b"" comes back."""
+    if cycle is None:
+        cycle = uvicorn_cycle(raw_send)
     if cycle is None:
         await send(message)
         return b""

@@ -7,7 +7,10 @@ gauges, memory, writers) is read back from /metrics.
 
 from __future__ import annotations
 
+import json
 import socket
+import ssl
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -15,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.caddy import self_signed
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for
 
@@ -268,3 +272,182 @@ def test_resume_buffers_nobody_reads_are_bounded_per_key_and_in_all(tmp_path: Pa
         wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=20)
         assert server.metric("firsttoken_resume_buffer_bytes") <= 600_000
         assert "resume_expired" in read(alice)
+
+
+def _chat(tokens: int, stream: bool = True) -> bytes:
+    body = json.dumps(
+        {
+            "model": "synthetic",
+            "stream": stream,
+            "max_tokens": tokens,
+            "messages": [{"role": "user", "content": "pipelined"}],
+            "synthetic": {"answer_tokens": tokens},
+        }
+    ).encode()
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
+    return head.encode() + body
+
+
+@pytest.fixture(scope="module", params=["direct", "asgi"])
+def pipelined(request: pytest.FixtureRequest) -> Iterator[Server]:
+    """A server whose hot routes take the direct path, and one where CORS sends every
+    request through the ASGI layers."""
+    args = ["--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "0", "--send-timeout-s", "3"]
+    if request.param == "asgi":
+        args += ["--cors-allow-origins", "https://app.example"]
+    with run_server(*args) as server:
+        yield server
+
+
+def test_a_stream_with_a_request_pipelined_behind_it_starts_with_its_head(
+    pipelined: Server,
+) -> None:
+    """On the direct path the stream's status line and headers were lost (the client read a
+    chunk size first); both answers come whole and in order."""
+    with socket.create_connection(("127.0.0.1", pipelined.port), timeout=10) as sock:
+        sock.sendall(_chat(50) + _chat(5, stream=False))
+        got = b""
+        while got.count(b"HTTP/1.1 200 OK") < 2 or not got.endswith(b"}"):
+            data = sock.recv(65536)
+            assert data, got[-200:]
+            got += data
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n"), got[:80]
+    first, _, second = got.partition(b"0\r\n\r\nHTTP/1.1 200 OK\r\n")
+    assert b"text/event-stream" in first and first.endswith(b"data: [DONE]\n\n\r\n")
+    assert b"application/json" in second and b'"finish_reason"' in second
+
+
+def test_a_stream_then_another_request_on_the_same_connection(pipelined: Server) -> None:
+    """Not pipelined: the next request is sent once the stream ended. Through CORS the
+    stream's terminating chunk was written twice, and the next answer began with it."""
+    with socket.create_connection(("127.0.0.1", pipelined.port), timeout=10) as sock:
+        sock.sendall(_chat(5))
+        got = b""
+        while not got.endswith(b"data: [DONE]\n\n\r\n0\r\n\r\n"):
+            data = sock.recv(65536)
+            assert data, got[-200:]
+            got += data
+        sock.sendall(_chat(3, stream=False))
+        got = b""
+        while not got.endswith(b"}"):
+            data = sock.recv(65536)
+            assert data, got[-200:]
+            got += data
+    assert got.startswith(b"HTTP/1.1 200 OK\r\n"), got[:80]
+
+
+def test_readers_that_pipeline_behind_a_stream_and_never_read_are_bounded_and_cut(
+    pipelined: Server,
+) -> None:
+    """Issue 37's worst: a streamed request, a second request pipelined behind it, and no
+    reading. The stream lost its connection to the request behind it and fell back to an
+    unbounded queue: 20 such readers took +546 MiB (kept after they left), were never cut
+    by --send-timeout-s, and each close logged a traceback."""
+    readers = 20
+    before = _rss_kib(pipelined)
+    stalled = pipelined.metric("firsttoken_readers_stalled_total")
+    socks = []
+    try:
+        for _ in range(readers):
+            sock = socket.socket()
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.connect(("127.0.0.1", pipelined.port))
+            sock.sendall(_chat(100_000) + _chat(5, stream=False))
+            socks.append(sock)
+        wait_for(
+            lambda: pipelined.metric("firsttoken_readers_stalled_total") == stalled + readers,
+            timeout=20,
+        )
+        held_mib = (_rss_kib(pipelined) - before) / 1024
+        assert held_mib < readers * 0.5, held_mib
+        for sock in socks:  # cut: what reached each is the kernel's buffers, then a reset
+            assert _drain(sock) < 1_000_000
+    finally:
+        for sock in socks:
+            sock.close()
+    assert not [line for line in pipelined.log if "Exception in ASGI application" in line]
+
+
+def _held(socks: list[socket.socket], wait_s: float) -> int:
+    """How many of `socks` the server still holds open after `wait_s`."""
+    deadline = time.monotonic() + wait_s
+    held = 0
+    for sock in socks:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            while sock.recv(65536):
+                pass
+        except TimeoutError:
+            held += 1
+        except OSError:
+            pass
+    return held
+
+
+def test_an_upgrade_is_answered_and_closed(pipelined: Server) -> None:
+    """With the `websockets` package installed, uvicorn handed a POST with `Upgrade:
+    websocket` to it, which never answered: 100 of 100 such connections stayed open."""
+    body = b'{"model":"synthetic","messages":[{"role":"user","content":"hi"}],"stream":true}'
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nSec-WebSocket-Key: dGhlIHNhbXBsZSBub25jZQ==\r\n"
+        b"Sec-WebSocket-Version: 13\r\nContent-Type: application/json\r\n"
+    )
+    socks = []
+    for _ in range(20):
+        sock = socket.create_connection(("127.0.0.1", pipelined.port), timeout=10)
+        sock.sendall(head + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        socks.append(sock)
+    try:
+        assert _held(socks, 3) == 0
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def test_a_refused_body_trickled_on_does_not_hold_the_connection() -> None:
+    """An early 413 kept the connection while the client trickled the rest of its body (20
+    B/s held it 45 s and more): now it closes after a short linger."""
+    with run_server("--max-body-bytes", "1000") as server:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: "
+                b"application/json\r\nContent-Length: 100000\r\n\r\n{"
+            )
+            answer = sock.recv(65536)
+            assert answer.startswith(b"HTTP/1.1 413 "), answer
+            start = time.monotonic()
+            sock.settimeout(0.2)
+            closed = False
+            while not closed and time.monotonic() - start < 10:
+                try:
+                    sock.sendall(b"x" * 20)
+                    closed = sock.recv(65536) == b""
+                except TimeoutError:
+                    pass
+                except OSError:
+                    closed = True
+            assert closed and time.monotonic() - start < 4
+
+
+def test_a_tls_handshake_is_under_the_header_timeout(tmp_path: Path) -> None:
+    """A TLS handshake had the event loop's 60 s (10 s on the plain port): 200 silent
+    connections held 200 file descriptors for a minute."""
+    cert, key = self_signed(tmp_path)
+    tls = ("--ssl-certfile", str(cert), "--ssl-keyfile", str(key))
+    with run_server(*tls, "--header-timeout-s", "1") as server:
+        silent = [socket.create_connection(("127.0.0.1", server.port)) for _ in range(20)]
+        # A handshake in time, then no head: the deadline counts from the connection's accept.
+        context = ssl.create_default_context(cafile=cert)
+        raw = socket.create_connection(("127.0.0.1", server.port))
+        late = context.wrap_socket(raw, server_hostname="localhost")
+        try:
+            assert _held([*silent, late], 3) == 0
+            r = httpx.get(server.url + "/healthz", verify=context)  # and a real client is fine
+            assert r.status_code == 200
+        finally:
+            for sock in [*silent, late]:
+                sock.close()

@@ -24,7 +24,11 @@ def test_a_short_abuse_run_serves_the_well_behaved_key() -> None:
         "never_opened",
         "bad_last_event_id",
         "never_reader",
+        "pipelined_non_reader",
+        "upgrade",
     }, result.unfriendly
+    # Every upgrade was answered and closed (a WebSocket upgrade of a POST was held, issue 37).
+    assert result.unfriendly["upgrade closed"] == result.unfriendly["upgrade opened"] > 0
     # No unfriendly request was answered with a server error.
     assert not [k for k in result.unfriendly if k.split()[-1].startswith("5")], result.unfriendly
     assert set(summary["ratios_abuse_to_baseline"]) == {"completion_rate", "ttft_p99", "peak_rss"}

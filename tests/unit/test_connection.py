@@ -11,7 +11,7 @@ import uvicorn
 import uvloop
 from uvicorn.server import ServerState
 
-from firsttoken.wire.connection import StreamingProtocol, lean_event
+from firsttoken.wire.connection import CONNECTION_KEY, StreamingProtocol, lean_event
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -218,3 +218,177 @@ def test_a_direct_request_asking_to_close_gets_its_answer_then_the_close() -> No
     assert hot.served == ["/hot/a"]
     assert got.startswith(b"HTTP/1.1 200 OK") and b"connection: close" in got
     assert got.endswith(b"direct {}")  # and then the server closed: no second reply came
+
+
+class _Slow(_Hot):
+    """`/hot/slow` answers after the rest of what was sent with it has been read, saying
+    whether the connection's cycle was still its own then, and how many requests waited."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: list[tuple[bool, int]] = []
+
+    async def serve(self, route: Any, scope: Any, receive: Any, send: Any) -> None:
+        if route != "/hot/slow":
+            await super().serve(route, scope, receive, send)
+            return
+        await receive()
+        connection = scope[CONNECTION_KEY]
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await asyncio.sleep(0.2)
+        self.seen.append((connection.cycle.scope is scope, len(connection.pipeline)))
+        await send({"type": "http.response.body", "body": b"direct slow", "more_body": False})
+
+
+def test_a_request_pipelined_behind_an_answer_waits_and_leaves_it_the_connection() -> None:
+    """The answer under way keeps the connection's cycle (where a stream finds its transport
+    and chunk framing); the request behind it is answered after it, in order."""
+    hot = _Slow()
+    got = uvloop.run(_exchange(hot, _post("/hot/slow") + _post("/hot/b", b"{2}"), 2))
+    assert hot.seen == [(True, 1)]
+    assert got.startswith(b"HTTP/1.1 200 OK"), got
+    assert got.index(b"direct slow") < got.index(b"HTTP/1.1 204 No Content")
+
+
+def test_past_max_pipelined_the_rest_is_not_read_and_the_connection_closes() -> None:
+    hot = _Slow()
+    behind = StreamingProtocol.max_pipelined
+    raw = _post("/hot/slow") + b"".join(_post(f"/other/{i}") for i in range(behind + 4))
+    got = uvloop.run(_exchange(hot, raw, behind + 5))
+    assert got.count(b"HTTP/1.1 ") == 1 + behind, got  # then the close: no more answers
+    assert got.count(b"connection: close") == 1 and got.endswith(b"\r\n\r\n")
+
+
+@pytest.mark.parametrize(
+    "behind",
+    [
+        _post("/other") + b"NOT HTTP\r\n\r\n",
+        b"GET /x HTTP/1.1\r\n" + b"x: %s\r\n" % (b"a" * 1000) * 300,  # past max_head_bytes
+    ],
+    ids=["not-http", "head-too-large"],
+)
+def test_a_bad_request_behind_an_answer_ends_the_connection_after_it_not_inside_it(
+    behind: bytes,
+) -> None:
+    """Its 400 (or 431) used to be written at once: inside the answer under way."""
+    hot = _Slow()
+    got = uvloop.run(_exchange(hot, _post("/hot/slow") + behind, 3))
+    assert got.startswith(b"HTTP/1.1 200 OK") and got.count(b"HTTP/1.1 ") == 1, got
+    assert got.endswith(b"0\r\n\r\n")  # the answer ended whole, then the close
+
+
+@pytest.mark.parametrize(
+    "request_bytes",
+    [
+        _post("/hot/a", b"{}", b"connection: upgrade\r\nupgrade: websocket\r\n"),
+        b"GET /other HTTP/1.1\r\nhost: x\r\nconnection: upgrade, http2-settings\r\n"
+        b"upgrade: h2c\r\nhttp2-settings: AAMAAABkAAQAAP__\r\n\r\n",
+    ],
+    ids=["post-websocket", "get-h2c"],
+)
+def test_an_upgrade_gets_a_plain_answer_then_the_close(request_bytes: bytes) -> None:
+    """uvicorn hands a WebSocket upgrade to the `websockets` package when it is installed,
+    which never answered a POST; nothing after the head is read as HTTP either."""
+    hot = _Hot()
+    smuggled = _post("/hot/smuggled")
+    got = uvloop.run(_exchange(hot, request_bytes + smuggled, 2))
+    assert got.startswith(b"HTTP/1.1 204 No Content"), got
+    assert b"connection: close" in got and got.count(b"HTTP/1.1 ") == 1
+    assert hot.served == []
+
+
+class _Early(_Hot):
+    """Answers 413 at once, reading none of the body."""
+
+    async def serve(self, route: Any, scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-length", b"5")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": b"large"})
+
+
+def test_an_answer_before_the_body_is_in_closes_after_a_short_linger() -> None:
+    """A client trickling the rest of a body it was refused used to keep the connection as
+    long as it trickled; each byte also reset the keep-alive timer."""
+
+    async def main() -> tuple[bytes, float]:
+        config = uvicorn.Config(_app, lifespan="off", log_config=None)
+
+        class Protocol(StreamingProtocol):
+            direct = _Early()
+            linger_s = 0.5
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /hot/a HTTP/1.1\r\nhost: x\r\ncontent-length: 100000\r\n\r\n{")
+        answer = await asyncio.wait_for(reader.readuntil(b"large"), 2)
+        start = loop.time()
+        try:
+            async with asyncio.timeout(5):
+                while True:  # trickle until the server closes
+                    writer.write(b"x" * 20)
+                    await writer.drain()
+                    if reader.at_eof() or writer.is_closing():
+                        break
+                    await asyncio.sleep(0.05)
+                    if await _closed(reader):
+                        break
+        except (ConnectionError, TimeoutError):
+            pass
+        held = loop.time() - start
+        writer.close()
+        server.close()
+        return answer, held
+
+    answer, held = uvloop.run(main())
+    assert answer.startswith(b"HTTP/1.1 413 ")
+    assert held < 1.5, held  # half-closed at once; closed after linger_s
+
+
+async def _closed(reader: asyncio.StreamReader) -> bool:
+    try:
+        data = await asyncio.wait_for(reader.read(65536), 0.01)
+    except TimeoutError:
+        return False
+    return data == b""
+
+
+def test_a_slow_head_behind_an_answer_waits_for_it_then_has_its_deadline() -> None:
+    """The head's deadline used to cut the connection, and the answer under way with it."""
+
+    class Slower(_Slow):
+        async def serve(self, route: Any, scope: Any, receive: Any, send: Any) -> None:
+            await asyncio.sleep(0.6)  # twice the header deadline
+            await super().serve(route, scope, receive, send)
+
+    async def main() -> tuple[bytes, float]:
+        config = uvicorn.Config(_app, lifespan="off", log_config=None)
+
+        class Protocol(StreamingProtocol):
+            direct = Slower()
+            header_timeout_s = 0.3
+
+        loop = asyncio.get_running_loop()
+        server = await loop.create_server(
+            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+        )
+        port = server.sockets[0].getsockname()[1]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post("/hot/slow") + b"GET /next HTTP/1.1\r\nhost:")  # never ends
+        got, answered = b"", loop.time()
+        async with asyncio.timeout(5):
+            while chunk := await reader.read(65536):
+                got += chunk
+                if got.endswith(b"0\r\n\r\n"):
+                    answered = loop.time()
+        closed = loop.time() - answered
+        writer.close()
+        server.close()
+        return got, closed
+
+    got, closed = uvloop.run(main())
+    assert got.startswith(b"HTTP/1.1 200 OK") and got.endswith(b"direct slow\r\n0\r\n\r\n"), got
+    assert closed < 0.6, closed  # then the head's deadline, from the answer's end at most
