@@ -153,6 +153,18 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     raise KeyError(name)
 
 
+def limit_script(request: Mapping[str, object], chat: bool) -> tuple[int, str, list[object]]:
+    """vLLM's reading of a request's limits: `max_completion_tokens` wins over `max_tokens`
+    (16 without either). The answer runs to it, one word per token, all in one write, and
+    its usage says so, as a vLLM upstream bills it."""
+    limit = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+    assert isinstance(limit, int)
+    usage = {"prompt_tokens": 5, "completion_tokens": limit, "total_tokens": 5 + limit}
+    events = [_chunk(chat, " w") for _ in range(limit)]
+    events += [_chunk(chat, None, "length"), _data({"choices": [], "usage": usage})]
+    return 200, "text/event-stream", [b"".join(events), b"data: [DONE]\n\n"]
+
+
 def continuation_prefix(request: Mapping[str, object]) -> str | None:
     """The assistant text a vLLM-style continuation asks to go on from, if it is one; for a
     completion, the prompt's end when it is a start of the scripted answer (a base model
@@ -284,7 +296,7 @@ SCENARIOS = (
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
     "vllm-tools vllm-reasoning vllm-cached http-429-retry rejects-prefill cut-in-tool "
-    "cut-in-reasoning"
+    "cut-in-reasoning vllm-limit"
 ).split()
 
 
@@ -331,7 +343,9 @@ class ScriptedUpstream:
         name = self.scenarios.get(model, model)
         chat = "messages" in request
         continued = continuation_prefix(request)
-        if continued is not None:
+        if name == "vllm-limit":
+            status, ctype, steps = limit_script(request, chat)
+        elif continued is not None:
             status, ctype, steps = continue_script(name, continued, chat)
         else:
             status, ctype, steps = script(name, chat)

@@ -93,8 +93,10 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
     body: dict[str, Any] = {"model": model or request.model, "messages": turns}
     if system:
         body["system"] = system[0]["text"] if len(system) == 1 else system
+    # What admission allowed (the smaller of the body's two limits, or its budget's cap),
+    # never the body's own: a larger one there would go past what the key was charged.
     max_tokens = _first(
-        chat.get("max_completion_tokens"), chat.get("max_tokens"), request.max_tokens
+        request.max_tokens, chat.get("max_completion_tokens"), chat.get("max_tokens")
     )
     body["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     body["stream"] = True

@@ -24,12 +24,32 @@ from firsttoken.engines.upstream import (
 )
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
-__all__ = ["RelayEngine", "normalise_error"]
+__all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]
 
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+# Body fields a client may not pass to an upstream: they reach past the request itself, into
+# other keys' share of the engine (vLLM's and SGLang's scheduling `priority`: a key's place
+# comes from the keys file, in the gateway's own queue), its cost beyond max_tokens
+# (`best_of`, beam search), or the engine's bookkeeping (request ids, KV transfer between
+# instances, plugin arguments).
+GATEWAY_FIELDS = frozenset(
+    (
+        "priority",
+        "best_of",
+        "use_beam_search",
+        "request_id",
+        "rid",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    )
+)
 
 
 class RelayEngine(RemoteEngine):
@@ -71,13 +91,14 @@ class RelayEngine(RemoteEngine):
     def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
         """The upstream request: the client's body as it came (every field: tools, content
         parts, response_format...), changed only where the gateway must: the model it
-        routes to, streaming on, usage on, and firsttoken's own stream options off."""
+        routes to, streaming on, usage on, firsttoken's own stream options off, the
+        `max_tokens` admission allowed, and no `GATEWAY_FIELDS`."""
         model = self.model or request.model
         continuing = "continuation" in request.options
         if continuing and self._template is not None and request.messages is not None:
             return self._completions_body(request, model)
         if request.body is not None:
-            body = dict(request.body)
+            body = {k: v for k, v in request.body.items() if k not in GATEWAY_FIELDS}
             chat = "messages" in body or "prompt" not in body
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, Mapping) else {}
@@ -85,8 +106,14 @@ class RelayEngine(RemoteEngine):
                 options.pop(own, None)
             options["include_usage"] = True
             body.update(model=model, stream=True, stream_options=options)
-            if request.max_tokens is not None and "max_tokens" not in body:
-                body.setdefault("max_completion_tokens", request.max_tokens)
+            limit = request.max_tokens
+            if limit is not None:
+                # What admission held, in every field the client named: servers differ on
+                # which wins when both come (vLLM: max_completion_tokens), so neither may
+                # say more than the other.
+                named = [f for f in _LIMIT_FIELDS if body.get(f) is not None]
+                for name in named or (("max_completion_tokens",) if chat else ("max_tokens",)):
+                    body[name] = limit
             return ("/chat/completions" if chat else "/completions"), orjson.dumps(body)
         body = {"model": model, "stream": True}
         if request.messages is not None:
