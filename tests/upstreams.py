@@ -65,6 +65,14 @@ OPENAI_429 = {
     }
 }
 
+# What a hostile probe had upstreams answer (issue 37.7): the client read it verbatim.
+TRACEBACK = (
+    b'Traceback (most recent call last):\r\n  File "/srv/app.py", line 3\r\n'
+    b"\x1b[31mAuthError\x1b[0m: token sk-UPSTREAM-SECRET-123456 refused by "
+    b"auth.internal.corp:8443\r\n"
+)
+SECRET = "db.internal.corp:5432 password=hunter2\r\n\x1b[2J"
+
 HANG = object()  # stop sending, keep the connection open
 CUT = object()  # drop the connection without ending the chunked body
 
@@ -119,6 +127,10 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
         return 500, "application/json", [json.dumps({"error": LLAMACPP_ERROR}).encode()]
     if name == "http-503":
         return 503, "text/html", [b"<html><body>503 Service Unavailable</body></html>"]
+    if name == "http-400-traceback":  # a framework's debug page, secrets and escapes in it
+        return 400, "text/plain", [TRACEBACK]
+    if name == "http-500-secret":
+        return 500, "application/json", [json.dumps({"error": {"message": SECRET}}).encode()]
     if name == "http-400":
         return 400, "application/json", [json.dumps(VLLM_FLAT_ERROR).encode()]
     if name == "http-422":
@@ -296,7 +308,7 @@ SCENARIOS = (
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
     "vllm-tools vllm-reasoning vllm-cached http-429-retry rejects-prefill cut-in-tool "
-    "cut-in-reasoning vllm-limit"
+    "cut-in-reasoning vllm-limit http-400-traceback http-500-secret"
 ).split()
 
 

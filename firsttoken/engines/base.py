@@ -151,6 +151,8 @@ class EngineError(Exception):
         # continuation): it says nothing about the engine, so health and the breaker ignore it.
         self.client_fault = client_fault
         self.retry_after_s = retry_after_s  # an upstream's Retry-After, when it sent one
+        # An upstream's own error text, as it came (bounded): for the server's log only.
+        self.upstream_said: str | None = None
 
 
 class Engine(Protocol):
