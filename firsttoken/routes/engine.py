@@ -32,9 +32,12 @@ from firsttoken.routes.deadline import Deadline
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
-__all__ = ["PHASES", "LegWatch", "RouteObserver", "RoutedEngine"]
+__all__ = ["MAX_CHARS_PER_TOKEN", "PHASES", "LegWatch", "RouteObserver", "RoutedEngine"]
 
 PHASES = ("connect", "first_token", "mid_stream")
+# More characters per token than any tokenizer averages over a prompt (BPE vocabularies run
+# 3-5 for prose; runs of spaces or repeated words can merge further, hence the margin).
+MAX_CHARS_PER_TOKEN = 16
 
 
 class LegWatch(Protocol):
@@ -412,6 +415,10 @@ class RoutedEngine:
         then goes first and answers it whole."""
         rule = route.short_prompts
         if rule is None:
+            return False
+        # A prompt this long is not short whatever the tokenizer: not worth tokenizing (on
+        # the event loop) to find out.
+        if len(request.prompt) > rule.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
             return False
         target = self.targets[rule.target]
         return target.engine.prompt_tokens(request.prompt) <= rule.max_prompt_tokens
