@@ -308,7 +308,7 @@ SCENARIOS = (
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
     "vllm-tools vllm-reasoning vllm-cached http-429-retry rejects-prefill cut-in-tool "
-    "cut-in-reasoning vllm-limit http-400-traceback http-500-secret"
+    "cut-in-reasoning vllm-limit http-400-traceback http-500-secret fails-on-extra"
 ).split()
 
 
@@ -357,6 +357,8 @@ class ScriptedUpstream:
         continued = continuation_prefix(request)
         if name == "vllm-limit":
             status, ctype, steps = limit_script(request, chat)
+        elif name == "fails-on-extra":  # a 500 for one field only (vLLM's 500s on extras)
+            status, ctype, steps = script("http-500" if "guided_grammar" in request else "ok", chat)
         elif continued is not None:
             status, ctype, steps = continue_script(name, continued, chat)
         else:
