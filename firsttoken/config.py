@@ -258,6 +258,13 @@ class Settings:
     upstream_read_timeout_s: float = _knob(
         60.0, "longest wait for the upstream's next bytes", range=POSITIVE, needs=(OPENAI,)
     )
+    upstream_errors: str = _knob(
+        "pass",
+        "what a client reads of an upstream's error: its status, and its message when it comes "
+        "in an OpenAI or Anthropic error body, control characters stripped (pass); or its "
+        "status and a generic message, the upstream's text only in the log (redact)",
+        choices=("pass", "redact"),
+    )
     routes: str | None = _knob(
         None,
         "TOML file of model routes over many targets (docs/engines.md, Routes)",
@@ -466,6 +473,12 @@ class Settings:
     breaker_open_s: float = _knob(10.0, "breaker stays open this long, then probes", range=POSITIVE)
     ttft_slo_ms: float = _knob(500.0, "refuse new streams while TTFT p99 is above this (0: off)")
     log_level: str = _knob("info", "log level", choices=("debug", "info", "warning", "error"))
+    trust_trace_headers: bool = _knob(
+        False,
+        "continue a client's W3C traceparent and take its X-Request-Id as the trace id (for "
+        "clients or a proxy you trust); off: every stream starts its own trace, linked to the "
+        "client's (1/true/yes or 0/false/no; the bare flag: on)",
+    )
     otlp_endpoint: str | None = _knob(
         None,
         "OpenTelemetry collector (OTLP/HTTP protobuf): traces to URL/v1/traces, metrics to "

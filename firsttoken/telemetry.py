@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,6 +43,7 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter, SpanExportResult
 from opentelemetry.sdk.trace.id_generator import RandomIdGenerator
 from opentelemetry.trace import (
+    Link,
     NonRecordingSpan,
     SpanContext,
     SpanKind,
@@ -57,7 +59,7 @@ from firsttoken.engines.base import EngineError, GenerationRequest
 from firsttoken.observability import log_event
 from firsttoken.routes.config import TargetConfig
 
-__all__ = ["FLUSH_TIMEOUT_S", "Telemetry"]
+__all__ = ["ERROR_TYPES", "FLUSH_TIMEOUT_S", "Telemetry", "error_type"]
 
 FLUSH_TIMEOUT_S = 5.0  # the longest a shutdown waits for the collector
 # A batch the collector does not take in this long is dropped (and counted); the SDK's
@@ -182,9 +184,10 @@ class _Leg:
         span.set_attribute("firsttoken.chunks", self.chunks)
         attrs = self.attrs
         if isinstance(failure, EngineError):
-            attrs = {**attrs, "error.type": failure.code}
-            span.set_attribute("error.type", failure.code)
-            span.set_status(Status(StatusCode.ERROR, failure.message[:200]))
+            kind = error_type(failure.code)
+            attrs = {**attrs, "error.type": kind}
+            span.set_attribute("error.type", kind)
+            span.set_status(Status(StatusCode.ERROR, kind))
         elif failure is not None:
             # The router closed the leg (a hand-off, a cancelled stream): no fault of it.
             span.set_attribute("firsttoken.leg_closed", type(failure).__name__)
@@ -294,6 +297,9 @@ class Telemetry:
         if context is None:
             context = Context()
             self._ids.next_trace_id = _trace_id(stream.trace_id)
+        # A client's trace context not trusted as the parent: a link, which joins nothing.
+        linked = _span_context(request.linked_traceparent)
+        links = [Link(linked)] if linked is not None else None
         now_ns = time.time_ns()
         start_ns = now_ns - int((self.clock() - stream.accepted_at) * 1e9)
         attributes: dict[str, Any] = {
@@ -311,6 +317,7 @@ class Telemetry:
             context,
             SpanKind.SERVER,
             attributes,
+            links,
             start_time=min(start_ns, now_ns),
         )
         self._ids.next_trace_id = 0
@@ -342,7 +349,7 @@ class Telemetry:
         if outcome is Outcome.CANCELLED or outcome is Outcome.DISCONNECTED:
             span.add_event(outcome.value, {"firsttoken.tokens": stream.tokens_generated})
         elif outcome is Outcome.ERROR:
-            code = stream.error_code or "error"
+            code = error_type(stream.error_code or "error")
             attrs = {**attrs, "error.type": code}
             span.set_attribute("error.type", code)
             span.set_status(Status(StatusCode.ERROR, code))
@@ -486,15 +493,64 @@ def _export_timeout(signal: str) -> float | None:
     return EXPORT_TIMEOUT_S
 
 
-def _parent(traceparent: str | None) -> Context | None:
-    """The client's span as the parent context (the gateway validated the header's form)."""
+def _span_context(traceparent: str | None) -> SpanContext | None:
+    """A traceparent's span (the gateway validated the header's form)."""
     if traceparent is None:
         return None
     _version, trace_id, span_id, flags = traceparent.split("-")[:4]
-    parent = SpanContext(
+    return SpanContext(
         int(trace_id, 16), int(span_id, 16), is_remote=True, trace_flags=TraceFlags(int(flags, 16))
     )
+
+
+def _parent(traceparent: str | None) -> Context | None:
+    """The client's span as the parent context (only with --trust-trace-headers)."""
+    parent = _span_context(traceparent)
+    if parent is None:
+        return None
     return trace.set_span_in_context(NonRecordingSpan(parent), Context())
+
+
+# `error.type` on spans and metrics: a closed set, as the conventions ask of a metric's
+# attribute. An upstream's own code strings (any `[A-Za-z0-9_.:-]{1,64}`) are the client's
+# to read in the error body; here they are `_OTHER`.
+ERROR_TYPES = frozenset(
+    (
+        "error",
+        "cancelled",
+        "context_length_exceeded",
+        "engine_error",
+        "engine_unavailable",
+        "internal_error",
+        "invalid_continuation",
+        "invalid_value",
+        "overloaded",
+        "queue_timeout",
+        "rate_limit_exceeded",
+        "response_too_large",
+        "resume_expired",
+        "server_shutdown",
+        "stopped",
+        "stream_abandoned",
+        "stream_lost",
+        "unsupported_for_target",
+        "upstream_bad_response",
+        "upstream_error",
+        "upstream_rejected",
+        "upstream_timeout",
+        "upstream_truncated",
+        "upstream_unavailable",
+    )
+)
+_STATUS_TYPE = re.compile(r"^upstream_[45][0-9][0-9]$")
+
+
+def error_type(code: str) -> str:
+    """A stream's or leg's error code as `error.type`: ours and `upstream_<4xx|5xx>` as they
+    are, anything else `_OTHER`."""
+    if code in ERROR_TYPES or _STATUS_TYPE.match(code):
+        return code
+    return "_OTHER"
 
 
 def _trace_id(given: str) -> int:

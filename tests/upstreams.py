@@ -65,6 +65,14 @@ OPENAI_429 = {
     }
 }
 
+# What a hostile probe had upstreams answer (issue 37.7): the client read it verbatim.
+TRACEBACK = (
+    b'Traceback (most recent call last):\r\n  File "/srv/app.py", line 3\r\n'
+    b"\x1b[31mAuthError\x1b[0m: token sk-UPSTREAM-SECRET-123456 refused by "
+    b"auth.internal.corp:8443\r\n"
+)
+SECRET = "db.internal.corp:5432 password=hunter2\r\n\x1b[2J"
+
 HANG = object()  # stop sending, keep the connection open
 CUT = object()  # drop the connection without ending the chunked body
 
@@ -119,6 +127,10 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
         return 500, "application/json", [json.dumps({"error": LLAMACPP_ERROR}).encode()]
     if name == "http-503":
         return 503, "text/html", [b"<html><body>503 Service Unavailable</body></html>"]
+    if name == "http-400-traceback":  # a framework's debug page, secrets and escapes in it
+        return 400, "text/plain", [TRACEBACK]
+    if name == "http-500-secret":
+        return 500, "application/json", [json.dumps({"error": {"message": SECRET}}).encode()]
     if name == "http-400":
         return 400, "application/json", [json.dumps(VLLM_FLAT_ERROR).encode()]
     if name == "http-422":
@@ -151,6 +163,18 @@ def script(name: str, chat: bool) -> tuple[int, str, list[object]]:
     if name == "binary":  # bytes that are neither UTF-8 nor SSE, then the end
         return 200, sse, [bytes(range(256)) * 4]
     raise KeyError(name)
+
+
+def limit_script(request: Mapping[str, object], chat: bool) -> tuple[int, str, list[object]]:
+    """vLLM's reading of a request's limits: `max_completion_tokens` wins over `max_tokens`
+    (16 without either). The answer runs to it, one word per token, all in one write, and
+    its usage says so, as a vLLM upstream bills it."""
+    limit = request.get("max_completion_tokens") or request.get("max_tokens") or 16
+    assert isinstance(limit, int)
+    usage = {"prompt_tokens": 5, "completion_tokens": limit, "total_tokens": 5 + limit}
+    events = [_chunk(chat, " w") for _ in range(limit)]
+    events += [_chunk(chat, None, "length"), _data({"choices": [], "usage": usage})]
+    return 200, "text/event-stream", [b"".join(events), b"data: [DONE]\n\n"]
 
 
 def continuation_prefix(request: Mapping[str, object]) -> str | None:
@@ -284,7 +308,7 @@ SCENARIOS = (
     "http-500 http-503 http-400 http-422 http-429 "
     "html-502 html-200 bad-json bad-shape bad-type json-array no-newline malformed-sse binary "
     "vllm-tools vllm-reasoning vllm-cached http-429-retry rejects-prefill cut-in-tool "
-    "cut-in-reasoning"
+    "cut-in-reasoning vllm-limit http-400-traceback http-500-secret fails-on-extra"
 ).split()
 
 
@@ -331,7 +355,11 @@ class ScriptedUpstream:
         name = self.scenarios.get(model, model)
         chat = "messages" in request
         continued = continuation_prefix(request)
-        if continued is not None:
+        if name == "vllm-limit":
+            status, ctype, steps = limit_script(request, chat)
+        elif name == "fails-on-extra":  # a 500 for one field only (vLLM's 500s on extras)
+            status, ctype, steps = script("http-500" if "guided_grammar" in request else "ok", chat)
+        elif continued is not None:
             status, ctype, steps = continue_script(name, continued, chat)
         else:
             status, ctype, steps = script(name, chat)

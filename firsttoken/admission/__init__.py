@@ -5,9 +5,11 @@ counted as a `rejected` stream.
 
 A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves its prompt plus
 its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
-used when it ends. An answer is billed its prompt and every token generated, also when its
-client cut it; one that generated nothing and did not complete (refused upstream, cancelled
-while waiting) is billed nothing.
+used when it ends. No request is admitted to more than what is left of its key's minute: its
+`max_tokens` is lowered to that (`Ticket.max_tokens`, what the engine and an upstream get),
+and one that names none may run to that. An answer is billed its prompt and every token
+generated, also when its client cut it; one that generated nothing and did not complete
+(refused upstream, cancelled while waiting) is billed nothing.
 """
 
 from __future__ import annotations
@@ -79,6 +81,9 @@ class Ticket:
         self.lease = lease
         self.reservation = reservation  # tokens held against the key's budget
         self.prompt_tokens = 0  # the engine's count of the prompt, taken once at admission
+        # The answer's limit as admitted: the request's own, or lower, what is left of its
+        # key's budget (None: no limit, as asked, and no budget).
+        self.max_tokens: int | None = None
         self.probe = probe  # the half-open breaker's probe: its outcome decides
         self.released = False
         # What the request decided for itself says nothing about the engine, so the guards
@@ -177,9 +182,18 @@ class Admission:
             raise APIError(503, code, message, headers=_retry_after(retry))
         reservation = None
         budget = key.tokens_per_minute
+        admitted = max_tokens
         if budget:
+            if prompt_tokens >= budget:  # it would never fit: no point in coming back
+                self._rejected()
+                raise APIError(
+                    400,
+                    "token_budget_exceeded",
+                    f"the prompt ({prompt_tokens} tokens) does not fit in key {key.name!r}'s "
+                    f"budget (tokens_per_minute={budget})",
+                )
             answer = DEFAULT_ANSWER_TOKENS if max_tokens is None else max_tokens
-            reservation = await self.limits.reserve(key.name, budget, prompt_tokens + answer)
+            reservation = await self.limits.reserve(key.name, budget, prompt_tokens, answer)
             if reservation is None:
                 self._rejected()
                 raise APIError(
@@ -189,6 +203,10 @@ class Admission:
                     f"(tokens_per_minute={budget})",
                     headers=_retry_after(seconds_to_next_minute()),
                 )
+            # Never more than what is left of the minute (a request's max_tokens alone could
+            # be 100x the budget); one that names none may run to that too.
+            left = reservation.left
+            admitted = left if max_tokens is None else min(max_tokens, left)
         limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit
@@ -230,7 +248,9 @@ class Admission:
                 )
                 self._rejected()
                 raise APIError(503, code, message, headers=_retry_after(retry))
-        return Ticket(self, key, lease, probe, reservation)
+        ticket = Ticket(self, key, lease, probe, reservation)
+        ticket.max_tokens = admitted
+        return ticket
 
     def _rejected(self) -> None:
         self.metrics.streams["rejected"] += 1

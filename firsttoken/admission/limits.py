@@ -5,11 +5,12 @@ and per-key token budgets.
 server-wide bucket; it answers (verdict, retry_after_s, lease).
 
 Token budgets (`tokens_per_minute`) are two-phase. At admission a request reserves what it may
-cost, its prompt plus its `max_tokens` (`DEFAULT_ANSWER_TOKENS` when it names none), and is
-refused only once the key's minute is already at its budget; at its end the reservation is
-settled with what it really used. The check and the reservation are one step, so requests that
-arrive together see each other's reservations and together go over by at most one request
-(the last one admitted under the budget), however many arrive at once.
+cost, its prompt plus its `max_tokens` (`DEFAULT_ANSWER_TOKENS` when it names none), but never
+more than what is left of the key's minute: its answer is capped to that (`Reservation.left`,
+which admission makes the request's `max_tokens`), and it is refused when not even its prompt
+and one token fit. At its end the reservation is settled with what it really used. The check
+and the reservation are one step, so requests that arrive together see each other's
+reservations, however many arrive at once.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class Reservation:
     tokens: int
     window: int  # the clock minute it counts in
     local: bool = True  # held in this process (with Redis: taken while Redis was away)
+    # The answer tokens left of the minute once the prompt was held: the most the request's
+    # answer may run to (its max_tokens is lowered to this). 0: no cap was asked for.
+    left: int = 0
 
 
 class TokenBudgets:
@@ -74,14 +78,17 @@ class TokenBudgets:
         window, used = self._used.get(key, (0, 0))
         return used if window == self.minute() else 0
 
-    def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
-        """Hold `tokens` for the key, or None when its minute is already at `budget`."""
+    def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
+        """Hold the prompt and up to `answer` tokens of answer, no more than what is left of
+        the key's minute under `budget`; None when not even the prompt and one token fit."""
         used = self.used(key)
-        if used >= budget:
+        left = budget - used - prompt
+        if left < 1:
             return None
+        tokens = prompt + min(answer, left)
         now = self.minute()
         self._used[key] = (now, used + tokens)
-        return Reservation(key, tokens, now)
+        return Reservation(key, tokens, now, left=left)
 
     def settle(self, reservation: Reservation, used: int) -> None:
         """The request ended having used `used` tokens."""
@@ -129,8 +136,8 @@ class MemoryLimits:
         self._next += 1
         return OK, 0.0, Lease(key, str(self._next))
 
-    async def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
-        return self.budgets.reserve(key, budget, tokens)
+    async def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
+        return self.budgets.reserve(key, budget, prompt, answer)
 
     async def settle(self, reservation: Reservation, used: int) -> None:
         self.budgets.settle(reservation, used)

@@ -76,15 +76,17 @@ for i = 3, #ARGV do
 end
 return 1
 """
-# KEYS: the key's count for this minute. ARGV: budget, tokens. Returns 1 held, 0 refused.
-# Checked and held in one step: requests that arrive together, on any instance, see each
-# other's holds, so together they go over the budget by at most one request.
+# KEYS: the key's count for this minute. ARGV: budget, prompt, answer. Returns the answer
+# tokens left once the prompt is held (what was held: the prompt and up to `answer` of them),
+# or 0 refused. Checked and held in one step: requests that arrive together, on any instance,
+# see each other's holds, so together they never hold more than the budget.
 _RESERVE = """
 local used = tonumber(redis.call('GET', KEYS[1]) or '0')
-if used >= tonumber(ARGV[1]) then return 0 end
-redis.call('INCRBY', KEYS[1], ARGV[2])
+local left = tonumber(ARGV[1]) - used - tonumber(ARGV[2])
+if left < 1 then return 0 end
+redis.call('INCRBY', KEYS[1], tonumber(ARGV[2]) + math.min(tonumber(ARGV[3]), left))
 redis.call('EXPIRE', KEYS[1], 120)
-return 1
+return left
 """
 
 # KEYS: the key's count for this minute. ARGV: tokens to add (negative: a hold not used).
@@ -260,23 +262,27 @@ class RedisLimits:
             await self.redis.zrem(_slots(key), lease.id)  # the bucket refused: give it back
         return verdict, retry
 
-    async def reserve(self, key: str, budget: int, tokens: int) -> Reservation | None:
-        """Hold `tokens` in Redis, or None when the key's minute is at `budget` (what this
-        instance used while Redis was away counts too); in this instance alone while Redis
-        is unreachable."""
+    async def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
+        """`TokenBudgets.reserve` in Redis (what this instance used while Redis was away
+        counts too); in this instance alone while Redis is unreachable."""
         budgets = self.local.budgets
         window = budgets.minute()
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                held = await self._reserve(
-                    keys=[_budget(key, window)], args=[budget - budgets.used(key), tokens]
+                left = int(
+                    await self._reserve(
+                        keys=[_budget(key, window)],
+                        args=[budget - budgets.used(key), prompt, answer],
+                    )
                 )
         except _ERRORS as exc:
             self._down(exc)
             self.fallbacks += 1
-            return budgets.reserve(key, budget, tokens)
+            return budgets.reserve(key, budget, prompt, answer)
         self._back()
-        return Reservation(key, tokens, window, local=False) if int(held) else None
+        if left < 1:
+            return None
+        return Reservation(key, prompt + min(answer, left), window, local=False, left=left)
 
     async def settle(self, reservation: Reservation, used: int) -> None:
         """Correct the hold by what the request used (`TokenBudgets.settle`'s rule), where it

@@ -7,7 +7,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import orjson
@@ -95,13 +95,22 @@ class Gateway:
         traceparent: str | None = None,
         takeover: bool = True,
     ) -> Stream:
-        """A new stream with this server's resume, backpressure and chunking settings;
-        `traceparent` (the client's) goes with the request, to its span and its upstream.
-        With a shared store, what another instance needs to continue it goes with it
-        (`takeover`: False for a whole answer, which nobody could resume)."""
+        """A new stream with this server's resume, backpressure and chunking settings, for
+        the request as admitted (`Ticket.max_tokens`, the prompt's count). `traceparent`
+        (the client's) goes with the request, to its span and its upstream, with
+        --trust-trace-headers; else the span only links to it. With a shared store, what
+        another instance needs to continue it goes with it (`takeover`: False for a whole
+        answer, which nobody could resume)."""
         s = self.settings
-        if traceparent is not None:
-            generation = replace(generation, traceparent=traceparent)
+        limit = generation.max_tokens if ticket.max_tokens is None else ticket.max_tokens
+        trusted = s.trust_trace_headers
+        generation = generation.admitted(
+            limit,
+            ticket.prompt_tokens,
+            trace,
+            traceparent if trusted else None,
+            None if trusted else traceparent,
+        )
         self._check(generation, ticket)
         try:
             stream = Stream(
@@ -231,6 +240,11 @@ class Gateway:
         stream.ticket = ticket
         ticket.prompt_tokens = spec["prompt_tokens"]
         ticket.own_latency = sets_own_latency(generation.options)
+        if following is not None:  # what the key's budget left it, as a new request's
+            limit = following.max_tokens if ticket.max_tokens is None else ticket.max_tokens
+            following = following.admitted(
+                limit, spec["prompt_tokens"], mirror.trace_id, None, None
+            )
         return stream, following, transcript.tokens
 
     def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:
@@ -309,13 +323,16 @@ def arrived_at(request: Request) -> float:
 
 
 def trace_id(request: Request) -> str:
-    """Honour the caller's X-Request-Id or W3C traceparent; otherwise make one."""
-    given = request.headers.get("x-request-id")
-    if given and _REQUEST_ID.match(given):
-        return given
-    parent = _TRACEPARENT.match(request.headers.get("traceparent", ""))
-    if parent:
-        return parent.group(1)
+    """With --trust-trace-headers the caller's X-Request-Id or W3C traceparent's trace id;
+    otherwise (the default) one made here: a client's id would let it join, or pick, the
+    trace of someone else's requests."""
+    if gateway(request).settings.trust_trace_headers:
+        given = request.headers.get("x-request-id")
+        if given and _REQUEST_ID.match(given):
+            return given
+        parent = traceparent(request)
+        if parent is not None:
+            return parent[3:35]
     return os.urandom(16).hex()  # a uuid4's 128 bits, without building a UUID
 
 

@@ -28,6 +28,7 @@ from firsttoken.engines.upstream import (
     plain_text,
     retry_after,
 )
+from firsttoken.engines.upstream_errors import generic, shaped_message
 from firsttoken.wire.sse import EventDecoder
 
 __all__ = [
@@ -65,6 +66,7 @@ _RETRYABLE_TYPES = frozenset({"overloaded_error", "api_error", "rate_limit_error
 _TARGET_FAULTS = frozenset({401, 403, 404})
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 _DATA_URL = re.compile(r"^data:([^;,]+);base64,(.*)$", re.DOTALL)
+_CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 
 
 # -- the request ----------------------------------------------------------------------------
@@ -93,8 +95,10 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
     body: dict[str, Any] = {"model": model or request.model, "messages": turns}
     if system:
         body["system"] = system[0]["text"] if len(system) == 1 else system
+    # What admission allowed (the smaller of the body's two limits, or its budget's cap),
+    # never the body's own: a larger one there would go past what the key was charged.
     max_tokens = _first(
-        chat.get("max_completion_tokens"), chat.get("max_tokens"), request.max_tokens
+        request.max_tokens, chat.get("max_completion_tokens"), chat.get("max_tokens")
     )
     body["max_tokens"] = DEFAULT_MAX_TOKENS if max_tokens is None else max_tokens
     body["stream"] = True
@@ -481,50 +485,42 @@ def stream_error(obj: Mapping[str, Any]) -> EngineError:
     """An `event: error` after the 200 (`{"type": "error", "error": {"type", "message"}}`)."""
     err = obj.get("error")
     kind = err.get("type") if isinstance(err, Mapping) else None
-    message = err.get("message") if isinstance(err, Mapping) else None
-    kind = kind if isinstance(kind, str) and kind else "api_error"
-    message = str(message) if message else f"the upstream failed ({kind})"
+    # The type becomes the error's code: one of a known form only (it reaches metrics' peers).
+    kind = kind if isinstance(kind, str) and _CODE.match(kind) else "api_error"
+    message = shaped_message(obj) or f"the upstream failed ({kind})"
     if kind in _RETRYABLE_TYPES:
-        return EngineError(kind, message, retryable=True)
-    return EngineError(kind, message, type_="invalid_request_error", client_fault=True)
+        error = EngineError(kind, message, retryable=True)
+    else:
+        error = EngineError(kind, message, type_="invalid_request_error", client_fault=True)
+    error.upstream_said = str(err)[:2000] if err is not None else None
+    return error
 
 
 def http_error(raw: bytes, status: int, headers: Mapping[str, str], now: float) -> EngineError:
     """An error answer before the stream: 429, 529 and 5xx are the target's (retryable, with
     its Retry-After); 401, 403 and 404 the target's set-up; any other 4xx the request's own
     (`upstream_rejected`, with the upstream's status and message)."""
-    message = _error_message(raw)
+    # The upstream's message from an error body shaped for clients (Anthropic's, OpenAI's),
+    # cleaned; any other body only as its status (`upstream_errors`).
+    message = shaped_message(raw) or generic(status)
     wait = retry_after(headers.get("retry-after"), now)
     if status == 429 or status >= 500:
-        return EngineError(
+        error = EngineError(
             f"upstream_{status}", message, retryable=True, status=status, retry_after_s=wait
         )
-    target = status in _TARGET_FAULTS
-    return EngineError(
-        "upstream_rejected",
-        message,
-        retryable=target,
-        type_="server_error" if target else "invalid_request_error",
-        status=status,
-        client_fault=not target,
-        retry_after_s=wait,
-    )
-
-
-def _error_message(raw: bytes) -> str:
-    """The upstream's message: Anthropic's error shape (or OpenAI's), else the body as one
-    line of plain text, bounded."""
-    try:
-        obj: Any = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        obj = None
-    if isinstance(obj, Mapping):
-        err = obj.get("error", obj)
-        if isinstance(err, str) and err:
-            return err[:500]
-        if isinstance(err, Mapping) and err.get("message"):
-            return str(err["message"])[:500]
-    return plain_text(raw) or "the upstream failed"
+    else:
+        target = status in _TARGET_FAULTS
+        error = EngineError(
+            "upstream_rejected",
+            message,
+            retryable=target,
+            type_="server_error" if target else "invalid_request_error",
+            status=status,
+            client_fault=not target,
+            retry_after_s=wait,
+        )
+    error.upstream_said = plain_text(raw, 2000)
+    return error
 
 
 def _bad_response(what: str) -> EngineError:
@@ -548,6 +544,7 @@ class AnthropicRelay(RemoteEngine):
         model: str | None = None,
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 600.0,
+        errors: str = "pass",
     ) -> None:
         headers = {"anthropic-version": ANTHROPIC_VERSION}
         if api_key:
@@ -558,6 +555,7 @@ class AnthropicRelay(RemoteEngine):
             model=model,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
+            errors=errors,
         )
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:

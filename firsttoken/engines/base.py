@@ -58,6 +58,44 @@ class GenerationRequest:
     # The W3C trace context an upstream gets (`traceparent`): the client's own, or, with
     # --otlp-endpoint, the span of the upstream leg (the routes set it per leg).
     traceparent: str | None = None
+    # The prompt's count as admission took it (once per request: a large prompt costs the
+    # event loop to count), for whoever needs it after; None: not counted yet.
+    prompt_tokens: int | None = None
+    # The stream's trace id (its X-Request-Id): what an engine's log lines about it carry.
+    trace_id: str = ""
+    # A client's own traceparent that the gateway does not continue (no
+    # --trust-trace-headers): the stream's span links to it instead.
+    linked_traceparent: str | None = None
+
+    def admitted(
+        self,
+        max_tokens: int | None,
+        prompt_tokens: int,
+        trace_id: str,
+        traceparent: str | None,
+        linked_traceparent: str | None,
+    ) -> GenerationRequest:
+        """This request as admitted: its answer's limit, its prompt's count, its trace."""
+        # Spelled out, as `without_inputs`, once per request.
+        return GenerationRequest(
+            self.request_id,
+            self.prompt,
+            self.model,
+            max_tokens,
+            self.seed,
+            self.temperature,
+            self.stop,
+            self.messages,
+            self.body,
+            self.options,
+            self.tenant,
+            self.priority,
+            self.weight,
+            traceparent,
+            prompt_tokens,
+            trace_id,
+            linked_traceparent,
+        )
 
     def without_inputs(self) -> GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
@@ -79,6 +117,9 @@ class GenerationRequest:
             self.priority,
             self.weight,
             self.traceparent,
+            self.prompt_tokens,
+            self.trace_id,
+            self.linked_traceparent,
         )
 
 
@@ -110,6 +151,8 @@ class EngineError(Exception):
         # continuation): it says nothing about the engine, so health and the breaker ignore it.
         self.client_fault = client_fault
         self.retry_after_s = retry_after_s  # an upstream's Retry-After, when it sent one
+        # An upstream's own error text, as it came (bounded): for the server's log only.
+        self.upstream_said: str | None = None
 
 
 class Engine(Protocol):

@@ -37,6 +37,7 @@ from anyio.from_thread import BlockingPortal
 
 from firsttoken.config import Settings
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.text import estimate
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
@@ -254,9 +255,11 @@ class LlamaCppEngine:
         return {}
 
     def prompt_tokens(self, prompt: str) -> int:
-        if self._llm is None:
+        llm = self._llm
+        if llm is None:
             return len(prompt.split())
-        return len(self._llm.tokenize(prompt.encode(), add_bos=False))
+        # On the event loop: a large prompt is counted from samples (bounded work).
+        return estimate(prompt, lambda text: len(llm.tokenize(text.encode(), add_bos=False)))
 
     async def abort(self, request_id: str) -> None:
         job = self._by_id.get(request_id)

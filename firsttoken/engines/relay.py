@@ -22,14 +22,35 @@ from firsttoken.engines.upstream import (
     plain_text,
     retry_after,
 )
+from firsttoken.engines.upstream_errors import generic, shaped_message
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
-__all__ = ["RelayEngine", "normalise_error"]
+__all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]
 
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
+_LIMIT_FIELDS = ("max_tokens", "max_completion_tokens")
+# Body fields a client may not pass to an upstream: they reach past the request itself, into
+# other keys' share of the engine (vLLM's and SGLang's scheduling `priority`: a key's place
+# comes from the keys file, in the gateway's own queue), its cost beyond max_tokens
+# (`best_of`, beam search), or the engine's bookkeeping (request ids, KV transfer between
+# instances, plugin arguments).
+GATEWAY_FIELDS = frozenset(
+    (
+        "priority",
+        "best_of",
+        "use_beam_search",
+        "request_id",
+        "rid",
+        "kv_transfer_params",
+        "vllm_xargs",
+        "bootstrap_host",
+        "bootstrap_port",
+        "bootstrap_room",
+    )
+)
 
 
 class RelayEngine(RemoteEngine):
@@ -51,6 +72,7 @@ class RelayEngine(RemoteEngine):
         connect_timeout_s: float = 5.0,
         read_timeout_s: float = 60.0,
         completions_template: str | None = None,
+        errors: str = "pass",
     ) -> None:
         super().__init__(
             url,
@@ -58,6 +80,7 @@ class RelayEngine(RemoteEngine):
             model=model,
             connect_timeout_s=connect_timeout_s,
             read_timeout_s=read_timeout_s,
+            errors=errors,
         )
         self._template = completions_template
 
@@ -71,13 +94,14 @@ class RelayEngine(RemoteEngine):
     def _body(self, request: GenerationRequest) -> tuple[str, bytes]:
         """The upstream request: the client's body as it came (every field: tools, content
         parts, response_format...), changed only where the gateway must: the model it
-        routes to, streaming on, usage on, and firsttoken's own stream options off."""
+        routes to, streaming on, usage on, firsttoken's own stream options off, the
+        `max_tokens` admission allowed, and no `GATEWAY_FIELDS`."""
         model = self.model or request.model
         continuing = "continuation" in request.options
         if continuing and self._template is not None and request.messages is not None:
             return self._completions_body(request, model)
         if request.body is not None:
-            body = dict(request.body)
+            body = {k: v for k, v in request.body.items() if k not in GATEWAY_FIELDS}
             chat = "messages" in body or "prompt" not in body
             options = body.get("stream_options")
             options = dict(options) if isinstance(options, Mapping) else {}
@@ -85,8 +109,14 @@ class RelayEngine(RemoteEngine):
                 options.pop(own, None)
             options["include_usage"] = True
             body.update(model=model, stream=True, stream_options=options)
-            if request.max_tokens is not None and "max_tokens" not in body:
-                body.setdefault("max_completion_tokens", request.max_tokens)
+            limit = request.max_tokens
+            if limit is not None:
+                # What admission held, in every field the client named: servers differ on
+                # which wins when both come (vLLM: max_completion_tokens), so neither may
+                # say more than the other.
+                named = [f for f in _LIMIT_FIELDS if body.get(f) is not None]
+                for name in named or (("max_completion_tokens",) if chat else ("max_tokens",)):
+                    body[name] = limit
             return ("/chat/completions" if chat else "/completions"), orjson.dumps(body)
         body = {"model": model, "stream": True}
         if request.messages is not None:
@@ -162,7 +192,7 @@ class RelayEngine(RemoteEngine):
             for event in decoder.feed(chunk):
                 data = event.data or ""
                 if event.event == "error":
-                    raise normalise_error(data.encode())
+                    raise normalise_error(data.encode(), bare=True)
                 if data == "[DONE]":
                     await drain(chunks)
                     yield Delta("", finish or "stop", usage=usage)
@@ -270,14 +300,21 @@ class _UpstreamDecoder(EventDecoder):
 
 
 def normalise_error(
-    raw: bytes, status: int | None = None, retry_after_header: str | None = None
+    raw: bytes,
+    status: int | None = None,
+    retry_after_header: str | None = None,
+    *,
+    bare: bool = False,
 ) -> EngineError:
     """Any upstream error body (OpenAI, vLLM, TGI, llama.cpp, or not JSON) → EngineError.
 
     An HTTP 4xx other than 429 is the request's own fault: `upstream_rejected`, carrying the
     upstream's status and message. Otherwise the code is the upstream's code string when it
-    has one, else `upstream_<status>` (HTTP or the body's numeric code), else the error type;
-    the message is kept as sent.
+    has one, else `upstream_<status>` (HTTP or the body's numeric code), else the error type.
+    The message is the upstream's only from an error body in a shape written for clients
+    (`upstream_errors.shaped_message`, cleaned); any other body's is `upstream_errors.generic`,
+    and the raw text is kept as `upstream_said` for the log. `bare`: the body is the error
+    object itself (an `event: error`, llama.cpp server's `error:` line).
     """
     try:
         obj: Any = orjson.loads(raw)
@@ -288,28 +325,32 @@ def normalise_error(
     kind: str | None = None
     message: str | None = None
     if isinstance(obj, dict):
+        message = shaped_message(obj)
+        if message is None and bare and "error" not in obj:
+            message = shaped_message({"error": obj})
         err = obj.get("error", obj)
         if isinstance(err, str):  # TGI: {"error": "...", "error_type": "..."}
-            message, kind = err, obj.get("error_type")
+            kind = obj.get("error_type")
         elif isinstance(err, dict):  # OpenAI, vLLM, llama.cpp; or vLLM's flat object
-            message = err.get("message") or err.get("detail")
             kind = err.get("type") or err.get("error_type")
             code = err.get("code")
             if isinstance(code, str) and not code.isdigit():
                 code_str = code
             elif isinstance(code, int | str) and str(code).isdigit():
                 code_num = int(code)
-    if message is None:
-        message = plain_text(raw) or "the upstream failed"
-    message = str(message)[:2000]
+    said = plain_text(raw, 2000)
     if status is not None and 400 <= status < 500 and status != 429:
-        return EngineError(
+        error = EngineError(
             "upstream_rejected",
-            f"the upstream answered {status}: {message}",
+            f"the upstream answered {status}: {message}" if message else generic(status),
             type_="invalid_request_error",
             status=status,
             client_fault=True,
         )
+        error.upstream_said = said
+        return error
+    if message is None:
+        message = generic(status if status is not None else code_num)
     if code_str and _CODE.match(code_str):
         code = code_str
     elif status is not None or code_num is not None:
@@ -320,13 +361,15 @@ def normalise_error(
         code = "upstream_error"
     # Another upstream may do better after overload, a server error, or an in-stream error
     # (vLLM labels those 400 whatever broke).
-    return EngineError(
+    error = EngineError(
         code,
         message,
         retryable=True,
         status=status,
         retry_after_s=retry_after(retry_after_header),
     )
+    error.upstream_said = said
+    return error
 
 
 def render_open_chat(messages: Any, template: str) -> str:

@@ -21,6 +21,7 @@ from firsttoken.engines.upstream import (
     UpstreamPool,
     UpstreamResponse,
 )
+from firsttoken.engines.upstream_errors import generic
 from firsttoken.observability import log_event
 
 __all__ = ["RemoteEngine", "upstream_base"]
@@ -50,8 +51,11 @@ class RemoteEngine:
         model: str | None,
         connect_timeout_s: float,
         read_timeout_s: float,
+        errors: str = "pass",
     ) -> None:
         self.base = upstream_base(url)
+        # --upstream-errors: "redact" keeps even an error-shaped message from the client.
+        self.redact = errors == "redact"
         self.model = model
         self.models: tuple[str, ...] = (model,) if model else ()
         self.tokens_generated = 0
@@ -137,6 +141,10 @@ class RemoteEngine:
                     if rid in self._aborted:
                         return  # not even what had already arrived
                     yield delta
+        except EngineError as exc:
+            if exc.upstream_said is not None:
+                self._said(exc, request)
+            raise
         except UpstreamError as exc:
             error = self._failed(exc, rid)
             if error is None:
@@ -147,6 +155,25 @@ class RemoteEngine:
                 resp.close()
             self._inflight.pop(rid, None)
             self._aborted.discard(rid)
+
+    def _said(self, error: EngineError, request: GenerationRequest) -> None:
+        """An upstream's own error text goes to the log, with the stream's trace id; with
+        --upstream-errors redact the client reads only the status (`generic`)."""
+        log_event(
+            f"{self.log_name}.upstream_error",
+            logging.WARNING,
+            stream=request.request_id,
+            trace_id=request.trace_id,
+            upstream=self.base,
+            status=error.status,
+            code=error.code,
+            said=error.upstream_said,
+        )
+        if self.redact:
+            error.message = generic(error.status)
+            error.args = (error.message,)
+            if not error.code.startswith("upstream_"):  # the upstream's own code string
+                error.code = "upstream_error"
 
     def _failed(self, exc: UpstreamError, request_id: str) -> EngineError | None:
         """What a failed upstream request means for its stream: None for our own abort (the

@@ -90,6 +90,7 @@ def _engine(cfg: TargetConfig, settings: Settings, env: Mapping[str, str]) -> En
             connect_timeout_s=cfg.connect_timeout_s,
             read_timeout_s=read_timeout,
             completions_template="chatml" if cfg.continuation == "completions" else None,
+            errors=settings.upstream_errors,
         )
     if cfg.kind == "anthropic":
         from firsttoken.engines.anthropic_relay import AnthropicRelay
@@ -101,6 +102,7 @@ def _engine(cfg: TargetConfig, settings: Settings, env: Mapping[str, str]) -> En
             model=cfg.model,
             connect_timeout_s=cfg.connect_timeout_s,
             read_timeout_s=read_timeout,
+            errors=settings.upstream_errors,
         )
     if cfg.kind == "llamacpp":
         from firsttoken.engines.llamacpp import LlamaCppEngine

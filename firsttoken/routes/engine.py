@@ -32,9 +32,29 @@ from firsttoken.routes.deadline import Deadline
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
-__all__ = ["PHASES", "LegWatch", "RouteObserver", "RoutedEngine"]
+__all__ = [
+    "KNOWN_FIELDS",
+    "MAX_CHARS_PER_TOKEN",
+    "PHASES",
+    "LegWatch",
+    "RouteObserver",
+    "RoutedEngine",
+]
 
 PHASES = ("connect", "first_token", "mid_stream")
+# Request fields of Chat Completions and Completions (and the router's own continuation's):
+# a body with any other field (vLLM's and SGLang's extras, the `synthetic` knobs) hands the
+# upstream something the gateway passes on unread, and a failure there may be that field's.
+KNOWN_FIELDS = frozenset(
+    """model messages prompt stream stream_options max_tokens max_completion_tokens temperature
+    top_p n stop seed presence_penalty frequency_penalty logit_bias logprobs top_logprobs user
+    tools tool_choice parallel_tool_calls response_format functions function_call metadata
+    store service_tier reasoning_effort modalities audio prediction web_search_options
+    verbosity suffix echo continue_final_message add_generation_prompt""".split()
+)
+# More characters per token than any tokenizer averages over a prompt (BPE vocabularies run
+# 3-5 for prose; runs of spaces or repeated words can merge further, hence the margin).
+MAX_CHARS_PER_TOKEN = 16
 
 
 class LegWatch(Protocol):
@@ -160,6 +180,9 @@ class RoutedEngine:
             else route.targets
         )
         session = _session_key(request) if route.balance == "session" else None
+        # Whose a failure is: the key's, when its request hands the upstream fields the
+        # gateway does not read (TargetHealth counts those per key first); else the target's.
+        owner = request.tenant if _passes_through(request) else None
         transcript = Transcript()
         tried: set[str] = set()
         splices = 0
@@ -201,7 +224,7 @@ class RoutedEngine:
                 assert handoff is not None
                 limit = handoff.after_tokens
             else:
-                target = self._pick(route, order, tried, splicing, session)
+                target = self._pick(route, order, tried, splicing, session, owner)
             if target is None and handing is not None and handoff is not None:
                 # The center cannot take it: the edge finishes the answer, where allowed.
                 if handoff.fallback and handing.continues and not fell_back:
@@ -291,7 +314,7 @@ class RoutedEngine:
                 if not started:  # the client left (or a bug): a half-open probe goes back
                     target.health.release()
                 raise
-            self._target_failed(route, request, target, error, transcript.tokens)
+            self._target_failed(route, request, target, error, transcript.tokens, owner)
             if error.client_fault and not splicing:
                 raise error  # another target would refuse the same request
             if not (error.retryable or error.client_fault):
@@ -323,6 +346,7 @@ class RoutedEngine:
         closed). Returns the winner and its deltas, the first one included. A leg that fails
         while the other runs is reported and passed over; when both fail, the last error is
         raised with `.target` set."""
+        owner = request.tenant if _passes_through(request) else None
         racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
         racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
         spare_at = asyncio.get_running_loop().time() + target.hedge_after()
@@ -337,7 +361,7 @@ class RoutedEngine:
                 )
                 if not done:  # slow: ask the next target as well
                     spare_at = None
-                    spare = self._pick(route, order, tried, True, session)
+                    spare = self._pick(route, order, tried, True, session, owner)
                     if spare is None:
                         continue
                     tried.add(spare.name)
@@ -363,7 +387,7 @@ class RoutedEngine:
                     error = failure
                     if racers:  # the other still runs: this one is reported here
                         if isinstance(failure, EngineError):
-                            self._target_failed(route, request, who, failure, 0)
+                            self._target_failed(route, request, who, failure, 0, owner)
                         else:
                             raise failure
                     elif isinstance(failure, EngineError):
@@ -384,17 +408,20 @@ class RoutedEngine:
         target: Target,
         error: EngineError,
         at_token: int,
+        owner: str | None = None,
     ) -> None:
         """Tell the target's health, and the log. Health hears only what says something
         about the target: not a full queue, not the request's own fault, not a continuation
-        it refused (prefill); an upstream's Retry-After is a pause it asked for."""
+        it refused (prefill); an upstream's Retry-After is a pause it asked for. A failure
+        with an `owner` (a key's request with fields passed through unread) is that key's
+        until another key's fail too (`TargetHealth.failure`)."""
         now = asyncio.get_running_loop().time()
         if error.code == "queue_timeout" or error.client_fault:
             target.health.release()
         elif error.retry_after_s is not None and error.status in (429, 503, 529):
             target.health.hold(now, error.retry_after_s)
         else:
-            target.health.failure(now)
+            target.health.failure(now, owner)
         self._said(
             "route.target_failed",
             logging.WARNING,
@@ -413,6 +440,10 @@ class RoutedEngine:
         rule = route.short_prompts
         if rule is None:
             return False
+        # A prompt this long is not short whatever the tokenizer: not worth tokenizing (on
+        # the event loop) to find out.
+        if len(request.prompt) > rule.max_prompt_tokens * MAX_CHARS_PER_TOKEN:
+            return False
         target = self.targets[rule.target]
         return target.engine.prompt_tokens(request.prompt) <= rule.max_prompt_tokens
 
@@ -424,7 +455,8 @@ class RoutedEngine:
             return None
         target = self.targets[handoff.source]
         now = asyncio.get_running_loop().time()
-        return target if target.has_room() and target.health.acquire(now) else None
+        owner = request.tenant if _passes_through(request) else None
+        return target if target.has_room() and target.health.acquire(now, owner) else None
 
     def _handed_off(
         self,
@@ -459,6 +491,7 @@ class RoutedEngine:
         tried: set[str],
         splicing: bool,
         session: bytes | None = None,
+        key: str | None = None,
     ) -> Target | None:
         now = asyncio.get_running_loop().time()
         candidates = [self.targets[n] for n in order if n not in tried]
@@ -480,10 +513,10 @@ class RoutedEngine:
         # Healthy with room first; then healthy but full (it queues); then, when every
         # target is ejected, one anyway: a guess beats a certain refusal.
         for target in candidates:
-            if target.has_room() and target.health.acquire(now):
+            if target.has_room() and target.health.acquire(now, key):
                 return target
         for target in candidates:
-            if target.health.acquire(now):
+            if target.health.acquire(now, key):
                 return target
         for target in candidates:
             if now >= target.health.held_until:
@@ -678,6 +711,14 @@ _SENTENCE_END = re.compile(r"""[.!?。！？…]["'”’)\]]*\s*$|\n\s*$""")
 
 def _sentence_end(text: str) -> bool:
     return bool(_SENTENCE_END.search(text))
+
+
+def _passes_through(request: GenerationRequest) -> bool:
+    """Whether the request hands an upstream fields the gateway does not read."""
+    body = request.body
+    if body is None:
+        return bool(request.options.get("synthetic"))
+    return not KNOWN_FIELDS.issuperset(body)
 
 
 def _session_key(request: GenerationRequest) -> bytes:

@@ -141,8 +141,11 @@ class Target:
                 waiter.future.set_result(None)
 
     def _cost(self, request: GenerationRequest) -> int:
-        """What a request may take of the engine, in tokens: its prompt and its answer."""
-        prompt = self.engine.prompt_tokens(request.prompt) if request.prompt else 0
+        """What a request may take of the engine, in tokens: its prompt (as admission counted
+        it: a large prompt is not counted twice) and its answer."""
+        prompt = request.prompt_tokens
+        if prompt is None:
+            prompt = self.engine.prompt_tokens(request.prompt) if request.prompt else 0
         answer = request.max_tokens if request.max_tokens is not None else DEFAULT_ANSWER_TOKENS
         return max(1, prompt + answer)
 

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import httpx
@@ -220,3 +222,31 @@ def test_continues_the_final_assistant_message(llama: Server) -> None:
     # Greedy from the same context: the next word is the uninterrupted answer's next word.
     following = whole[len(prefix) :].split()[0]
     assert rest.split()[0] == following, (prefix, rest, whole)
+
+
+def test_a_large_prompt_is_counted_from_samples_off_the_whole(llama: Server) -> None:
+    # Issue 37.5: llama.cpp's tokenizer ran over all of a prompt on the event loop (admission,
+    # short_prompts, count_tokens). Past 32 KiB it tokenizes 8 slices and scales.
+    text = "The quick brown fox jumps over the lazy dog. " * 20_000  # 880 KiB
+
+    def count(content: str) -> int:
+        r = httpx.post(
+            llama.v1 + "/messages/count_tokens",
+            json={"model": MODEL, "messages": [{"role": "user", "content": content}]},
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+        return r.json()["input_tokens"]
+
+    exact = count(text[:30_000]) * len(text) / 30_000  # this much is tokenized whole
+    before = cpu_s(llama)
+    estimate = count(text)
+    spent = cpu_s(llama) - before
+    assert abs(estimate - exact) / exact < 0.02
+    assert spent < 0.05, f"{spent * 1000:.0f} ms of CPU to count 880 KiB"
+
+
+def cpu_s(server: Server) -> float:
+    """The server process's CPU time so far (user + system), from /proc."""
+    fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import httpx
 
 from firsttoken.observability import INTER_CHUNK_BUCKETS, TTFT_BUCKETS
@@ -60,7 +62,32 @@ def test_loop_lag_is_sampled_while_the_server_runs(server: Server) -> None:
     assert m['firsttoken_loop_lag_seconds_bucket{le="0.5"}'] > 0
 
 
-def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
+def test_a_clients_trace_ids_are_not_taken_by_default(server: Server) -> None:
+    # Issue 37.11: a client's X-Request-Id or traceparent became the trace id of its stream
+    # (its log lines, its spans): a client could join, or pick, another's trace.
+    trace = "4bf92f3577b34da6a3ce929d0e0e4736"
+    for headers in ({"traceparent": f"00-{trace}-00f067aa0ba902b7-01"}, {"X-Request-Id": trace}):
+        r = httpx.post(
+            server.v1 + "/completions",
+            json={"prompt": "log", "max_tokens": 1},
+            headers=headers,
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert re.fullmatch(r"[0-9a-f]{32}", r.headers["x-request-id"])
+        assert r.headers["x-request-id"] != trace
+    bad = httpx.post(
+        server.v1 + "/chat/completions", json={}, timeout=10, headers={"X-Request-Id": "req-42"}
+    )
+    assert bad.headers["x-request-id"] != "req-42"
+
+
+def test_trace_ids_and_lifecycle_logs() -> None:
+    with run_server("--trust-trace-headers") as server:
+        trace_ids_and_lifecycle_logs(server)
+
+
+def trace_ids_and_lifecycle_logs(server: Server) -> None:
     trace = "4bf92f3577b34da6a3ce929d0e0e4736"
     r = httpx.post(
         server.v1 + "/chat/completions",
@@ -92,7 +119,7 @@ def test_trace_ids_and_lifecycle_logs(server: Server) -> None:
 
 
 def test_debug_logs_the_stream_accepted_and_its_first_token() -> None:
-    with run_server("--log-level", "debug") as srv:
+    with run_server("--log-level", "debug", "--trust-trace-headers") as srv:
         r = httpx.post(
             srv.v1 + "/completions",
             json={"prompt": "debug", "stream": True, "max_tokens": 3},

@@ -53,13 +53,16 @@ def chat(server: Server, max_tokens: int = 6, **headers: str) -> str:
     return "".join(text)
 
 
+TRUST = ("--trust-trace-headers",)
+
+
 def test_a_relayed_stream_is_one_trace_from_the_client_to_the_upstream() -> None:
     with (
         run_collector() as collector,
-        run_server(*FAST, "--otlp-endpoint", collector.url, env=QUICK) as upstream,
+        run_server(*FAST, *TRUST, "--otlp-endpoint", collector.url, env=QUICK) as upstream,
         run_server(
             "--engine", "openai", "--upstream", upstream.v1, "--otlp-endpoint", collector.url,
-            *OPEN, env=QUICK,
+            *TRUST, *OPEN, env=QUICK,
         ) as gateway,
     ):  # fmt: skip
         text = chat(gateway, traceparent=TRACEPARENT)
@@ -104,13 +107,75 @@ def test_a_relayed_stream_is_one_trace_from_the_client_to_the_upstream() -> None
 def test_without_export_the_clients_traceparent_still_reaches_the_upstream() -> None:
     with (
         run_collector() as collector,
-        run_server(*FAST, "--otlp-endpoint", collector.url, env=QUICK) as upstream,
-        run_server("--engine", "openai", "--upstream", upstream.v1, *OPEN) as gateway,
+        run_server(*FAST, *TRUST, "--otlp-endpoint", collector.url, env=QUICK) as upstream,
+        run_server("--engine", "openai", "--upstream", upstream.v1, *TRUST, *OPEN) as gateway,
     ):
         assert chat(gateway, traceparent=TRACEPARENT)
         [behind] = collector.wait_for(lambda: collector.in_trace(TRACE))
         assert behind.parent_id == CLIENT_SPAN  # the gateway took no part, and said so
         assert "firsttoken_otel_dropped_total" not in gateway.metrics()
+
+
+def test_by_default_a_clients_trace_is_a_link_and_the_gateway_starts_its_own() -> None:
+    # Issue 37.11: a client's trace id was adopted (unrelated users could share a trace), its
+    # flag 00 turned export of its spans off, and its X-Request-Id became the trace id.
+    with (
+        run_collector() as collector,
+        run_server(*FAST, *TRUST, "--otlp-endpoint", collector.url, env=QUICK) as upstream,
+        run_server(
+            "--engine", "openai", "--upstream", upstream.v1, "--otlp-endpoint", collector.url,
+            *OPEN, env=QUICK,
+        ) as gateway,
+    ):  # fmt: skip
+        unsampled = f"00-{TRACE}-{CLIENT_SPAN}-00"
+        assert chat(gateway, traceparent=unsampled, **{"X-Request-Id": TRACE})
+        served = collector.wait_for(
+            lambda: [s for s in collector.named("chat synthetic") if s.parent_id == ""]
+        )[0]
+        assert served.trace_id != TRACE and collector.in_trace(TRACE) == []
+        [link] = served.span.links
+        assert (link.trace_id.hex(), link.span_id.hex()) == (TRACE, CLIENT_SPAN)
+        # The rest of the trace is the gateway's: its leg, and the upstream behind it (which
+        # trusts the gateway).
+        spans = collector.wait_for(lambda: len(collector.in_trace(served.trace_id)) >= 3 and
+                                   collector.in_trace(served.trace_id))  # fmt: skip
+        [leg] = [s for s in spans if s.parent_id == served.span_id]
+        assert [s for s in spans if s.parent_id == leg.span_id]
+        # A version-ff traceparent is no link, and no trace id either.
+        ff = f"ff-{'1' * 32}-{CLIENT_SPAN}-01"
+        r = httpx.post(
+            gateway.v1 + "/completions",
+            json={"prompt": "x", "max_tokens": 1},
+            headers={"traceparent": ff},
+            timeout=10,
+        )
+        assert r.status_code == 200 and r.headers["x-request-id"] != "1" * 32
+
+
+def test_an_upstream_error_code_is_one_of_a_closed_set_on_spans_and_metrics() -> None:
+    # Issue 37.11: an upstream's error `code` became `error.type`, an unbounded metric value.
+    from tests.upstreams import scripted_upstream
+
+    with (
+        run_collector() as collector,
+        scripted_upstream({"synthetic": "openai-event-error"}) as up,
+        run_server(
+            "--engine", "openai", "--upstream", up.url, "--otlp-endpoint", collector.url,
+            *OPEN, env=QUICK,
+        ) as gateway,
+    ):  # fmt: skip
+        r = httpx.post(
+            gateway.v1 + "/completions",
+            json={"model": "synthetic", "prompt": "x", "max_tokens": 1},
+            timeout=10,
+        )
+        assert r.json()["error"]["code"] == "server_error"  # the client reads it
+        spans = collector.wait_for(lambda: collector.named("text_completion synthetic"))
+        types = {s.attributes.get("error.type") for s in spans}
+        assert "server_error" not in types and "_OTHER" in types
+        collector.wait_for(lambda: "gen_ai.server.request.duration" in collector.points)
+        points = collector.points["gen_ai.server.request.duration"]
+        assert {a.get("error.type") for a, _ in points} <= {None, "_OTHER"}
 
 
 def test_an_invalid_traceparent_starts_a_new_trace() -> None:

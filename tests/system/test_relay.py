@@ -37,7 +37,8 @@ from tests.upstreams import (
 
 GENERATED = "firsttoken_tokens_generated_total"
 OPEN = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0")  # errors and bursts on purpose
-UPSTREAM = ("--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "5", *OPEN)
+# The upstreams trust the relay's trace headers: its stream id is their trace id.
+UPSTREAM = ("--synthetic-ttft-ms", "20", "--synthetic-itl-ms", "5", "--trust-trace-headers", *OPEN)
 RELAY = ("--engine", "openai", *OPEN)
 
 
@@ -261,6 +262,62 @@ def test_upstream_errors_are_normalised(
     assert message in error["message"]
     assert got == text  # what came before the failure was delivered, once
     assert not done
+
+
+def whole(server: Server, model: str) -> httpx.Response:
+    body = {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+    return httpx.post(server.v1 + "/chat/completions", json=body, timeout=30)
+
+
+def test_an_upstream_error_page_reaches_the_client_as_its_status_only(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    # Issue 37.7: "the upstream answered 400: Traceback ... sk-UPSTREAM-SECRET-123456 ...
+    # auth.internal.corp:8443", ANSI and CRLF included, reached the client.
+    _, relay = scripted
+    r = whole(relay, "http-400-traceback")
+    assert r.status_code == 400  # the upstream's status, passed on
+    error = r.json()["error"]
+    assert error["message"] == "the upstream answered 400 Bad Request"
+    _, streamed, _ = sse(relay, "http-400-traceback")
+    assert streamed is not None and streamed["message"] == error["message"]
+    # An error-shaped message passes (--upstream-errors pass, the default), cleaned.
+    _, shaped, _ = sse(relay, "http-500-secret")
+    assert shaped is not None and shaped["message"] == "db.internal.corp:5432 password=hunter2"
+    # The whole text is the server's: in its log, with the request's trace id.
+    said = [r for r in relay.log_records() if r["event"] == "relay.upstream_error"]
+    assert any("sk-UPSTREAM-SECRET-123456" in r["said"] for r in said)
+
+
+def test_redacted_upstream_errors_stay_in_the_log() -> None:
+    with (
+        scripted_upstream() as up,
+        run_server(*RELAY, "--upstream", up.url, "--upstream-errors", "redact") as relay,
+    ):
+        r = whole(relay, "http-500-secret")
+        assert r.status_code == 500
+        error = r.json()["error"]
+        assert error["message"] == "the upstream answered 500 Internal Server Error"
+        assert error["code"] == "upstream_500"
+        trace = r.headers["x-request-id"]
+        wait_for(lambda: any(x["event"] == "relay.upstream_error" for x in relay.log_records()))
+        said = [x for x in relay.log_records() if x["event"] == "relay.upstream_error"]
+        assert said[-1]["trace_id"] == trace and "hunter2" in said[-1]["said"]
+        _, streamed, _ = sse(relay, "vllm-flat-error")  # even a shaped in-stream message
+        assert streamed is not None and VLLM_FLAT_ERROR["message"] not in streamed["message"]
+
+
+def test_a_bad_upstream_errors_setting_is_one_line() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "firsttoken", "serve", "--upstream-errors", "hide"],
+        env={"FIRSTTOKEN_UPSTREAM_ERRORS": "x", "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=ROOT,
+    )
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    assert "--upstream-errors 'hide': must be one of pass, redact" in proc.stderr
 
 
 @pytest.mark.parametrize("chat", [True, False])

@@ -9,14 +9,16 @@ for an agent loop driven by the official `openai` SDK, unchanged.
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import httpx
 import openai
 import pytest
 
-from tests.servers import Server, run_server
+from tests.servers import Server, run_server, wait_for
 from tests.upstreams import VLLM_ARGUMENTS, VLLM_USAGE, ScriptedUpstream, scripted_upstream
 
 OPEN = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0")
@@ -250,3 +252,89 @@ def test_agent_loop(path: str, request: pytest.FixtureRequest) -> None:
         final = stream.get_final_completion()
     assert final.choices[0].message.content == "".join(text) and len(text) > 100
     assert final.choices[0].finish_reason == "stop"
+
+
+# -- what the gateway decides, not the client (issue 37.3 and 37.4) ---------------------------
+
+KEYS = """
+[[keys]]
+name = "lena"
+key = "sk-lena"
+
+[[keys]]
+name = "mo"
+key = "sk-mo"
+tokens_per_minute = 1000
+"""
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ScriptedUpstream, Server]]:
+    keys = tmp_path_factory.mktemp("keys") / "keys.toml"
+    keys.write_text(KEYS)
+    with (
+        scripted_upstream() as up,
+        run_server(*RELAY, "--upstream", up.url, "--api-keys", str(keys)) as relay,
+    ):
+        yield up, relay
+
+
+def billed(server: Server, key: str) -> float:
+    """The completion tokens billed to `key`, once its last stream's ticket is released."""
+    name = f'firsttoken_key_tokens_total{{key="{key}",kind="completion"}}'
+    wait_for(lambda: server.metric(name) > 0, timeout=5)
+    time.sleep(0.2)  # a ticket is released just after the answer's last byte
+    return server.metric(name)
+
+
+@pytest.mark.parametrize("path", ["/chat/completions", "/completions"])
+def test_the_upstream_gets_the_limit_that_was_admitted(
+    keyed: tuple[ScriptedUpstream, Server], path: str
+) -> None:
+    # max_tokens 1 was admitted (the smaller of the two), max_completion_tokens 5,000 went
+    # upstream as sent, and a vLLM upstream (max_completion_tokens wins) wrote and billed
+    # 5,000. A client's `priority` reached vLLM's scheduler: -1000 jumped every other key.
+    up, relay = keyed
+    chat = path == "/chat/completions"
+    body: dict[str, Any] = {"model": "vllm-limit", "max_tokens": 1}
+    body |= {"messages": [{"role": "user", "content": "hi"}]} if chat else {"prompt": "hi"}
+    body |= {"max_completion_tokens": 5000, "priority": -1000, "best_of": 4, "top_k": 5}
+    before = relay.metric('firsttoken_key_tokens_total{key="lena",kind="completion"}')
+    r = httpx.post(
+        relay.v1 + path, json=body, headers={"authorization": "Bearer sk-lena"}, timeout=30
+    )
+    assert r.status_code == 200, r.text
+    posted = up.posts[-1]
+    assert (posted["max_tokens"], posted["max_completion_tokens"]) == (1, 1)
+    assert "priority" not in posted and "best_of" not in posted
+    assert posted["top_k"] == 5  # sampling fields still pass as sent
+    assert r.json()["usage"]["completion_tokens"] == 1
+    assert billed(relay, "lena") - before == 1  # was 5,000
+
+
+def test_a_request_never_takes_more_than_its_keys_minute_has_left(
+    keyed: tuple[ScriptedUpstream, Server],
+) -> None:
+    # mo has 1,000 tokens a minute and asks for 100,000: it was admitted as asked, and
+    # 100,005 tokens were billed. Now its answer may take what is left of the minute.
+    up, relay = keyed
+    if (left := 60 - time.time() % 60) < 10:
+        time.sleep(left + 0.5)  # don't straddle the minute the budget counts in
+    r = httpx.post(
+        relay.v1 + "/completions",
+        json={"model": "vllm-limit", "prompt": "hi", "max_tokens": 100_000},
+        headers={"authorization": "Bearer sk-mo"},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    limit = up.posts[-1]["max_tokens"]
+    assert 990 <= limit < 1000  # what the prompt left of 1,000
+    assert billed(relay, "mo") == limit
+    refused = httpx.post(
+        relay.v1 + "/completions",
+        json={"model": "vllm-limit", "prompt": "hi", "max_tokens": 1},
+        headers={"authorization": "Bearer sk-mo"},
+        timeout=30,
+    )
+    assert refused.status_code == 429
+    assert refused.json()["error"]["code"] == "token_budget_exceeded"

@@ -326,6 +326,43 @@ def test_ejected_target_is_skipped_and_reported_down(
         assert failovers(server, "connect") == 2  # then a was ejected and not tried
 
 
+def test_one_keys_failures_do_not_eject_a_target_for_every_key(
+    tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    # Issue 37.8: three requests with a field the upstream answers 500 to set
+    # target_up{primary} to 0, and another key's next requests went to the costly fallback.
+    a, b = ups
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[[keys]]\nname = "mallory"\nkey = "sk-mallory"\n\n'
+        '[[keys]]\nname = "alice"\nkey = "sk-alice"\n'
+    )
+    targets = {
+        "primary": {**scripted(a.url, "fails-on-extra"), "eject_s": 60},
+        "fallback": scripted(b.url, "ok"),
+    }
+    path = routes_file(tmp_path, targets, {"chat": {"targets": ["primary", "fallback"]}})
+    with run_server("--routes", path, "--api-keys", str(keys), *OPEN) as server:
+
+        def ask(key: str, **extra: object) -> httpx.Response:
+            body = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], **extra}
+            headers = {"authorization": f"Bearer {key}"}
+            return httpx.post(server.v1 + "/chat/completions", json=body, headers=headers)
+
+        a_posts = len(a.posts)
+        for _ in range(3):  # each fails over to the fallback
+            assert ask("sk-mallory", guided_grammar="root ::= x").status_code == 200
+        assert len(a.posts) == a_posts + 3
+        assert server.metric('firsttoken_target_up{target="primary"}') == 1
+        b_posts = len(b.posts)
+        for _ in range(5):
+            assert ask("sk-alice").json()["choices"][0]["message"]["content"] == WHOLE
+        assert len(b.posts) == b_posts  # alice never went to the fallback
+        # mallory's next such request skips the primary for the target's eject_s.
+        assert ask("sk-mallory", guided_grammar="root ::= x").status_code == 200
+        assert len(a.posts) == a_posts + 3 + 5 and len(b.posts) == b_posts + 1
+
+
 @pytest.mark.parametrize(
     ("fields", "complaint"),
     [

@@ -93,6 +93,7 @@ class Scripted:
         self.requests: list[GenerationRequest] = []
         self.ended_early: list[str] = []  # GeneratorExit / CancelledError, one per stop
         self.aborted: list[str] = []
+        self.counted: list[int] = []  # the length of each prompt it was asked to count
         self.started = self.closed = False
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
@@ -118,6 +119,7 @@ class Scripted:
         self.aborted.append(request_id)
 
     def prompt_tokens(self, prompt: str) -> int:
+        self.counted.append(len(prompt))
         return PROMPT_TOKENS
 
     def counters(self) -> dict[str, int]:

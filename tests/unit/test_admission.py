@@ -184,11 +184,45 @@ def test_a_budget_holds_prompt_plus_max_tokens_and_settles_with_the_real_use(
     asyncio.run(body())
 
 
-def test_no_max_tokens_holds_the_default_answer(clock: FakeClock) -> None:
+def test_no_max_tokens_holds_the_default_answer_or_what_is_left(clock: FakeClock) -> None:
     async def body() -> None:
         adm = budgeted(clock)
-        await adm.admit(DAVE, prompt_tokens=5)
-        assert adm.limits.budgets.used("dave") == 5 + 1024
+        roomy = ApiKey(name="erin", tokens_per_minute=10_000)
+        ticket = await adm.admit(roomy, prompt_tokens=5)
+        assert adm.limits.budgets.used("erin") == 5 + 1024
+        assert ticket.max_tokens == 10_000 - 5  # it may run to what was left
+        ticket = await adm.admit(DAVE, prompt_tokens=5)
+        assert adm.limits.budgets.used("dave") == 100  # the default is more than is left
+        assert ticket.max_tokens == 95
+
+    asyncio.run(body())
+
+
+def test_max_tokens_is_capped_to_what_is_left_of_the_budget(clock: FakeClock) -> None:
+    # Issue 37.4: max_tokens 100,000 on a key of 1,000 a minute was admitted as asked, and
+    # 105,001 tokens were billed; now its answer may take only what the minute has left.
+    async def body() -> None:
+        adm = budgeted(clock)
+        frank = ApiKey(name="frank", tokens_per_minute=1000)
+        ticket = await adm.admit(frank, prompt_tokens=5, max_tokens=100_000)
+        assert ticket.max_tokens == 995
+        assert adm.limits.budgets.used("frank") == 1000
+        with pytest.raises(APIError) as refused:
+            await adm.admit(frank, prompt_tokens=5, max_tokens=1)
+        assert refused.value.status == 429
+        unlimited = await adm.admit(ANYONE, prompt_tokens=5, max_tokens=100_000)
+        assert unlimited.max_tokens == 100_000  # no budget: as asked
+
+    asyncio.run(body())
+
+
+def test_a_prompt_larger_than_the_whole_budget_is_a_400(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = budgeted(clock)
+        with pytest.raises(APIError) as refused:
+            await adm.admit(DAVE, prompt_tokens=100, max_tokens=1)
+        assert refused.value.status == 400 and refused.value.code == "token_budget_exceeded"
+        assert adm.limits.budgets.used("dave") == 0
 
     asyncio.run(body())
 

@@ -603,11 +603,13 @@ def test_a_targets_own_setup_fault_is_not_the_clients(status: int) -> None:
     assert not error.client_fault and error.retryable
 
 
-def test_a_plain_error_body_is_one_bounded_line() -> None:
+def test_a_plain_error_body_is_its_status_and_a_message_is_bounded() -> None:
     page = b"<html><body><h1>502 Bad Gateway</h1>" + b"x" * 2000 + b"</body></html>"
     error = http_error(page, 502, {}, NOW)
-    assert error.message.startswith("502 Bad Gateway") and len(error.message) == 500
-    long = http_error(b"no " * 400, 422, {}, NOW)
+    # Not an error shape: the status alone reaches the client, the page only the log.
+    assert error.message == "the upstream answered 502 Bad Gateway"
+    assert error.upstream_said is not None and error.upstream_said.startswith("502 Bad Gateway")
+    long = http_error(b'{"error": {"message": "' + b"no " * 400 + b'"}}', 422, {}, NOW)
     assert len(long.message) == 500 and long.code == "upstream_rejected"
 
 

@@ -25,6 +25,9 @@ def test_a_request_without_inputs_keeps_every_other_field() -> None:
         priority=2,
         weight=0.25,
         traceparent="00-" + "1" * 32 + "-" + "2" * 16 + "-01",
+        prompt_tokens=3,
+        trace_id="t1",
+        linked_traceparent="00-" + "3" * 32 + "-" + "4" * 16 + "-01",
     )
     # Every field set above differs from its default: a field added later and not carried
     # over by `without_inputs` fails here.
@@ -35,3 +38,13 @@ def test_a_request_without_inputs_keeps_every_other_field() -> None:
     for f in dataclasses.fields(GenerationRequest):
         expected = CLEARED.get(f.name, getattr(given, f.name))
         assert getattr(kept, f.name) == expected, f.name
+
+
+def test_a_request_as_admitted_changes_only_what_admission_decided() -> None:
+    given = GenerationRequest("r1", "a prompt", "m", max_tokens=100_000, body={"x": 1})
+    admitted = given.admitted(995, 2, "t1", None, "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
+    changed = {"max_tokens", "prompt_tokens", "trace_id", "linked_traceparent"}
+    for f in dataclasses.fields(GenerationRequest):
+        if f.name not in changed:
+            assert getattr(admitted, f.name) == getattr(given, f.name), f.name
+    assert (admitted.max_tokens, admitted.prompt_tokens, admitted.trace_id) == (995, 2, "t1")

@@ -245,3 +245,18 @@ def test_tls_takes_both_files_or_neither(tmp_path) -> None:
     with pytest.raises(SettingError) as missing:
         parse("--ssl-certfile", str(tmp_path / "nope.pem"), "--ssl-keyfile", str(key))
     assert str(missing.value) == f"invalid --ssl-certfile '{tmp_path / 'nope.pem'}': no such file"
+
+
+def test_upstream_errors_and_trust_trace_headers_defaults_flags_and_variables() -> None:
+    # Issue 37.7 and 37.11: two knobs, each with its variable and a one-line refusal.
+    assert Settings().upstream_errors == "pass" and Settings().trust_trace_headers is False
+    assert parse("--upstream-errors", "redact").upstream_errors == "redact"
+    assert parse(FIRSTTOKEN_UPSTREAM_ERRORS="redact").upstream_errors == "redact"
+    assert parse("--trust-trace-headers").trust_trace_headers is True
+    assert parse(FIRSTTOKEN_TRUST_TRACE_HEADERS="yes").trust_trace_headers is True
+    assert refusal(FIRSTTOKEN_UPSTREAM_ERRORS="hide") == (
+        "invalid FIRSTTOKEN_UPSTREAM_ERRORS 'hide': must be one of pass, redact"
+    )
+    assert refusal(FIRSTTOKEN_TRUST_TRACE_HEADERS="maybe") == (
+        "invalid FIRSTTOKEN_TRUST_TRACE_HEADERS 'maybe': must be 1, true, yes, 0, false or no"
+    )

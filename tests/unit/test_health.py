@@ -165,3 +165,51 @@ def test_retry_after_holds_back_a_half_open_target_too() -> None:
     assert not health.available(clock())
     clock.advance(3)
     assert health.acquire(clock())  # the probe is free again once the hold is over
+
+
+# -- failures tied to one key's requests (issue 37.8) ------------------------------------------
+
+
+def test_one_keys_tied_failures_eject_the_target_for_that_key_only() -> None:
+    # Three requests of one key with a passthrough field the upstream answers 500 to set
+    # target_up to 0, and every other key went to the fallback for up to 300 s.
+    health, clock = make(eject_after=3, eject_s=10.0)
+    for _ in range(3):
+        health.failure(clock(), "mallory")
+    assert health.state == TargetHealth.UP and health.up
+    assert health.available(clock(), "alice") and health.available(clock())
+    assert not health.available(clock(), "mallory")
+    clock.advance(10.0)
+    assert health.available(clock(), "mallory")  # its own cool-down ends too
+
+
+def test_tied_failures_of_two_keys_count_against_the_target() -> None:
+    health, clock = make(eject_after=3)
+    health.failure(clock(), "mallory")
+    health.failure(clock(), "mallory")
+    assert health.state == TargetHealth.UP
+    health.failure(clock(), "alice")  # the same run, seen from another key: the target's
+    assert health.state == TargetHealth.EJECTED
+    assert not health.available(clock(), "alice") and not health.available(clock())
+
+
+def test_an_untied_failure_still_counts_and_a_success_clears_the_run() -> None:
+    health, clock = make(eject_after=3)
+    health.failure(clock(), "mallory")
+    health.success()
+    health.failure(clock(), "alice")  # a new run: one key's, alone
+    assert health.state == TargetHealth.UP
+    fail(health, clock, 3)  # refused connects: the target's own
+    assert health.state == TargetHealth.EJECTED
+
+
+def test_a_half_open_probe_that_fails_for_one_key_is_given_back() -> None:
+    health, clock = make(eject_after=1, eject_s=10.0)
+    fail(health, clock, 1)
+    clock.advance(10.0)
+    assert health.acquire(clock(), "mallory")  # the probe
+    health.failure(clock(), "mallory")  # tied: says nothing about the target
+    assert health.state == TargetHealth.HALF_OPEN
+    assert health.acquire(clock(), "alice")  # the next request probes
+    health.success()
+    assert health.state == TargetHealth.UP

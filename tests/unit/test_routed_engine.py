@@ -12,7 +12,7 @@ import pytest
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
-from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routes.engine import MAX_CHARS_PER_TOKEN, RoutedEngine
 from firsttoken.routes.health import TargetHealth
 from firsttoken.routes.target import Target
 from tests.unit import virtual_loop
@@ -878,6 +878,18 @@ def test_short_prompts_go_to_the_small_target_first() -> None:
     long = ShortPrompts("edge", max_prompt_tokens=PROMPT_TOKENS - 1)
     assert go(tiers(edge, center, short_prompts=long)).text == WHOLE
     assert len(edge.requests) == 1 and len(center.requests) == 1
+
+
+def test_a_prompt_too_long_to_be_short_is_not_tokenized() -> None:
+    # Issue 37.5: the edge's tokenizer ran on every prompt, 878 KiB ones included, on the
+    # event loop; past 16 characters a token allowed, no tokenizer finds it short.
+    edge, center = Scripted(answer), Scripted(answer)
+    rule = ShortPrompts("edge", max_prompt_tokens=64)
+    engine = tiers(edge, center, short_prompts=rule)
+    assert go(engine, replace(chat(), prompt="a " * 450_000)).text == WHOLE
+    assert edge.counted == [] and edge.requests == [] and len(center.requests) == 1
+    assert go(engine, replace(chat(), prompt="x" * 64 * MAX_CHARS_PER_TOKEN)).text == WHOLE
+    assert edge.counted == [64 * MAX_CHARS_PER_TOKEN] and len(edge.requests) == 1
 
 
 def test_session_balance_keeps_a_conversation_on_one_target() -> None:

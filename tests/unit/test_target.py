@@ -5,6 +5,7 @@ asks its engine."""
 from __future__ import annotations
 
 import asyncio
+from dataclasses import replace
 from typing import Any
 
 import pytest
@@ -292,5 +293,24 @@ def test_a_waiter_that_leaves_leaves_the_line() -> None:
         t.give_slot()
         await stays
         assert t.outstanding == 1 and t.queued == 0
+
+    virtual_loop.run(body())
+
+
+def test_the_queue_charges_the_prompt_as_admission_counted_it() -> None:
+    # Issue 37.5: a large prompt was counted up to three times per request on the event loop
+    # (admission, this charge, short_prompts); the count admission took goes with it.
+    async def body() -> None:
+        engine = Scripted()
+        t = target(engine, max_concurrency=1)
+        await t.take_slot(_request("a"))
+        big = replace(_request("b"), prompt="a " * 450_000, prompt_tokens=7)
+        waiting = asyncio.ensure_future(t.take_slot(big))
+        await asyncio.sleep(0)
+        [(_, _, waiter)] = t.queue._classes[0].heap
+        assert waiter.cost == 7 + 100
+        assert engine.counted == []  # not counted again
+        t.give_slot()
+        await waiting
 
     virtual_loop.run(body())

@@ -19,7 +19,7 @@ from opentelemetry.trace import SpanKind, StatusCode
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines.base import EngineError, GenerationRequest
 from firsttoken.routes.engine import RoutedEngine
-from firsttoken.telemetry import Telemetry
+from firsttoken.telemetry import Telemetry, error_type
 from firsttoken.wire.render import ChatRenderer
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
@@ -47,6 +47,7 @@ def stream(
     *,
     trace_id: str = TRACE,
     traceparent: str | None = None,
+    linked: str | None = None,
     messages: bool = True,
     accepted_at: float = 1000.0,
 ) -> Stream:
@@ -57,6 +58,7 @@ def stream(
         max_tokens=8,
         messages=(USER,) if messages else None,
         traceparent=traceparent,
+        linked_traceparent=linked,
     )
     s = Stream(
         request,
@@ -158,6 +160,37 @@ def test_a_client_that_does_not_sample_gets_no_span_and_no_drop() -> None:
     s.push("a", "stop")
     assert spans(tel, memory) == []
     assert tel.dropped == 0
+
+
+def test_a_client_trace_not_trusted_is_a_link_of_a_new_trace() -> None:
+    # Issue 37.11: without --trust-trace-headers the gateway's own trace id goes with the
+    # stream, and the client's context (unsampled here) is a link: it neither joins the
+    # trace nor turns its export off.
+    tel, memory, _ = telemetry()
+    s = traced(tel, stream(linked=f"00-{'1' * 32}-{CLIENT_SPAN}-00"))
+    s.push("a", "stop")
+    [span] = spans(tel, memory)
+    assert span.context is not None and f"{span.context.trace_id:032x}" == TRACE
+    assert span.parent is None
+    [link] = span.links
+    assert f"{link.context.trace_id:032x}" == "1" * 32
+    assert f"{link.context.span_id:016x}" == CLIENT_SPAN
+
+
+def test_error_types_are_a_closed_set() -> None:
+    # An upstream's own code string (any short identifier) became a metric value.
+    assert error_type("upstream_timeout") == "upstream_timeout"
+    assert error_type("upstream_503") == "upstream_503"
+    assert error_type("upstream_999") == "_OTHER"
+    assert error_type("my_secret_code_123") == "_OTHER"
+    assert error_type("server_error") == "_OTHER"
+    tel, memory, reader = telemetry()
+    s = traced(tel, stream())
+    s.fail(EngineError("tenant-acme.invoice-4711", "hi"))
+    [span] = spans(tel, memory)
+    assert (span.attributes or {})["error.type"] == "_OTHER"
+    [duration] = points(reader)["gen_ai.server.request.duration"]
+    assert duration.attributes["error.type"] == "_OTHER"
 
 
 def test_a_request_id_that_is_no_trace_id_gets_a_random_trace() -> None:
