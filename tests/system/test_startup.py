@@ -107,6 +107,29 @@ def test_keys_file_without_keys(tmp_path: Path) -> None:
     assert error == f"--api-keys {keys}: no [[keys]] entries"
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ('[[keys]]\nname = "a"\nkey = "k"\nmax_stream = 3\n', "keys[0].max_stream: unknown field"),
+        ('[keys]\nname = "a"\nkey = "sk-a"\n', "keys is a table; write each key as [[keys]]"),
+        ('[keys.alice]\nkey = "sk-a"\n', "keys is a table; write each key as [[keys]]"),
+        ('keys = ["sk-a"]\n', "keys[0] is not a table; write each key as [[keys]]"),
+    ],
+)
+def test_keys_file_with_a_typo_or_the_wrong_shape(tmp_path: Path, body: str, said: str) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(body)
+    error = one_failure_line(serve("--api-keys", str(keys)))
+    assert error.startswith(f"--api-keys {keys}: {said}")
+
+
+def test_canned_answers_file_with_a_typo(tmp_path: Path) -> None:
+    canned = tmp_path / "canned.toml"
+    canned.write_text('[answer]\n"hi" = "Hello"\n')
+    error = one_failure_line(serve("--canned-answers", str(canned)))
+    assert error == f"--canned-answers {canned}: unknown table or field 'answer' (known: [answers])"
+
+
 def test_redis_unreachable() -> None:
     port = closed_port()
     error = one_failure_line(serve("--redis", f"redis://127.0.0.1:{port}"))
