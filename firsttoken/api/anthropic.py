@@ -35,6 +35,7 @@ from firsttoken.api.gateway import (
     arrived_at,
     gateway,
     new_stream_id,
+    retry_headers,
     trace_id,
     traceparent,
 )
@@ -136,7 +137,7 @@ async def _complete(
             error_body(error_type(exc.code, exc.type), exc.message, headers["x-request-id"]),
             status_code=exc.status or 500,
             media_type="application/json",
-            headers=headers,
+            headers={**headers, **retry_headers(exc)},
         )
     if answer is None:
         return Response(status_code=499)  # nobody is left to read it

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import secrets
@@ -27,13 +28,32 @@ from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
 
-__all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id", "traceparent"]
+__all__ = [
+    "Gateway",
+    "arrived_at",
+    "gateway",
+    "new_stream_id",
+    "retry_headers",
+    "trace_id",
+    "traceparent",
+]
 
 B = TypeVar("B", bound=BaseModel)
 
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
+
+
+def retry_headers(error: EngineError) -> dict[str, str]:
+    """`Retry-After` for an answer refused before its first byte with 429 or 503: the engine's
+    own wait when it reached us, else 1 s. A collected answer's error comes back from the
+    stream's log with its status only; 1 s is the queue's own wait, and the least a route with
+    no target available asks."""
+    if error.status not in (429, 503):
+        return {}
+    wait = error.retry_after_s if error.retry_after_s is not None else 1.0
+    return {"retry-after": str(max(1, math.ceil(wait)))}
 
 
 @dataclass(slots=True)
