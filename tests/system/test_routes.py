@@ -216,6 +216,46 @@ def test_429_with_retry_after_holds_the_target_back(
         assert server.metric('firsttoken_target_up{target="a"}') == 1  # held, not ejected
 
 
+def test_whole_answers_refused_with_503_say_when_to_retry(
+    tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    a, _ = ups
+    targets = {
+        # one slot, held below by a slow stream: the next request waits 0.2 s in the queue
+        "one": {"kind": "synthetic", "max_concurrency": 1, "queue_timeout_s": 0.2, "itl_ms": 50},
+        "held": scripted(a.url, "http-429-retry"),  # 429, Retry-After: 2
+    }
+    models = {"chat": {"targets": ["one"]}, "held": {"targets": ["held"]}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    with gateway(tmp_path, targets, models) as gw:
+        server = gw.server  # type: ignore[attr-defined]
+        slow = {**chat, "model": "chat", "stream": True, "max_tokens": 200}
+        with httpx.stream("POST", server.v1 + "/chat/completions", json=slow, timeout=30) as s:
+            assert s.status_code == 200
+            raw = s.iter_raw()  # kept: a dropped generator would close the stream
+            next(raw)  # the slow stream has its slot
+            queued = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "chat"})
+        assert queued.status_code == 503, queued.text
+        assert queued.json()["error"]["code"] == "queue_timeout"
+        assert queued.headers["retry-after"] == "1"
+
+        # The only target answered 429 "come back in 2 s": until then, no target can take it.
+        first = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "held"})
+        assert first.status_code == 429 and int(first.headers["retry-after"]) >= 1
+        none = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "held"})
+        assert none.status_code == 503, none.text
+        assert none.json()["error"]["code"] == "upstream_unavailable"
+        assert int(none.headers["retry-after"]) >= 1
+        # The Anthropic and Responses shapes of the same refusal say it too.
+        message = {"model": "held", "max_tokens": 5, "messages": chat["messages"]}
+        anthropic_none = httpx.post(server.url + "/v1/messages", json=message)
+        assert anthropic_none.status_code == 503, anthropic_none.text
+        assert int(anthropic_none.headers["retry-after"]) >= 1
+        responses_none = httpx.post(server.v1 + "/responses", json={"model": "held", "input": "hi"})
+        assert responses_none.status_code == 503, responses_none.text
+        assert int(responses_none.headers["retry-after"]) >= 1
+
+
 def test_a_target_that_rejects_prefill_is_passed_over(
     tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
 ) -> None:
