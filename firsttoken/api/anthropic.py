@@ -90,8 +90,22 @@ async def count_tokens(request: Request) -> Response:
     return Response(orjson.dumps(count), media_type="application/json", headers=headers)
 
 
+# A `thread` that continues sends only the turn's new messages, and answering those alone
+# would lose the conversation (the SDK's tool runner then calls its tool until its iteration
+# limit). Refused with the code on which the SDK drops `thread` and sends the whole history.
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+
+
 async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
     body, model, key = await gw.accept(request, MessagesRequest)
+    if body.thread is not None:
+        raise APIError(
+            400,
+            THREAD_UNSUPPORTED,
+            "this server keeps no conversation state: send the whole conversation in "
+            "`messages`, without `thread`",
+            param="thread",
+        )
     stream_id = new_stream_id()
     generation = generation_request(body, model, stream_id, key)
     ticket = await gw.admit(key, generation)
@@ -152,8 +166,9 @@ def _refusal(exc: APIError, trace: str) -> Response:
     headers = {
         k: v for k, v in plain.headers.items() if k not in ("content-length", "content-type")
     }
+    details = {"error_code": exc.code} if exc.code == THREAD_UNSUPPORTED else None
     return Response(
-        error_body(status_error_type(exc.status), exc.message, trace),
+        error_body(status_error_type(exc.status), exc.message, trace, details),
         status_code=exc.status,
         media_type="application/json",
         headers=headers,
