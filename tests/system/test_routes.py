@@ -426,6 +426,71 @@ def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+def serve_routes(path: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "firsttoken", "serve", "--port", "0", "--routes", path, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("--engine", "openai"),
+            "firsttoken serve: --routes: cannot go with --engine openai or --upstream",
+        ),
+        (
+            ("--batch-max", "4"),
+            "firsttoken serve: --batch-max: takes effect only with a single engine (not --routes)",
+        ),
+    ],
+)
+def test_engine_flags_beside_routes_are_refused_for_the_real_reason(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    path = routes_file(
+        tmp_path, {"a": scripted("http://127.0.0.1:9", "ok")}, {"m": {"targets": ["a"]}}
+    )
+    proc = serve_routes(path, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(said), line
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("--synthetic-itl-ms", "5"),
+            "--synthetic-itl-ms: takes effect only on a synthetic "
+            "target without its own itl_ms of --routes; {path} has none",
+        ),
+        (
+            ("--synthetic-style", "hostile"),
+            "--synthetic-style: takes effect only on a synthetic "
+            "target of --routes; {path} has none",
+        ),
+    ],
+)
+def test_synthetic_settings_no_target_reads_are_refused(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    # A synthetic target with a pace of its own; the style it would read from the server.
+    targets = {"a": scripted("http://127.0.0.1:9", "ok")}
+    if args[0] != "--synthetic-style":
+        targets["s"] = {"kind": "synthetic", "itl_ms": 1}
+    path = routes_file(tmp_path, targets, {"m": {"targets": list(targets)}})
+    proc = serve_routes(path, *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = proc.stdout.splitlines()
+    assert json.loads(line)["error"] == said.format(path=path)
+
+
 def test_anthropic_and_responses_clients_see_one_stream_through_a_splice(
     tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
 ) -> None:
