@@ -14,7 +14,13 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.engines.base import (
+    TARGET_FAULTS,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     UpstreamResponse,
@@ -274,10 +280,11 @@ def normalise_error(
 ) -> EngineError:
     """Any upstream error body (OpenAI, vLLM, TGI, llama.cpp, or not JSON) → EngineError.
 
-    An HTTP 4xx other than 429 is the request's own fault: `upstream_rejected`, carrying the
-    upstream's status and message. Otherwise the code is the upstream's code string when it
-    has one, else `upstream_<status>` (HTTP or the body's numeric code), else the error type;
-    the message is kept as sent.
+    An HTTP 4xx other than 429 is `upstream_rejected`, carrying the upstream's status and
+    message: the target's fault for 401, 403 and 404 (`TARGET_FAULTS`), else the request's
+    own. Otherwise the code is the upstream's code string when it has one, else
+    `upstream_<status>` (HTTP or the body's numeric code), else the error type; the message
+    is kept as sent.
     """
     try:
         obj: Any = orjson.loads(raw)
@@ -303,12 +310,14 @@ def normalise_error(
         message = plain_text(raw) or "the upstream failed"
     message = str(message)[:2000]
     if status is not None and 400 <= status < 500 and status != 429:
+        target = status in TARGET_FAULTS
         return EngineError(
             "upstream_rejected",
             f"the upstream answered {status}: {message}",
-            type_="invalid_request_error",
+            retryable=target,
+            type_="server_error" if target else "invalid_request_error",
             status=status,
-            client_fault=True,
+            client_fault=not target,
         )
     if code_str and _CODE.match(code_str):
         code = code_str

@@ -426,6 +426,71 @@ def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
+@pytest.fixture(scope="module")
+def keyed_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real upstream that wants a key and serves one model: another firsttoken."""
+    keys = tmp_path_factory.mktemp("upstream") / "keys.toml"
+    keys.write_text('[[keys]]\nname = "gw"\nkey = "sk-good"\n')
+    fast = ("--synthetic-ttft-ms", "1", "--synthetic-itl-ms", "1")
+    with run_server("--api-keys", str(keys), *fast, *OPEN) as server:
+        yield server
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_misconfigured_target_is_its_own_fault_not_the_clients(
+    tmp_path: Path, keyed_upstream: Server, kind: str
+) -> None:
+    base = {"kind": kind, "url": keyed_upstream.v1, "eject_after": 2}
+    targets = {
+        "typo": {**base, "model": "synthetc", "api_key_env": "FT_GOOD_KEY"},  # not listed: 404
+        "wrong-key": {**base, "model": "synthetic", "api_key_env": "FT_WRONG_KEY"},  # 401
+        "good": {**base, "model": "synthetic", "api_key_env": "FT_GOOD_KEY"},
+    }
+    models = {"chat": {"targets": ["typo", "wrong-key", "good"]}, "bad": {"targets": ["typo"]}}
+    env = {"FT_GOOD_KEY": "sk-good", "FT_WRONG_KEY": "sk-wrong"}
+    with run_server("--routes", routes_file(tmp_path, targets, models), *OPEN, env=env) as gw:
+        # Said at start: the upstream's model list lacks the typo (not the others).
+        unlisted = [r for r in gw.log_records() if r["event"] == "route.model_unlisted"]
+        assert [(r["target"], r["model"], r["level"]) for r in unlisted] == [
+            ("typo", "synthetc", "warning")
+        ]
+        assert unlisted[0]["listed"] == ["synthetic"]
+        # Each request fails over past both to the target that answers.
+        for _ in range(2):
+            assert stream(gw, max_tokens=5)["text"], "the good target answered"
+        assert failovers(gw, "connect") == 4
+        # Counted as the targets' failures: two in a row ejected each.
+        assert gw.metric('firsttoken_target_up{target="typo"}') == 0
+        assert gw.metric('firsttoken_target_up{target="wrong-key"}') == 0
+        failed = [r for r in gw.log_records() if r["event"] == "route.target_failed"]
+        assert {r["target"] for r in failed} == {"typo", "wrong-key"}
+        assert any("answered 401" in r["error"] for r in failed)
+        assert any("answered 404" in r["error"] for r in failed)
+        # With no target left it is the gateway's 502, not the client's 404 or 401.
+        whole = httpx.post(
+            gw.v1 + "/chat/completions",
+            json={"model": "bad", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
+        assert whole.status_code == 502, whole.text
+        error = whole.json()["error"]
+        assert error["code"] == "upstream_rejected" and error["type"] == "server_error"
+        assert "the upstream answered 404" in error["message"]
+
+
+def test_a_target_whose_key_variable_is_unset_is_refused_at_start(tmp_path: Path) -> None:
+    target = {"kind": "openai", "url": "http://127.0.0.1:9/v1", "api_key_env": "FT_NO_SUCH_KEY"}
+    path = routes_file(tmp_path, {"a": target}, {"m": {"targets": ["a"]}})
+    proc = serve_routes(path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = proc.stdout.splitlines()
+    assert json.loads(line)["error"] == (
+        f"--routes {path}: [targets.a] api_key_env: FT_NO_SUCH_KEY is not set (or empty) "
+        "in the environment"
+    )
+
+
 def serve_routes(path: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "firsttoken", "serve", "--port", "0", "--routes", path, *args],
