@@ -219,7 +219,7 @@ def _otlp_endpoint(value: str) -> str | None:
         except ImportError:  # its parent package is missing too
             found = False
         if not found:
-            return f"needs {package} (pip install 'firsttoken[otel]')"
+            return f"needs {package}: FIRSTTOKEN_EXTRAS=otel ./scripts/serve installs it"
     return None
 
 
@@ -564,8 +564,8 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | N
     return out
 
 
-# Read by others: the tests, and deploy/Caddyfile (often set in the shell that starts both).
-_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM", "FIRSTTOKEN_SITE", "FIRSTTOKEN_BIND"}
+# Read by others: the tests, deploy/Caddyfile and scripts/serve (often set in the same shell).
+_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM", "FIRSTTOKEN_SITE", "FIRSTTOKEN_BIND", "FIRSTTOKEN_EXTRAS"}
 
 
 def flag(name: str) -> str:
