@@ -402,6 +402,20 @@ def test_a_bad_routes_file_is_refused_in_one_line(
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_a_missing_routes_file_is_a_bad_setting_status_2_as_documented(tmp_path: Path) -> None:
+    # docs/engines.md: a bad file is status 1 (startup.failed), a missing one status 2.
+    docs = " ".join((ROOT / "docs" / "engines.md").read_text().split())
+    assert "exit status 1" in docs and "exit status 2" in docs
+    missing = tmp_path / "routes.toml"
+    proc = serve_routes(str(missing))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"firsttoken serve: invalid --routes '{missing}': no such file"
+    ]
+    said = "`firsttoken serve: invalid --routes 'routes.toml': no such file`"
+    assert said in docs
+
+
 def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     path = routes_file(tmp_path, {"a": {"kind": "synthetic"}}, {"m": {"targets": ["a"]}})
     proc = subprocess.run(
