@@ -73,6 +73,8 @@ def test_quick_tour_shell(server: Server, tmp_path: Path) -> None:
     created = json.loads((tmp_path / "stream.json").read_text())
     assert set(created) >= {"id", "resume_token", "events_url", "cancel_url"}
     assert out.count('data: {"token":') == 50
+    # ... the one nobody opened in time was stopped, and says so ...
+    assert "event: error" in out and '"code":"stream_abandoned"' in out, out[-2000:]
     # ... and the long one was cancelled.
     long = json.loads((tmp_path / "long.json").read_text())
     assert json.loads(out.strip().splitlines()[-1]) == {"id": long["id"], "outcome": "cancelled"}
