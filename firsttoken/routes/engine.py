@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
@@ -660,6 +661,18 @@ class RoutedEngine:
         up = GaugeMetricFamily(
             "firsttoken_target_up", "1 while a target is not ejected.", labels=["target"]
         )
+        # target_up stays 0 past the cool-down until a request probes the target: this says
+        # when that probe may go (0: not ejected, or its turn has come). The health's clock
+        # is the loop's; a scrape from another thread reads the same monotonic clock.
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = time.monotonic()
+        probe = GaugeMetricFamily(
+            "firsttoken_target_probe_in_seconds",
+            "Seconds until an ejected target's next request probes it.",
+            labels=["target"],
+        )
         queue = GaugeMetricFamily(
             "firsttoken_queue_length", "Streams waiting for a target's slot.", labels=["target"]
         )
@@ -670,10 +683,13 @@ class RoutedEngine:
         )
         for target in self.targets.values():
             up.add_metric([target.name], int(target.health.up))
+            at = target.health.probe_at
+            probe.add_metric([target.name], 0.0 if at is None else max(0.0, at - now))
             queue.add_metric([target.name], target.queued)
             hist = target.queue_wait
             wait.add_metric([target.name], buckets=hist.cumulative(), sum_value=hist.sum)
         yield up
+        yield probe
         yield queue
         yield wait
 

@@ -364,6 +364,9 @@ def test_ejected_target_is_skipped_and_reported_down(
             assert stream(server)["text"] == WHOLE
         assert server.metric('firsttoken_target_up{target="a"}') == 0
         assert failovers(server, "connect") == 2  # then a was ejected and not tried
+        # When the next request will probe it: within its 10 s cool-down; b is not ejected.
+        assert 0 < server.metric('firsttoken_target_probe_in_seconds{target="a"}') <= 10
+        assert server.metric('firsttoken_target_probe_in_seconds{target="b"}') == 0
 
 
 @pytest.mark.parametrize(
