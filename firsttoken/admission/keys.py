@@ -7,6 +7,7 @@ import math
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 __all__ = ["ApiKey", "KeyRing"]
 
@@ -29,6 +30,41 @@ def _is_int(value: object) -> bool:
 
 def _is_number(value: object) -> bool:
     return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+# Every field a [[keys]] entry may have: anything else is a typo that would otherwise leave
+# the key on a default limit without a word.
+_FIELDS = (
+    "name",
+    "key",
+    "max_streams",
+    "tokens_per_minute",
+    "resume_max_bytes",
+    "priority",
+    "weight",
+)
+_SHAPE = '[[keys]] entries (name = "...", key = "...")'
+
+
+def _entries(raw: dict[str, Any], path: str | Path) -> list[dict[str, Any]]:
+    """The file's `[[keys]]` array, or ValueError saying what shape it has instead."""
+    unknown = sorted(set(raw) - {"keys"})
+    if unknown:
+        raise ValueError(f"{path}: unknown table or field {unknown[0]!r} (expected {_SHAPE})")
+    entries = raw.get("keys", [])
+    if isinstance(entries, dict):  # [keys] or [keys.alice]
+        raise ValueError(f"{path}: keys is a table; write each key as {_SHAPE}")
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: keys is not a list of tables; write each key as {_SHAPE}")
+    for i, entry in enumerate(entries):
+        if not isinstance(entry, dict):  # keys = ["sk-..."]: never echo what may be a secret
+            raise ValueError(f"{path}: keys[{i}] is not a table; write each key as {_SHAPE}")
+        extra = [field for field in entry if field not in _FIELDS]
+        if extra:
+            raise ValueError(
+                f"{path}: keys[{i}].{extra[0]}: unknown field (known: {', '.join(_FIELDS)})"
+            )
+    return entries
 
 
 def _digest(secret: str) -> bytes:
@@ -56,7 +92,7 @@ class KeyRing:
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
         where: dict[str, int] = {}
-        for i, entry in enumerate(raw.get("keys", [])):
+        for i, entry in enumerate(_entries(raw, path)):
             secret, name = entry.get("key"), entry.get("name")
             if not isinstance(secret, str) or not secret or not isinstance(name, str):
                 raise ValueError(f"{path}: keys[{i}] needs a string 'name' and 'key'")

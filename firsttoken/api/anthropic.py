@@ -35,6 +35,7 @@ from firsttoken.api.gateway import (
     arrived_at,
     gateway,
     new_stream_id,
+    retry_headers,
     trace_id,
     traceparent,
 )
@@ -89,8 +90,22 @@ async def count_tokens(request: Request) -> Response:
     return Response(orjson.dumps(count), media_type="application/json", headers=headers)
 
 
+# A `thread` that continues sends only the turn's new messages, and answering those alone
+# would lose the conversation (the SDK's tool runner then calls its tool until its iteration
+# limit). Refused with the code on which the SDK drops `thread` and sends the whole history.
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+
+
 async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
     body, model, key = await gw.accept(request, MessagesRequest)
+    if body.thread is not None:
+        raise APIError(
+            400,
+            THREAD_UNSUPPORTED,
+            "this server keeps no conversation state: send the whole conversation in "
+            "`messages`, without `thread`",
+            param="thread",
+        )
     stream_id = new_stream_id()
     generation = generation_request(body, model, stream_id, key)
     ticket = await gw.admit(key, generation)
@@ -136,7 +151,7 @@ async def _complete(
             error_body(error_type(exc.code, exc.type), exc.message, headers["x-request-id"]),
             status_code=exc.status or 500,
             media_type="application/json",
-            headers=headers,
+            headers={**headers, **retry_headers(exc)},
         )
     if answer is None:
         return Response(status_code=499)  # nobody is left to read it
@@ -151,8 +166,9 @@ def _refusal(exc: APIError, trace: str) -> Response:
     headers = {
         k: v for k, v in plain.headers.items() if k not in ("content-length", "content-type")
     }
+    details = {"error_code": exc.code} if exc.code == THREAD_UNSUPPORTED else None
     return Response(
-        error_body(status_error_type(exc.status), exc.message, trace),
+        error_body(status_error_type(exc.status), exc.message, trace, details),
         status_code=exc.status,
         media_type="application/json",
         headers=headers,

@@ -133,6 +133,9 @@ class MessagesRequest(_Body):
     stream: bool = False
     metadata: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
+    # Message threads (the SDK's tool runner sends them by default): refused, not ignored,
+    # since a `continue` carries only the new turn's messages (`api.anthropic.THREAD_UNSUPPORTED`).
+    thread: Any = None
     synthetic: SyntheticKnobs | None = None  # firsttoken's own, sent with `extra_body`
 
     def system_text(self) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import re
 import secrets
@@ -38,7 +39,15 @@ from firsttoken.wire.render import (
 )
 from firsttoken.wire.sse import EventDecoder
 
-__all__ = ["Gateway", "arrived_at", "gateway", "new_stream_id", "trace_id", "traceparent"]
+__all__ = [
+    "Gateway",
+    "arrived_at",
+    "gateway",
+    "new_stream_id",
+    "retry_headers",
+    "trace_id",
+    "traceparent",
+]
 
 B = TypeVar("B", bound=BaseModel)
 
@@ -48,6 +57,17 @@ _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
 # The formats another instance can go on with: they keep no state past their first event.
 # (The Responses API and Messages number their events and blocks: not taken over yet.)
 _TAKEOVER_RENDERERS = (NativeRenderer, ChatRenderer, CompletionRenderer)
+
+
+def retry_headers(error: EngineError) -> dict[str, str]:
+    """`Retry-After` for an answer refused before its first byte with 429 or 503: the engine's
+    own wait when it reached us, else 1 s. A collected answer's error comes back from the
+    stream's log with its status only; 1 s is the queue's own wait, and the least a route with
+    no target available asks."""
+    if error.status not in (429, 503):
+        return {}
+    wait = error.retry_after_s if error.retry_after_s is not None else 1.0
+    return {"retry-after": str(max(1, math.ceil(wait)))}
 
 
 @dataclass(slots=True)

@@ -9,7 +9,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import arrived_at, gateway, new_stream_id, trace_id, traceparent
+from firsttoken.api.gateway import (
+    arrived_at,
+    gateway,
+    new_stream_id,
+    retry_headers,
+    trace_id,
+    traceparent,
+)
 from firsttoken.api.protocol import NativeStreamRequest
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
@@ -63,7 +70,9 @@ async def create_stream(request: Request) -> Response:
     if failed is not None:
         # Failed before its id was handed out: nobody could read the error event.
         gw.registry.forget(stream)
-        return APIError(failed.status or 500, failed.code, failed.message).response(trace)
+        status = failed.status or 500
+        refused = APIError(status, failed.code, failed.message, headers=retry_headers(failed))
+        return refused.response(trace)
     events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
     return JSONResponse(
         {

@@ -15,6 +15,7 @@ from firsttoken.api.gateway import (
     arrived_at,
     gateway,
     new_stream_id,
+    retry_headers,
     trace_id,
     traceparent,
 )
@@ -149,7 +150,8 @@ async def _complete(
     try:
         answer = await Collector(stream).answer(gw.registry, request)
     except EngineError as exc:
-        return APIError(exc.status or 500, exc.code, exc.message).response(trace)
+        status = exc.status or 500
+        return APIError(status, exc.code, exc.message, headers=retry_headers(exc)).response(trace)
     if answer is None:
         return Response(status_code=499)  # nobody is left to read it
     choice: dict[str, object] = {"index": 0}

@@ -20,7 +20,13 @@ from typing import Any, ClassVar
 
 import orjson
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.engines.base import (
+    TARGET_FAULTS,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     UpstreamResponse,
@@ -61,9 +67,6 @@ _FINISH = {
 }
 # In-stream error types another target (or a later try) may do better on.
 _RETRYABLE_TYPES = frozenset({"overloaded_error", "api_error", "rate_limit_error", "timeout_error"})
-# A 4xx that says the target is misconfigured (its key, its model name, its URL), not that the
-# request is wrong: another target may serve it, and health should hear of it.
-_TARGET_FAULTS = frozenset({401, 403, 404})
 _MAX_EVENT_BYTES = 4 * 1024 * 1024
 _DATA_URL = re.compile(r"^data:([^;,]+);base64,(.*)$", re.DOTALL)
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -509,10 +512,11 @@ def http_error(raw: bytes, status: int, headers: Mapping[str, str], now: float) 
             f"upstream_{status}", message, retryable=True, status=status, retry_after_s=wait
         )
     else:
-        target = status in _TARGET_FAULTS
+        target = status in TARGET_FAULTS
         error = EngineError(
             "upstream_rejected",
-            message,
+            # The client may read it as a 502 (routes): the upstream's own status goes along.
+            f"the upstream answered {status}: {message}" if target else message,
             retryable=target,
             type_="server_error" if target else "invalid_request_error",
             status=status,

@@ -13,6 +13,7 @@ from firsttoken.delta import Delta, ToolCallDelta
 
 __all__ = [
     "DEFAULT_ANSWER_TOKENS",
+    "TARGET_FAULTS",
     "Delta",
     "Engine",
     "EngineError",
@@ -29,6 +30,11 @@ __all__ = [
 # of a key's token budget and what the routes' fair queue charges it. One that runs longer is
 # billed in full when it ends.
 DEFAULT_ANSWER_TOKENS = 1024
+
+# An upstream's 4xx that says the target is set up wrong (its key, its model name, its URL),
+# not that the request is: another target may serve it, health counts it, and the client is
+# not told it was its own fault. Every relay kind agrees (docs/engines.md, "Whose fault").
+TARGET_FAULTS = frozenset({401, 403, 404})
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,11 +68,16 @@ def load_canned(path: str | Path) -> dict[str, str]:
     """Read `[answers]` ("prompt" = "answer") from a TOML file; keys come back normalised."""
     with open(path, "rb") as f:
         data = tomllib.load(f)
+    unknown = sorted(set(data) - {"answers"})
+    if unknown:  # `[answer]` for `[answers]` would start and answer nothing
+        raise ValueError(f"{path}: unknown table or field {unknown[0]!r} (known: [answers])")
     answers = data.get("answers", {})
     if not isinstance(answers, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in answers.items()
     ):
         raise ValueError(f"{path}: [answers] must map prompt strings to answer strings")
+    if not answers:
+        raise ValueError(f'{path}: no [answers] entries ("prompt" = "answer")')
     return {_greeting(k): v for k, v in answers.items()}
 
 

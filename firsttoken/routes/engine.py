@@ -14,6 +14,7 @@ import asyncio
 import hashlib
 import logging
 import re
+import time
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
@@ -25,7 +26,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import TARGET_FAULTS, Delta, EngineError, GenerationRequest
 from firsttoken.observability import log_event
 from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
@@ -118,9 +119,39 @@ class RoutedEngine:
             names.pop(route.name, None)
             names.update(listed)
         self.models = tuple(names)
+        self._warn_of_unlisted_models()
         for target in self.targets.values():
             if target.config.health_check_interval_s > 0:
                 self._checks.append(asyncio.create_task(self._watch(target)))
+
+    def _warn_of_unlisted_models(self) -> None:
+        """A model name the target's upstream does not list (a typo, a model not loaded) gets
+        a 404 on every request: said at start, once per target and name. Passthrough routes
+        send the client's names, which the gateway checks against the lists itself."""
+        said: set[tuple[str, str]] = set()
+        for route in self.table.routes.values():
+            if route.passthrough:
+                continue
+            names = list(route.targets)
+            names += [route.handoff.source] if route.handoff else []
+            names += [route.short_prompts.target] if route.short_prompts else []
+            for name in names:
+                target = self.targets[name]
+                listed = getattr(target.engine, "listed", None)
+                model = target.config.model or route.name
+                if not listed or (name, model) in said or _serves(listed, model):
+                    continue  # not a remote engine, its upstream did not answer, or it is there
+                said.add((name, model))
+                log_event(
+                    "route.model_unlisted",
+                    logging.WARNING,
+                    target=name,
+                    model=model,
+                    listed=list(listed[:20]),
+                    note="the target's upstream does not list this model: it will most "
+                    "likely refuse each request (404), which fails over to the route's next "
+                    "target and counts against this one's health; check the target's `model`",
+                )
 
     async def _start_target(self, target: Target) -> None:
         try:
@@ -239,7 +270,7 @@ class RoutedEngine:
             if target is None:
                 if cut is not None:
                     raise cut
-                raise last or self._unavailable(route)
+                raise _for_client(last) if last is not None else self._unavailable(route)
             tried.add(target.name)
             if failed is not None and not splicing:
                 self._count_failover(route, request, failed, target, transcript)
@@ -416,7 +447,10 @@ class RoutedEngine:
         with an `owner` (a key's request with fields passed through unread) is that key's
         until another key's fail too (`TargetHealth.failure`)."""
         now = asyncio.get_running_loop().time()
-        if error.code == "queue_timeout" or error.client_fault:
+        # A passthrough route sends the client's own model name: a 404 may only say that this
+        # upstream does not serve it (another of the route's may), not that it is broken.
+        unserved = route.passthrough and error.status == 404
+        if error.code == "queue_timeout" or error.client_fault or unserved:
             target.health.release()
         elif error.retry_after_s is not None and error.status in (429, 503, 529):
             target.health.hold(now, error.retry_after_s)
@@ -660,6 +694,18 @@ class RoutedEngine:
         up = GaugeMetricFamily(
             "firsttoken_target_up", "1 while a target is not ejected.", labels=["target"]
         )
+        # target_up stays 0 past the cool-down until a request probes the target: this says
+        # when that probe may go (0: not ejected, or its turn has come). The health's clock
+        # is the loop's; a scrape from another thread reads the same monotonic clock.
+        try:
+            now = asyncio.get_running_loop().time()
+        except RuntimeError:
+            now = time.monotonic()
+        probe = GaugeMetricFamily(
+            "firsttoken_target_probe_in_seconds",
+            "Seconds until an ejected target's next request probes it.",
+            labels=["target"],
+        )
         queue = GaugeMetricFamily(
             "firsttoken_queue_length", "Streams waiting for a target's slot.", labels=["target"]
         )
@@ -670,10 +716,13 @@ class RoutedEngine:
         )
         for target in self.targets.values():
             up.add_metric([target.name], int(target.health.up))
+            at = target.health.probe_at
+            probe.add_metric([target.name], 0.0 if at is None else max(0.0, at - now))
             queue.add_metric([target.name], target.queued)
             hist = target.queue_wait
             wait.add_metric([target.name], buckets=hist.cumulative(), sum_value=hist.sum)
         yield up
+        yield probe
         yield queue
         yield wait
 
@@ -690,6 +739,23 @@ def _silence(target: Target, first: bool, total: bool) -> EngineError:
         "upstream_timeout",
         f"the upstream sent nothing for too long (target {target.name!r}: no {what})",
         retryable=True,
+    )
+
+
+def _serves(listed: tuple[str, ...], model: str) -> bool:
+    """Whether an upstream listing `listed` knows `model`: by its id, or as the alias of a
+    dated id (Anthropic lists `claude-sonnet-4-5-20250929` and answers `claude-sonnet-4-5`)."""
+    return model in listed or any(m.startswith(model + "-") for m in listed)
+
+
+def _for_client(error: EngineError) -> EngineError:
+    """The last target's error as the client gets it when no target is left. A target's own
+    set-up fault (an upstream 401, 403 or 404: its key, model name or URL) is the gateway's
+    502, not the client's 4xx; the message keeps the upstream's status."""
+    if error.client_fault or error.status not in TARGET_FAULTS:
+        return error
+    return EngineError(
+        error.code, error.message, retryable=True, type_="server_error", status=502
     )
 
 

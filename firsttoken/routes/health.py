@@ -62,6 +62,12 @@ class TargetHealth:
         """For `firsttoken_target_up`: not ejected (a Retry-After hold is not down)."""
         return self.state == self.UP
 
+    @property
+    def probe_at(self) -> float | None:
+        """When (loop time) an ejected target's next request goes there as its probe; None
+        unless ejected. Until a request comes, it stays ejected (`up` false) past this."""
+        return self._until if self.state == self.EJECTED else None
+
     def available(self, now: float, key: str | None = None) -> bool:
         """Whether a request (of `key`) may go there now (without taking the half-open
         probe)."""

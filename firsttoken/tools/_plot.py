@@ -6,14 +6,16 @@ from pathlib import Path
 
 from firsttoken.tools._measure import StreamResult
 
-__all__ = ["plot"]
+__all__ = ["NEEDS", "plot"]
+
+NEEDS = "--plot needs matplotlib: pip install -c constraints.txt matplotlib"  # pinned there
 
 
 def plot(results: list[StreamResult], path: str | Path, title: str) -> None:
     try:
         import matplotlib
     except ImportError as exc:  # an optional extra, not a dependency
-        raise SystemExit("--plot needs matplotlib: pip install matplotlib") from exc
+        raise SystemExit(NEEDS) from exc
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import sys
 import time
@@ -22,6 +23,7 @@ from firsttoken.config import Parser
 from firsttoken.tools._capture import CaptureWriter
 from firsttoken.tools._load import HttpVersions, LoadRun, limits, make_client, run_load
 from firsttoken.tools._measure import Kind, RequestSpec, StreamResult, detect_kind
+from firsttoken.tools._plot import NEEDS as PLOT_NEEDS
 from firsttoken.tools._report import load_json, render_load, render_single, single_json
 from firsttoken.tools._tcpinfo import TcpWatch, watched_transport
 from firsttoken.tools._tcpinfo import describe as describe_tcp
@@ -147,6 +149,9 @@ def build_spec(args: argparse.Namespace) -> RequestSpec:
         headers.setdefault("anthropic-version", "2023-06-01")
     if args.concurrency < 1 or (args.requests is not None and args.requests < 1):
         raise ValueError("--concurrency and --requests must be at least 1")
+    if args.plot and importlib.util.find_spec("matplotlib") is None:
+        # Said before the load runs, not after it.
+        raise ValueError(PLOT_NEEDS)
     return RequestSpec(
         url=args.url,
         kind=kind,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
 
@@ -90,10 +91,19 @@ def status_error_type(status: int) -> str:
     return _STATUS_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
-def error_body(type_: str, message: str, request_id: str | None = None) -> bytes:
+def error_body(
+    type_: str,
+    message: str,
+    request_id: str | None = None,
+    details: Mapping[str, Any] | None = None,
+) -> bytes:
     """`{"type": "error", "error": {"type", "message"}}`: the HTTP body of a refusal and the
-    data of a stream's `event: error`."""
-    body: dict[str, Any] = {"type": "error", "error": {"type": type_, "message": message}}
+    data of a stream's `event: error`. `details` (`{"error_code": ...}`) is what the SDK reads
+    to pick an error class, and to decide a fallback (a thread refused)."""
+    error: dict[str, Any] = {"type": type_, "message": message}
+    if details:
+        error["details"] = dict(details)
+    body: dict[str, Any] = {"type": "error", "error": error}
     if request_id:
         body["request_id"] = request_id
     return _dumps(body)

@@ -309,6 +309,63 @@ def test_invalid_requests_are_4xx_in_anthropic_shape(server: Server) -> None:
     assert missing.value.type == "not_found_error"
 
 
+def test_a_thread_is_refused_with_the_code_the_sdk_falls_back_on(server: Server) -> None:
+    # What the SDK's tool runner sends on its second turn: only the new message.
+    body = {
+        "model": "synthetic",
+        "max_tokens": 20,
+        "messages": MESSAGES,
+        "thread": {"type": "continue", "previous_message_id": "msg_x"},
+    }
+    headers = {"anthropic-beta": "message-threads-2026-08-12"}
+    r = httpx.post(server.v1 + "/messages", json=body, headers=headers, timeout=10)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and "`thread`" in error["message"]
+    assert error["details"] == {"error_code": "thread_unsupported_request"}
+    # The SDK types it as its own error class: the one its threads read.
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        client(server).messages.create(
+            model="synthetic", max_tokens=5, messages=MESSAGES, extra_body={"thread": {}}
+        )
+    assert type(refused.value).__name__ == "ThreadUnsupportedRequestError"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_sdks_tool_runner_ends_in_two_turns(server: Server, stream: bool) -> None:
+    calls: list[str] = []
+
+    @anthropic.beta_tool
+    def get_weather(city: str) -> str:
+        """The weather in a city."""
+        calls.append(city)
+        return "18 C, sunny"
+
+    def posts() -> float:
+        return server.metric('firsttoken_streams_total{outcome="completed"}')
+
+    before = posts()
+    knobs = {"synthetic": {"tool_call": {"name": "get_weather", "arguments": {"city": "Paris"}}}}
+    runner = client(server).beta.messages.tool_runner(
+        model="synthetic",
+        max_tokens=1000,
+        messages=[{"role": "user", "content": "Weather in Paris?"}],
+        tools=[get_weather],
+        max_iterations=5,
+        stream=stream,
+        extra_body=knobs,  # the engine calls the tool on every turn that has no tool result
+    )
+    if stream:
+        replies = [turn.get_final_message() for turn in runner]  # type: ignore[union-attr]
+    else:
+        replies = list(runner)
+    assert calls == ["Paris"]
+    assert [r.stop_reason for r in replies] == ["tool_use", "end_turn"]
+    assert replies[-1].content[0].type == "text"
+    # Each turn was answered once: the refused threaded tries were never streams.
+    assert posts() - before == 2
+
+
 def test_streams_total_counts_messages(server: Server) -> None:
     key = 'firsttoken_streams_total{outcome="completed"}'
     before = server.metric(key)

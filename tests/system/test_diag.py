@@ -620,3 +620,21 @@ def test_clean_verdict_reads_once(capsys: pytest.CaptureFixture[str], fast_serve
     verdict = [line for line in out.splitlines() if line.startswith("verdict:")]
     assert rc == 0 and len(verdict) == 1, out
     assert verdict[0].startswith("verdict: clean — ") and "— clean:" not in verdict[0]
+
+
+def test_plot_without_matplotlib_is_refused_before_the_run() -> None:
+    # Nothing listens on the URL: a run would say "no answer"; the check comes first.
+    url = f"http://127.0.0.1:{closed_port()}/v1/chat/completions"
+    hide = (
+        "import sys\n"
+        "sys.modules['matplotlib'] = None  # as if not installed\n"
+        "from firsttoken.tools.diag import main\n"
+        f"raise SystemExit(main([{url!r}, '--requests', '50', '--plot', 'out.png']))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", hide], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [
+        "firsttoken diag: --plot needs matplotlib: pip install -c constraints.txt matplotlib"
+    ]

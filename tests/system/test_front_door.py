@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import ipaddress
 import json
 import ssl
 import subprocess
@@ -171,13 +172,57 @@ def test_http2_through_caddy(gateway: Server, caddy: Caddy) -> None:
             assert resp.headers["x-accel-buffering"] == "no"
             assert "no-transform" in resp.headers["cache-control"]
             assert "content-encoding" not in resp.headers
-            assert resp.headers["alt-svc"] == f'h3=":{caddy.port}"; ma=2592000'
+            # One entry per address Caddy binds (both loopbacks), the same each time.
+            offers = set(resp.headers["alt-svc"].split(","))
+            assert offers == {f'h3=":{caddy.port}"; ma=2592000'}
             for data in resp.iter_raw():
                 arrivals.feed(data)
     arrivals.check()
     rc, d = run_diag(caddy.url + CHAT, "--insecure", "--max-tokens", "20")
     assert rc == 0 and d["http_version"] == "HTTP/2" and d["chunks"] == 20
     assert d["buffered"] is False, d["reason"]
+
+
+def listeners(port: int) -> set[tuple[str, str]]:
+    """(protocol, address) of each socket on this machine bound to local `port`, listening
+    (TCP) or bound (UDP), from /proc/net."""
+    found: set[tuple[str, str]] = set()
+    for name in ("tcp", "tcp6", "udp", "udp6"):
+        for line in Path("/proc/net", name).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            address, hex_port = local.split(":")
+            if int(hex_port, 16) != port or (name.startswith("tcp") and state != "0A"):
+                continue
+            raw = bytes.fromhex(address)
+            # The kernel writes each 32-bit word in host (little-endian) order.
+            ordered = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+            found.add((name.rstrip("6"), str(ipaddress.ip_address(ordered))))
+    return found
+
+
+def test_caddy_listens_on_loopback_only(gateway: Server, caddy: Caddy) -> None:
+    # deploy/Caddyfile binds the site to FIRSTTOKEN_BIND, both loopbacks unless set: TCP for
+    # HTTP/1.1 and HTTP/2, UDP for HTTP/3. Without `bind` Caddy took every interface.
+    loopbacks = {"127.0.0.1", "::1"}
+    assert listeners(caddy.port) == {(p, a) for p in ("tcp", "udp") for a in loopbacks}
+    # A client on this machine, through Caddy, to a gateway without keys: nothing to warn of.
+    resp = httpx.post(caddy.url + CHAT, json=chat_body(2, 1), verify=caddy.tls(), timeout=10)
+    assert resp.status_code == 200
+    assert [r for r in gateway.log_records() if r["event"] == "open_to_the_network"] == []
+
+
+def test_diag_trusts_caddys_root_as_the_docs_say(
+    caddy: Caddy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # docs/deploy.md: diag fails on Caddy's own CA unless told; SSL_CERT_FILE at its root
+    # ($XDG_DATA_HOME/caddy/pki/authorities/local/root.crt) or --insecure.
+    rc, d = run_diag(caddy.url + CHAT, "--max-tokens", "5")
+    assert rc != 0 and "certificate" in d["problem"].lower(), d["problem"]
+    xdg_data = caddy.home / "data"  # what tests/caddy.py gives Caddy as XDG_DATA_HOME
+    root = xdg_data / "caddy/pki/authorities/local/root.crt"
+    monkeypatch.setenv("SSL_CERT_FILE", str(root))
+    rc, d = run_diag(caddy.url + CHAT, "--max-tokens", "5")
+    assert rc == 0 and d["chunks"] == 5, d
 
 
 def test_http2_reader_that_leaves_stops_the_engine(gateway: Server, caddy: Caddy) -> None:

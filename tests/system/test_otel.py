@@ -261,4 +261,4 @@ def test_the_flag_without_the_packages_is_one_line_at_start(missing: str) -> Non
     )
     assert done.returncode == 2
     assert "Traceback" not in done.stderr
-    assert f"needs {missing} (pip install 'firsttoken[otel]')" in done.stderr
+    assert f"needs {missing}: FIRSTTOKEN_EXTRAS=otel ./scripts/serve installs it" in done.stderr

@@ -73,6 +73,8 @@ def test_quick_tour_shell(server: Server, tmp_path: Path) -> None:
     created = json.loads((tmp_path / "stream.json").read_text())
     assert set(created) >= {"id", "resume_token", "events_url", "cancel_url"}
     assert out.count('data: {"token":') == 50
+    # ... the one nobody opened in time was stopped, and says so ...
+    assert "event: error" in out and '"code":"stream_abandoned"' in out, out[-2000:]
     # ... and the long one was cancelled.
     long = json.loads((tmp_path / "long.json").read_text())
     assert json.loads(out.strip().splitlines()[-1]) == {"id": long["id"], "outcome": "cancelled"}
@@ -99,3 +101,35 @@ def test_readme_stands_alone() -> None:
     assert "../" not in README
     for path in re.findall(r"`((?:docs|bench|deploy|tests)/[\w./-]+)`", README):
         assert (ROOT / path).exists(), path
+
+
+def test_routes_example_splices_an_answer_whose_engine_dies(tmp_path: Path) -> None:
+    # The routes file as written, its two URLs pointed at real (scripted) upstreams: the
+    # "vLLM" one drops its connection after two tokens, the "SGLang" one continues.
+    import openai
+
+    from tests.upstreams import TOKENS, scripted_upstream
+
+    text = section("Routes: many engines, one answer")
+    [routes] = blocks(text, "toml")
+    [command] = blocks(text, "sh")
+    assert command.strip() == "firsttoken serve --routes routes.toml"
+    with (
+        scripted_upstream({"Qwen/Qwen3-8B": "cut-chunked"}) as vllm,
+        scripted_upstream({"Qwen/Qwen3-8B": "ok"}) as sglang,
+    ):
+        routes = routes.replace("http://10.0.0.5:8000/v1", vllm.url)
+        routes = routes.replace("http://10.0.0.6:30000/v1", sglang.url)
+        (tmp_path / "routes.toml").write_text(routes)
+        with run_server("--routes", str(tmp_path / "routes.toml")) as server:
+            client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+            chunks = list(
+                client.chat.completions.create(
+                    model="qwen", messages=[{"role": "user", "content": "hi"}], stream=True
+                )
+            )
+            answer = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+            assert answer == "".join(TOKENS)  # the same answer, no seam
+            assert len({c.id for c in chunks}) == 1
+            phase = 'firsttoken_failovers_total{phase="mid_stream",route="qwen"}'
+            assert server.metric(phase) == 1

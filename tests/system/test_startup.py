@@ -107,6 +107,29 @@ def test_keys_file_without_keys(tmp_path: Path) -> None:
     assert error == f"--api-keys {keys}: no [[keys]] entries"
 
 
+@pytest.mark.parametrize(
+    ("body", "said"),
+    [
+        ('[[keys]]\nname = "a"\nkey = "k"\nmax_stream = 3\n', "keys[0].max_stream: unknown field"),
+        ('[keys]\nname = "a"\nkey = "sk-a"\n', "keys is a table; write each key as [[keys]]"),
+        ('[keys.alice]\nkey = "sk-a"\n', "keys is a table; write each key as [[keys]]"),
+        ('keys = ["sk-a"]\n', "keys[0] is not a table; write each key as [[keys]]"),
+    ],
+)
+def test_keys_file_with_a_typo_or_the_wrong_shape(tmp_path: Path, body: str, said: str) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(body)
+    error = one_failure_line(serve("--api-keys", str(keys)))
+    assert error.startswith(f"--api-keys {keys}: {said}")
+
+
+def test_canned_answers_file_with_a_typo(tmp_path: Path) -> None:
+    canned = tmp_path / "canned.toml"
+    canned.write_text('[answer]\n"hi" = "Hello"\n')
+    error = one_failure_line(serve("--canned-answers", str(canned)))
+    assert error == f"--canned-answers {canned}: unknown table or field 'answer' (known: [answers])"
+
+
 def test_redis_unreachable() -> None:
     port = closed_port()
     error = one_failure_line(serve("--redis", f"redis://127.0.0.1:{port}"))
@@ -157,6 +180,34 @@ def test_warns_when_open_beyond_loopback(tmp_path: Path) -> None:
     keys = tmp_path / "keys.toml"
     keys.write_text('[[keys]]\nname = "a"\nkey = "sk-a"\n')
     assert warnings("--host", "0.0.0.0", "--api-keys", str(keys)) == []
+
+
+def test_warns_once_when_a_proxy_forwards_from_afar_without_keys(tmp_path: Path) -> None:
+    # Behind Caddy the gateway listens on loopback: only what the proxy forwards tells that
+    # its clients come from elsewhere (Caddy and nginx both send X-Forwarded-For).
+    chat = {"model": "synthetic", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]}
+
+    def warnings(*args: str, headers: dict[str, str]) -> list[dict]:
+        with run_server(*args, "--synthetic-ttft-ms", "1") as server:
+            for _ in range(2):
+                sent = httpx.post(
+                    server.v1 + "/chat/completions",
+                    json=chat,
+                    headers={"authorization": "Bearer sk-a", **headers},
+                    timeout=10,
+                )
+                assert sent.status_code == 200, sent.text
+            return [r for r in server.log_records() if r["event"] == "open_to_the_network"]
+
+    afar = {"x-forwarded-for": "203.0.113.7, 127.0.0.1"}
+    [warning] = warnings(headers=afar)  # once, not per request
+    assert warning["level"] == "warning" and warning["address"] == "203.0.113.7"
+    assert "--api-keys" in warning["note"] and "proxy" in warning["note"]
+    assert warnings(headers={"x-forwarded-for": "127.0.0.1"}) == []
+    assert warnings(headers={}) == []
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nname = "a"\nkey = "sk-a"\n')
+    assert warnings("--api-keys", str(keys), headers=afar) == []
 
 
 def test_warns_about_a_variable_no_setting_reads() -> None:

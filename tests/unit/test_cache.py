@@ -1,8 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from firsttoken.config import Settings
 from firsttoken.engines import GenerationRequest, SyntheticEngine
-from firsttoken.engines.cache import CachedEngine
+from firsttoken.engines.cache import CachedEngine, load_canned
 
 
 class Relay(SyntheticEngine):
@@ -37,3 +41,29 @@ def test_entries_belong_to_a_key_unless_the_cache_is_shared() -> None:
     assert per_key.key(alice) == per_key.key(GenerationRequest(**base, tenant="alice"))
     shared = CachedEngine(SyntheticEngine(), Settings(cache_ttl_s=5, cache_scope="shared"))
     assert shared.key(alice) == shared.key(bob)
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # `[answer]` for `[answers]` would start and answer nothing.
+        ('[answer]\n"hi" = "Hello"\n', "unknown table or field 'answer' (known: [answers])"),
+        ('greeting = "hi"\n[answers]\n"hi" = "Hello"\n', "unknown table or field 'greeting'"),
+        ("[answers]\n", 'no [answers] entries ("prompt" = "answer")'),
+        ('[answers]\n"hi" = 3\n', "[answers] must map prompt strings to answer strings"),
+    ],
+)
+def test_a_canned_answers_file_with_a_typo_is_refused(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    path = tmp_path / "canned.toml"
+    path.write_text(body)
+    with pytest.raises(ValueError) as refused:
+        load_canned(path)
+    assert str(refused.value).startswith(f"{path}: {message}")
+
+
+def test_canned_prompts_come_back_normalised(tmp_path: Path) -> None:
+    path = tmp_path / "canned.toml"
+    path.write_text('[answers]\n"Hi  There!" = "Hello"\n')
+    assert load_canned(path) == {"hi there": "Hello"}

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from firsttoken.config import SettingError, Settings
+from firsttoken.config import SettingError, Settings, unknown_variables
 
 
 def parse(*argv: str, **env: str) -> Settings:
@@ -260,3 +260,46 @@ def test_upstream_errors_and_trust_trace_headers_defaults_flags_and_variables() 
     assert refusal(FIRSTTOKEN_TRUST_TRACE_HEADERS="maybe") == (
         "invalid FIRSTTOKEN_TRUST_TRACE_HEADERS 'maybe': must be 1, true, yes, 0, false or no"
     )
+
+
+# ---- beside --routes: the file builds every engine -------------------------------------------
+
+SINGLE = "takes effect only with a single engine (not --routes)"
+
+
+@pytest.mark.parametrize(
+    ("argv", "line"),
+    [
+        # The routes file's synthetic targets never batch, and never fail on purpose.
+        (["--batch-max", "4"], f"--batch-max: {SINGLE}"),
+        (["--synthetic-fail-rate", "0.1"], f"--synthetic-fail-rate: {SINGLE}"),
+        (["--engine", "llamacpp"], f"--engine: {SINGLE}"),
+        (["--engine", "synthetic"], f"--engine: {SINGLE}"),
+        (["--model", __file__], f"--model: {SINGLE}"),
+        (["--upstream-api-key", "k"], f"--upstream-api-key: {SINGLE}"),
+        # Refused for the real reason, not for a missing --upstream.
+        (
+            ["--engine", "openai"],
+            "--routes: cannot go with --engine openai or --upstream: name the upstreams as "
+            "targets in the routes file",
+        ),
+    ],
+)
+def test_engine_settings_beside_routes_are_refused_for_the_real_reason(
+    argv: list[str], line: str
+) -> None:
+    said = refusal("--routes", __file__, *argv)
+    assert said == line or said.startswith(f"{line}; --routes is "), said
+
+
+def test_routes_leave_the_synthetic_pace_to_the_file() -> None:
+    # A routes file's synthetic targets read these (preflight checks that one does).
+    pace = ("--synthetic-itl-ms", "5", "--synthetic-style", "hostile")
+    settings = parse("--routes", __file__, *pace)
+    assert settings.synthetic_itl_ms == 5 and settings.synthetic_style == "hostile"
+
+
+def test_caddys_variables_are_not_taken_for_typos() -> None:
+    env = {"FIRSTTOKEN_SITE": "localhost:8443", "FIRSTTOKEN_BIND": "0.0.0.0"}
+    env["FIRSTTOKEN_HOTS"] = "x"  # a typo beside them is still told
+    assert unknown_variables(env) == {"FIRSTTOKEN_HOTS": "FIRSTTOKEN_HOST"}

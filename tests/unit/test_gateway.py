@@ -1,4 +1,5 @@
-"""The gateway's half of a takeover (`firsttoken/api/gateway.py`): what travels with a stream
+"""What every handler needs (`firsttoken/api/gateway.py`): what a refused whole answer says
+about retrying; and the gateway's half of a takeover: what travels with a stream
 (`_handover`), and the stream another instance rebuilds from it and the events the store held
 (`reopen`), ready to continue from exactly the text those events carry."""
 
@@ -6,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 
+from firsttoken.api.gateway import retry_headers
 from firsttoken.app import create_app
 from firsttoken.config import Settings
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream, Usage
-from firsttoken.engines import GenerationRequest
+from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.resume import Claim, StreamRecord
 from firsttoken.wire.render import ChatRenderer, NativeRenderer
 from firsttoken.wire.responses import ResponsesRenderer
@@ -73,3 +75,16 @@ def test_what_cannot_be_taken_over_stores_no_request() -> None:
         Settings(redis="redis://127.0.0.1:1/0", takeover_max_bytes=100)
     ).state.gateway
     assert small._handover(*original()) is None  # over --takeover-max-bytes
+
+
+def test_a_503_or_429_says_when_to_retry_and_nothing_else_does() -> None:
+    # The route's own wait, rounded up to whole seconds, never below 1.
+    held = EngineError("upstream_unavailable", "x", status=503, retry_after_s=2.2)
+    assert retry_headers(held) == {"retry-after": "3"}
+    soon = EngineError("upstream_unavailable", "x", status=503, retry_after_s=0.1)
+    assert retry_headers(soon) == {"retry-after": "1"}
+    # Rebuilt from the stream's error event, the status is all that is left: 1 s.
+    assert retry_headers(EngineError("queue_timeout", "x", status=503)) == {"retry-after": "1"}
+    assert retry_headers(EngineError("upstream_429", "x", status=429)) == {"retry-after": "1"}
+    assert retry_headers(EngineError("upstream_rejected", "x", status=400)) == {}
+    assert retry_headers(EngineError("internal_error", "x")) == {}

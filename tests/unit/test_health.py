@@ -213,3 +213,17 @@ def test_a_half_open_probe_that_fails_for_one_key_is_given_back() -> None:
     assert health.acquire(clock(), "alice")  # the next request probes
     health.success()
     assert health.state == TargetHealth.UP
+
+
+def test_probe_at_says_when_an_ejected_target_is_probed() -> None:
+    health, clock = make(eject_after=1, eject_s=10.0)
+    assert health.probe_at is None  # up
+    start = clock()
+    fail(health, clock, 1)
+    assert health.probe_at == start + 10.0
+    clock.advance(12.0)
+    assert health.probe_at == start + 10.0 and not health.up  # due, but nobody came yet
+    assert health.acquire(clock())
+    assert health.probe_at is None  # half-open: the probe is out
+    health.failure(clock())
+    assert health.probe_at == clock() + 20.0  # ejected again, for longer

@@ -90,3 +90,59 @@ def test_a_bad_priority_or_weight_is_one_line_naming_it(
     with pytest.raises(ValueError) as refused:
         KeyRing.load(path)
     assert str(refused.value) == f"{path}: {message}"
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        # A typo would leave the key on the default limit without a word.
+        (
+            "max_stream = 3",
+            "keys[0].max_stream: unknown field (known: name, key, max_streams, "
+            "tokens_per_minute, resume_max_bytes, priority, weight)",
+        ),
+        (
+            "weigth = 2",
+            "keys[0].weigth: unknown field (known: name, key, max_streams, "
+            "tokens_per_minute, resume_max_bytes, priority, weight)",
+        ),
+    ],
+)
+def test_an_unknown_field_is_refused_naming_the_known_ones(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(f'[[keys]]\nname = "x"\nkey = "k"\n{body}\n')
+    with pytest.raises(ValueError) as refused:
+        KeyRing.load(path)
+    assert str(refused.value) == f"{path}: {message}"
+
+
+SHAPE = '[[keys]] entries (name = "...", key = "...")'
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('[keys]\nname = "alice"\nkey = "sk-a"\n', f"keys is a table; write each key as {SHAPE}"),
+        (
+            '[keys.alice]\nkey = "sk-a"\n',
+            f"keys is a table; write each key as {SHAPE}",
+        ),
+        ('keys = ["sk-secret"]\n', f"keys[0] is not a table; write each key as {SHAPE}"),
+        ('keys = "sk-secret"\n', f"keys is not a list of tables; write each key as {SHAPE}"),
+        (
+            '[[key]]\nname = "a"\nkey = "sk-a"\n',
+            f"unknown table or field 'key' (expected {SHAPE})",
+        ),
+    ],
+)
+def test_a_keys_file_of_the_wrong_shape_says_so_without_its_secrets(
+    tmp_path: Path, body: str, message: str
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(body)
+    with pytest.raises(ValueError) as refused:
+        KeyRing.load(path)
+    assert str(refused.value) == f"{path}: {message}"
+    assert "sk-" not in str(refused.value)

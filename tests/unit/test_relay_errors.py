@@ -51,3 +51,25 @@ def test_error_shapes(
         assert error.message == message
     else:
         assert "502 Bad Gateway" in error.message and "<" not in error.message
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_targets_own_set_up_fault_is_not_the_clients(status: int) -> None:
+    error = normalise_error(b'{"error":{"message":"Incorrect API key","type":"x"}}', status)
+    assert error.code == "upstream_rejected" and error.status == status
+    assert error.retryable and not error.client_fault and error.type == "server_error"
+    assert error.message == f"the upstream answered {status}: Incorrect API key"
+
+
+@pytest.mark.parametrize("status", [400, 401, 402, 403, 404, 409, 413, 422, 429, 500, 502, 529])
+def test_the_openai_and_anthropic_kinds_agree_on_whose_fault_a_status_is(status: int) -> None:
+    from firsttoken.engines.anthropic_relay import http_error
+
+    openai = normalise_error(b'{"error":{"message":"no"}}', status)
+    anthropic = http_error(b'{"type":"error","error":{"type":"x","message":"no"}}', status, {}, 0)
+    assert (openai.retryable, openai.client_fault, openai.status) == (
+        anthropic.retryable,
+        anthropic.client_fault,
+        anthropic.status,
+    )
+    assert openai.client_fault == (400 <= status < 500 and status not in (401, 403, 404, 429))

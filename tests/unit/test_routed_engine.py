@@ -187,6 +187,43 @@ def test_a_clients_fault_is_raised_without_failover_and_does_no_harm() -> None:
     assert failovers(engine) == {}
 
 
+def target_fault(status: int) -> Fail:
+    """What both relay kinds make of an upstream 401/403/404: the target's set-up."""
+    return Fail("upstream_rejected", retryable=True, status=status)
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_a_targets_own_set_up_fault_fails_over_and_counts_against_it(status: int) -> None:
+    a, b = Scripted([target_fault(status)] * 3), Scripted(answer)
+    engine = router({"a": a, "b": b}, a={"eject_after": 2})
+
+    async def body() -> list[Outcome]:
+        return [await play(engine, chat(f"s{i}")) for i in range(3)]
+
+    outs = virtual_loop.run(body())
+    assert [(o.error, o.text) for o in outs] == [(None, WHOLE)] * 3
+    assert len(a.requests) == 2  # two failures ejected it: the third went to b at once
+    assert health(engine, "a").state == TargetHealth.EJECTED
+    assert failovers(engine) == {"connect": 2}
+
+
+def test_a_set_up_fault_with_no_target_left_is_the_gateways_502_not_the_clients_401() -> None:
+    out = go(router({"a": Scripted([target_fault(401)])}))
+    assert out.error is not None and out.error.code == "upstream_rejected"
+    assert (out.error.status, out.error.type) == (502, "server_error")
+    assert not out.error.client_fault
+
+
+def test_a_passthrough_404_fails_over_without_harming_the_target() -> None:
+    # The client's own model name: this upstream may simply not serve it.
+    a = Scripted([target_fault(404)], models=("qwen",))
+    b = Scripted(answer, models=("llama",))
+    engine = passthrough({"a": a, "b": b})
+    out = go(engine, replace(chat(), model="llama"))
+    assert out.error is None and out.text == WHOLE
+    assert health(engine, "a")._failures == 0
+
+
 def test_an_error_that_is_not_retryable_is_raised_at_once() -> None:
     a = Scripted([Fail("engine_broken", retryable=False)])
     b = Scripted(answer)

@@ -468,3 +468,15 @@ def test_the_result_of_its_own_call_gets_an_answer_in_text() -> None:
     assert turn(later, call)[1] == "tool_calls"
     stray = {**result, "tool_call_id": "call_elsewhere"}
     assert turn([*question, asked, stray], call)[1] == "tool_calls"
+
+
+@pytest.mark.parametrize("style", ["prose", "markdown", "hostile"])
+@pytest.mark.parametrize("n", [1, 20, 40, 333])
+def test_answer_tokens_is_the_answers_length_in_tokens(style: str, n: int) -> None:
+    # It was a minimum in prose (whole sentences: 40 gave 47); the default length still is.
+    for i in range(10):
+        tokens, finish = synthetic_tokens(f"user: question {i}", answer_tokens=n, style=style)
+        assert (len(tokens), finish) == (n, "stop")
+        if style == "prose":  # the default answer's start, as before
+            default, _ = synthetic_tokens(f"user: question {i}", style=style)
+            assert tokens[: len(default)] == default[:n]
