@@ -21,7 +21,7 @@ from bench import per_token, workloads
 from bench.chart import draw
 from bench.procs import RedisProcess, ServerProcess, check_out, raise_fd_limit
 from bench.report import compute_ratios, compute_targets, kept_pace, render, within_itl
-from bench.servers import BASELINE, BASELINE_REV, SERVERS, SUBJECT, ServerSpec
+from bench.servers import BASELINE, BASELINE_REV, DURABLE, SERVERS, SUBJECT, ServerSpec
 from bench.sizes import Sizes
 from bench.stats import Samples
 
@@ -291,8 +291,10 @@ def _loadavg() -> list[float]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds): smoke test")
+    # Redis mode's durable and baseline variants only when named: --redis costs are theirs.
+    default = [n for n in SERVERS if n not in (DURABLE, "firsttoken_v1_redis")]
     parser.add_argument(
-        "--servers", default=",".join(SERVERS), help=f"comma list of {', '.join(SERVERS)}"
+        "--servers", default=",".join(default), help=f"comma list of {', '.join(SERVERS)}"
     )
     parser.add_argument(
         "--baseline-rev",
@@ -320,7 +322,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         specs = [s for s in specs if s.name != BASELINE]
     else:
         rev = args.baseline_rev
-        specs = [replace(s, rev=rev, label=f"firsttoken at {rev}") if s.rev else s for s in specs]
+        specs = [
+            replace(s, rev=rev, label=s.label.replace(BASELINE_REV, rev)) if s.rev else s
+            for s in specs
+        ]
     try:  # the baseline's package is extracted once per run, into the results folder
         specs = [check_out(s, args.out) for s in specs]
     except RuntimeError as exc:

@@ -95,6 +95,7 @@ class Reader:
     tokens: int = 0
     gap_s: float = 0.0
     started: bool = False
+    stream_id: str = ""
     arrivals: list[float] = field(default_factory=list, repr=False)
 
     def judge(self, text: str, done: bool, told: str, max_tokens: int, end: float) -> None:
@@ -178,6 +179,7 @@ async def python_reader(base: str, reader: Reader, opts: Options) -> None:
         answer = None
         try:
             answer = await client.stream(reader.prompt, **_synthetic(opts))
+            reader.stream_id = answer.stream_id or ""
             async for _delta in answer:
                 reader.arrivals.append(time.monotonic())
             done = True
@@ -334,10 +336,18 @@ async def scenario(opts: Options, log: Any = print) -> Result:
             if upstream:
                 log(f"nginx: {len(upstream)} upstream errors, e.g. {upstream[-1][:300]}")
             for i, s in enumerate(servers):
+                warned: Counter[str] = Counter()
                 for line in s.log:
                     if '"level":"error"' in line or "Traceback" in line:
                         log(f"instance {i}: {line[:200]} … {line[-700:]}")
+                    if '"level":"warning"' in line:
+                        warned[json.loads(line).get("event", "?")] += 1
+                if warned:
+                    log(f"instance {i} (the last on its port) warned: {dict(warned)}")
     readers = [r for r in py_readers if r.started] + browser_readers
+    hung = [r for r in readers if r.outcome == "hung"]
+    for r in hung[:5]:
+        log(f"hung: {r.kind} {r.prompt!r} {r.stream_id}, {len(r.arrivals)} tokens")
     return Result(opts, faults, readers, dict(takeovers))
 
 

@@ -10,13 +10,23 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["BASELINE", "BASELINE_REV", "REDIS", "SERVERS", "SUBJECT", "WORKERS2", "ServerSpec"]
+__all__ = [
+    "BASELINE",
+    "BASELINE_REV",
+    "DURABLE",
+    "REDIS",
+    "SERVERS",
+    "SUBJECT",
+    "WORKERS2",
+    "ServerSpec",
+]
 
 # The firsttoken server as of the last commit before the data-plane rewrite (issue 12): run side
 # by side with the working tree's, so "before" and "after" come from one run (`--baseline-rev`).
 BASELINE_REV = "a7a7677"
 SUBJECT, BASELINE, WORKERS2 = "firsttoken", "firsttoken_v1", "firsttoken_w2"
 REDIS = "firsttoken_redis"  # the same with --redis: a redis-server the bench starts
+DURABLE = "firsttoken_durable"  # --redis --durable: readers see only what Redis confirmed
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +83,23 @@ SERVERS: dict[str, ServerSpec] = {
         ),
         ServerSpec(
             REDIS, "firsttoken --redis", "firsttoken", has_metrics=True, extra=OPEN, redis=True
+        ),
+        ServerSpec(
+            "firsttoken_v1_redis",
+            f"firsttoken at {BASELINE_REV} --redis",
+            "firsttoken",
+            has_metrics=True,
+            extra=OPEN,
+            rev=BASELINE_REV,
+            redis=True,
+        ),
+        ServerSpec(
+            DURABLE,
+            "firsttoken --redis --durable",
+            "firsttoken",
+            has_metrics=True,
+            extra=(*OPEN, "--durable"),
+            redis=True,
         ),
         ServerSpec(
             WORKERS2,

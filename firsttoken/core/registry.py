@@ -183,6 +183,9 @@ class StreamRegistry:
         self._mirrors.add(mirror)
         try:
             await mirror.follow(self.store, after, self._take_over).run()
+        except Exception as exc:  # a bug must end the reader's stream, not the task group
+            log_event("stream.follow_crashed", logging.ERROR, stream=mirror.id, error=repr(exc))
+            self._lost(mirror, "refused", "the stream could not be followed here")
         finally:
             self._mirrors.discard(mirror)
 

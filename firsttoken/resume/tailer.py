@@ -298,7 +298,9 @@ class Tailer:
                 presence = {f.presence_key for f in followers}
             else:
                 presence = {f.presence_key for f in fresh}
-            owners = sorted({f.owner_key for f in followers if f.owner_key}) if check else []
+            # A joiner's owner too: a reader back after its instance died is taken over at
+            # once, not at the next round.
+            owners = sorted({f.owner_key for f in followers if f.owner_key})
             try:
                 async with self.redis.pipeline(transaction=False) as pipe:
                     for key in presence:
@@ -313,9 +315,8 @@ class Tailer:
                 for f in self._all():
                     f.missing_since = None
                 continue
-            if check:
-                alive = dict(zip(owners, results[len(presence) :], strict=True))
-                self._judge(followers, alive, now)
+            alive = dict(zip(owners, results[len(presence) :], strict=True))
+            self._judge(followers, alive, now)
 
     def _judge(self, followers: list[Follower], alive: dict[str, Any], now: float) -> None:
         for f in followers:
