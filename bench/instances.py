@@ -117,6 +117,7 @@ class Result:
     faults: list[Fault]
     readers: list[Reader]
     takeovers: dict[str, float] = field(default_factory=dict)  # the survivors' counters
+    client_lag_s: list[float] = field(default_factory=list)  # the readers' own event loop
     started: str = ""
     commit: str = ""
 
@@ -131,6 +132,8 @@ class Result:
             "options": asdict(self.options),
             "faults": [asdict(f) for f in self.faults],
             "takeovers": self.takeovers,
+            # Past the client's 5 s connect timeout, a create fails on the client's side.
+            "client_loop_lag_s": _pcts(self.client_lag_s),
         }
         for kind in ("python", "browser"):
             rs = [r for r in self.readers if r.kind == kind]
@@ -297,6 +300,8 @@ async def scenario(opts: Options, log: Any = print) -> Result:
                     reader.started = True
                     await python_reader(ng.url, reader, opts)
 
+            lags: list[float] = []
+            sampler = asyncio.create_task(_sample_lag(lags))
             began = time.monotonic()
             workers = [
                 asyncio.create_task(worker()) for _ in range(min(opts.concurrency, opts.streams))
@@ -319,9 +324,9 @@ async def scenario(opts: Options, log: Any = print) -> Result:
                 if all(w.done() for w in workers) and browsers_ended:
                     break
                 await asyncio.sleep(0.1)
-            for w in workers:
+            for w in [*workers, sampler]:
                 w.cancel()
-            await asyncio.gather(*workers, return_exceptions=True)
+            await asyncio.gather(*workers, sampler, return_exceptions=True)
             if page is not None:
                 judge_browsers(await page.evaluate(BROWSER_RESULT), browser_readers, opts)
             log(f"readers ended {time.monotonic() - last:.1f} s after the last fault")
@@ -348,7 +353,7 @@ async def scenario(opts: Options, log: Any = print) -> Result:
     hung = [r for r in readers if r.outcome == "hung"]
     for r in hung[:5]:
         log(f"hung: {r.kind} {r.prompt!r} {r.stream_id}, {len(r.arrivals)} tokens")
-    return Result(opts, faults, readers, dict(takeovers))
+    return Result(opts, faults, readers, dict(takeovers), lags)
 
 
 async def _first_wave(wave: list[Reader], page: Page | None, opts: Options, log: Any) -> None:
@@ -411,6 +416,14 @@ async def _rolling(
         await asyncio.sleep(2.0)
 
 
+async def _sample_lag(lags: list[float], every_s: float = 0.1) -> None:
+    """How late this process's event loop runs a timer: the readers' own saturation."""
+    while True:
+        due = time.monotonic() + every_s
+        await asyncio.sleep(every_s)
+        lags.append(max(0.0, time.monotonic() - due))
+
+
 def _metric(server: Server, name: str) -> float:
     try:
         return server.metric(name)
@@ -428,7 +441,8 @@ def report(summary: dict[str, Any]) -> str:
     lines = [
         f"{summary['date']}, commit {summary['commit']}; {opts['faults']}"
         f"{' --durable' if opts['durable'] else ''}: {faults or 'no fault'}",
-        f"takeovers (survivors' counters): {summary['takeovers']}",
+        f"takeovers (survivors' counters): {summary['takeovers']}; the readers' own loop lag "
+        f"{summary['client_loop_lag_s']}",
         f"{'reader':8} {'n':>5} {'cut':>4} {'exact':>6} {'share':>7} {'resumed':>8} {'wrong':>6} "
         f"{'hung':>5}  told; longest gap p50/p99 s (all | resumed exact | told)",
     ]
