@@ -107,6 +107,11 @@ class EventLog:
         self._wires_seq = seq + 1
 
     @property
+    def shown_all(self) -> bool:
+        """Closed, and readers may read every event (`--durable`: Redis confirmed them)."""
+        return self.closed and (self.limit is None or self.limit >= self.last_seq)
+
+    @property
     def next_seq(self) -> int:
         return self.last_seq + 1
 
@@ -137,7 +142,7 @@ class EventLog:
 
     def close(self) -> None:
         self.closed = True
-        if not self._corked and (self.limit is None or self.limit >= self.last_seq):
+        if not self._corked and self.shown_all:
             for reader in list(self.readers):
                 reader.log_closed()
         self._wake()
@@ -163,7 +168,7 @@ class EventLog:
 
     def uncork(self) -> None:
         self._corked = False
-        done = self.closed and (self.limit is None or self.limit >= self.last_seq)
+        done = self.shown_all
         for reader in list(self.readers):
             reader.catch_up()
             if done:

@@ -105,7 +105,9 @@ class Ticket:
         self.released = True
         used = billed(outcome, usage)
         self.admission.metrics.count_key_tokens(key_label(self.key.name), used)
-        if self.reservation is not None:
+        # A moved stream's hold is settled by the instance that takes it over, which knows
+        # what the whole answer used (`Admission.settle_taken`): once, whoever wins the claim.
+        if self.reservation is not None and outcome is not Outcome.MOVED:
             await self.admission.limits.settle(self.reservation, used.prompt + used.completion)
         failed = outcome is Outcome.ERROR and not self.client_fault
         # A client-caused error counts as neither: the breaker learns nothing from it (and a
@@ -167,6 +169,27 @@ class Admission:
                 "(send Authorization: Bearer <key>, or x-api-key: <key>)",
             )
         return key
+
+    def held(self, ticket: Ticket) -> dict[str, Any]:
+        """What `ticket` holds in the shared limits, as it travels with a stream (another
+        instance that takes the stream over gives it back: `settle_taken`)."""
+        held: dict[str, Any] = {}
+        if ticket.lease is not None:
+            held["lease"] = [ticket.lease.key, ticket.lease.id]
+        r = ticket.reservation
+        if r is not None and not r.local:  # one held in a dead process died with it
+            held["reservation"] = [r.key, r.tokens, r.window]
+        return held
+
+    async def settle_taken(self, held: Mapping[str, Any], used: int) -> None:
+        """Give back what a taken-over stream's first instance held (`held`), once: the slot
+        (gone already if that instance lived to release it), and the token hold, settled by
+        what the answer used there. Called by the claim's one winner."""
+        if "lease" in held:
+            await self.limits.release(Lease(*held["lease"]))
+        if "reservation" in held:
+            key, tokens, window = held["reservation"]
+            await self.limits.settle(Reservation(key, tokens, window, local=False), used)
 
     def key_named(self, name: str) -> ApiKey | None:
         """The key a stream was admitted for, by name (a takeover continues it under the same

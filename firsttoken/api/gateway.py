@@ -192,6 +192,7 @@ class Gateway:
             if coalesce is None
             else {"max_wait_s": coalesce.max_wait_s, "max_bytes": coalesce.max_bytes},
             "meta_interval_s": stream.meta_interval_s,
+            "held": self.admission.held(stream.ticket) if stream.ticket is not None else {},
         }
         try:
             handover = orjson.dumps(spec)
@@ -253,6 +254,10 @@ class Gateway:
             raise EngineError("cannot_continue", why)
         following = continuation(generation, transcript) if transcript.tokens else generation
         remaining = following.max_tokens if following is not None else 0
+        # First what the dead instance held (its slot is this stream's to take), then ours.
+        carried = stream.carried
+        used = carried.prompt + carried.completion if carried is not None else 0
+        await self.admission.settle_taken(spec.get("held", {}), used)
         try:
             ticket = await self.admission.admit(key, 0, remaining)
         except APIError as exc:

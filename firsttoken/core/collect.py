@@ -91,7 +91,7 @@ class Collector:
         delivered = False
         try:
             await registry.start(stream)
-            if stream.log.closed:
+            if stream.log.shown_all:
                 delivered = True
                 return True
             gone = asyncio.ensure_future(_disconnected(request))

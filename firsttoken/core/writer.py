@@ -287,7 +287,7 @@ class EventWriter:
                 self.close(End.FINISHED)
                 return
             if not events:
-                if log.closed:
+                if log.shown_all and self.cursor >= log.last_seq:
                     self.close(End.FINISHED)
                 return
             if self.timestamps:

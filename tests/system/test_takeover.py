@@ -280,3 +280,28 @@ def test_an_owner_cut_off_from_redis_finds_its_stream_taken_when_it_is_back(
                 break
             events += [wire for _, wire, _ in decode_run(fields, len(events))]
         assert native(b"".join(events))["tokens"] == expected  # none of A's late events
+
+
+def test_the_keys_slot_follows_the_stream_and_the_dead_instances_is_given_back(
+    redis_url: str, tmp_path
+) -> None:
+    """A key allowed one stream at a time: the instance that takes its stream over takes the
+    slot the dead one held (not waiting out its lease), and frees it at the end."""
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[[keys]]\nname = "alice"\nkey = "sk-alice"\nmax_streams = 1\n')
+    stack, (a, b) = instances(redis_url, 2, "--api-keys", str(keys), "--durable")
+    auth = {"Authorization": "Bearer sk-alice"}
+    with stack:
+        body = {"prompt": "one at a time", "max_tokens": 40, "synthetic": {"itl_ms": 20}}
+        created = httpx.post(a.v1 + "/streams", json=body, headers=auth, timeout=10).json()
+        stream = RawStream(a.port, "GET", created["events_url"])
+        read_until(stream, 10)
+        a.kill()
+        read_to_end(stream)
+        before = native(stream.body)
+        body_b, _ = resume(b, created, before["last_id"])
+        after = native(body_b)
+        assert before["tokens"] + after["tokens"] == synthetic_tokens("one at a time", None, 40)[0]
+        # Ended on B: the slot is free at once (the dead instance's lease would have held it 5 s).
+        again = httpx.post(b.v1 + "/streams", json=body, headers=auth, timeout=10)
+        assert again.status_code == 201, again.text

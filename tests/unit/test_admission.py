@@ -268,3 +268,25 @@ def test_usage_is_counted_per_key_name(clock: FakeClock) -> None:
         assert tokens["dave", "cached"] == 0
 
     asyncio.run(body())
+
+
+def test_a_moved_streams_hold_is_settled_once_by_the_instance_that_took_it_over(
+    clock: FakeClock,
+) -> None:
+    """The first instance frees its slot but leaves the token hold: only the taker knows what
+    the whole answer used, and only the claim's winner settles it."""
+
+    async def body() -> None:
+        adm = budgeted(clock)
+        ticket = await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)
+        held = adm.held(ticket)
+        assert "reservation" not in held  # held in this process: it dies with it
+        await ticket.release(Outcome.MOVED, Usage(prompt=5, completion=10))
+        assert adm.limits.budgets.used("dave") == 55  # still held
+        r = ticket.reservation
+        assert r is not None
+        shared = {"reservation": [r.key, r.tokens, r.window]}  # as Redis mode holds it
+        await adm.settle_taken(shared, used=5 + 12)
+        assert adm.limits.budgets.used("dave") == 17
+
+    asyncio.run(body())

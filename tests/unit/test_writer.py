@@ -316,3 +316,29 @@ def test_a_started_stream_lets_its_engine_run_before_its_first_write(
 
     run(body)
     assert order[:2] == ["upstream request", "first write"]
+
+
+def test_a_durable_stream_reaches_its_reader_as_the_store_confirms_it_to_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """--durable: events wait for the store; a stream that ended before the store confirmed
+    its last events still writes them all (it ended short here once: 14 of 20 tokens)."""
+
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch)
+        stream.log.hold(0)
+        writer.open(b"")
+        stream.begin()
+        stream.push("a")
+        stream.push("b")
+        assert transport.writes == []
+        stream.log.hold(1)
+        assert body_of(transport.writes) == b'id: 1\ndata: {"token":"a"}\n\n'
+        stream.push("c", "stop")  # ended: the last events are not confirmed yet
+        assert not writer.done.done()
+        stream.log.hold(stream.log.last_seq)
+        assert body_of(transport.writes).endswith(b"data: [DONE]\n\n")
+        assert b'"token":"c"' in body_of(transport.writes)
+        assert writer.done.result() is End.FINISHED
+
+    run(body)
