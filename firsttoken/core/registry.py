@@ -206,6 +206,10 @@ class StreamRegistry:
                 claim = await self.store.claim(mirror.id, orphan.owner, mirror.log.last_seq)
                 local = await self._continue(claim, mirror) if isinstance(claim, Claim) else None
             if not isinstance(claim, Claim):
+                local = self._streams.get(mirror.id)  # another reader here won the claim
+                if claim == "moved" and local is not None and local.outcome is None:
+                    self._hand_readers(mirror, local)
+                    return True
                 if claim in ("moved", "ended"):
                     return False
                 if claim == "lost":

@@ -466,3 +466,27 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             tg.cancel_scope.cancel()
 
     asyncio.run(body())
+
+
+def test_two_readers_here_of_one_orphan_read_the_one_stream_continued_here() -> None:
+    """Both claim: the first wins and continues it; the second finds the owner changed to
+    this instance, and its reader reads the local stream, not Redis."""
+
+    async def body() -> None:
+        store = _Claims(_claim())
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        registry.reopen = _reopen
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            first, second = _mirror(after=2), _mirror(after=1)
+            r1 = _Reader(first.log, registry, first)
+            r2 = _Reader(second.log, registry, second)
+            assert await registry._take_over(first, Orphan("a"))
+            store.answer = "moved"
+            assert await registry._take_over(second, Orphan("a"))
+            local = await registry.find("s1")
+            assert r1.stream is local and r2.stream is local and local.readers == 2
+            assert len(store.adopted) == 1
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
