@@ -127,6 +127,7 @@ async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) 
         coalesce=None if body.stream else "off",
         meta=False,
         traceparent=traceparent(request),
+        takeover=body.stream,
     )
     headers = {"x-request-id": trace, "request-id": trace, "x-stream-id": stream.id}
     if not isinstance(renderer, MessagesRenderer):

@@ -27,16 +27,13 @@ from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.resume import Claim
 from firsttoken.routes.splice import Transcript, continuation
+from firsttoken.wire.anthropic import MessagesRenderer
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo
-from firsttoken.wire.render import (
-    ChatRenderer,
-    CompletionRenderer,
-    NativeRenderer,
-    decode_delta,
-    renderer_from_spec,
-)
+from firsttoken.wire.rebuild import decode, rebuild, replay
+from firsttoken.wire.render import ChatRenderer, CompletionRenderer, NativeRenderer
+from firsttoken.wire.responses import ResponsesRenderer
 from firsttoken.wire.sse import EventDecoder
 
 __all__ = [
@@ -54,9 +51,14 @@ B = TypeVar("B", bound=BaseModel)
 _REQUEST_ID = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 _TRACEPARENT = re.compile(r"^[0-9a-f]{2}-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}$")
 _ZERO_TRACE, _ZERO_SPAN = "0" * 32, "0" * 16
-# The formats another instance can go on with: they keep no state past their first event.
-# (The Responses API and Messages number their events and blocks: not taken over yet.)
-_TAKEOVER_RENDERERS = (NativeRenderer, ChatRenderer, CompletionRenderer)
+# Every streaming format: another instance rebuilds its renderer (`wire/rebuild.py`).
+_TAKEOVER_RENDERERS = (
+    NativeRenderer,
+    ChatRenderer,
+    CompletionRenderer,
+    ResponsesRenderer,
+    MessagesRenderer,
+)
 
 
 def retry_headers(error: EngineError) -> dict[str, str]:
@@ -165,8 +167,7 @@ class Gateway:
 
     def _handover(self, stream: Stream, generation: GenerationRequest) -> bytes | None:
         """The stream's request, key, format and settings, as another instance rebuilds it
-        (`reopen`); None when it cannot be taken over (its format, or over
-        --takeover-max-bytes)."""
+        (`reopen`); None when it cannot be taken over (over --takeover-max-bytes)."""
         renderer = stream.renderer
         if not isinstance(renderer, _TAKEOVER_RENDERERS):
             return None
@@ -233,7 +234,7 @@ class Gateway:
         s = self.settings
         stream = Stream(
             generation,
-            renderer_from_spec(spec["renderer"]),
+            rebuild(spec["renderer"]),
             kind=mirror.kind,
             trace_id=mirror.trace_id,
             grace_s=spec["grace_s"],
@@ -380,22 +381,24 @@ def new_stream_id() -> str:
 
 def _replay(stream: Stream, events: list[tuple[int, bytes, int]], format: str) -> Transcript:
     """Fill a taken-over stream's log with the events the store held, and read back what they
-    carry: the answer's text to continue from and the tokens generated (its `carried`
-    usage, billed where they were made)."""
+    carry: the answer's text to continue from, the tokens generated (its `carried` usage,
+    billed where they were made), and its renderer's state (`wire/rebuild.py`)."""
     log = stream.log
-    transcript = Transcript()
-    completion = reasoning = 0
     decoder = EventDecoder()
+    parsed: list[tuple[str | None, bytes]] = []
+    completion = 0
     for _, wire, tokens in events:
         log.append(wire, tokens)
-        for event in decoder.feed(wire):
-            delta = decode_delta(format, event.event, (event.data or "").encode())
-            if delta is None:
-                continue
-            transcript.add(delta)
-            completion += tokens or 1
-            reasoning += 1 if delta.reasoning else 0
+        completion += tokens
+        parsed += [(e.event, (e.data or "").encode()) for e in decoder.feed(wire)]
+    deltas = list(decode(format, iter(parsed)))
+    assert stream.renderer is not None
+    replay(stream.renderer, deltas)  # type: ignore[arg-type]
+    transcript = Transcript()
+    for delta in deltas:
+        transcript.add(delta)
     transcript.tokens = completion  # a coalesced event carries several tokens
+    reasoning = sum(1 for d in deltas if d.reasoning)
     stream.tokens_generated = completion
     stream.reasoning_tokens = reasoning
     stream.carried = Usage(stream.prompt_tokens, completion, reasoning)

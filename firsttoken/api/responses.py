@@ -104,6 +104,7 @@ async def responses(request: Request) -> Response:
         coalesce=coalesce,
         meta=False,  # SDKs would parse a named meta event as a response event
         traceparent=traceparent(request),
+        takeover=body.stream,
     )
     if not body.stream:
         return await _complete(gw, request, stream, base, trace)

@@ -144,6 +144,16 @@ class MessagesRenderer:
         # tool call index → (its block's index, its id): a new id at a known index is a new call
         self._calls: dict[int, tuple[int, str | None]] = {}
 
+    def spec(self) -> dict[str, Any]:
+        """What another instance needs to render this stream afresh (a takeover); it
+        replays the events' deltas through the new renderer to reach this one's state."""
+        return {
+            "format": "messages",
+            "message_id": self.message_id,
+            "model": self.model,
+            "input_tokens": self.input_tokens,
+        }
+
     # -- the stream's ends -----------------------------------------------------------------
 
     def opening(self) -> Events:

@@ -15,15 +15,7 @@ import orjson
 from firsttoken.delta import Delta, ToolCallDelta
 from firsttoken.wire.errors import error_body
 
-__all__ = [
-    "ChatRenderer",
-    "CompletionRenderer",
-    "Events",
-    "NativeRenderer",
-    "chat_tool_call",
-    "decode_delta",
-    "renderer_from_spec",
-]
+__all__ = ["ChatRenderer", "CompletionRenderer", "Events", "NativeRenderer", "chat_tool_call"]
 
 DONE = b"[DONE]"
 _dumps = orjson.dumps
@@ -209,60 +201,3 @@ class NativeRenderer:
     def error(self, code: str, message: str, type_: str = "server_error") -> Events:
         return [("error", error_body(code, message, type_))]
 
-
-def renderer_from_spec(
-    spec: dict[str, Any],
-) -> NativeRenderer | ChatRenderer | CompletionRenderer:
-    """The renderer a stream had on the instance that started it (`spec()`), in the state
-    its events leave it in: these formats keep no state past their first event."""
-    match spec.get("format"):
-        case "native":
-            return NativeRenderer(binary=bool(spec.get("binary")))
-        case ChatRenderer.object:
-            return ChatRenderer._from_spec(spec)  # type: ignore[return-value]
-        case CompletionRenderer.object:
-            return CompletionRenderer._from_spec(spec)  # type: ignore[return-value]
-    raise ValueError(f"no renderer for {spec.get('format')!r}")
-
-
-def decode_delta(format: str, event: str | None, data: bytes) -> Delta | None:
-    """What one of a renderer's events said, as the delta it rendered (None: not a token,
-    e.g. the opening, a meta event, the finish): the text a takeover continues from."""
-    if event not in (None, "token") or data == DONE:
-        return None
-    if format == "native":
-        if event == "token":
-            return Delta(base64.b64decode(data).decode())
-        fields = orjson.loads(data)
-        if "token" in fields:
-            return Delta(fields["token"])
-        if "reasoning" in fields:
-            return Delta(reasoning=fields["reasoning"])
-        if "refusal" in fields:
-            return Delta(refusal=fields["refusal"])
-        if "tool_call" in fields:
-            call = fields["tool_call"]
-            fragment = ToolCallDelta(
-                call.get("index", 0), call.get("id"), call.get("name"), call.get("arguments", "")
-            )
-            return Delta(tool_calls=(fragment,))
-        return None
-    choices = orjson.loads(data).get("choices") or ()
-    if not choices or choices[0].get("finish_reason") is not None:
-        return None
-    if format == CompletionRenderer.object:
-        text = choices[0].get("text")
-        return Delta(text) if text else None
-    fields = choices[0].get("delta") or {}
-    if fields.get("tool_calls"):
-        calls = tuple(
-            ToolCallDelta(c.get("index", 0), c.get("id"), None, "") for c in fields["tool_calls"]
-        )
-        return Delta(tool_calls=calls)
-    if fields.get("reasoning_content"):
-        return Delta(reasoning=fields["reasoning_content"])
-    if fields.get("refusal"):
-        return Delta(refusal=fields["refusal"])
-    if fields.get("content"):
-        return Delta(fields["content"])
-    return None

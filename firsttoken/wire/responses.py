@@ -177,6 +177,11 @@ class ResponsesRenderer:
         self.open: _Item | None = None
         self._prefix = b""
 
+    def spec(self) -> dict[str, Any]:
+        """What another instance needs to render this stream afresh (a takeover); it
+        replays the events' deltas through the new renderer to reach this one's state."""
+        return {"format": "responses", "base": self.base, "key": self.key}
+
     # -- the Renderer protocol -------------------------------------------------------------
 
     def opening(self) -> Events:

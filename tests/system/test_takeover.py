@@ -305,3 +305,90 @@ def test_the_keys_slot_follows_the_stream_and_the_dead_instances_is_given_back(
         # Ended on B: the slot is free at once (the dead instance's lease would have held it 5 s).
         again = httpx.post(b.v1 + "/streams", json=body, headers=auth, timeout=10)
         assert again.status_code == 201, again.text
+
+
+def _resume_raw(server: Server, stream_id: str, token: str, last_id: str) -> bytes:
+    r = httpx.get(
+        f"{server.v1}/streams/{stream_id}/events?token={token}",
+        headers={"Last-Event-ID": last_id},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.content
+
+
+def test_a_responses_stream_is_taken_over_numbered_as_one(redis_url: str) -> None:
+    """Its events are numbered and its closing events repeat the whole text: the renderer
+    rebuilt on B from the events A sent numbers on and closes with every character."""
+    stack, (a, b) = instances(redis_url, 2, "--durable")
+    with stack:
+        body = {
+            "model": "synthetic",
+            "input": "a response taken over",
+            "max_output_tokens": MAX_TOKENS,
+            "stream": True,
+            "synthetic": {"itl_ms": 20, "reasoning_tokens": 5},
+        }
+        stream = RawStream(a.port, "POST", "/v1/responses", body)
+        read_until(stream, 15, b"response.output_text.delta")
+        a.kill()
+        read_to_end(stream)
+        decoder = EventDecoder()
+        events = list(decoder.feed(stream.body))
+        events += EventDecoder().feed(
+            _resume_raw(
+                b, stream.headers["x-stream-id"], stream.headers["x-resume-token"],
+                decoder.last_event_id,
+            )
+        )  # fmt: skip
+        datas = [json.loads(e.data) for e in events]
+        assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
+        text = "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
+        (done,) = [d for d in datas if d["type"] == "response.output_text.done"]
+        assert done["text"] == text
+        final = datas[-1]["response"]
+        whole = httpx.post(b.v1 + "/responses", json={**body, "stream": False}, timeout=30)
+        assert whole.status_code == 200
+        assert final["output"] == whole.json()["output"]
+        assert final["usage"] == whole.json()["usage"]
+
+
+def test_a_messages_stream_is_taken_over_with_its_blocks(redis_url: str) -> None:
+    stack, (a, b) = instances(redis_url, 2, "--durable")
+    with stack:
+        body = {
+            "model": "synthetic",
+            "max_tokens": MAX_TOKENS,
+            "messages": [{"role": "user", "content": "a message taken over"}],
+            "stream": True,
+            "synthetic": {"itl_ms": 20, "reasoning_tokens": 5},
+        }
+        stream = RawStream(a.port, "POST", "/v1/messages", body)
+        read_until(stream, 15, b'"text_delta"')
+        a.kill()
+        read_to_end(stream)
+        decoder = EventDecoder()
+        events = list(decoder.feed(stream.body))
+        events += EventDecoder().feed(
+            _resume_raw(
+                b, stream.headers["x-stream-id"], stream.headers["x-resume-token"],
+                decoder.last_event_id,
+            )
+        )  # fmt: skip
+        kinds = [e.event for e in events]
+        assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
+        assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1
+        datas = [json.loads(e.data) for e in events]
+        starts = [d["index"] for d in datas if d["type"] == "content_block_start"]
+        stops = [d["index"] for d in datas if d["type"] == "content_block_stop"]
+        assert starts == stops == list(range(len(starts)))  # thinking, then text: 0, 1
+        text = "".join(
+            d["delta"]["text"]
+            for d in datas
+            if d["type"] == "content_block_delta" and d["delta"]["type"] == "text_delta"
+        )
+        whole = httpx.post(b.v1 + "/messages", json={**body, "stream": False}, timeout=30)
+        (block,) = [c for c in whole.json()["content"] if c["type"] == "text"]
+        assert text == block["text"]
+        (usage,) = [d["usage"] for d in datas if d["type"] == "message_delta"]
+        assert usage["output_tokens"] == whole.json()["usage"]["output_tokens"]
