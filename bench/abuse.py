@@ -14,7 +14,11 @@ once, against one `firsttoken serve` on 127.0.0.1:
 - bad `Last-Event-ID` values (a superscript digit, 5,000 digits);
 - pipelined non-readers (raw sockets that send a huge streamed answer's request with a second
   request pipelined behind it, and read nothing);
-- upgrade holds (raw sockets that POST with `Upgrade: websocket` and wait).
+- upgrade holds (raw sockets that POST with `Upgrade: websocket` and wait);
+- big prompts (878 KiB of 450,000 words, `max_tokens: 1`: counted once per request, from
+  samples, off the loop's way);
+- budget leaks (`max_tokens: 1` beside `max_completion_tokens: 5000`: the answer may run to
+  the smaller, what was admitted; `budget_leak billed>1` counts any that ran past it).
 
 It reports alice's completion rate and TTFT p99 and the server's peak RSS in each phase, and
 the abuse phase's ratios to the baseline: a ratio near 1 is a server that kept one client's
@@ -325,6 +329,27 @@ async def _bad_last_event_id(client: httpx.AsyncClient, server: Server, seen: Co
         seen[f"bad_last_event_id {got.status_code}"] += 1
 
 
+BIG_PROMPT = "a " * 450_000
+
+
+async def _big_prompt(client: httpx.AsyncClient, server: Server, seen: Counter[str]) -> None:
+    body = {"messages": [{"role": "user", "content": BIG_PROMPT}], "max_tokens": 1}
+    r = await client.post("/v1/chat/completions", json=body)
+    seen[f"big_prompt {r.status_code}"] += 1
+
+
+async def _budget_leak(client: httpx.AsyncClient, server: Server, seen: Counter[str]) -> None:
+    body = {
+        "messages": [{"role": "user", "content": "as long as you like"}],
+        "max_tokens": 1,
+        "max_completion_tokens": 5000,
+    }
+    r = await client.post("/v1/chat/completions", json=body)
+    seen[f"budget_leak {r.status_code}"] += 1
+    if r.status_code == 200 and r.json()["usage"]["completion_tokens"] > 1:
+        seen["budget_leak billed>1"] += 1
+
+
 async def _loop(
     kind: Unfriendly, server: Server, seen: Counter[str], until: float, pause_s: float = 0.05
 ) -> None:
@@ -448,7 +473,8 @@ async def abuse(
             await _run_phase(server, result.baseline, duration_s / 3)
             seen = result.unfriendly
             kinds: list[Unfriendly] = [
-                _failed_open, _huge_stream, _huge_whole, _never_opened, _bad_last_event_id
+                _failed_open, _huge_stream, _huge_whole, _never_opened, _bad_last_event_id,
+                _big_prompt, _budget_leak,
             ]  # fmt: skip
             others = [
                 *(lambda until, k=k: _loop(k, server, seen, until) for k in kinds),

@@ -163,6 +163,7 @@ class Gateway:
             stream.meta_interval_s = s.meta_interval_ms / 1000
         if takeover and self.registry.store.replicates:
             stream.handover = self._handover(stream, generation)
+            stream.movable = stream.handover is not None
         return stream
 
     def _handover(self, stream: Stream, generation: GenerationRequest) -> bytes | None:
@@ -248,7 +249,7 @@ class Gateway:
         if spec["coalesce"] is not None:
             stream.coalesce = CoalescePolicy(**spec["coalesce"])
         stream.meta_interval_s = spec["meta_interval_s"]
-        stream.handover = claim.handover
+        stream.movable = True
         transcript = _replay(stream, claim.events, spec["renderer"]["format"])
         why = transcript.why_not() if transcript.tokens else None
         if why is not None:

@@ -302,7 +302,7 @@ class StreamRegistry:
         """Hand every live stream that another instance can continue over to it (a shutdown
         with a shared store): their engines stop, their readers get what was generated and
         come back elsewhere. Returns how many were moved."""
-        moving = [s for s in self._streams.values() if s.outcome is None and s.handover]
+        moving = [s for s in self._streams.values() if s.outcome is None and s.movable]
         for stream in moving:
             stream.move()
         for mirror in list(self._mirrors):  # their readers go on elsewhere too
@@ -332,6 +332,7 @@ class StreamRegistry:
         try:
             if self.store.replicates:
                 self.store.open(stream.record(), self.ttl_s, stream.log)
+                stream.handover = None  # the store's now
             if log_enabled(logging.DEBUG):  # `stream.finished` says it all at info
                 log_event(
                     "stream.accepted",

@@ -141,6 +141,7 @@ class Stream:
         "log",
         "logged_finish",
         "meta_interval_s",
+        "movable",
         "on_end",
         "on_first_token",
         "outcome",
@@ -208,8 +209,10 @@ class Stream:
         self._frame: bytes | None = None  # the hot path's per-token template (see begin())
         self._in_text = False  # the last event was answer text (its template is current)
         self._abandon_epoch = 0
-        # Redis mode: what another instance needs to continue this stream (`StreamRecord`).
+        # Redis mode: what another instance needs to continue this stream (`StreamRecord`),
+        # until the store has it; and whether another instance can continue it.
         self.handover: bytes | None = None
+        self.movable = False
         # Taken over: what the instance before generated (its key was billed there).
         self.carried: Usage | None = None
 

@@ -48,7 +48,7 @@ import struct
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -232,6 +232,14 @@ class _Replica:
     @property
     def last(self) -> int:
         return self.log.last_seq
+
+    def written_meta(self) -> None:
+        """Redis has the meta: the request stored with it is not kept here too (a waiting
+        stream would hold its ~5 KiB for its whole life; after a Redis restart the meta is
+        written again without it, and the stream then cannot be taken over)."""
+        self.meta_done = True
+        if self.record.handover is not None:
+            self.record = replace(self.record, handover=None)
 
     def dirty(self) -> bool:
         ended = self.end is not None and not self.end_done
@@ -530,7 +538,7 @@ class RedisStore:
                 batch.error = next((r for r in replies if isinstance(r, BaseException)), None)
                 if batch.error is None:
                     for rep in batch.reps:
-                        rep.meta_done = True
+                        rep.written_meta()
             finally:
                 batch.done.set()
 
@@ -783,7 +791,7 @@ class RedisStore:
             if error is not None:
                 failed = error
             else:
-                rep.meta_done = True
+                rep.written_meta()
         at = _META_COMMANDS * len(metas)
         for (rep, upto), result in zip(trims, results[at : at + len(trims)], strict=True):
             if isinstance(result, BaseException):

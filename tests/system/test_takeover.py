@@ -220,22 +220,10 @@ def test_a_chat_completions_stream_is_taken_over_too(redis_url: str) -> None:
             "stream": True,
             "synthetic": {"itl_ms": 20},
         }
-        stream = RawStream(a.port, "POST", "/v1/chat/completions", body)
-        read_until(stream, 15, b'"content":"')
-        a.kill()
-        read_to_end(stream)
-        stream_id, token = stream.headers["x-stream-id"], stream.headers["x-resume-token"]
-        decoder = EventDecoder()
-        chunks = [json.loads(e.data) for e in decoder.feed(stream.body) if e.data != "[DONE]"]
-        r = httpx.get(
-            f"{b.v1}/streams/{stream_id}/events?token={token}",
-            headers={"Last-Event-ID": decoder.last_event_id},
-            timeout=30,
-        )
-        rest = list(EventDecoder().feed(r.content))
-        assert [e.data for e in rest].count("[DONE]") == 1
-        chunks += [json.loads(e.data) for e in rest if e.data != "[DONE]"]
-        assert {c["id"] for c in chunks} == {f"chatcmpl-{stream_id}"}
+        events = taken_over(a, b, "/v1/chat/completions", body, b'"content":"')
+        assert [e.data for e in events].count("[DONE]") == 1
+        chunks = [json.loads(e.data) for e in events if e.data != "[DONE]"]
+        assert len({c["id"] for c in chunks}) == 1
         text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
         whole = httpx.post(b.v1 + "/chat/completions", json={**body, "stream": False}, timeout=30)
         assert text == whole.json()["choices"][0]["message"]["content"]
@@ -307,14 +295,23 @@ def test_the_keys_slot_follows_the_stream_and_the_dead_instances_is_given_back(
         assert again.status_code == 201, again.text
 
 
-def _resume_raw(server: Server, stream_id: str, token: str, last_id: str) -> bytes:
+def taken_over(a: Server, b: Server, path: str, body: dict, marker: bytes) -> list:
+    """The events of a stream read on A until `marker` came 15 times, A killed, then read on
+    from B with the resume token and Last-Event-ID its head gave."""
+    stream = RawStream(a.port, "POST", path, body)
+    read_until(stream, 15, marker)
+    a.kill()
+    read_to_end(stream)
+    decoder = EventDecoder()
+    events = list(decoder.feed(stream.body))
+    stream_id, token = stream.headers["x-stream-id"], stream.headers["x-resume-token"]
     r = httpx.get(
-        f"{server.v1}/streams/{stream_id}/events?token={token}",
-        headers={"Last-Event-ID": last_id},
+        f"{b.v1}/streams/{stream_id}/events?token={token}",
+        headers={"Last-Event-ID": decoder.last_event_id},
         timeout=30,
     )
     assert r.status_code == 200, r.text
-    return r.content
+    return events + EventDecoder().feed(r.content)
 
 
 def test_a_responses_stream_is_taken_over_numbered_as_one(redis_url: str) -> None:
@@ -329,18 +326,7 @@ def test_a_responses_stream_is_taken_over_numbered_as_one(redis_url: str) -> Non
             "stream": True,
             "synthetic": {"itl_ms": 20, "reasoning_tokens": 5},
         }
-        stream = RawStream(a.port, "POST", "/v1/responses", body)
-        read_until(stream, 15, b"response.output_text.delta")
-        a.kill()
-        read_to_end(stream)
-        decoder = EventDecoder()
-        events = list(decoder.feed(stream.body))
-        events += EventDecoder().feed(
-            _resume_raw(
-                b, stream.headers["x-stream-id"], stream.headers["x-resume-token"],
-                decoder.last_event_id,
-            )
-        )  # fmt: skip
+        events = taken_over(a, b, "/v1/responses", body, b"response.output_text.delta")
         datas = [json.loads(e.data) for e in events]
         assert [d["sequence_number"] for d in datas] == list(range(len(datas)))
         text = "".join(d["delta"] for d in datas if d["type"] == "response.output_text.delta")
@@ -363,18 +349,7 @@ def test_a_messages_stream_is_taken_over_with_its_blocks(redis_url: str) -> None
             "stream": True,
             "synthetic": {"itl_ms": 20, "reasoning_tokens": 5},
         }
-        stream = RawStream(a.port, "POST", "/v1/messages", body)
-        read_until(stream, 15, b'"text_delta"')
-        a.kill()
-        read_to_end(stream)
-        decoder = EventDecoder()
-        events = list(decoder.feed(stream.body))
-        events += EventDecoder().feed(
-            _resume_raw(
-                b, stream.headers["x-stream-id"], stream.headers["x-resume-token"],
-                decoder.last_event_id,
-            )
-        )  # fmt: skip
+        events = taken_over(a, b, "/v1/messages", body, b'"text_delta"')
         kinds = [e.event for e in events]
         assert kinds[0] == "message_start" and kinds[-1] == "message_stop"
         assert kinds.count("message_start") == 1 and kinds.count("message_stop") == 1

@@ -445,7 +445,7 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             taken, kept = _stream("s1"), _stream("s2")
-            taken.handover = kept.handover = b"{}"
+            taken.movable = kept.movable = True
             for stream in (taken, kept):
                 stream.ticket = _Ticket()
                 await registry.start(stream)

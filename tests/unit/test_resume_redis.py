@@ -245,3 +245,19 @@ def test_a_stream_let_go_is_written_to_its_last_event_then_forgotten() -> None:
     s2 = store()
     s2.let_go("s1", flush=False)  # fenced: nothing more of it is written
     assert "s1" not in s2._replicas and not s2._dirty
+
+
+def test_the_request_stored_with_a_stream_is_not_kept_here_once_redis_has_it() -> None:
+    """A waiting stream would hold its request (kilobytes) for its whole life."""
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    s.up = False
+    record = StreamRecord("s1", "native", "d", "t", "m", b'{"request": "..."}')
+    anyio.run(s.register, record, TTL_S, EventLog(100))
+    rep = s._replicas["s1"]
+    assert ("req", b'{"request": "..."}') == tuple(s._meta_commands(rep)[0][12:14])
+    replicate(s, 1, 1)
+    flush(s)
+    confirm(s, 1)
+    assert rep.meta_done and rep.record.handover is None
+    # Written again after a Redis restart (it lost the request): not to be taken over.
+    assert ("takeover", 0) == tuple(s._meta_commands(rep)[0][10:12])
