@@ -566,11 +566,11 @@ def _with_carried(counted: Mapping[str, Any], carried: Usage) -> dict[str, Any]:
     out["prompt_tokens"] = carried.prompt
     out["completion_tokens"] = counted["completion_tokens"] + carried.completion
     out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    details = out.get("completion_tokens_details")
-    reasoning = _detail(counted, "completion_tokens_details", "reasoning_tokens")
-    if isinstance(details, Mapping) and isinstance(reasoning, int):
+    reasoning = _count(_detail(counted, "completion_tokens_details", "reasoning_tokens"), 0)
+    if reasoning or carried.reasoning:
+        details = out.get("completion_tokens_details")
         out["completion_tokens_details"] = {
-            **details,
+            **(details if isinstance(details, Mapping) else {}),
             "reasoning_tokens": reasoning + carried.reasoning,
         }
     return out

@@ -365,3 +365,13 @@ def test_a_taken_over_engines_count_is_made_the_whole_answers() -> None:
     assert usage["prompt_tokens"] == 1 and usage["completion_tokens"] == 10
     assert usage["total_tokens"] == 11
     assert usage["completion_tokens_details"]["reasoning_tokens"] == 2
+
+
+def test_reasoning_before_a_takeover_is_counted_when_the_engine_counts_none() -> None:
+    stream = make()
+    stream.begin()
+    stream.carried = Usage(prompt=1, completion=8, reasoning=5)
+    stream.finish("stop", {"prompt_tokens": 9, "completion_tokens": 2, "total_tokens": 11})
+    usage = events(stream)[-2][1]["usage"]  # type: ignore[index]
+    assert usage["completion_tokens"] == 10
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 5}
