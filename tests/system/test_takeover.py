@@ -86,6 +86,23 @@ def resume(server: Server, created: dict, last_id: str) -> tuple[bytes, float]:
     return body, first_at
 
 
+def held_in_redis(url: str, stream_id: str) -> bytes:
+    """Every event Redis holds of a stream, in order, to its end."""
+    events: list[bytes] = []
+    for _, fields in redis.Redis.from_url(url).xrange(events_key(stream_id)):
+        if b"end" in fields:
+            break
+        events += [wire for _, wire, _ in decode_run(fields, len(events))]
+    return b"".join(events)
+
+
+def assert_stopped(server: Server) -> None:
+    """Its engine makes nothing more."""
+    generated = server.metric("firsttoken_tokens_generated_total")
+    time.sleep(0.5)
+    assert server.metric("firsttoken_tokens_generated_total") == generated
+
+
 @pytest.fixture
 def redis_url() -> Iterator[str]:
     with run_redis() as url:
@@ -195,19 +212,12 @@ def test_a_paused_owner_finds_its_stream_taken_and_stops_its_engine(redis_url: s
         # A's next write was refused: it let the stream go and its engine stopped.
         wait_for(lambda: a.metric("firsttoken_streams_moved_total") == 1, timeout=10)
         assert any('"stream.fenced"' in line for line in a.log)
-        generated = a.metric("firsttoken_tokens_generated_total")
-        time.sleep(0.5)
-        assert a.metric("firsttoken_tokens_generated_total") == generated
+        assert_stopped(a)
         # What Redis holds is one answer: no event of A's after the takeover.
-        r = redis.Redis.from_url(redis_url)
-        events: list[bytes] = []
-        for _, fields in r.xrange(events_key(created["id"])):
-            if b"end" in fields:
-                break
-            events += [wire for _, wire, _ in decode_run(fields, len(events))]
-        held = native(b"".join(events))
+        held = native(held_in_redis(redis_url, created["id"]))
         assert held["tokens"] == expected and held["done"] == 1
-        assert int(r.hget(meta_key(created["id"]), "fence")) == 2
+        fence = redis.Redis.from_url(redis_url).hget(meta_key(created["id"]), "fence")
+        assert int(fence) == 2
 
 
 def test_a_chat_completions_stream_is_taken_over_too(redis_url: str) -> None:
@@ -258,16 +268,9 @@ def test_an_owner_cut_off_from_redis_finds_its_stream_taken_when_it_is_back(
         after = native(got["body"])
         expected = synthetic_tokens("partitioned owner", None, MAX_TOKENS)[0]
         assert before["tokens"] + after["tokens"] == expected and after["done"] == 1
-        generated = a.metric("firsttoken_tokens_generated_total")
-        time.sleep(0.5)
-        assert a.metric("firsttoken_tokens_generated_total") == generated
-        r = redis.Redis.from_url(redis_url)
-        events: list[bytes] = []
-        for _, fields in r.xrange(events_key(created["id"])):
-            if b"end" in fields:
-                break
-            events += [wire for _, wire, _ in decode_run(fields, len(events))]
-        assert native(b"".join(events))["tokens"] == expected  # none of A's late events
+        assert_stopped(a)
+        # None of A's late events.
+        assert native(held_in_redis(redis_url, created["id"]))["tokens"] == expected
 
 
 def test_the_keys_slot_follows_the_stream_and_the_dead_instances_is_given_back(
