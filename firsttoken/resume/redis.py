@@ -382,6 +382,12 @@ class RedisStore:
         )
         followed.add_metric([], self._tailer.count())
         yield followed
+        fenced = CounterMetricFamily(
+            "firsttoken_redis_fenced_writes",
+            "Writes Redis refused because another instance had taken the stream over.",
+        )
+        fenced.add_metric([], self.fenced)
+        yield fenced
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages

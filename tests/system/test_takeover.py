@@ -212,6 +212,7 @@ def test_a_paused_owner_finds_its_stream_taken_and_stops_its_engine(redis_url: s
         # A's next write was refused: it let the stream go and its engine stopped.
         wait_for(lambda: a.metric("firsttoken_streams_moved_total") == 1, timeout=10)
         assert any('"stream.fenced"' in line for line in a.log)
+        assert a.metric("firsttoken_redis_fenced_writes_total") >= 1
         assert_stopped(a)
         # What Redis holds is one answer: no event of A's after the takeover.
         held = native(held_in_redis(redis_url, created["id"]))
