@@ -210,8 +210,6 @@ class StreamRegistry:
                 if claim == "moved" and local is not None and local.outcome is None:
                     self._hand_readers(mirror, local)
                     return True
-                if claim in ("moved", "ended"):
-                    return False
                 if claim == "lost":
                     return self._lost(
                         mirror,
@@ -221,7 +219,8 @@ class StreamRegistry:
                     )
                 if claim == "refused":
                     return self._lost(mirror, "refused", "the instance generating it is gone")
-                return False  # "gone": the store lost its meta, or was unreachable
+                # Moved to another instance, ended, or gone from an unreachable store.
+                return False
             if local is None:
                 return True
         elif local.outcome is Outcome.MOVED:
