@@ -20,6 +20,7 @@ from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
+from firsttoken.admission.admin import AdminKey
 from firsttoken.api import anthropic, native, openai, responses
 from firsttoken.api.gateway import Gateway, gateway, trace_id
 from firsttoken.config import Settings
@@ -81,7 +82,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
-        settings=settings, engine=engine, registry=registry, metrics=metrics, admission=admission
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        metrics=metrics,
+        admission=admission,
+        admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
 
@@ -297,9 +303,10 @@ HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
 
 
 async def _metrics(request: Request) -> Response:
-    return Response(
-        gateway(request).metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8"
-    )
+    gw = gateway(request)
+    if gw.settings.metrics_need_admin:
+        gw.admin.check(request)
+    return Response(gw.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 async def _healthz(request: Request) -> Response:

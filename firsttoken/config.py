@@ -135,6 +135,7 @@ REDIS = Needs("redis", lambda url: url is not None, "--redis")
 # TLS takes both files: a certificate without its key (or the reverse) cannot serve HTTPS.
 SSL_KEY = Needs("ssl_keyfile", lambda path: path is not None, "--ssl-keyfile")
 SSL_CERT = Needs("ssl_certfile", lambda path: path is not None, "--ssl-certfile")
+ADMIN = Needs("admin_key_env", lambda name: name is not None, "--admin-key-env")
 
 
 def _knob(
@@ -221,6 +222,12 @@ def _otlp_endpoint(value: str) -> str | None:
         if not found:
             return f"needs {package}: FIRSTTOKEN_EXTRAS=otel ./scripts/serve installs it"
     return None
+
+
+def _secret_variable(value: str) -> str | None:
+    if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
+        return "must be the name of an environment variable (e.g. FIRSTTOKEN_ADMIN_KEY)"
+    return None if os.environ.get(value, "").strip() else f"${value} is empty or not set"
 
 
 def _host(value: str) -> str | None:
@@ -350,6 +357,17 @@ class Settings:
         needs=(REDIS,),
     )
     api_keys: str | None = _knob(None, "API keys file (default: open server)", check=_existing_file)
+    admin_key_env: str | None = _knob(
+        None,
+        "the environment variable holding the admin key (Authorization: Bearer ...), which "
+        "admin endpoints take instead of an API key (default: admin endpoints answer 404)",
+        check=_secret_variable,
+    )
+    metrics_need_admin: bool = _knob(
+        False,
+        "/metrics takes the admin key too (default: /metrics is open)",
+        needs=(ADMIN,),
+    )
     heartbeat_s: float = _knob(
         15.0,
         "send a ': ping' comment after this many idle seconds",

@@ -8,7 +8,7 @@ import os
 import re
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import orjson
@@ -16,6 +16,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 
 from firsttoken.admission import Admission, ApiKey, Ticket, sets_own_latency
+from firsttoken.admission.admin import AdminKey
 from firsttoken.api.bodies import APIError, read_json, validate
 from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
@@ -79,6 +80,7 @@ class Gateway:
     registry: StreamRegistry
     metrics: Metrics
     admission: Admission
+    admin: AdminKey = field(default_factory=lambda: AdminKey(None))
 
     async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, ApiKey]:
         """Authenticate, read and validate the body, resolve the model."""

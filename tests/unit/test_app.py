@@ -59,3 +59,35 @@ def test_the_hot_routes_are_found_by_method_and_path() -> None:
         ("GET", "/"),
     ]:
         assert app.route(method, path) is None, (method, path)
+
+
+def _get(app: Any, path: str, headers: list[tuple[bytes, bytes]]) -> tuple[int, bytes]:
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    scope = {
+        "type": "http",
+        "method": "GET",
+        "path": path,
+        "headers": headers,
+        "query_string": b"",
+        "app": app,
+    }
+    asyncio.run(app(scope, receive, send))
+    return sent[0]["status"], b"".join(m.get("body", b"") for m in sent[1:])
+
+
+def test_metrics_need_the_admin_key_only_when_told(monkeypatch: Any) -> None:
+    monkeypatch.setenv("FT_TEST_ADMIN", "adm")
+    open_app = create_app(Settings(admin_key_env="FT_TEST_ADMIN"))
+    assert _get(open_app, "/metrics", [])[0] == 200
+    closed = create_app(Settings(admin_key_env="FT_TEST_ADMIN", metrics_need_admin=True))
+    status, body = _get(closed, "/metrics", [])
+    assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
+    status, body = _get(closed, "/metrics", [(b"authorization", b"Bearer adm")])
+    assert status == 200 and b"firsttoken_" in body

@@ -303,3 +303,15 @@ def test_caddys_variables_are_not_taken_for_typos() -> None:
     env = {"FIRSTTOKEN_SITE": "localhost:8443", "FIRSTTOKEN_BIND": "0.0.0.0"}
     env["FIRSTTOKEN_HOTS"] = "x"  # a typo beside them is still told
     assert unknown_variables(env) == {"FIRSTTOKEN_HOTS": "FIRSTTOKEN_HOST"}
+
+
+def test_admin_key_env_names_a_variable_that_holds_a_secret(monkeypatch) -> None:
+    monkeypatch.delenv("FT_ADMIN_UNSET", raising=False)
+    monkeypatch.setenv("FT_ADMIN_SET", "s3cret")
+    assert parse("--admin-key-env", "FT_ADMIN_SET").admin_key_env == "FT_ADMIN_SET"
+    line = "invalid --admin-key-env 'FT_ADMIN_UNSET': $FT_ADMIN_UNSET is empty or not set"
+    assert refusal("--admin-key-env", "FT_ADMIN_UNSET") == line
+    assert "environment variable" in refusal("--admin-key-env", "not a name")
+    line = "--metrics-need-admin: takes effect only with --admin-key-env; --admin-key-env is not set"
+    assert refusal("--metrics-need-admin") == line
+    assert parse("--admin-key-env", "FT_ADMIN_SET", "--metrics-need-admin").metrics_need_admin
