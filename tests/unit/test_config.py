@@ -312,6 +312,8 @@ def test_admin_key_env_names_a_variable_that_holds_a_secret(monkeypatch) -> None
     line = "invalid --admin-key-env 'FT_ADMIN_UNSET': $FT_ADMIN_UNSET is empty or not set"
     assert refusal("--admin-key-env", "FT_ADMIN_UNSET") == line
     assert "environment variable" in refusal("--admin-key-env", "not a name")
-    line = "--metrics-need-admin: takes effect only with --admin-key-env; --admin-key-env is not set"
+    line = (
+        "--metrics-need-admin: takes effect only with --admin-key-env; --admin-key-env is not set"
+    )
     assert refusal("--metrics-need-admin") == line
     assert parse("--admin-key-env", "FT_ADMIN_SET", "--metrics-need-admin").metrics_need_admin
