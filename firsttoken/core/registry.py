@@ -28,7 +28,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
-from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest, delivers_steps
+from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest
 from firsttoken.observability import (
     LOOP_LAG_SAMPLE_S,
     Metrics,
@@ -133,7 +133,7 @@ class StreamRegistry:
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
         self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
-        self._steps = delivers_steps(engine)
+        self._stepper = engine.as_step_engine()
         self._streams: dict[str, Stream] = {}
         self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
         self._expiry: deque[tuple[float, str]] = deque()
@@ -384,8 +384,8 @@ class StreamRegistry:
     def _launch(self, stream: Stream, request: GenerationRequest) -> None:
         """The engine starts on `request`, with `stream` as its sink."""
         assert self._tg is not None
-        if self._steps:
-            stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
+        if self._stepper is not None:
+            stream.generation = self._stepper.open(request, stream)
         else:
             pulled = _Pulled(self.engine, stream, request)
             stream.generation = pulled

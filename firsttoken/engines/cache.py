@@ -38,7 +38,7 @@ import anyio.lowlevel
 import orjson
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, Engine, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, Engine, GenerationRequest
 from firsttoken.engines.text import apply_stop, split_words
 
 __all__ = ["CachedEngine", "load_canned"]
@@ -88,7 +88,7 @@ _KEYED = frozenset(
 )
 
 
-class CachedEngine:
+class CachedEngine(BaseEngine):
     """Wraps an engine: cache hits and canned answers never reach it."""
 
     def __init__(self, inner: Engine, settings: Settings) -> None:
@@ -123,9 +123,12 @@ class CachedEngine:
         return self.inner.prompt_tokens(prompt)
 
     def check(self, request: GenerationRequest) -> None:
-        check = getattr(self.inner, "check", None)  # what the engine refuses up front
-        if check is not None:
-            check(request)
+        self.inner.check(request)  # what the engine refuses up front
+
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        return await self.inner.fetch_models()
+
+    # Not `as_step_engine`: every request comes through `generate`, where the cache answers.
 
     async def start(self) -> None:
         await self.inner.start()

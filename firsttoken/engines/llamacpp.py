@@ -36,7 +36,7 @@ import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import estimate
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class _Job:
         self.handoff.close()  # and is not left waiting for room
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(BaseEngine):
     """Streams a GGUF model's tokens; one generation at a time, in a worker thread."""
 
     def __init__(self, settings: Settings, path: str | None = None) -> None:

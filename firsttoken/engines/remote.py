@@ -11,7 +11,7 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import count_words
 from firsttoken.engines.upstream import (
     ConnectError,
@@ -35,7 +35,7 @@ def upstream_base(url: str) -> str:
     return url
 
 
-class RemoteEngine:
+class RemoteEngine(BaseEngine):
     """One upstream at `url` (the API root). `model`, when given, is the name the upstream
     knows; else `start()` lists what it serves (`GET /models`), when it answers: an upstream
     down at start is the routes' health to see, never fatal here."""

@@ -20,11 +20,13 @@ from typing import Any
 import orjson
 
 from firsttoken.engines.base import (
+    BaseEngine,
     Delta,
     EngineError,
     Generation,
     GenerationRequest,
     Sink,
+    StepEngine,
     ToolCallDelta,
 )
 from firsttoken.engines.steps import pull
@@ -556,7 +558,7 @@ class Faults:
 _FAR_S = 0.1  # deadlines further than this wait in a bucket of their _FAR_S slot
 
 
-class SyntheticEngine:
+class SyntheticEngine(BaseEngine):
     """Paces the synthetic answer: TTFT, then one token every ITL, for every request on one
     shared clock.
 
@@ -566,7 +568,7 @@ class SyntheticEngine:
     per slot: a waiting request costs a list entry, not a callback and a timer of its own.
     """
 
-    models = (MODEL_ID,)
+    models: tuple[str, ...] = (MODEL_ID,)
 
     def __init__(
         self,
@@ -625,6 +627,9 @@ class SyntheticEngine:
         self._running[run.request_id] = run
         self._at(run)
         return run
+
+    def as_step_engine(self) -> StepEngine:
+        return self
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         return pull(self, request)

@@ -26,7 +26,13 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.engines.base import TARGET_FAULTS, Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import (
+    TARGET_FAULTS,
+    BaseEngine,
+    Delta,
+    EngineError,
+    GenerationRequest,
+)
 from firsttoken.observability import log_event
 from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
@@ -78,7 +84,7 @@ class RouteObserver(Protocol):
     def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
-class RoutedEngine:
+class RoutedEngine(BaseEngine):
     """`--routes FILE` (or the `--upstream` shorthand): model names → ordered targets."""
 
     def __init__(self, table: RouteTable, targets: Mapping[str, Target]) -> None:
@@ -137,7 +143,7 @@ class RoutedEngine:
             names += [route.short_prompts.target] if route.short_prompts else []
             for name in names:
                 target = self.targets[name]
-                listed = getattr(target.engine, "listed", None)
+                listed = target.engine.listed
                 model = target.config.model or route.name
                 if not listed or (name, model) in said or _serves(listed, model):
                     continue  # not a remote engine, its upstream did not answer, or it is there
@@ -190,9 +196,7 @@ class RoutedEngine:
         in-process engine's bad continuation): the API answers it as a 4xx."""
         route = self.routes.get(request.model) or self.table.default
         target = self.targets[route.targets[0]]
-        check = getattr(target.engine, "check", None)
-        if check is not None:
-            check(request)
+        target.engine.check(request)
 
     async def abort(self, request_id: str) -> None:
         target = self._current.pop(request_id, None)
@@ -338,8 +342,8 @@ class RoutedEngine:
                 continue
             except EngineError as exc:
                 error = exc
-                failed_target = getattr(exc, "target", None)
-                if isinstance(failed_target, str) and failed_target in self.targets:
+                failed_target = exc.target
+                if failed_target is not None and failed_target in self.targets:
                     target = self.targets[failed_target]  # the last of a hedged pair
             except BaseException:
                 if not started:  # the client left (or a bug): a half-open probe goes back
@@ -422,7 +426,7 @@ class RoutedEngine:
                         else:
                             raise failure
                     elif isinstance(failure, EngineError):
-                        failure.target = who.name  # type: ignore[attr-defined]
+                        failure.target = who.name
             assert error is not None
             raise error
         finally:
@@ -760,12 +764,12 @@ def _for_client(error: EngineError) -> EngineError:
 
 
 def _named(error: EngineError, target: Target) -> EngineError:
-    error.target = target.name  # type: ignore[attr-defined]
+    error.target = target.name
     return error
 
 
 def failed_from(error: EngineError | None) -> str | None:
-    return getattr(error, "target", None)
+    return None if error is None else error.target
 
 
 def _failover_meta(source: str | None, to: Target, at_token: int) -> Delta:
