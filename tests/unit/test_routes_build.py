@@ -3,11 +3,15 @@ each target kind becomes its engine with the file's settings (no sockets are ope
 
 from __future__ import annotations
 
+import pytest
+
 from firsttoken.config import Settings
 from firsttoken.engines.anthropic_relay import AnthropicRelay
+from firsttoken.engines.batching import BatchingEngine
+from firsttoken.engines.cache import CachedEngine
 from firsttoken.engines.relay import RelayEngine
 from firsttoken.engines.synthetic import SyntheticEngine
-from firsttoken.routes.build import build_routes, shorthand
+from firsttoken.routes.build import build_engine, build_routes, engine_of, shorthand
 from firsttoken.routes.config import parse_routes
 
 
@@ -65,3 +69,14 @@ def test_each_kind_becomes_its_engine_with_the_files_settings() -> None:
     assert (fake.ttft_ms, fake.itl_ms) == (3.0, 1.0)
     assert engine.models == ("chat",)
     assert engine.targets["fake"].continues and not engine.targets["vllm"].continues
+
+
+def test_the_servers_own_engine_comes_from_the_same_builder_as_a_targets() -> None:
+    alone = build_engine(Settings(synthetic_ttft_ms=7, synthetic_fail_rate=0.5))
+    assert isinstance(alone, SyntheticEngine)
+    assert alone.ttft_ms == 7.0 and alone.faults.rate == 0.5
+    assert isinstance(build_engine(Settings(batch_max=4)), BatchingEngine)
+    cached = build_engine(Settings(cache_ttl_s=60))
+    assert isinstance(cached, CachedEngine) and isinstance(cached.inner, SyntheticEngine)
+    with pytest.raises(ValueError, match="unknown engine 'openai'"):
+        engine_of("openai", Settings())  # a relay needs a target's URL
