@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -176,7 +176,7 @@ class Engine(Protocol):
     @property
     def tokens_generated(self) -> int: ...
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 

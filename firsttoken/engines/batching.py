@@ -19,7 +19,7 @@ mysteriously drops" incident: abandoned streams used to hold their slots until t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -156,7 +156,7 @@ class BatchingEngine(BaseEngine):
     def as_step_engine(self) -> StepEngine:
         return self
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return pull(self, request)
 
     # -- the scheduler ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 import tomllib
 import unicodedata
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -144,7 +144,7 @@ class CachedEngine(BaseEngine):
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         answer = self._canned_answer(request)
         if answer is not None:
             self.canned_hits += 1

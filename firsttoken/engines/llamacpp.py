@@ -25,7 +25,7 @@ import importlib.util
 import re
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -271,7 +271,7 @@ class LlamaCppEngine(BaseEngine):
         with anyio.move_on_after(5):
             await job.done.wait()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         if self._exit is None or self._portal is None:
             raise EngineError("engine_unavailable", "the llama.cpp engine is not running")
         job = _Job(request, _Handoff(self._portal))

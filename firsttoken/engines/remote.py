@@ -4,7 +4,7 @@ connection pool, its model list, and stopping a request by closing its response.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import ClassVar
 from urllib.parse import urlsplit
@@ -120,8 +120,8 @@ class RemoteEngine(BaseEngine):
         path: str,
         body: bytes,
         refused: Callable[[UpstreamResponse, bytes], EngineError],
-        read: Callable[[UpstreamResponse], AsyncIterator[Delta]],
-    ) -> AsyncIterator[Delta]:
+        read: Callable[[UpstreamResponse], AsyncGenerator[Delta, None]],
+    ) -> AsyncGenerator[Delta, None]:
         """Stream one request: POST `body` to `path` (the request id and the client's trace
         go along), `refused(resp, body)` for an HTTP error answer, `read(resp)` for the
         deltas. The response is closed at the end, early or not, so the upstream sees us

@@ -11,7 +11,7 @@ import hashlib
 import random
 import sys
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, Iterator, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from itertools import chain, islice
@@ -631,7 +631,7 @@ class SyntheticEngine(BaseEngine):
     def as_step_engine(self) -> StepEngine:
         return self
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return pull(self, request)
 
     def _at(self, run: _Run) -> None:

@@ -281,14 +281,14 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
         values["targets"] = tuple(listed)
         if "handoff" in values:
             raw_handoff = _fields(values["handoff"], _HANDOFF_FIELDS, f"{where} handoff", fail)
-            source = raw_handoff.get("from")
-            _known_target(source, targets, f"{where} handoff.from", fail)
+            edge = raw_handoff.get("from")  # not `source`: that names the file in `fail`
+            _known_target(edge, targets, f"{where} handoff.from", fail)
             if "after_tokens" not in raw_handoff:
                 raise fail(f"{where} handoff.after_tokens", "is required")
-            if source in listed:
+            if edge in listed:
                 raise fail(f"{where} handoff.from", "hands off to the route's targets: not one")
             values["handoff"] = Handoff(
-                source=source,
+                source=edge,
                 after_tokens=raw_handoff["after_tokens"],
                 at=raw_handoff.get("at", "tokens"),
                 fallback=raw_handoff.get("fallback", True),

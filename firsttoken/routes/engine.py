@@ -15,7 +15,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
 
@@ -203,7 +203,7 @@ class RoutedEngine(BaseEngine):
         if target is not None:
             await target.engine.abort(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         route = self.routes.get(request.model) or self.table.default
         short = self._short(route, request)
         order = (
@@ -576,7 +576,7 @@ class RoutedEngine(BaseEngine):
 
     async def _leg(
         self, target: Target, request: GenerationRequest, route: ModelRoute
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         cfg = target.config
         await target.take_slot(request)
         rid = request.request_id

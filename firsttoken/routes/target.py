@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 
 from firsttoken.engines.base import (
@@ -148,7 +148,7 @@ class Target:
         answer = request.max_tokens if request.max_tokens is not None else DEFAULT_ANSWER_TOKENS
         return max(1, prompt + answer)
 
-    def generate(self, request: GenerationRequest, model: str) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest, model: str) -> AsyncGenerator[Delta, None]:
         """The engine's deltas for `request`, sent under the name this target knows."""
         if request.model != model:
             request = replace(request, model=model)
