@@ -18,8 +18,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -140,9 +140,9 @@ class StreamRegistry:
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self._tg: TaskGroup | None = None
         # Work that callbacks (engine steps, the schedule) hand to the task group.
-        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...], bool]] = (
-            deque()
-        )
+        self._spawns: deque[
+            tuple[Callable[..., Coroutine[Any, Any, None]], tuple[object, ...], bool]
+        ] = deque()
         self._spawn_wakeup: asyncio.Future[None] | None = None
         # Bound once, shared by every stream: a bound method per stream would cost 64 bytes.
         self._on_end = self._ended
@@ -559,7 +559,7 @@ class StreamRegistry:
             )
 
     def _spawn(
-        self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
+        self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object, inline: bool = False
     ) -> None:
         """Run `fn(*args)` in the registry's task group (inline: awaited by the spawner
         task itself, in order); callable from plain callbacks."""

@@ -230,8 +230,8 @@ class CachedEngine(BaseEngine):
         tokens, finish = split_words(answer), "stop"
         if request.max_tokens is not None and request.max_tokens < len(tokens):
             tokens, finish = tokens[: request.max_tokens], "length"
-        tokens, stopped = apply_stop(tokens, request.stop)
-        return tokens, "stop" if stopped else finish
+        cut, stopped = apply_stop(tokens, request.stop)
+        return list(cut), "stop" if stopped else finish
 
     async def _replay(
         self, request: GenerationRequest, tokens: list[str], finish: str

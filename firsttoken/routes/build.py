@@ -12,7 +12,7 @@ from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig, load_
 from firsttoken.routes.engine import RoutedEngine
 from firsttoken.routes.target import Target
 
-__all__ = ["build_engine", "build_routes", "engine_of", "shorthand"]
+__all__ = ["build_engine", "build_routes", "engine_of", "routes_in", "shorthand"]
 
 # The shorthand has no total deadline (a relay never had one): a day stands for none.
 _NO_TOTAL_S = 86_400.0
@@ -36,6 +36,15 @@ def build_engine(settings: Settings) -> Engine:
 
         engine = CachedEngine(engine, settings)
     return engine
+
+
+def routes_in(engine: Engine) -> RoutedEngine | None:
+    """The routes the server's engine holds (under the answer cache, when there is one): the
+    app registers their metrics and hands them its tracer. None: a single engine."""
+    from firsttoken.engines.cache import CachedEngine
+
+    inner = engine.inner if isinstance(engine, CachedEngine) else engine
+    return inner if isinstance(inner, RoutedEngine) else None
 
 
 def shorthand(settings: Settings) -> RouteTable:

@@ -232,6 +232,7 @@ class RoutedEngine(BaseEngine):
         edge = None if short else self._edge(route, request)
         handing: Target | None = None  # set while the answer goes from `edge` to the center
         fell_back = False  # the edge was asked to finish what the center could not take
+        target: Target | None
         while True:
             splicing = transcript.tokens > 0
             if splicing:
@@ -384,7 +385,7 @@ class RoutedEngine(BaseEngine):
         owner = request.tenant if _passes_through(request) else None
         racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
         racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
-        spare_at = asyncio.get_running_loop().time() + target.hedge_after()
+        spare_at: float | None = asyncio.get_running_loop().time() + target.hedge_after()
         error: BaseException | None = None
         try:
             while racers:
@@ -511,7 +512,7 @@ class RoutedEngine(BaseEngine):
             "route.handoff_fallback" if fallback else "route.handoff",
             stream=request.request_id,
             route=route.name,
-            **{"from": source.name},
+            **_from(source),
             to=to.name,
             at_token=at_token,
         )
@@ -656,7 +657,7 @@ class RoutedEngine(BaseEngine):
             stream=request.request_id,
             route=route.name,
             phase=phase,
-            **{"from": source.name},
+            **_from(source),
             to=to.name,
             at_token=transcript.tokens,
         )
@@ -761,6 +762,11 @@ def _for_client(error: EngineError) -> EngineError:
     return EngineError(
         error.code, error.message, retryable=True, type_="server_error", status=502
     )
+
+
+def _from(source: Target) -> dict[str, Any]:
+    """A route event's `from` field (a word Python keeps for itself), typed as any field."""
+    return {"from": source.name}
 
 
 def _named(error: EngineError, target: Target) -> EngineError:
