@@ -130,8 +130,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
         middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
-        # Starlette picks a handler by the exception's class, but types every handler as
-        # taking any Exception: a handler of one class is not one to its types.
+        # Starlette calls each handler with its own class of exception only, but types every
+        # handler as taking any Exception.
         exception_handlers={
             HTTPException: _http_error,  # type: ignore[dict-item]
             APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
