@@ -31,7 +31,7 @@ from firsttoken.observability import Metrics, log_event
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
-from firsttoken.routes import build_engine
+from firsttoken.routes import RoutedEngine, build_engine, routes_in
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
@@ -74,12 +74,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
-    routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
+    routed = routes_in(engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    parts += (telemetry,)
-    for part in parts:
-        if hasattr(part, "collect"):
+    for part in (*parts, telemetry):
+        if part is not None:
+            # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
         settings=settings,
@@ -130,17 +130,21 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
         middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
+        # Starlette calls each handler with its own class of exception only, but types every
+        # handler as taking any Exception.
         exception_handlers={
-            HTTPException: _http_error,
-            APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
             Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
-        },  # type: ignore[dict-item]
+        },
     )
     app.state.gateway = gw
     return app
 
 
-def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:
+def _telemetry(
+    settings: Settings, registry: StreamRegistry, routed: RoutedEngine | None
+) -> Telemetry | None:
     """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
     if not settings.otlp_endpoint:
         return None
@@ -148,7 +152,7 @@ def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> 
 
     telemetry = Telemetry(settings.otlp_endpoint)
     registry.tracer = telemetry
-    if hasattr(routed, "observer"):
+    if routed is not None:
         routed.observer = telemetry
     return telemetry
 
@@ -331,7 +335,7 @@ async def _readyz(request: Request) -> Response:
         )
     # Degraded is still ready: local streams need nothing from Redis (docs/reliability.md).
     parts = (gw.registry.store, gw.admission.limits)
-    degraded = sorted({d for part in parts if (d := getattr(part, "degraded", None))})
+    degraded = sorted({d for part in parts if (d := part.degraded)})
     body: dict[str, object] = {"status": "degraded" if degraded else "ready"}
     if degraded:
         body["degraded"] = degraded
@@ -351,6 +355,7 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response(
+    headers = dict(exc.headers) if exc.headers is not None else None
+    return APIError(exc.status_code, code, str(exc.detail), headers=headers).response(
         trace_id(request)
     )

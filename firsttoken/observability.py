@@ -254,9 +254,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _one(kind: type[Metric], name: str, doc: str, value: float) -> Metric:
+def _one(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, value: float
+) -> Metric:
     family = kind(name, doc)
-    family.add_metric([], value)  # type: ignore[attr-defined]
+    family.add_metric([], value)
     return family
 
 

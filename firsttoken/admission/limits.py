@@ -16,8 +16,12 @@ reservations, however many arrive at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = [
     "OK",
@@ -106,6 +110,8 @@ class TokenBudgets:
 
 
 class MemoryLimits:
+    degraded: str | None = None  # nothing to lose: no Redis
+
     def __init__(self, rate_per_s: float, burst: int) -> None:
         self.rate = rate_per_s
         self.burst = max(1, burst)
@@ -117,6 +123,9 @@ class MemoryLimits:
 
     async def run(self) -> None:
         return None
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(())  # nothing of its own to scrape
 
     async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
         """`key` None: no per-key slots (an open server)."""

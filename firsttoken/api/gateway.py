@@ -279,11 +279,8 @@ class Gateway:
     def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:
         """Refuse before the first byte what the engine can tell at once it would fail (a
         continuation that does not start its answer), as a 4xx with the ticket given back."""
-        check = getattr(self.engine, "check", None)
-        if check is None:
-            return
         try:
-            check(generation)
+            self.engine.check(generation)
         except EngineError as exc:
             ticket.client_fault = exc.client_fault
             self.registry.unstarted(ticket)

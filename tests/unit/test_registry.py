@@ -15,7 +15,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Delta, Engine, Generation, Sink
+from firsttoken.engines.base import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.observability import Metrics
 from firsttoken.resume import Claim, EventLog, MemoryStore, Orphan, ResumeExpired, StreamRecord
@@ -54,7 +54,7 @@ class _Store(MemoryStore):
         self.finished.append((stream_id, outcome))
 
 
-class _FailingSteps:
+class _FailingSteps(BaseEngine):
     """A step engine whose `open` raises `error`."""
 
     models = ("synthetic",)
@@ -65,6 +65,9 @@ class _FailingSteps:
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         raise self.error
+
+    def as_step_engine(self) -> StepEngine:
+        return self  # type: ignore[return-value]  # a test's partial engine
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         from firsttoken.engines.steps import pull
@@ -81,7 +84,7 @@ class _FailingSteps:
         return {}
 
 
-class _FailingPull:
+class _FailingPull(BaseEngine):
     """An iterator engine whose first pull raises (a relay that cannot connect)."""
 
     models = ("synthetic",)
@@ -314,7 +317,7 @@ class _Reader:
         self.catch_up()
 
 
-class _Recording:
+class _Recording(BaseEngine):
     """A step engine that writes down what it was asked to generate."""
 
     models = ("synthetic",)
@@ -326,6 +329,9 @@ class _Recording:
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         self.opened.append(request)
         return _Idle()
+
+    def as_step_engine(self) -> StepEngine:
+        return self  # type: ignore[return-value]  # a test's partial engine
 
     def prompt_tokens(self, prompt: str) -> int:
         return 1
