@@ -139,7 +139,9 @@ def _when(value: Any) -> float:
             value = value.replace(tzinfo=datetime.UTC)
         return value.timestamp()
     if isinstance(value, datetime.date):
-        return datetime.datetime(value.year, value.month, value.day, tzinfo=datetime.UTC).timestamp()
+        return datetime.datetime(
+            value.year, value.month, value.day, tzinfo=datetime.UTC
+        ).timestamp()
     raise _Bad("must be a TOML date-time (expires_at = 2026-12-31T23:59:59Z)")
 
 
