@@ -135,9 +135,10 @@ def _routes(value: Any) -> tuple[str, ...]:
 def _when(value: Any) -> float:
     """A TOML date or date-time as Unix time; one without an offset is UTC."""
     if isinstance(value, datetime.datetime):
-        if value.tzinfo is None:
-            value = value.replace(tzinfo=datetime.UTC)
-        return value.timestamp()
+        when: datetime.datetime = value
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        return when.timestamp()
     if isinstance(value, datetime.date):
         return datetime.datetime(
             value.year, value.month, value.day, tzinfo=datetime.UTC
