@@ -28,6 +28,7 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
+from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
@@ -90,6 +91,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
+    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    reloader = Reloader(files, gw, watch=settings.watch_config)
+    metrics.registry.register(reloader)  # type: ignore[arg-type]
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,6 +102,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
+            tg.start_soon(reloader.run)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
@@ -137,6 +143,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         },  # type: ignore[dict-item]
     )
     app.state.gateway = gw
+    app.state.reloader = reloader
     return app
 
 
