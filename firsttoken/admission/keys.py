@@ -256,13 +256,9 @@ class KeyRing:
         disabled = true               # optional, default false
         """
         try:
-            text = Path(path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ValueError(f"{path}: cannot read: {exc}") from None
-        try:
-            raw = tomllib.loads(text)
-        except tomllib.TOMLDecodeError as exc:
-            raise ValueError(f"{path}: not TOML: {exc}") from None
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
         keys: dict[bytes, ApiKey] = {}
         where: dict[bytes, int] = {}
         for i, entry in enumerate(_entries(raw, path)):

@@ -138,7 +138,7 @@ def test_sighup_swaps_keys_and_routes_under_running_streams(tmp_path: Path) -> N
 @pytest.mark.parametrize(
     ("which", "text", "says"),
     [
-        ("keys", '[[keys]]\nname = "x\n', "keys.toml: not TOML"),
+        ("keys", '[[keys]]\nname = "x\n', "keys.toml: not valid TOML"),
         ("keys", KEYS + "colour = 1\n", "keys.toml: keys[1].colour: unknown field"),
         ("routes", ROUTES.replace('["slow"]', '["fast"]'), "[models.chat] targets: no target"),
         ("keys", KEYS + '\n[[keys]]\nname = "eve"\nkey = "sk-bob"\n', "the same key as"),

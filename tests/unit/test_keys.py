@@ -274,7 +274,7 @@ def test_a_bad_lifetime_or_rate_is_one_line_naming_it(
 def test_a_file_that_is_not_toml_is_one_line_naming_it(tmp_path: Path) -> None:
     with pytest.raises(ValueError) as refused:
         load(tmp_path, '[[keys]]\nname = "x\n')
-    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: not TOML: ")
+    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: not valid TOML (")
 
 
 def test_a_reloaded_ring_says_which_secrets_it_still_holds(tmp_path: Path) -> None:

@@ -78,7 +78,7 @@ def test_a_good_set_of_files_is_swapped_in_whole(files: ConfigFiles) -> None:
 @pytest.mark.parametrize(
     ("which", "text", "says"),
     [
-        ("api_keys", '[[keys]]\nname = "a\n', "keys.toml: not TOML: "),
+        ("api_keys", '[[keys]]\nname = "a\n', "keys.toml: not valid TOML ("),
         ("api_keys", KEYS + "max_stream = 2\n", "keys.toml: keys[0].max_stream: unknown field"),
         (
             "api_keys",
