@@ -94,7 +94,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
     files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
     reloader = Reloader(files, gw, watch=settings.watch_config)
-    metrics.registry.register(reloader)  # type: ignore[arg-type]
+    metrics.registry.register(reloader)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
