@@ -4,7 +4,9 @@ change of contents once."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import anyio
@@ -13,8 +15,9 @@ import pytest
 
 from firsttoken.app import create_app
 from firsttoken.config import Settings
-from firsttoken.reload import ConfigFiles, Reloader, check_files
+from firsttoken.reload import WATCH_S, ConfigFiles, Reloader, check_files
 from firsttoken.routes.live import LiveRoutes
+from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
 
 KEYS = '[[keys]]\nname = "a"\nkey = "sk-a"\nroutes = ["edge"]\n'
@@ -139,3 +142,38 @@ def test_without_routes_or_canned_files_only_the_keys_reload(tmp_path: Path) -> 
     write(files.api_keys, KEYS.replace('"a"', '"b"'))
     assert anyio.run(r.reload)
     assert r.gateway.admission.keys is not None and r.gateway.admission.keys.names() == ["b"]
+
+
+async def until(done: Callable[[], bool]) -> None:
+    """Wait (on the loop's clock, in steps of 1 ms) until `done()`; 10 s at most."""
+    for _ in range(10_000):
+        if done():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("not done within 10 s")
+
+
+def test_the_loop_reloads_at_once_when_asked_and_within_a_second_of_a_change(
+    files: ConfigFiles,
+) -> None:
+    r = reloader(files)
+    r.watch = True
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(r.run())
+        await asyncio.sleep(0.25)
+        asked = loop.time()
+        r.request()  # SIGHUP: at once, not at the next second
+        await until(lambda: r.results["ok"] == 1)
+        assert loop.time() - asked < 0.01
+        write(files.routes, ROUTES + '\n[models.late]\ntargets = ["s"]\n')
+        changed = loop.time()
+        await until(lambda: r.results["ok"] == 2)
+        assert loop.time() - changed <= WATCH_S + 0.01  # seen within one look
+        assert r.gateway.engine.models == ("chat", "edge", "late")
+        await asyncio.sleep(5)
+        assert r.results == {"ok": 2, "failed": 0}  # unchanged files: no more reloads
+        task.cancel()
+
+    virtual_loop.run(body())
