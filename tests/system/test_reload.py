@@ -189,7 +189,10 @@ def test_every_worker_reloads_on_the_supervisors_sighup(tmp_path: Path) -> None:
         wait_for(everywhere, timeout=5, interval=0.05)
         assert time.monotonic() - sent < 2.0
         assert len(records(server, "config.reloaded")) == 2
-        assert server.metric('firsttoken_config_reloads_total{result="ok"}') == 2
+        metrics = server.metrics()
+        assert metrics['firsttoken_config_reloads_total{result="ok"}'] == 2  # one per worker
+        loaded = metrics["firsttoken_config_loaded_timestamp_seconds"]
+        assert time.time() - 30 < loaded <= time.time()  # the stalest worker's, not a sum
 
 
 def test_check_validates_offline_one_line_per_problem(tmp_path: Path) -> None:
