@@ -112,11 +112,18 @@ def test_sighup_swaps_keys_and_routes_under_running_streams(tmp_path: Path) -> N
         keys.write_text(WITHOUT_ALICE)
         routes.write_text(MORE_ROUTES)
         canned.write_text('[answers]\n"howdy" = "Howdy back."\n')
-        sent = time.monotonic()
+        sent, sent_at = time.monotonic(), time.time()
         server.proc.send_signal(signal.SIGHUP)
         alice.join(10)
         assert alice.error == "key_revoked" and not alice.done
-        assert alice.ended_at - sent < 1.0  # a leaked key stops spending at once
+        # A leaked key stops spending at once: its stream ended by the server within 1 s of
+        # the signal (its log line's time); the client saw it soon after (a loaded machine).
+        wait_for(lambda: records(server, "config.reloaded"), timeout=5)
+        (ended,) = [
+            r for r in records(server, "stream.finished") if r.get("error_code") == "key_revoked"
+        ]
+        assert ended["ts"] - sent_at < 1.0 and ended["key"] == "alice"
+        assert alice.ended_at - sent < 3.0
         assert models(server) == ["chat", "edge"]
         assert models(server, "sk-alice") == []  # 401 now: no list
         bob.join(30)
@@ -167,11 +174,11 @@ def test_watch_config_applies_a_change_within_a_second_or_two(tmp_path: Path) ->
     keys, routes, canned = files(tmp_path)
     with run_server(*serve_args(keys, routes, canned), "--watch-config") as server:
         routes.write_text(MORE_ROUTES)
-        changed = time.monotonic()
-        wait_for(lambda: models(server) == ["chat", "edge"], timeout=5, interval=0.05)
-        assert time.monotonic() - changed < 2.0  # checked once a second
+        changed = time.time()
+        wait_for(lambda: models(server) == ["chat", "edge"], timeout=10, interval=0.05)
         (line,) = records(server, "config.reloaded")
         assert line["trigger"] == "watch"
+        assert line["ts"] - changed < 1.5  # the contents are compared once a second
 
 
 def test_every_worker_reloads_on_the_supervisors_sighup(tmp_path: Path) -> None:
@@ -179,16 +186,18 @@ def test_every_worker_reloads_on_the_supervisors_sighup(tmp_path: Path) -> None:
     with run_server(*serve_args(keys, routes, canned), "--workers", "2") as server:
         wait_for(lambda: len(records(server, "listening")) >= 2, timeout=20)
         routes.write_text(MORE_ROUTES)
-        sent = time.monotonic()
+        sent = time.time()
         server.proc.send_signal(signal.SIGHUP)
-        time.sleep(0.3)
 
         def everywhere() -> bool:  # new connections land on either worker
             return all(models(server) == ["chat", "edge"] for _ in range(20))
 
-        wait_for(everywhere, timeout=5, interval=0.05)
-        assert time.monotonic() - sent < 2.0
-        assert len(records(server, "config.reloaded")) == 2
+        wait_for(everywhere, timeout=10, interval=0.05)
+        swapped = [r["ts"] for r in records(server, "config.reloaded")]
+        assert len(swapped) == 2
+        # Each worker's swap (its log line's time) within 2 s of the signal; what a client
+        # sees adds its own requests' time on a loaded machine.
+        assert max(swapped) - sent < 2.0
         metrics = server.metrics()
         assert metrics['firsttoken_config_reloads_total{result="ok"}'] == 2  # one per worker
         loaded = metrics["firsttoken_config_loaded_timestamp_seconds"]
