@@ -334,22 +334,24 @@ class Gateway:
         """The served model `requested` names (None: the first `key` may use), or 404
         `model_not_found`: also for a route the key may not use, which it is not told
         exists (OpenAI's answer for a model you cannot see)."""
+        served = self.engine.models
+        if requested is not None and requested in served:
+            if key is None or key.may_use(requested):  # the usual case: one match, no list
+                # The engine's own string, shared: the body's copy would stay with every stream.
+                return served[served.index(requested)]
         models = self.models_for(key)
         if requested is None and models:
             return models[0]
-        if requested is None or requested not in models:
-            shown = ", ".join(models[:20]) or "none to this key"
-            if len(models) > 20:
-                shown += f" and {len(models) - 20} more"
-            raise APIError(
-                404,
-                "model_not_found",
-                f"the model {echo(requested or '')} does not exist or you do not have access "
-                f"to it; this server serves: {shown} (GET /v1/models lists them)",
-                param="model",
-            )
-        # The engine's own string, shared: the body's copy would stay with every stream.
-        return models[models.index(requested)]
+        shown = ", ".join(models[:20]) or "none to this key"
+        if len(models) > 20:
+            shown += f" and {len(models) - 20} more"
+        raise APIError(
+            404,
+            "model_not_found",
+            f"the model {echo(requested or '')} does not exist or you do not have access "
+            f"to it; this server serves: {shown} (GET /v1/models lists them)",
+            param="model",
+        )
 
 
 def gateway(request: Request) -> Gateway:
