@@ -1,7 +1,9 @@
 """Admission: who may start a stream now — auth, limits, load shedding — decided up front.
 
 Every refusal is an `APIError` before the first byte (401, 429 or 503 with Retry-After) and is
-counted as a `rejected` stream.
+counted as a `rejected` stream. A key is refused as unknown, expired or disabled (the expiry on
+the clock admission is given); its `requests_per_minute` counts per clock minute, like its
+tokens (limits.py), checked first: a request refused by a later limit still counted.
 
 A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves its prompt plus
 its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
