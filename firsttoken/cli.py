@@ -57,7 +57,7 @@ def _check(argv: list[str]) -> int:
     import os
 
     from firsttoken.config import Parser
-    from firsttoken.reload import ConfigFiles, check_files
+    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes
 
     parser = Parser(
         prog="firsttoken check",
@@ -76,6 +76,8 @@ def _check(argv: list[str]) -> int:
     problems = check_files(files)
     for problem in problems:
         print(problem, file=sys.stderr)
+    for warning in unmatched_routes(files):  # not a failure: the key is refused that route
+        print(f"warning: {warning}", file=sys.stderr)
     bad = {p.split(": ", 1)[0] for p in problems}
     for path in files.paths():
         if path not in bad:

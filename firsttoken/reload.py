@@ -27,7 +27,7 @@ from typing import Any
 import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from firsttoken.admission import KeyRing
+from firsttoken.admission import ApiKey, KeyRing
 from firsttoken.api.gateway import Gateway
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines import EngineError
@@ -36,7 +36,14 @@ from firsttoken.observability import key_label, log_event
 from firsttoken.routes import RouteTable, load_routes
 from firsttoken.routes.live import LiveRoutes
 
-__all__ = ["ConfigFiles", "Configuration", "Reloader", "check_files", "load_files"]
+__all__ = [
+    "ConfigFiles",
+    "Configuration",
+    "Reloader",
+    "check_files",
+    "load_files",
+    "unmatched_routes",
+]
 
 WATCH_S = 1.0  # --watch-config: how often the files' contents are compared
 
@@ -108,6 +115,24 @@ def load_files(files: ConfigFiles) -> Configuration:
 def check_files(files: ConfigFiles) -> list[str]:
     """Every problem in the files, one line each (`firsttoken check`); [] when all are valid."""
     return _problems(files)[1]
+
+
+def unmatched_routes(files: ConfigFiles) -> list[str]:
+    """A key's `routes` entry that matches no route of the routes file: most likely a typo
+    (the key is then refused that route), said as a warning; [] unless both files are valid."""
+    config = _problems(files)[0]
+    if config.keys is None or config.routes is None:
+        return []
+    names = list(config.routes.routes)
+    warnings = []
+    for key in config.keys.keys():
+        for pattern in key.routes or ():
+            if not any(ApiKey(key.name, routes=(pattern,)).may_use(n) for n in names):
+                warnings.append(
+                    f"{files.api_keys}: key {key.name!r}: routes entry {pattern!r} matches no "
+                    f"route of {files.routes} ({', '.join(names)})"
+                )
+    return warnings
 
 
 def _fingerprint(paths: list[str]) -> tuple[bytes | None, ...]:

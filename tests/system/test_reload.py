@@ -227,3 +227,10 @@ def test_check_validates_offline_one_line_per_problem(tmp_path: Path) -> None:
     assert lines[0].startswith(f"{keys}: keys[1].colour: unknown field")
     assert lines[1].startswith(f"{routes}: [targets.slow] knid: unknown field")
     assert check().returncode == 2  # nothing to check
+    keys.write_text(KEYS.replace('key = "sk-bob"', 'key = "sk-bob"\nroutes = ["chta", "c*"]'))
+    routes.write_text(ROUTES)
+    typo = check("--api-keys", str(keys), "--routes", str(routes))
+    assert typo.returncode == 0  # a warning: the key is only refused what it misnames
+    assert typo.stderr == (
+        f"warning: {keys}: key 'bob': routes entry 'chta' matches no route of {routes} (chat)\n"
+    )
