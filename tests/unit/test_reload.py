@@ -15,7 +15,7 @@ import pytest
 
 from firsttoken.app import create_app
 from firsttoken.config import Settings
-from firsttoken.reload import WATCH_S, ConfigFiles, Reloader, check_files
+from firsttoken.reload import WATCH_S, ConfigFiles, Reloader, check_files, unmatched_routes
 from firsttoken.routes.live import LiveRoutes
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
@@ -177,3 +177,14 @@ def test_the_loop_reloads_at_once_when_asked_and_within_a_second_of_a_change(
         task.cancel()
 
     virtual_loop.run(body())
+
+
+def test_a_routes_entry_that_matches_no_route_is_a_warning(files: ConfigFiles) -> None:
+    assert unmatched_routes(files) == []  # "edge" is a route
+    write(files.api_keys, KEYS.replace('["edge"]', '["edge", "egde", "chat-*", "c?at"]'))
+    assert unmatched_routes(files) == [
+        f"{files.api_keys}: key 'a': routes entry {p!r} matches no route of {files.routes} "
+        "(chat, edge)"
+        for p in ("egde", "chat-*")
+    ]
+    assert check_files(files) == []  # not a problem: the key is refused what it misnames
