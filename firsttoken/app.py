@@ -28,10 +28,12 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
+from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.routes import RoutedEngine, build_engine, routes_in
+from firsttoken.routes.live import LiveRoutes
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
@@ -90,6 +92,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
+    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    reloader = Reloader(files, gw, watch=settings.watch_config)
+    metrics.registry.register(reloader)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,6 +103,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
+            tg.start_soon(reloader.run)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
@@ -139,11 +146,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         },
     )
     app.state.gateway = gw
+    app.state.reloader = reloader
     return app
 
 
 def _telemetry(
-    settings: Settings, registry: StreamRegistry, routed: RoutedEngine | None
+    settings: Settings, registry: StreamRegistry, routed: RoutedEngine | LiveRoutes | None
 ) -> Telemetry | None:
     """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
     if not settings.otlp_endpoint:

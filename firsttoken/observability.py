@@ -400,6 +400,8 @@ def merge_families(parts: Iterable[tuple[list[Family], bool]]) -> list[Family]:
                 if sample is None:
                     index[key] = sample = [sample_name, labels, value]
                     family[3].append(sample)
+                elif sample_name.endswith("_timestamp_seconds"):
+                    sample[2] = min(sample[2], value)  # the stalest worker's, not a sum
                 elif kind in (*CUMULATIVE, "gauge") and not sample_name.endswith("_created"):
                     sample[2] += value
     return list(merged.values())

@@ -29,6 +29,7 @@ __all__ = [
     "SLOTS",
     "Lease",
     "MemoryLimits",
+    "RequestRates",
     "Reservation",
     "TokenBudgets",
     "seconds_to_next_minute",
@@ -109,6 +110,28 @@ class TokenBudgets:
         self._used[key] = (now, max(0, (held if window == now else 0) + tokens))
 
 
+class RequestRates:
+    """Requests per key in fixed clock-minute windows (`requests_per_minute`), as the token
+    budgets count: the check and the count are one step."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._count: dict[str, tuple[int, int]] = {}  # key -> (minute, requests in it)
+
+    def take(self, key: str, limit: int) -> float | None:
+        """Count one request of `key`; None when it is within `limit` for this minute, else
+        the seconds until the next minute (and it is not counted)."""
+        now = self.clock()
+        minute = int(now // 60)
+        window, count = self._count.get(key, (minute, 0))
+        if window != minute:
+            count = 0
+        if count >= limit:
+            return 60 - now % 60
+        self._count[key] = (minute, count + 1)
+        return None
+
+
 class MemoryLimits:
     degraded: str | None = None  # nothing to lose: no Redis
 
@@ -120,6 +143,7 @@ class MemoryLimits:
         self._held: dict[str, int] = {}
         self._next = 0
         self.budgets = TokenBudgets()
+        self.requests = RequestRates()
 
     async def run(self) -> None:
         return None
@@ -147,6 +171,10 @@ class MemoryLimits:
 
     async def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
         return self.budgets.reserve(key, budget, prompt, answer)
+
+    async def count_request(self, key: str, limit: int) -> float | None:
+        """`RequestRates.take`: None, or the seconds to wait."""
+        return self.requests.take(key, limit)
 
     async def settle(self, reservation: Reservation, used: int) -> None:
         self.budgets.settle(reservation, used)

@@ -476,6 +476,14 @@ class StreamRegistry:
             stream.stop(Outcome.ERROR, EngineError(code, message))
         return len(live)
 
+    def end_where(self, doomed: Callable[[Stream], bool], error: EngineError) -> int:
+        """End the live streams `doomed` picks with `event: error` `error` (a revoked key's);
+        returns how many were ended."""
+        live = [s for s in self._streams.values() if s.outcome is None and doomed(s)]
+        for stream in live:
+            stream.stop(Outcome.ERROR, error)
+        return len(live)
+
     def _first_token(self, stream: Stream, ttft_s: float) -> None:
         self.metrics.ttft.observe(ttft_s)
         if stream.ticket is not None:

@@ -10,9 +10,10 @@ from firsttoken.config import Settings
 from firsttoken.engines import Engine
 from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig, load_routes
 from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routes.live import LiveRoutes
 from firsttoken.routes.target import Target
 
-__all__ = ["build_engine", "build_routes", "engine_of", "routes_in", "shorthand"]
+__all__ = ["build_engine", "build_routes", "engine_of", "live_routes", "routes_in", "shorthand"]
 
 # The shorthand has no total deadline (a relay never had one): a day stands for none.
 _NO_TOTAL_S = 86_400.0
@@ -25,8 +26,8 @@ def build_engine(settings: Settings) -> Engine:
     """The server's engine: routes (`--routes`, or `--engine openai --upstream` as a
     one-route shorthand), else the one engine `--engine` names; the prompt cache around it."""
     engine: Engine
-    if settings.routes:
-        engine = build_routes(load_routes(settings.routes), settings)
+    if settings.routes:  # a file a reload may change: swappable routes
+        engine = live_routes(load_routes(settings.routes), settings)
     elif settings.engine == "openai":
         engine = build_routes(shorthand(settings), settings)
     else:
@@ -38,13 +39,13 @@ def build_engine(settings: Settings) -> Engine:
     return engine
 
 
-def routes_in(engine: Engine) -> RoutedEngine | None:
+def routes_in(engine: Engine) -> RoutedEngine | LiveRoutes | None:
     """The routes the server's engine holds (under the answer cache, when there is one): the
     app registers their metrics and hands them its tracer. None: a single engine."""
     from firsttoken.engines.cache import CachedEngine
 
     inner = engine.inner if isinstance(engine, CachedEngine) else engine
-    return inner if isinstance(inner, RoutedEngine) else None
+    return inner if isinstance(inner, RoutedEngine | LiveRoutes) else None
 
 
 def shorthand(settings: Settings) -> RouteTable:
@@ -85,6 +86,17 @@ def build_routes(
         for name, cfg in table.targets.items()
     }
     return RoutedEngine(table, targets)
+
+
+def live_routes(
+    table: RouteTable, settings: Settings, env: Mapping[str, str] | None = None
+) -> LiveRoutes:
+    """`build_routes`, in a holder that a reload swaps new routes into (`LiveRoutes`)."""
+    env = os.environ if env is None else env
+    return LiveRoutes(
+        build_routes(table, settings, env),
+        lambda cfg: Target(cfg, engine_of(cfg.kind, settings, cfg, env)),
+    )
 
 
 def engine_of(

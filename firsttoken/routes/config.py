@@ -1,8 +1,8 @@
 """The routes file: which engines (targets) stand behind which model names (routes).
 
-A TOML file read once at start. Every mistake is refused there as one line naming the file,
-the table and the field, because a route that silently falls back to something else sends a
-user's prompt to a model they did not choose.
+A TOML file read at start and on each reload (firsttoken/reload.py). Every mistake is refused
+as one line naming the file, the table and the field, because a route that silently falls
+back to something else sends a user's prompt to a model they did not choose.
 """
 
 from __future__ import annotations

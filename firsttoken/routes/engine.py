@@ -99,7 +99,7 @@ class RoutedEngine(BaseEngine):
         self.observer: RouteObserver | None = None  # --otlp-endpoint: spans per leg, events
         self._current: dict[str, Target] = {}
         self._turn = 0
-        self._checks: list[asyncio.Task[None]] = []
+        self._checks: dict[str, asyncio.Task[None]] = {}  # active health, by target
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -127,8 +127,12 @@ class RoutedEngine(BaseEngine):
         self.models = tuple(names)
         self._warn_of_unlisted_models()
         for target in self.targets.values():
-            if target.config.health_check_interval_s > 0:
-                self._checks.append(asyncio.create_task(self._watch(target)))
+            self.watch(target)
+
+    def watch(self, target: Target) -> None:
+        """Start `target`'s active health checks, if it has them."""
+        if target.config.health_check_interval_s > 0 and target.name not in self._checks:
+            self._checks[target.name] = asyncio.create_task(self._watch(target))
 
     def _warn_of_unlisted_models(self) -> None:
         """A model name the target's upstream does not list (a typo, a model not loaded) gets
@@ -166,9 +170,9 @@ class RoutedEngine(BaseEngine):
             raise RuntimeError(f"target {target.name!r}: {exc}") from exc
 
     async def close(self) -> None:
-        for task in self._checks:
+        for task in self._checks.values():
             task.cancel()
-        for task in self._checks:
+        for task in self._checks.values():
             with suppress(asyncio.CancelledError):
                 await task
         self._checks.clear()

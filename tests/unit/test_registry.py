@@ -496,3 +496,31 @@ def test_two_readers_here_of_one_orphan_read_the_one_stream_continued_here() -> 
             tg.cancel_scope.cancel()
 
     asyncio.run(body())
+
+
+def test_end_where_ends_only_the_live_streams_it_picks_with_their_error() -> None:
+    registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
+    streams = {}
+    for stream_id, tenant in (("a1", "alice"), ("a2", "alice"), ("b1", "bob")):
+        stream = Stream(
+            GenerationRequest(stream_id, "", "synthetic", tenant=tenant),
+            NativeRenderer(),
+            kind="native",
+            trace_id="t",
+            grace_s=0.0,
+            prompt_tokens=1,
+            max_events=100,
+            accepted_at=0.0,
+        )
+        registry._streams[stream_id] = stream
+        registry.metrics.active_streams += 1
+        stream.on_end = registry._ended
+        stream.begin()
+        stream.push("tok")
+        streams[stream_id] = stream
+    streams["a2"].finish("stop")  # ended already: not ended twice
+    revoked = EngineError("key_revoked", "gone", client_fault=True)
+    assert registry.end_where(lambda s: s.request.tenant == "alice", revoked) == 1
+    assert streams["a1"].outcome is Outcome.ERROR and streams["a1"].error_code == "key_revoked"
+    assert b"key_revoked" in streams["a1"].log.after(0)[-1].wire
+    assert streams["a2"].outcome is Outcome.COMPLETED and streams["b1"].outcome is None
