@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
 from firsttoken.admission.admin import AdminKey
-from firsttoken.api import anthropic, native, openai, responses
+from firsttoken.api import anthropic, native, openai, responses, usage
 from firsttoken.api.gateway import Gateway, gateway, trace_id
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
@@ -32,6 +32,7 @@ from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.routes import build_engine
+from firsttoken.routes.engine import RoutedEngine
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
@@ -76,8 +77,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
     routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
+    _price(admission, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    parts += (telemetry,)
+    parts += (telemetry, admission.ledger)
     for part in parts:
         if hasattr(part, "collect"):
             metrics.registry.register(part)  # type: ignore[arg-type]
@@ -115,6 +117,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
         Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
         Route("/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+        Route("/usage", usage.usage, methods=["GET"]),
     ]
     routes = [
         # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
@@ -138,6 +141,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     )
     app.state.gateway = gw
     return app
+
+
+def _price(admission: Admission, routed: object) -> None:
+    """The routes file's prices for the ledger, and who answers each request."""
+    if isinstance(routed, RoutedEngine):
+        admission.ledger.price(routed.table, routed.routes)
+        admission.serving = routed.serving
 
 
 def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:

@@ -19,6 +19,7 @@ _USAGE = """usage: firsttoken {serve,diag,replay} [options]
   serve    run the server (synthetic engine by default)
   diag     measure any SSE endpoint: TTFT, chunk intervals, buffering
   replay   replay a captured stream to stdout or as an SSE endpoint
+  usage    what the usage ledger holds: tokens and cost by key, route, target or day
 
 'firsttoken COMMAND --help' lists a command's options; 'firsttoken --version' the version.
 """
@@ -39,6 +40,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from firsttoken.tools.diag import main as diag
 
         return diag(rest)
+    if command == "usage":
+        from firsttoken.ledger.report import main as usage
+
+        return usage(rest)
     if command == "replay":
         from firsttoken.tools.replay import main as replay
 

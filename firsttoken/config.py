@@ -174,6 +174,14 @@ def _redis_url(value: str) -> str | None:
     return "must be a Redis URL: redis://HOST[:PORT][/DB], rediss://… or unix:///PATH"
 
 
+def _usage_db(value: str) -> str | None:
+    if value.startswith("sqlite:///") and len(value) > len("sqlite:///"):
+        return None
+    if value.startswith(("postgresql://", "postgres://")):
+        return None
+    return "must be sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
+
+
 def _http_urls(value: str) -> str | None:
     urls = [u.strip() for u in value.split(",") if u.strip()]
     if not urls:
@@ -362,6 +370,12 @@ class Settings:
         "the environment variable holding the admin key (Authorization: Bearer ...), which "
         "admin endpoints take instead of an API key (default: admin endpoints answer 404)",
         check=_secret_variable,
+    )
+    usage_db: str | None = _knob(
+        None,
+        "the usage ledger: sqlite:///PATH (one instance) or postgresql://... (shared); "
+        "default: records in memory only, budgets reset on restart",
+        check=_usage_db,
     )
     metrics_need_admin: bool = _knob(
         False,

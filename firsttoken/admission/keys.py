@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from firsttoken.admission.spend import Budget, parse_budget
+
 __all__ = ["ApiKey", "KeyRing"]
 
 
@@ -22,6 +24,7 @@ class ApiKey:
     # keys share the target's turns in proportion to their weight (counted in tokens).
     priority: int = 0
     weight: float = 1.0
+    budget: Budget | None = None  # money per UTC day, month or in total (spend.py)
 
 
 def _is_int(value: object) -> bool:
@@ -42,6 +45,7 @@ _FIELDS = (
     "resume_max_bytes",
     "priority",
     "weight",
+    "budget",
 )
 _SHAPE = '[[keys]] entries (name = "...", key = "...")'
 
@@ -88,6 +92,7 @@ class KeyRing:
         resume_max_bytes = 33554432   # optional
         priority = 1         # optional, default 0: higher goes first in a full target's queue
         weight = 2.0         # optional, default 1: its share of a full target, in tokens
+        budget = { amount = 25.00, per = "day" }   # optional: money per day, month or total
         """
         raw = tomllib.loads(Path(path).read_text())
         keys: dict[str, ApiKey] = {}
@@ -118,6 +123,9 @@ class KeyRing:
             weight = entry.get("weight", 1)
             if not _is_number(weight) or not 0 < weight < math.inf:
                 raise ValueError(f"{path}: keys[{i}].weight must be a positive number")
+            money = entry.get("budget")
+            if money is not None:
+                money = parse_budget(money, f"{path}: keys[{i}].budget")
             keys[secret] = ApiKey(
                 name=name,
                 max_streams=limit,
@@ -125,6 +133,7 @@ class KeyRing:
                 resume_max_bytes=kept,
                 priority=priority,
                 weight=float(weight),
+                budget=money,
             )
         if not keys:
             raise ValueError(f"{path}: no [[keys]] entries")

@@ -101,8 +101,11 @@ class Gateway:
         """Admit the request once its prompt and limits are known: the key's token budget
         holds its prompt (counted here, once) plus its `max_tokens`."""
         prompt_tokens = self.engine.prompt_tokens(generation.prompt)
-        ticket = await self.admission.admit(key, prompt_tokens, generation.max_tokens)
+        ticket = await self.admission.admit(
+            key, prompt_tokens, generation.max_tokens, generation.model
+        )
         ticket.prompt_tokens = prompt_tokens
+        ticket.request_id = generation.request_id  # the ledger's record of it
         return ticket
 
     def open_stream(
@@ -159,6 +162,7 @@ class Gateway:
             )
             raise APIError(500, "internal_error", "the stream could not be set up") from None
         stream.ticket = ticket
+        ticket.trace_id = trace
         ticket.own_latency = sets_own_latency(generation.options)
         stream.coalesce = self.coalesce_policy(coalesce)
         if meta:

@@ -469,7 +469,11 @@ class MessagesReader:
             "prompt_tokens": prompt,
             "completion_tokens": out,
             "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            # cache_write_tokens: the Responses API's name; priced apart (cache_write).
+            "prompt_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": u["cache_creation_input_tokens"],
+            },
         }
 
 

@@ -99,12 +99,12 @@ def test_a_bad_priority_or_weight_is_one_line_naming_it(
         (
             "max_stream = 3",
             "keys[0].max_stream: unknown field (known: name, key, max_streams, "
-            "tokens_per_minute, resume_max_bytes, priority, weight)",
+            "tokens_per_minute, resume_max_bytes, priority, weight, budget)",
         ),
         (
             "weigth = 2",
             "keys[0].weigth: unknown field (known: name, key, max_streams, "
-            "tokens_per_minute, resume_max_bytes, priority, weight)",
+            "tokens_per_minute, resume_max_bytes, priority, weight, budget)",
         ),
     ],
 )
