@@ -204,6 +204,7 @@ class Admission:
         # Every key's usage series from the start, at 0 (a rate over a new series needs two).
         for name in self.keys.names() if self.keys is not None else [OPEN_KEY]:
             metrics.count_key_tokens(key_label(name), Usage()[:4])
+            self.ledger.spend.setdefault(name if self.keys is not None else "", 0)
 
     async def run(self, registry: StreamRegistry) -> None:
         async with anyio.create_task_group() as tg:
