@@ -27,9 +27,7 @@ def _free_port() -> int:
 
 
 def _bin_dir() -> str:
-    found = sorted(
-        glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2])
-    )
+    found = sorted(glob.glob("/usr/lib/postgresql/*/bin"), key=lambda p: int(p.split("/")[-2]))
     if not found:
         raise RuntimeError("PostgreSQL is not installed (apt-get install postgresql)")
     return found[-1]
@@ -97,8 +95,16 @@ class PostgresServer:
         """A fresh, empty database's URL (one per test)."""
         name = "t_" + uuid.uuid4().hex[:12]
         subprocess.run(
-            [f"{self.bin}/createdb", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
-             name],
+            [
+                f"{self.bin}/createdb",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(self.port),
+                "-U",
+                "postgres",
+                name,
+            ],
             check=True,
             capture_output=True,
             timeout=30,

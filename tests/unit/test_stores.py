@@ -43,9 +43,7 @@ RECORDS = [
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
-async def store(
-    request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Store]:
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     kind = request.param
     if kind == "memory":
         s: Store = MemoryStore()
