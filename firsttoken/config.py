@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -178,6 +179,11 @@ def _usage_db(value: str) -> str | None:
     if value.startswith("sqlite:///") and len(value) > len("sqlite:///"):
         return None
     if value.startswith(("postgresql://", "postgres://")):
+        if importlib.util.find_spec("psycopg") is None:
+            return (
+                "needs the postgres extra (FIRSTTOKEN_EXTRAS=postgres ./scripts/serve, or "
+                "pip install 'firsttoken[postgres]')"
+            )
         return None
     return "must be sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
 
