@@ -452,3 +452,38 @@ def test_two_instances_write_one_postgresql_ledger_and_survive_it_stopping(
         finally:
             postgres.start()
         wait_for(lambda: usage(one)["total"]["requests"] == 20, timeout=15)
+
+
+def test_two_instances_on_one_redis_share_the_budget_racing_for_the_last_cent(
+    tmp_path: Path,
+) -> None:
+    from tests.redis_server import run_redis
+
+    routes, keys = write_config(tmp_path)
+    with run_redis() as redis:
+        shared = ("--redis", redis)
+        db = f"sqlite:///{tmp_path / 'usage.db'}"
+        with serve(routes, keys, db, *shared) as one, serve(routes, keys, db, *shared) as two:
+            post(
+                one,
+                "/chat/completions",
+                "sk-racer",
+                {
+                    "model": "gold",
+                    "messages": MSG,
+                    "max_tokens": 4,
+                },
+            )
+            wait_for(lambda: spend(one, "racer") == Decimal("0.04"))
+            body = {"model": "gold", "messages": MSG, "max_tokens": 3}
+            with concurrent.futures.ThreadPoolExecutor(50) as pool:
+                answers = list(
+                    pool.map(
+                        lambda i: post((one, two)[i % 2], "/chat/completions", "sk-racer", body),
+                        range(50),
+                    )
+                )
+            codes = [a.status_code for a in answers]
+            assert codes.count(200) == 1 and codes.count(429) == 49
+            total = lambda: spend(one, "racer") + spend(two, "racer")  # noqa: E731
+            wait_for(lambda: total() == Decimal("0.07"))
