@@ -487,3 +487,123 @@ def test_two_instances_on_one_redis_share_the_budget_racing_for_the_last_cent(
             assert codes.count(200) == 1 and codes.count(429) == 49
             total = lambda: spend(one, "racer") + spend(two, "racer")  # noqa: E731
             wait_for(lambda: total() == Decimal("0.07"))
+
+
+def test_prompt_cache_reads_and_writes_are_priced_as_such_and_shown_on_every_api(
+    tmp_path: Path,
+) -> None:
+    from tests.cache_upstreams import CACHED, PROMPT, WRITTEN, cache_upstreams
+
+    with cache_upstreams() as up:
+        routes = tmp_path / "routes.toml"
+        routes.write_text(
+            f"""
+[targets.claude]
+kind = "anthropic"
+url = "{up.url}/v1"
+model = "claude-x"
+price = {{ prompt = 3, completion = 15, cached_prompt = 0.30, cache_write = 3.75 }}
+[targets.oai]
+kind = "openai"
+url = "{up.url}/v1"
+model = "cached"
+price = {{ prompt = 1.25, completion = 10, cached_prompt = 0.125 }}
+[models.claude]
+targets = ["claude"]
+[models.oai]
+targets = ["oai"]
+"""
+        )
+        keys = tmp_path / "keys.toml"
+        keys.write_text(KEYS)
+        with serve(routes, keys, f"sqlite:///{tmp_path / 'u.db'}") as server:
+            marker = {"type": "ephemeral"}
+            r = post(
+                server,
+                "/messages",
+                "sk-bob",
+                {
+                    "model": "claude",
+                    "max_tokens": 5,
+                    "system": [
+                        {"type": "text", "text": "a long system prompt", "cache_control": marker}
+                    ],
+                    "messages": [
+                        {
+                            "role": "user",
+                            "content": [
+                                {"type": "text", "text": "a long document", "cache_control": marker}
+                            ],
+                        }
+                    ],
+                },
+            )
+            assert r.status_code == 200, r.text
+            assert up.bodies[-1]["system"][0]["cache_control"] == marker
+            assert up.bodies[-1]["messages"][0]["content"][0]["cache_control"] == marker
+            u = r.json()["usage"]
+            assert u == {
+                "input_tokens": PROMPT - CACHED - WRITTEN,
+                "cache_creation_input_tokens": WRITTEN,
+                "cache_read_input_tokens": CACHED,
+                "output_tokens": 5,
+            }
+            claude = (
+                u["input_tokens"] * Decimal(3)
+                + u["cache_read_input_tokens"] * Decimal("0.30")
+                + u["cache_creation_input_tokens"] * Decimal("3.75")
+                + u["output_tokens"] * Decimal(15)
+            ) / M
+            # The same upstream through Chat Completions and Responses shows them too.
+            chat = post(
+                server,
+                "/chat/completions",
+                "sk-bob",
+                {
+                    "model": "claude",
+                    "messages": MSG,
+                    "max_tokens": 5,
+                },
+            ).json()["usage"]
+            assert chat["prompt_tokens"] == PROMPT
+            assert chat["prompt_tokens_details"] == {
+                "cached_tokens": CACHED,
+                "cache_write_tokens": WRITTEN,
+            }
+            responses = post(
+                server,
+                "/responses",
+                "sk-bob",
+                {
+                    "model": "claude",
+                    "input": "hi",
+                    "max_output_tokens": 5,
+                },
+            ).json()["usage"]
+            assert responses["input_tokens_details"] == {
+                "cached_tokens": CACHED,
+                "cache_write_tokens": WRITTEN,
+            }
+            oai = post(
+                server,
+                "/chat/completions",
+                "sk-bob",
+                {
+                    "model": "oai",
+                    "messages": MSG,
+                    "max_tokens": 7,
+                    "stream": True,
+                    "stream_options": {"include_usage": True},
+                },
+            )
+            ou = [c for c in sse_data(oai.text) if c.get("usage")][-1]["usage"]
+            assert ou["prompt_tokens_details"]["cached_tokens"] == CACHED
+            openai_cost = (
+                (PROMPT - CACHED) * Decimal("1.25")
+                + CACHED * Decimal("0.125")
+                + ou["completion_tokens"] * Decimal(10)
+            ) / M
+            expected = 3 * claude + openai_cost
+            wait_for(lambda: usage(server)["total"]["requests"] == 4)
+            assert Decimal(usage(server)["total"]["cost"]) == expected
+            assert spend(server, "bob") == expected
