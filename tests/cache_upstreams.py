@@ -114,7 +114,8 @@ class CacheUpstreams:
         return StreamingResponse(events(), media_type="text/event-stream")
 
     async def models(self, request: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [{"id": "cached", "object": "model"}]})
+        listed = [{"id": name, "object": "model"} for name in ("cached", "claude-x")]
+        return JSONResponse({"object": "list", "data": listed})
 
 
 @contextmanager
