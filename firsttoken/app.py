@@ -148,6 +148,14 @@ def _price(admission: Admission, routed: object) -> None:
     if isinstance(routed, RoutedEngine):
         admission.ledger.price(routed.table, routed.routes)
         admission.serving = routed.serving
+        unpriced = admission.ledger.unpriced(routed.table)
+        if unpriced:
+            log_event(
+                "routes.unpriced",
+                logging.WARNING,
+                targets=unpriced,
+                note="these targets have no price: their tokens cost 0",
+            )
 
 
 def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:

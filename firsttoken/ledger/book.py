@@ -61,6 +61,10 @@ class Ledger:
     def priced(self) -> bool:
         return bool(self.prices)
 
+    def unpriced(self, table: RouteTable) -> list[str]:
+        """The targets without a price (their tokens cost 0), when any target has one."""
+        return [n for n, t in table.targets.items() if t.price is None] if self.prices else []
+
     def route_of(self, model: str) -> str:
         route = self._routes.get(model) or self._default
         return route.name if route is not None else model
