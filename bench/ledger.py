@@ -77,6 +77,8 @@ PRICES: dict[str, dict[str, Decimal]] = {
     },
 }
 HANDOFF_AFTER = 5
+# Load the bench makes on purpose: no rate limit, no shedding on TTFT, no breaker.
+OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
 ERRORS: Counter[tuple[Any, ...]] = Counter()  # what the clients told no usage were told
 
 
@@ -270,6 +272,7 @@ async def one(client: httpx.AsyncClient, base: str, plan: Plan) -> Result:
             body["synthetic"] = synthetic
         r = await client.post(base + "/v1/streams", json=body, headers=headers)
         if r.status_code != 201:
+            ERRORS[(plan.api, plan.route, r.status_code, r.text[-160:])] += 1
             return Result(None, plan.route, plan.api, None, "refused")
         created = r.json()
         sid = created["id"]
@@ -329,6 +332,7 @@ async def one(client: httpx.AsyncClient, base: str, plan: Plan) -> Result:
     r = await client.post(base + path, json=body, headers=headers)
     sid = r.headers.get("x-stream-id")
     if r.status_code != 200:
+        ERRORS[(plan.api, plan.route, r.status_code, r.text[-160:])] += 1
         return Result(sid, plan.route, plan.api, None, "refused")
     told = None
     if not plan.stream:
@@ -415,7 +419,7 @@ def wait_written(servers: list[Server], timeout: float = 60) -> None:
 @contextmanager
 def upstreams() -> Iterator[tuple[str, str, str]]:
     with ExitStack() as stack:
-        fast = ("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1", "--rate-limit-per-s", "0")
+        fast = ("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "1", *OPEN)
         cut = stack.enter_context(run_server(*fast, "--synthetic-fail-rate", "0.3"))
         mend = stack.enter_context(run_server(*fast))
         cache = stack.enter_context(cache_upstreams())
@@ -433,10 +437,7 @@ def gateways(
         str(routes),
         "--api-keys",
         str(keys),
-        "--rate-limit-per-s",
-        "0",
-        "--breaker-error-rate",
-        "1",
+        *OPEN,
     ]
     if db:
         args += ["--usage-db", db]
@@ -526,6 +527,8 @@ async def streams_round(base: str, streams: int, tokens: int) -> tuple[int, list
                 json=body,
                 headers={"authorization": f"Bearer {KEY}"},
             ) as r:
+                if r.status_code != 200:
+                    ERRORS[("overhead", r.status_code, (await r.aread())[-160:].decode())] += 1
                 async for line in r.aiter_lines():
                     if line.startswith("data: {") and '"content"' in line:
                         if first:
@@ -560,7 +563,7 @@ def overhead(streams: int, rounds: int, tokens: int) -> dict[str, Any]:
                     "tokens": received,
                     "cpu_s": round(cpu, 3),
                     "tokens_per_cpu_s": round(received / cpu, 1),
-                    "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1),
+                    "ttft_p50_ms": round(statistics.median(ttfts) * 1000, 1) if ttfts else -1.0,
                 }
             )
     per = {k: statistics.median(r["tokens_per_cpu_s"] for r in v) for k, v in rows.items()}
@@ -635,7 +638,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=50)
     parser.add_argument("--streams", type=int, default=500, help="the overhead phase's streams")
     parser.add_argument("--stream-tokens", type=int, default=200)
-    parser.add_argument("--rounds", type=int, default=2, help="overhead rounds per side")
+    parser.add_argument("--rounds", type=int, default=3, help="overhead rounds per side")
     parser.add_argument("--outage-s", type=float, default=30.0)
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
     parser.add_argument("--phases", default="mixed,overhead,outage")
@@ -650,6 +653,7 @@ def main() -> None:
             kinds = ("sqlite", "postgres") if args.db == "both" else (args.db,)
             report["mixed"] = [mixed(args.requests, args.concurrency, k, pg) for k in kinds]
             report["errors_seen"] = [[*k, n] for k, n in ERRORS.most_common(10)]
+            print(json.dumps(report), file=sys.stderr)
             for m in report["mixed"]:
                 print(
                     f"mixed {m['db']}: exact={m['exact']} counter={m['counter_matches_ledger']} "
@@ -658,6 +662,7 @@ def main() -> None:
                 )
         if "overhead" in phases:
             report["overhead"] = overhead(args.streams, args.rounds, args.stream_tokens)
+            print(json.dumps(report["overhead"]), file=sys.stderr)
             o = report["overhead"]
             print(
                 f"overhead: {o['ledger_cost_pct']}% tokens/CPU-s, TTFT p50 {o['ttft_p50_ms']}",
@@ -667,6 +672,7 @@ def main() -> None:
             assert pg is not None
             report["outage"] = outage(pg, args.outage_s, args.concurrency)
             print(f"outage: {report['outage']}", file=sys.stderr)
+    report["errors_seen"] = [[*k, n] for k, n in ERRORS.most_common(10)]
     print(json.dumps(report, indent=2))
 
 
