@@ -267,10 +267,13 @@ class Gateway:
         used = carried.prompt + carried.completion if carried is not None else 0
         await self.admission.settle_taken(spec.get("held", {}), used)
         try:
-            ticket = await self.admission.admit(key, 0, remaining)
+            ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:
             raise EngineError(exc.code, exc.message) from None
         stream.ticket = ticket
+        # The ledger's record of the part made here (the first instance recorded its own).
+        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        ticket.trace_id = mirror.trace_id
         ticket.prompt_tokens = spec["prompt_tokens"]
         ticket.own_latency = sets_own_latency(generation.options)
         if following is not None:  # what the key's budget left it, as a new request's

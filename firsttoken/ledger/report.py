@@ -117,7 +117,9 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--by", choices=GROUPS, default="key")
     parser.add_argument("--since", default="all", help="24h, 7d, a date, an ISO time or all")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
-    parser.add_argument("--currency", default="USD", help="the routes file's currency")
+    parser.add_argument(
+        "--currency", default="USD", help="shown for an empty ledger (else the records' own)"
+    )
     args = parser.parse_args(list(argv))
     url = args.usage_db
     if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
@@ -139,7 +141,8 @@ def main(argv: Sequence[str]) -> int:
         store = open_store(url)
         try:
             await store.open()
-            return await usage_report(store, args.by, since, args.currency)
+            currency = await store.currency() or args.currency  # the records' own
+            return await usage_report(store, args.by, since, currency)
         finally:
             await store.close()
 

@@ -149,4 +149,5 @@ def summary_sql(by: str, since: float | None, mark: str) -> tuple[str, tuple[Any
     return sql, (since,) if since is not None else ()
 
 
+CURRENCY_SQL = "SELECT currency FROM usage_requests ORDER BY at DESC LIMIT 1"
 SPENT_SQL = "SELECT COALESCE(SUM(cost_picos), 0) FROM usage_requests WHERE key = {m} AND at >= {m}"

@@ -16,7 +16,14 @@ from typing import Any, Protocol
 import anyio
 
 from firsttoken.ledger.record import TOKEN_COLUMNS, UsageRecord
-from firsttoken.ledger.schema import GROUPS, MIGRATIONS, SPENT_SQL, insert_rows, summary_sql
+from firsttoken.ledger.schema import (
+    CURRENCY_SQL,
+    GROUPS,
+    MIGRATIONS,
+    SPENT_SQL,
+    insert_rows,
+    summary_sql,
+)
 
 __all__ = ["MemoryStore", "PostgresStore", "SQLiteStore", "Store", "open_store"]
 
@@ -33,6 +40,8 @@ class Store(Protocol):
     async def summary(self, by: str, since: float | None) -> list[Row]: ...
 
     async def spent(self, key: str, since: float) -> int: ...
+
+    async def currency(self) -> str | None: ...
 
     async def close(self) -> None: ...
 
@@ -91,6 +100,9 @@ class MemoryStore:
     async def spent(self, key: str, since: float) -> int:
         return sum(r.cost for r in self.records if r.key == key and r.at >= since)
 
+    async def currency(self) -> str | None:
+        return self.records[-1].currency if self.records else None
+
     async def close(self) -> None:
         return None
 
@@ -128,6 +140,10 @@ class SQLiteStore:
             self._call, _read, SPENT_SQL.format(m="?"), (key, since)
         )
         return int(rows[0][0])
+
+    async def currency(self) -> str | None:
+        rows = await anyio.to_thread.run_sync(self._call, _read, CURRENCY_SQL, ())
+        return str(rows[0][0]) if rows else None
 
     async def close(self) -> None:
         with self._lock:
@@ -247,6 +263,14 @@ class PostgresStore:
             return int((await cur.fetchone())[0])
 
         return int(await self._run(read))
+
+    async def currency(self) -> str | None:
+        async def read(cur: Any) -> str | None:
+            await cur.execute(CURRENCY_SQL)
+            row = await cur.fetchone()
+            return str(row[0]) if row else None
+
+        return await self._run(read)  # type: ignore[no-any-return]
 
     async def close(self) -> None:
         await self._drop()

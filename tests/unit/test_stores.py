@@ -133,3 +133,10 @@ async def test_postgres_away_fails_the_write_and_the_next_one_reconnects(
         await store.write(RECORDS)
     assert len(await store.summary("key", None)) == 2
     await store.close()
+
+
+@pytest.mark.anyio
+async def test_the_records_say_their_currency(store: Store) -> None:
+    assert await store.currency() is None
+    await store.write(RECORDS)
+    assert await store.currency() == "USD"
