@@ -370,7 +370,11 @@ async def load(bases: list[str], todo: list[Plan], concurrency: int) -> list[Res
         async def worker() -> None:
             while queue:
                 i, plan = queue.pop()
-                results.append(await one(client, bases[i % len(bases)], plan))
+                try:
+                    results.append(await one(client, bases[i % len(bases)], plan))
+                except httpx.TransportError as exc:  # the client's connection, not an answer
+                    ERRORS[("transport", plan.api, plan.route, repr(exc))] += 1
+                    results.append(Result(None, plan.route, plan.api, None, "transport"))
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
@@ -479,7 +483,7 @@ def mixed(
         or Decimal(rows[r.stream_id][1]) / 10**12 != priced(r.route, r.told)  # type: ignore[arg-type]
     ]
     total = Decimal(sum(c for _, c in rows.values())) / 10**12
-    answered = sum(1 for r in results if r.outcome != "refused")
+    ids = {r.stream_id for r in results if r.stream_id and r.outcome != "refused"}
     return {
         "db": db_kind,
         "instances": n,
@@ -489,7 +493,8 @@ def mixed(
         "ledger_outcomes": dict(Counter(o for o, _ in rows.values())),
         "seams": dict(seams),
         "records": len(rows),
-        "records_missing": answered - len(rows),
+        "records_missing": len(ids - set(rows)),
+        "records_of_requests_the_client_lost": len(set(rows) - ids),
         "told_usage": len(told),
         "told_cost": str(expected),
         "ledger_cost_of_those": str(recorded),
