@@ -160,7 +160,7 @@ class Ticket:
         return self.admission.ledger.account(
             request_id=self.request_id,
             at=self.arrived_at,
-            key=self.key.name,
+            key=key_label(self.key.name),  # `open` without a keys file, as in metrics
             model=self.model,
             legs=self.legs,
             usage=TokenCounts(
@@ -204,7 +204,7 @@ class Admission:
         # Every key's usage series from the start, at 0 (a rate over a new series needs two).
         for name in self.keys.names() if self.keys is not None else [OPEN_KEY]:
             metrics.count_key_tokens(key_label(name), Usage()[:4])
-            self.ledger.spend.setdefault(name if self.keys is not None else "", 0)
+            self.ledger.spend.setdefault(key_label(name), 0)
 
     async def run(self, registry: StreamRegistry) -> None:
         async with anyio.create_task_group() as tg:
@@ -223,9 +223,9 @@ class Admission:
         if not budgeted:
             return
         store = self.ledger.store
+        await self.ledger.ready.wait()
         while True:
             try:
-                await store.open()
                 for key in budgeted:
                     assert key.budget is not None
                     start = period_start(key.budget.per, self.spend_clock())

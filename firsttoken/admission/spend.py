@@ -131,6 +131,6 @@ class MemorySpend:
         self._spent[key] = (period, max(0, (held if held_period == period else 0) + picos))
 
     def seed(self, key: str, per: str, picos: int) -> None:
-        """What the ledger says the key spent in its current period (at start)."""
-        period, _ = period_of(per, self.clock())
-        self._spent[key] = (period, picos)
+        """What the ledger says the key spent in its current period (at start), added to
+        what requests admitted since the start hold."""
+        self.add(key, per, picos)

@@ -9,14 +9,18 @@ come from the same integer, so the ledger's total and the counter agree to the l
 
 from __future__ import annotations
 
+import asyncio
+import logging
 from collections.abc import Iterator, Mapping, Sequence
 from decimal import Decimal
 
+import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import Store, open_store
 from firsttoken.ledger.writer import LedgerWriter
+from firsttoken.observability import log_event
 from firsttoken.pricing import FREE, PICOS, Leg, Price, TokenCounts, answer_cost
 from firsttoken.routes.config import ModelRoute, RouteTable
 
@@ -36,6 +40,7 @@ class Ledger:
         self.spend: dict[str, int] = {}  # key -> picos, since start
         self.route_cost: dict[str, int] = {}  # route -> picos
         self.route_tokens: dict[str, int] = {}  # route -> prompt + completion tokens
+        self.ready = asyncio.Event()  # the store is open (its schema migrated)
 
     def price(self, table: RouteTable, routes: Mapping[str, ModelRoute] | None = None) -> None:
         """Take the routes file's prices; `routes`: the engine's model names (aliases too)."""
@@ -111,6 +116,21 @@ class Ledger:
         return cost
 
     async def run(self) -> None:
+        """Open the store (create or migrate its schema), then write what is queued until
+        cancelled. A database away at start is tried again; records queue meanwhile."""
+        delay = 0.1
+        while True:
+            try:
+                await self.store.open()
+                break
+            except Exception as exc:  # away, or refusing us: said once, tried again
+                if delay == 0.1:
+                    log_event(
+                        "ledger.open_failed", logging.ERROR, store=self.store.shown, error=repr(exc)
+                    )
+                await anyio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        self.ready.set()
         await self.writer.run()
 
     def collect(self) -> Iterator[Metric]:
@@ -121,7 +141,7 @@ class Ledger:
             labels=["key"],
         )
         for key, picos in self.spend.items():
-            spend.add_metric([key or "open"], float(Decimal(picos) / PICOS))
+            spend.add_metric([key], float(Decimal(picos) / PICOS))
         yield spend
         per_million = GaugeMetricFamily(
             "firsttoken_cost_per_million_tokens",

@@ -607,3 +607,32 @@ targets = ["oai"]
             wait_for(lambda: usage(server)["total"]["requests"] == 4)
             assert Decimal(usage(server)["total"]["cost"]) == expected
             assert spend(server, "bob") == expected
+
+
+def test_an_open_server_with_a_usage_db_records_every_request(tmp_path: Path) -> None:
+    routes, _ = write_config(tmp_path)
+    db = tmp_path / "usage.db"
+    with run_server(
+        "--routes",
+        str(routes),
+        "--usage-db",
+        f"sqlite:///{db}",
+        "--admin-key-env",
+        "LEDGER_ADMIN",
+        env={"LEDGER_ADMIN": ADMIN},
+    ) as server:
+        r = httpx.post(
+            server.v1 + "/chat/completions",
+            json={
+                "model": "plain",
+                "messages": MSG,
+                "max_tokens": 3,
+            },
+            timeout=30,
+        )
+        u = r.json()["usage"]
+        wait_for(lambda: usage(server)["total"]["requests"] == 1)
+        row = usage(server)["rows"][0]
+        assert row["key"] == "open" and row["completion_tokens"] == u["completion_tokens"]
+        assert Decimal(row["cost"]) == cost(CENTER, u["prompt_tokens"], u["completion_tokens"])
+        assert spend(server, "open") == Decimal(row["cost"])

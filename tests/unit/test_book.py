@@ -73,7 +73,7 @@ def test_metrics_say_spend_and_cost_per_million() -> None:
     book.account(
         request_id="r1",
         at=0.0,
-        key="",
+        key="open",
         model="cheap",
         legs=[Leg("edge")],
         usage=TokenCounts(prompt=500_000, completion=500_000),
