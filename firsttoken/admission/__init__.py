@@ -359,13 +359,13 @@ class Admission:
                 if reservation is not None:
                     await self.limits.settle(reservation, 0)
                 self._rejected()
-                budget = key.budget
-                _, reset = period_of(budget.per, self.spend_clock())
-                period = "in total" if budget.per == "total" else f"this {budget.per} (UTC)"
+                money = key.budget
+                _, reset = period_of(money.per, self.spend_clock())
+                period = "in total" if money.per == "total" else f"this {money.per} (UTC)"
                 raise APIError(
                     429,
                     "budget_exceeded",
-                    f"key {key.name!r} spent its budget of {money_text(budget.amount)} "
+                    f"key {key.name!r} spent its budget of {money_text(money.amount)} "
                     f"{self.ledger.currency} {period}",
                     headers=_retry_after(reset),
                 )
