@@ -26,6 +26,8 @@ __all__ = ["LedgerWriter"]
 _BATCH = 5000  # records per write at most: one transaction stays short
 _MAX_BACKOFF_S = 2.0
 _CLOSE_S = 5.0  # on shutdown, how long the last records may take to reach the store
+# A write that hangs (a database gone silent, no reset) counts as failed after this long.
+_WRITE_TIMEOUT_S = 10.0
 
 
 class LedgerWriter:
@@ -73,7 +75,8 @@ class LedgerWriter:
             return True
         batch = [self.queue[i] for i in range(min(_BATCH, len(self.queue)))]
         try:
-            await self.store.write(batch)
+            with anyio.fail_after(_WRITE_TIMEOUT_S):
+                await self.store.write(batch)
         except Exception as exc:  # the database away, or a broken connection: try later
             if self.up:
                 self.up = False
