@@ -37,7 +37,7 @@ async def usage(request: Request) -> Response:
         raise APIError(
             503,
             "usage_db_unavailable",
-            f"the usage database cannot be read: {exc}",
+            "the usage database cannot be read: " + (" ".join(str(exc).split()) or repr(exc)),
             headers={"retry-after": "5"},
         ) from None
     return Response(orjson.dumps(report), media_type="application/json")

@@ -149,7 +149,8 @@ def main(argv: Sequence[str]) -> int:
     try:
         report = anyio.run(read)
     except Exception as exc:  # the database away or not a ledger: one line, no traceback
-        print(f"firsttoken usage: {open_store(url).shown}: {exc}".strip(), file=sys.stderr)
+        said = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        print(f"firsttoken usage: {open_store(url).shown}: {said}", file=sys.stderr)
         return 1
     sys.stdout.write(render(report, args.format))
     return 0

@@ -78,3 +78,11 @@ def test_the_command_says_a_missing_file_is_missing(
 ) -> None:
     assert main(["--usage-db", f"sqlite:///{tmp_path}/none.db"]) == 1
     assert "no such file" in capsys.readouterr().err
+
+
+def test_a_database_that_is_away_is_one_line_without_the_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--usage-db", "postgresql://u:secret@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "secret" not in err and "u:***@127.0.0.1:1" in err
