@@ -636,3 +636,23 @@ def test_an_open_server_with_a_usage_db_records_every_request(tmp_path: Path) ->
         assert row["key"] == "open" and row["completion_tokens"] == u["completion_tokens"]
         assert Decimal(row["cost"]) == cost(CENTER, u["prompt_tokens"], u["completion_tokens"])
         assert spend(server, "open") == Decimal(row["cost"])
+
+
+def test_with_redis_away_budgets_are_still_enforced_by_each_instance(tmp_path: Path) -> None:
+    from tests.redis_server import redis_server
+
+    routes, keys = write_config(tmp_path)
+    with redis_server() as redis:
+        db = f"sqlite:///{tmp_path / 'usage.db'}"
+        with serve(routes, keys, db, "--redis", redis.url) as server:
+            redis.stop()
+            try:
+                body = {"model": "gold", "messages": MSG, "max_tokens": 6}
+                first = post(server, "/chat/completions", "sk-racer", body)
+                assert first.status_code == 200  # held and settled in this instance
+                wait_for(lambda: spend(server, "racer") == Decimal("0.06"))
+                again = post(server, "/chat/completions", "sk-racer", body)
+                assert again.status_code == 429, again.text  # 6 cents of 5: refused here too
+                assert again.json()["error"]["code"] == "budget_exceeded"
+            finally:
+                redis.start()
