@@ -216,6 +216,8 @@ class Reloader:
         if prepared is not None and self.routes is not None:
             old = self.routes.current
             retired = self.routes.swap(prepared)
+            # New prices from here: a request is priced when it ends, at its targets' prices.
+            self.gateway.admission.ledger.price(prepared.table, prepared.routes)
             said["routes"] = list(prepared.models)
             added = [t for t in prepared.targets if old.targets.get(t) is not prepared.targets[t]]
             if added:
