@@ -64,7 +64,7 @@ def _check(argv: list[str]) -> int:
     import os
 
     from firsttoken.config import Parser
-    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes
+    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes, unpriced_targets
 
     parser = Parser(
         prog="firsttoken check",
@@ -83,7 +83,8 @@ def _check(argv: list[str]) -> int:
     problems = check_files(files)
     for problem in problems:
         print(problem, file=sys.stderr)
-    for warning in unmatched_routes(files):  # not a failure: the key is refused that route
+    # Not failures: the key is refused that route; the target's tokens cost 0.
+    for warning in unmatched_routes(files) + unpriced_targets(files):
         print(f"warning: {warning}", file=sys.stderr)
     bad = {p.split(": ", 1)[0] for p in problems}
     for path in files.paths():

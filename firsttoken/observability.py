@@ -243,8 +243,8 @@ class Metrics:
         yield per_key
 
     def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
-        """An ended answer's usage (prompt, completion, reasoning, cached, cache_write: `core.stream.Usage`),
-        added to its key's counters."""
+        """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
+        cache_write), added to its key's counters."""
         for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
             self.key_tokens[key, kind] = self.key_tokens.get((key, kind), 0) + tokens
 
