@@ -491,7 +491,7 @@ async def _levels(
             top = r["at_once"]
         res["holds"][name] = {
             "at_once": top,
-            "top_of_ladder": top == max(steps) and bool(held),
+            "top_of_ladder": bool(held) and top == max(steps),
         }
 
 
