@@ -81,6 +81,10 @@ class Gateway:
     metrics: Metrics
     admission: Admission
     admin: AdminKey = field(default_factory=lambda: AdminKey(None))
+    # The engine's models by name, built once per model list (not two scans a request).
+    _served: tuple[tuple[str, ...], dict[str, str]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, ApiKey]:
         """Authenticate, read and validate the body, resolve the model."""
@@ -324,10 +328,15 @@ class Gateway:
         return StreamCompressor(encoding) if encoding else None
 
     def model(self, requested: str | None) -> str:
-        if requested is None:
-            return self.engine.models[0]
         models = self.engine.models
-        if requested not in models:
+        if requested is None:
+            return models[0]
+        served = self._served
+        if served is None or served[0] is not models:
+            served = self._served = (models, {m: m for m in models})
+        # The engine's own string, shared: the body's copy would stay with every stream.
+        found = served[1].get(requested)
+        if found is None:
             shown = ", ".join(models[:20])
             if len(models) > 20:
                 shown += f" and {len(models) - 20} more"
@@ -338,8 +347,7 @@ class Gateway:
                 "(GET /v1/models lists them)",
                 param="model",
             )
-        # The engine's own string, shared: the body's copy would stay with every stream.
-        return models[models.index(requested)]
+        return found
 
 
 def gateway(request: Request) -> Gateway:
