@@ -35,9 +35,11 @@ Figures:
 
 TTFT runs from the request's write (the connection is open) to the first content chunk.
 On a machine with two or more cores the load client and the mock run on core 0 and every
-gateway on core 1 (`os.sched_setaffinity`; `--no-pin` turns it off), so the client's and the
-upstream's work do not take the gateway's CPU. AIPerf is not run here (`bench.ttft_agreement`
-compares an outside client with the server's own clock).
+gateway on the other cores (`os.sched_setaffinity`; `--pin client` pins only the client and
+the mock, `--pin none` nothing), so the client's and the upstream's work do not take the
+gateway's CPU. On a machine shared with other work, a gateway pinned to one core also waits
+behind whatever else runs there: compare `--pin client`. AIPerf is not run here
+(`bench.ttft_agreement` compares an outside client with the server's own clock).
 Writes `bench/results/gateways.json` and `gateways.txt`.
 """
 
@@ -328,13 +330,17 @@ async def bench(args: argparse.Namespace, sizes: Sizes, res: dict[str, Any]) -> 
     logs = out / "gateway-logs"
     cores = sorted(os.sched_getaffinity(0))
     client_core = gateway_core = None
-    if not args.no_pin and len(cores) >= 2:
-        client_core, gateway_core = {cores[0]}, {cores[1]}
-        res["meta"]["pinning"] = (
-            f"load client and mock upstream on core {cores[0]}, every gateway on core {cores[1]}"
-        )
+    if args.pin != "none" and len(cores) >= 2:
+        client_core = {cores[0]}
+        where = f"load client and mock upstream on core {cores[0]}"
+        if args.pin == "both":
+            gateway_core = set(cores[1:])
+            where += f", every gateway on core(s) {','.join(map(str, cores[1:]))}"
+        else:
+            where += ", gateways unpinned"
+        res["meta"]["pinning"] = where
     else:
-        res["meta"]["pinning"] = "none (--no-pin, or one core)"
+        res["meta"]["pinning"] = "none (--pin none, or one core)"
     wanted = [t for t in args.targets.split(",") if t] if args.targets else list(TARGETS)
     if "relay_old" in wanted and not args.relay_rev:
         wanted.remove("relay_old")
@@ -654,7 +660,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--litellm", help="path to the `litellm` command")
     parser.add_argument("--no-litellm", action="store_true", help="leave LiteLLM out")
     parser.add_argument("--relay-rev", help="also run the relay of this git commit")
-    parser.add_argument("--no-pin", action="store_true", help="no CPU pinning")
+    parser.add_argument(
+        "--pin",
+        choices=("both", "client", "none"),
+        default="both",
+        help="both: client and mock on core 0, gateways on the others (default); client: "
+        "only the client and mock pinned; none",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     args = parser.parse_args(argv)
     sizes = Sizes.quick() if args.quick else Sizes()
