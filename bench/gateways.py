@@ -162,9 +162,29 @@ def routes_file(out: Path, urls: Sequence[str]) -> tuple[Path, Path]:
     return p1, p3
 
 
-def upstream_counts(mock: ServerProcess) -> list[int]:
+def mock_stats(mock: ServerProcess) -> dict[str, Any]:
     with urllib.request.urlopen(mock.url + "/stats", timeout=5) as resp:
-        return list(json.loads(resp.read())["requests"])
+        stats: dict[str, Any] = json.loads(resp.read())
+    return stats
+
+
+def upstream_counts(mock: ServerProcess) -> list[int]:
+    return list(mock_stats(mock)["requests"])
+
+
+async def settle(target: ServerProcess, mock: ServerProcess, within_s: float = 90.0) -> None:
+    """Wait until the last run is over for the gateway too: no answer streaming from the mock
+    and the gateway nearly idle (a gateway far behind keeps working after its clients left,
+    and would take the next one's CPU and upstream)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    before = target.cpu_seconds()
+    while loop.time() < end:
+        await asyncio.sleep(0.25)
+        now = target.cpu_seconds()
+        if now - before < 0.025 and not mock_stats(mock)["active"]:
+            return
+        before = now
 
 
 # --- driving ----------------------------------------------------------------------------------
@@ -211,7 +231,8 @@ async def run_once(
     p0, c0 = target.cpu_seconds(), cpu_sample()
     run = await drive(target.host, target.port, plan)
     p1, c1 = target.cpu_seconds(), cpu_sample()
-    after = upstream_counts(mock)
+    await settle(target, mock)
+    after = upstream_counts(mock)  # a laggard's late requests are its own
     wall, client, busy = c1.since(c0)
     acc.captures += run.captures
     acc.cpu_s += p1 - p0
@@ -485,7 +506,6 @@ async def _levels(
                 f"{_f(row['gap_ms_p99'])} ms, complete {row['complete']}/{row['streams']}, "
                 f"{_f(row['cpu_s_per_mtok'], '{:.0f}')} CPU-s/Mtok"
             )
-            await asyncio.sleep(0.5)  # let the closes settle before the next target
     for name in targets:
         held = [r["at_once"] for r in res["levels"] if r["target"] == name and r["holds"]]
         ladder = [r for r in res["levels"] if r["target"] == name and r["at_once"] in steps]

@@ -127,6 +127,7 @@ class Options:
     ttft_ms: float
     itl_ms: float
     counts: list[int]  # requests taken, per listening port
+    active: int = 0  # answers streaming now
 
 
 class _Connection(asyncio.Protocol):
@@ -179,7 +180,7 @@ class _Connection(asyncio.Protocol):
             models = {"object": "list", "data": [{"id": "synthetic", "object": "model"}]}
             self._reply(_json("200 OK", orjson.dumps(models), self._close_after))
         elif method == b"get" and path.startswith(b"/stats"):
-            stats = {"requests": self._options.counts}
+            stats = {"requests": self._options.counts, "active": self._options.active}
             self._reply(_json("200 OK", orjson.dumps(stats), self._close_after))
         elif method == b"post":
             try:
@@ -200,6 +201,7 @@ class _Connection(asyncio.Protocol):
     def _start(self, request: dict[str, Any]) -> None:
         opts = self._options
         opts.counts[self._port_index] += 1
+        opts.active += 1
         knobs = request.get("synthetic") or {}
         ttft = knobs.get("ttft_ms")
         ttft = opts.ttft_ms if ttft is None else float(ttft)
@@ -235,6 +237,7 @@ class _Connection(asyncio.Protocol):
         if i >= len(frames.tokens):
             tr.write(frames.closing)
             self._frames = None
+            self._options.active -= 1
             if self._close_after:
                 tr.close()
             elif self._buf:
@@ -247,7 +250,9 @@ class _Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._lost = True
-        self._frames = None
+        if self._frames is not None:
+            self._frames = None
+            self._options.active -= 1
 
 
 async def _serve(host: str, port: int, ports: int, options: Options) -> None:
