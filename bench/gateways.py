@@ -178,13 +178,15 @@ async def settle(target: ServerProcess, mock: ServerProcess, within_s: float = 9
     and would take the next one's CPU and upstream)."""
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
-    before = target.cpu_seconds()
-    while loop.time() < end:
+    before, asked = target.cpu_seconds(), sum(upstream_counts(mock))
+    quiet = 0
+    while loop.time() < end and quiet < 2:  # quiet for two samples in a row (0.5 s)
         await asyncio.sleep(0.25)
-        now = target.cpu_seconds()
-        if now - before < 0.025 and not mock_stats(mock)["active"]:
-            return
-        before = now
+        now, stats = target.cpu_seconds(), mock_stats(mock)
+        total = sum(stats["requests"])
+        calm = now - before < 0.025 and not stats["active"] and total == asked
+        quiet = quiet + 1 if calm else 0
+        before, asked = now, total
 
 
 # --- driving ----------------------------------------------------------------------------------
