@@ -282,7 +282,7 @@ def streams(captures: Sequence[Capture]) -> Streams:
         if d.times:
             ttfts.append((d.times[0] - cap.t_sent) * 1000)
             gaps.append(np.diff(np.asarray(d.times)) * 1000)
-        elif cap.error:
+        elif cap.error and not d.problem:
             problems[cap.error.split(":", 1)[0][:80]] += 1
     gap_all = np.concatenate(gaps) if gaps else np.zeros(0)
     return Streams(ttfts, gap_all, complete, tokens, dict(problems))
