@@ -17,7 +17,9 @@ apart (the method of the public gateway board), keep-alive, on three ports. In f
 - `route3`: one route over three targets (the mock's three ports), `continuation = "vllm"`,
   hedging on (the default): hedging must add no upstream request when the first answers;
 - `litellm`: the LiteLLM proxy (found and run as `bench.proxies` does: `.venv/litellm`);
-- `relay_old` (with `--relay-rev REV`): the relay as of another commit, same rounds.
+- `relay_old` (with `--relay-rev REV`): the relay as of another commit, same rounds;
+- `relay_w2` (only when `--targets` names it): the relay with `--workers 2` (pinned with the
+  other gateways under `--pin both`, so compare it with `--pin client`).
 
 Figures:
 
@@ -75,6 +77,7 @@ from bench.servers import ServerSpec
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
 TARGETS = ("direct", "pipe", "relay", "route1", "route3", "litellm", "relay_old")
+OPTIONAL = ("relay_w2",)  # only when named in --targets
 FIRSTTOKEN = ("relay", "route1", "route3", "relay_old")
 LABELS = {
     "direct": "direct (mock)",
@@ -84,6 +87,7 @@ LABELS = {
     "route3": "route, 3 targets, hedged",
     "litellm": "LiteLLM",
     "relay_old": "relay (old)",
+    "relay_w2": "relay, --workers 2",
 }
 
 
@@ -396,6 +400,10 @@ async def bench(args: argparse.Namespace, sizes: Sizes, res: dict[str, Any]) -> 
                 None,
             ),
             "relay": ([*ft, "--engine", "openai", "--upstream", urls[0]], None),
+            "relay_w2": (
+                [*ft, "--workers", "2", "--engine", "openai", "--upstream", urls[0]],
+                None,
+            ),
             "route1": ([*ft, "--routes", str(r1)], None),
             "route3": ([*ft, "--routes", str(r3)], None),
         }
@@ -674,7 +682,10 @@ def _notes(res: dict[str, Any]) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.gateways", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds)")
-    parser.add_argument("--targets", help=f"comma list of {','.join(TARGETS)} (default all)")
+    parser.add_argument(
+        "--targets",
+        help=f"comma list of {','.join(TARGETS + OPTIONAL)} (default all but {','.join(OPTIONAL)})",
+    )
     parser.add_argument("--levels", help="comma list of streams at once (default 64,256,1024)")
     parser.add_argument("--ladder", help="comma list for 'holds' (default 64,...,1024)")
     parser.add_argument("--rounds", type=int, help="c=1 rounds (default 20; 0: none)")
