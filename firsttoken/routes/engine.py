@@ -37,6 +37,7 @@ __all__ = [
     "KNOWN_FIELDS",
     "MAX_CHARS_PER_TOKEN",
     "PHASES",
+    "Course",
     "LegWatch",
     "RouteObserver",
     "RoutedEngine",
@@ -76,6 +77,64 @@ class RouteObserver(Protocol):
     ) -> tuple[GenerationRequest, LegWatch | None]: ...
 
     def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
+
+
+class Course:
+    """One answer's way through its route: what was sent, which targets were tried, and
+    where the answer stands between legs (a failover, a splice, a hand-off under way)."""
+
+    __slots__ = (
+        "cut",
+        "edge",
+        "failed",
+        "fell_back",
+        "handed",
+        "handing",
+        "handoffs",
+        "last",
+        "leg_request",
+        "order",
+        "owner",
+        "request",
+        "route",
+        "session",
+        "splices",
+        "splicing",
+        "started",
+        "target",
+        "transcript",
+        "tried",
+    )
+
+    def __init__(
+        self, route: ModelRoute, request: GenerationRequest, order: tuple[str, ...]
+    ) -> None:
+        self.route = route
+        self.request = request
+        self.order = order  # the route's targets, in the order they are tried
+        self.session: bytes | None = None  # balance = "session": the conversation's key
+        self.owner: str | None = None  # whose failure a failure is (a key's, or the target's)
+        self.transcript = Transcript()
+        self.tried: set[str] = set()
+        self.leg_request = request  # what the current leg asks (a continuation once spliced)
+        self.splices = 0
+        self.handoffs = 0
+        self.cut: EngineError | None = None  # what broke the answer off, once it had begun
+        self.last: EngineError | None = None  # the last refusal before any token
+        self.failed: tuple[Target, str] | None = None  # the leg that failed, and its phase
+        self.edge: Target | None = None  # the hand-off's first target, until its leg starts
+        self.handing: Target | None = None  # set while the answer goes from the edge on
+        self.fell_back = False  # the edge was asked to finish what the center could not take
+        # this turn's
+        self.splicing = False  # text was sent before this leg: it continues the answer
+        self.target: Target  # set by begin_leg
+        self.started = False  # the leg gave a delta
+        self.handed = False  # the leg was the edge's, and its part is done
+
+    def begin_leg(self, target: Target) -> None:
+        self.target = target
+        self.started = False
+        self.handed = False
 
 
 class RoutedEngine:
@@ -200,6 +259,35 @@ class RoutedEngine:
             await target.engine.abort(request_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        """The answer over as many legs as it takes: each turn asks the next target (the
+        hand-off's edge first, where one applies) and streams its deltas; a leg that breaks
+        off is reported, and the next turn fails over or splices."""
+        course = self._course(request)
+        while True:
+            course.splicing = course.transcript.tokens > 0
+            leg_request = self._next_request(course)
+            if leg_request is None:  # cut exactly at max_tokens: it is complete
+                yield Delta("", "length")
+                return
+            target, limit = self._next_target(course)
+            course.begin_leg(target)
+            try:
+                async for delta in self._run_leg(course, target, leg_request, limit):
+                    yield delta
+            except EngineError as exc:
+                self._leg_failed(course, exc)
+                continue
+            except BaseException:
+                if not course.started:  # the client left (or a bug): a half-open probe goes back
+                    course.target.health.release()
+                raise
+            if not course.handed:
+                return
+            course.handing = course.target
+
+    def _course(self, request: GenerationRequest) -> Course:
+        """The plan for one answer: its route, the order of its targets, and the edge that
+        starts it when the route hands off."""
         route = self.routes.get(request.model) or self.table.default
         short = self._short(route, request)
         order = (
@@ -210,155 +298,176 @@ class RoutedEngine:
             if short and route.short_prompts is not None
             else route.targets
         )
-        session = _session_key(request) if route.balance == "session" else None
+        course = Course(route, request, order)
+        course.session = _session_key(request) if route.balance == "session" else None
         # Whose a failure is: the key's, when its request hands the upstream fields the
         # gateway does not read (TargetHealth counts those per key first); else the target's.
-        owner = request.tenant if _passes_through(request) else None
-        transcript = Transcript()
-        tried: set[str] = set()
-        splices = 0
-        handoffs = 0
-        cut: EngineError | None = None  # what broke the answer off, once it had begun
-        last: EngineError | None = None
-        failed: tuple[Target, str] | None = None  # the leg that failed, and in which phase
-        leg_request = request
-        handoff = route.handoff
+        course.owner = request.tenant if _passes_through(request) else None
         # The hand-off's first target, when it applies: not for a short prompt, which the
         # small target answers whole.
-        edge = None if short else self._edge(route, request)
-        handing: Target | None = None  # set while the answer goes from `edge` to the center
-        fell_back = False  # the edge was asked to finish what the center could not take
-        while True:
-            splicing = transcript.tokens > 0
-            if splicing:
-                why = transcript.why_not()
-                if why is None and handing is None and splices >= route.max_splices:
-                    why = f"the route allows {route.max_splices} splice(s)"
-                if why is not None:
-                    self._said(
-                        "route.no_splice",
-                        logging.WARNING,
-                        stream=request.request_id,
-                        route=route.name,
-                        reason=why,
+        course.edge = None if short else self._edge(route, request)
+        return course
+
+    def _next_request(self, course: Course) -> GenerationRequest | None:
+        """What the next leg is asked: the request itself, or once text was sent, its
+        continuation (None: nothing is left of max_tokens). Raises the cut when the answer
+        may not be continued."""
+        transcript, route, request = course.transcript, course.route, course.request
+        if not course.splicing:
+            return course.leg_request
+        why = transcript.why_not()
+        if why is None and course.handing is None and course.splices >= route.max_splices:
+            why = f"the route allows {route.max_splices} splice(s)"
+        if why is not None:
+            self._said(
+                "route.no_splice",
+                logging.WARNING,
+                stream=request.request_id,
+                route=route.name,
+                reason=why,
+            )
+            assert course.cut is not None
+            raise course.cut
+        next_request = continuation(request, transcript)
+        if next_request is not None:
+            course.leg_request = next_request
+        return next_request
+
+    def _next_target(self, course: Course) -> tuple[Target, int | None]:
+        """The next leg's target, and the tokens after which it hands off (None: it does
+        not); raises when no target is left."""
+        route, handoff, handing = course.route, course.route.handoff, course.handing
+        if course.edge is not None:
+            target, course.edge = course.edge, None
+            assert handoff is not None
+            return target, handoff.after_tokens
+        picked = self._pick(
+            route, course.order, course.tried, course.splicing, course.session, course.owner
+        )
+        if picked is None and handing is not None and handoff is not None:
+            # The center cannot take it: the edge finishes the answer, where allowed.
+            if handoff.fallback and handing.continues and not course.fell_back:
+                course.fell_back = True
+                return handing, None
+            raise EngineError(
+                "upstream_unavailable",
+                f"no target of the route {route.name!r} could take the hand-off",
+                retryable=True,
+                status=503,
+            )
+        if picked is None:
+            if course.cut is not None:
+                raise course.cut
+            if course.last is not None:
+                raise _for_client(course.last)
+            raise self._unavailable(route)
+        return picked, None
+
+    async def _run_leg(
+        self,
+        course: Course,
+        target: Target,
+        leg_request: GenerationRequest,
+        limit: int | None,
+    ) -> AsyncIterator[Delta]:
+        """One leg's deltas, the seam's meta event first; sets `course.handed` when the
+        edge's part is done (its leg closed). A failure is raised with `course.target` the
+        target that failed (the last of a hedged pair)."""
+        route, request, transcript = course.route, course.request, course.transcript
+        course.tried.add(target.name)
+        if course.failed is not None and not course.splicing:
+            self._count_failover(route, request, course.failed, target, transcript)
+            course.failed = None
+        before_tokens, before_text = transcript.tokens, transcript.text_tokens
+        async with AsyncExitStack() as legs:
+            deltas: AsyncIterator[Delta] = await legs.enter_async_context(
+                aclosing(self._leg(target, leg_request, route))
+            )
+            if course.splicing and route.hedge:
+                # A slow continuation is also asked of the next target; the first to answer
+                # carries on (the seam is what the user waits through).
+                try:
+                    target, deltas = await self._hedged(
+                        route,
+                        request,
+                        course.order,
+                        course.tried,
+                        course.session,
+                        target,
+                        deltas,
+                        leg_request,
+                        legs,
                     )
-                    assert cut is not None
-                    raise cut
-                next_request = continuation(request, transcript)
-                if next_request is None:  # cut exactly at max_tokens: it is complete
-                    yield Delta("", "length")
-                    return
-                leg_request = next_request
-            limit: int | None = None  # tokens after which this leg hands off
-            if edge is not None:
-                target, edge = edge, None
-                assert handoff is not None
-                limit = handoff.after_tokens
-            else:
-                target = self._pick(route, order, tried, splicing, session, owner)
-            if target is None and handing is not None and handoff is not None:
-                # The center cannot take it: the edge finishes the answer, where allowed.
-                if handoff.fallback and handing.continues and not fell_back:
-                    target, fell_back = handing, True
-                else:
-                    raise EngineError(
-                        "upstream_unavailable",
-                        f"no target of the route {route.name!r} could take the hand-off",
-                        retryable=True,
-                        status=503,
-                    )
-            if target is None:
-                if cut is not None:
-                    raise cut
-                raise _for_client(last) if last is not None else self._unavailable(route)
-            tried.add(target.name)
-            if failed is not None and not splicing:
-                self._count_failover(route, request, failed, target, transcript)
-                failed = None
-            before_tokens, before_text = transcript.tokens, transcript.text_tokens
-            started = False
-            handed = False
-            try:
-                async with AsyncExitStack() as legs:
-                    deltas: AsyncIterator[Delta] = await legs.enter_async_context(
-                        aclosing(self._leg(target, leg_request, route))
-                    )
-                    if splicing and route.hedge:
-                        # A slow continuation is also asked of the next target; the first to
-                        # answer carries on (the seam is what the user waits through).
-                        target, deltas = await self._hedged(
-                            route,
-                            request,
-                            order,
-                            tried,
-                            session,
-                            target,
-                            deltas,
-                            leg_request,
-                            legs,
-                        )
-                    async for delta in deltas:
-                        if not started:
-                            started = True
-                            target.health.success()
-                            if handing is not None:
-                                handoffs += 1
-                                yield self._handed_off(
-                                    route, request, handing, target, before_tokens
-                                )
-                                handing = None
-                            elif splicing:
-                                # A splice is counted when it takes: a continuation that
-                                # a target refused is no seam.
-                                splices += 1
-                                if failed is not None:
-                                    self._count_failover(route, request, failed, target, transcript)
-                                    failed = None
-                                yield _failover_meta(failed_from(cut), target, before_tokens)
-                        transcript.add(delta)
-                        if delta.finish_reason is not None and (splices or handoffs):
-                            delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
-                        yield delta
-                        if (
-                            limit is not None
-                            and delta.finish_reason is None
-                            and transcript.text_tokens >= limit
-                            and (
-                                handoff is None
-                                or handoff.at == "tokens"
-                                or _sentence_end(delta.text)
-                            )
-                            and transcript.why_not() is None
-                        ):
-                            handed = True
-                            break  # the edge's part is done: closing the leg stops it
-                if not handed:
-                    return
-                handing = target
-                continue
-            except EngineError as exc:
-                error = exc
-                failed_target = getattr(exc, "target", None)
-                if isinstance(failed_target, str) and failed_target in self.targets:
-                    target = self.targets[failed_target]  # the last of a hedged pair
-            except BaseException:
-                if not started:  # the client left (or a bug): a half-open probe goes back
-                    target.health.release()
-                raise
-            self._target_failed(route, request, target, error, transcript.tokens, owner)
-            if error.client_fault and not splicing:
-                raise error  # another target would refuse the same request
-            if not (error.retryable or error.client_fault):
-                raise error
-            if started:
-                cut = _named(error, target)
-                failed = (target, "mid_stream")
-                handing = None  # a leg that began and broke is a cut, whatever it followed
-            elif splicing:
-                pass  # a continuation refused or failed: the seam is still the first cut
-            else:
-                failed = (target, "connect" if error.status is not None else "first_token")
-                last = error
+                except EngineError as exc:
+                    failed_target = getattr(exc, "target", None)
+                    if isinstance(failed_target, str) and failed_target in self.targets:
+                        course.target = self.targets[failed_target]
+                    raise
+                course.target = target
+            async for delta in deltas:
+                if not course.started:
+                    course.started = True
+                    target.health.success()
+                    seam = self._seam(course, target, before_tokens)
+                    if seam is not None:
+                        yield seam
+                transcript.add(delta)
+                if delta.finish_reason is not None and (course.splices or course.handoffs):
+                    delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
+                yield delta
+                if limit is not None and self._hands_off(course, delta, limit):
+                    course.handed = True
+                    return  # the edge's part is done: closing the leg stops it
+
+    def _seam(self, course: Course, target: Target, before_tokens: int) -> Delta | None:
+        """The meta event of a leg's first delta: a hand-off taken, or a splice (counted
+        when it takes: a continuation that a target refused is no seam)."""
+        route, request = course.route, course.request
+        if course.handing is not None:
+            course.handoffs += 1
+            meta = self._handed_off(route, request, course.handing, target, before_tokens)
+            course.handing = None
+            return meta
+        if not course.splicing:
+            return None
+        course.splices += 1
+        if course.failed is not None:
+            self._count_failover(route, request, course.failed, target, course.transcript)
+            course.failed = None
+        return _failover_meta(failed_from(course.cut), target, before_tokens)
+
+    def _hands_off(self, course: Course, delta: Delta, limit: int) -> bool:
+        """Whether the edge's part ends after `delta`."""
+        handoff = course.route.handoff
+        transcript = course.transcript
+        return (
+            delta.finish_reason is None
+            and transcript.text_tokens >= limit
+            and (handoff is None or handoff.at == "tokens" or _sentence_end(delta.text))
+            and transcript.why_not() is None
+        )
+
+    def _leg_failed(self, course: Course, error: EngineError) -> None:
+        """A leg failed: tell its target's health, then raise what the client gets, or
+        note how the next turn goes on (failover before the first token, else a splice)."""
+        target = course.target
+        self._target_failed(
+            course.route, course.request, target, error, course.transcript.tokens, course.owner
+        )
+        splicing = course.splicing
+        if error.client_fault and not splicing:
+            raise error  # another target would refuse the same request
+        if not (error.retryable or error.client_fault):
+            raise error
+        if course.started:
+            course.cut = _named(error, target)
+            course.failed = (target, "mid_stream")
+            course.handing = None  # a leg that began and broke is a cut, whatever it followed
+        elif splicing:
+            pass  # a continuation refused or failed: the seam is still the first cut
+        else:
+            course.failed = (target, "connect" if error.status is not None else "first_token")
+            course.last = error
 
     async def _hedged(
         self,
