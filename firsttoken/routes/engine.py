@@ -28,8 +28,9 @@ from prometheus_client.core import (
 
 from firsttoken.engines.base import TARGET_FAULTS, Delta, EngineError, GenerationRequest
 from firsttoken.observability import log_event
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
+from firsttoken.routes.seam import Pacer, Seam, prefill_request
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
@@ -84,6 +85,7 @@ class Course:
     where the answer stands between legs (a failover, a splice, a hand-off under way)."""
 
     __slots__ = (
+        "asked_at",
         "cut",
         "edge",
         "failed",
@@ -95,8 +97,11 @@ class Course:
         "leg_request",
         "order",
         "owner",
+        "pacer",
+        "prefill",
         "request",
         "route",
+        "seam",
         "session",
         "splices",
         "splicing",
@@ -125,11 +130,19 @@ class Course:
         self.edge: Target | None = None  # the hand-off's first target, until its leg starts
         self.handing: Target | None = None  # set while the answer goes from the edge on
         self.fell_back = False  # the edge was asked to finish what the center could not take
+        self.seam: Seam | None = None  # a hand-off's timing
+        self.pacer: Pacer | None = None  # a hand-off's pace: the edge's text held back
+        self.prefill: asyncio.Task[None] | None = None  # the center's prefill, under way
+        self.asked_at: float | None = None  # when the center was asked to take over
         # this turn's
         self.splicing = False  # text was sent before this leg: it continues the answer
         self.target: Target  # set by begin_leg
         self.started = False  # the leg gave a delta
         self.handed = False  # the leg was the edge's, and its part is done
+
+    def end(self) -> None:
+        if self.prefill is not None and not self.prefill.done():
+            self.prefill.cancel()  # its leg closes as the task ends
 
     def begin_leg(self, target: Target) -> None:
         self.target = target
@@ -259,10 +272,24 @@ class RoutedEngine:
             await target.engine.abort(request_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        course = self._course(request)
+        try:
+            async with aclosing(self._answer(course)) as answer:
+                if course.pacer is None:
+                    async for delta in answer:
+                        yield delta
+                else:
+                    # Closed first: its read of `answer` ends before `answer` is closed.
+                    async with aclosing(_paced(course.pacer, answer)) as paced:
+                        async for delta in paced:
+                            yield delta
+        finally:
+            course.end()
+
+    async def _answer(self, course: Course) -> AsyncIterator[Delta]:
         """The answer over as many legs as it takes: each turn asks the next target (the
         hand-off's edge first, where one applies) and streams its deltas; a leg that breaks
         off is reported, and the next turn fails over or splices."""
-        course = self._course(request)
         while True:
             course.splicing = course.transcript.tokens > 0
             leg_request = self._next_request(course)
@@ -284,6 +311,7 @@ class RoutedEngine:
             if not course.handed:
                 return
             course.handing = course.target
+            self._handing_over(course)
 
     def _course(self, request: GenerationRequest) -> Course:
         """The plan for one answer: its route, the order of its targets, and the edge that
@@ -306,7 +334,65 @@ class RoutedEngine:
         # The hand-off's first target, when it applies: not for a short prompt, which the
         # small target answers whole.
         course.edge = None if short else self._edge(route, request)
+        if course.edge is not None and route.handoff is not None:
+            self._plan_seam(course, route.handoff)
         return course
+
+    def _plan_seam(self, course: Course, handoff: Handoff) -> None:
+        """The hand-off's timing: the center that will likely take over is asked for the
+        prefill now, and the edge's text is paced (routes/seam.py)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        center = self._likely_center(course)
+        seam = Seam(handoff.after_tokens, sentence=handoff.at == "sentence", prefill=False)
+        if center is not None:
+            seam.warm_s = center.handoff_s
+            if handoff.prefill:
+                seam.prefill = True
+                if center.prefill_s is not None:
+                    seam.expect_ready_at = now + center.prefill_s
+                course.prefill = loop.create_task(self._prefill(course, center, seam))
+        course.seam = seam
+        if handoff.pace_ms > 0:
+            course.pacer = Pacer(handoff.pace_ms / 1000)
+
+    def _likely_center(self, course: Course) -> Target | None:
+        """The target a hand-off would go to now, as `_pick` would rank them (without
+        taking it: the continuation takes its own turn)."""
+        now = asyncio.get_running_loop().time()
+        names = list(course.order)
+        if course.session is not None:
+            names.sort(key=lambda n: _rendezvous(course.session or b"", n), reverse=True)
+        for name in names:
+            target = self.targets[name]
+            if target.continues and target.has_room() and target.health.available(now):
+                return target
+        return None
+
+    async def _prefill(self, course: Course, center: Target, seam: Seam) -> None:
+        """Ask `center` for the conversation alone, one token, thrown away: its prefix cache
+        warms while the edge writes, and its answer says the center is ready."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        request = prefill_request(course.request)
+        try:
+            async with aclosing(self._leg(center, request, course.route)) as deltas:
+                async for _ in deltas:
+                    break
+        except EngineError as exc:
+            self._said(
+                "route.prefill_failed",
+                logging.WARNING,
+                stream=course.request.request_id,
+                route=course.route.name,
+                target=center.name,
+                code=exc.code,
+                error=exc.message[:200],
+            )
+            return
+        now = loop.time()
+        seam.ready(now)
+        center.prefilled(now - began)
 
     def _next_request(self, course: Course) -> GenerationRequest | None:
         """What the next leg is asked: the request itself, or once text was sent, its
@@ -423,7 +509,11 @@ class RoutedEngine:
         """The meta event of a leg's first delta: a hand-off taken, or a splice (counted
         when it takes: a continuation that a target refused is no seam)."""
         route, request = course.route, course.request
+        if course.pacer is not None and (course.handing is not None or course.splicing):
+            course.pacer.release()  # the next leg's text flows: what is held leaves now
         if course.handing is not None:
+            if course.handing is not target and course.asked_at is not None:
+                self._learn_handoff(course, target)
             course.handoffs += 1
             meta = self._handed_off(route, request, course.handing, target, before_tokens)
             course.handing = None
@@ -436,16 +526,37 @@ class RoutedEngine:
             course.failed = None
         return _failover_meta(failed_from(course.cut), target, before_tokens)
 
+    def _learn_handoff(self, course: Course, target: Target) -> None:
+        """The center's delay on this hand-off, from the later of its asking and its
+        readiness (a prefill's answer) to its first token."""
+        now = asyncio.get_running_loop().time()
+        since = course.asked_at or now
+        seam = course.seam
+        if seam is not None and seam.prefill:
+            if seam.ready_at is None:
+                return  # its prefill never answered: this delay says nothing about a warm one
+            since = max(since, seam.ready_at)
+        target.took_over(max(0.0, now - since))
+
     def _hands_off(self, course: Course, delta: Delta, limit: int) -> bool:
-        """Whether the edge's part ends after `delta`."""
-        handoff = course.route.handoff
-        transcript = course.transcript
-        return (
-            delta.finish_reason is None
-            and transcript.text_tokens >= limit
-            and (handoff is None or handoff.at == "tokens" or _sentence_end(delta.text))
-            and transcript.why_not() is None
-        )
+        """Whether the edge's part ends after `delta`: by time (routes/seam.py), bounded by
+        the route's `after_tokens`."""
+        transcript, seam = course.transcript, course.seam
+        if delta.finish_reason is not None or not delta.text or transcript.why_not() is not None:
+            return False
+        if seam is None:
+            return transcript.text_tokens >= limit
+        now = asyncio.get_running_loop().time()
+        in_hand = course.pacer.in_hand(now) if course.pacer is not None else 0.0
+        return seam.hands_off(now, transcript.text_tokens, in_hand, _sentence_end(delta.text))
+
+    def _handing_over(self, course: Course) -> None:
+        """The edge's leg is closed: the center is asked now, and the held text is spread
+        over its expected delay."""
+        now = asyncio.get_running_loop().time()
+        course.asked_at = now
+        if course.pacer is not None and course.seam is not None:
+            course.pacer.handed_off(course.seam.expected_first(now))
 
     def _leg_failed(self, course: Course, error: EngineError) -> None:
         """A leg failed: tell its target's health, then raise what the client gets, or
@@ -922,3 +1033,61 @@ async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterat
         yield first
     async for delta in rest:
         yield delta
+
+
+async def _paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+    """`answer`'s deltas, in order, the edge's text let out by `pacer` while the answer is
+    read as fast as it comes (the edge's leg is never slowed by the pace); once the next
+    leg's text comes, straight through."""
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future[Delta] | None = None
+    failure: BaseException | None = None
+    done = False
+    try:
+        while True:
+            if pacer.released and not len(pacer) and not done:
+                if pending is not None:
+                    try:
+                        delta = await pending
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        pending = None
+                    yield delta
+                async for delta in answer:
+                    yield delta
+                return
+            now = loop.time()
+            at = pacer.next_at(now)
+            if at is not None and at <= now:
+                yield pacer.take(now)
+                continue
+            if done:
+                if at is None:
+                    if failure is not None:
+                        raise failure
+                    return
+                await asyncio.sleep(at - now)
+                continue
+            if pending is None:
+                pending = asyncio.ensure_future(anext(answer))
+            timeout = None if at is None else at - now
+            finished, _ = await asyncio.wait((pending,), timeout=timeout)
+            if not finished:
+                continue
+            future, pending = pending, None
+            try:
+                pacer.hold(future.result())
+            except StopAsyncIteration:
+                done = True
+                pacer.release()
+            except Exception as exc:
+                # What the edge said is the client's before the error is.
+                failure, done = exc, True
+                pacer.release()
+    finally:
+        failure = None
+        if pending is not None:
+            pending.cancel()
+            with suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await pending

@@ -20,10 +20,12 @@ from tests.upstreams import free_port
 CENTER = ("--synthetic-ttft-ms", "300", "--synthetic-itl-ms", "5", "--ttft-slo-ms", "0")
 BODY = {"messages": [{"role": "user", "content": "Tell me about tides."}], "max_tokens": 40}
 GENERATED = "firsttoken_tokens_generated_total"
+# The hand-off by count alone (no prefill, no pace): the tests below that place the seam.
+BY_COUNT = ", prefill = false, pace_ms = 0"
 
 
-def _routes(tmp: Path, center_url: str, *, fallback: bool = True) -> str:
-    path = tmp / f"routes-{fallback}.toml"
+def _routes(tmp: Path, center_url: str, *, fallback: bool = True, seam: str = BY_COUNT) -> str:
+    path = tmp / f"routes-{fallback}-{len(seam)}.toml"
     path.write_text(
         f"""
 [targets.small]
@@ -40,7 +42,7 @@ first_token_timeout_s = 5
 
 [models.chat]
 targets = ["center"]
-handoff = {{ from = "small", after_tokens = 8, fallback = {str(fallback).lower()} }}
+handoff = {{ from = "small", after_tokens = 8, fallback = {str(fallback).lower()}{seam} }}
 """
     )
     return str(path)
