@@ -140,10 +140,6 @@ class Course:
         self.started = False  # the leg gave a delta
         self.handed = False  # the leg was the edge's, and its part is done
 
-    def end(self) -> None:
-        if self.prefill is not None and not self.prefill.done():
-            self.prefill.cancel()  # its leg closes as the task ends
-
     def begin_leg(self, target: Target) -> None:
         self.target = target
         self.started = False
@@ -166,6 +162,7 @@ class RoutedEngine:
         self._current: dict[str, Target] = {}
         self._turn = 0
         self._checks: list[asyncio.Task[None]] = []
+        self._prefills: set[asyncio.Task[None]] = set()  # running on past their answers
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -232,7 +229,7 @@ class RoutedEngine:
             raise RuntimeError(f"target {target.name!r}: {exc}") from exc
 
     async def close(self) -> None:
-        for task in self._checks:
+        for task in (*self._checks, *self._prefills):
             task.cancel()
         for task in self._checks:
             with suppress(asyncio.CancelledError):
@@ -273,6 +270,7 @@ class RoutedEngine:
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         course = self._course(request)
+        complete = False
         try:
             async with aclosing(self._answer(course)) as answer:
                 if course.pacer is None:
@@ -283,8 +281,21 @@ class RoutedEngine:
                     async with aclosing(_paced(course.pacer, answer)) as paced:
                         async for delta in paced:
                             yield delta
+            complete = True
         finally:
-            course.end()
+            self._end_prefill(course, complete)
+
+    def _end_prefill(self, course: Course, complete: bool) -> None:
+        """A prefill still under way when the answer is complete runs to its answer (the
+        center's time to be ready is learned from it); otherwise it is cancelled."""
+        task = course.prefill
+        if task is None or task.done():
+            return
+        if not complete:
+            task.cancel()  # its leg closes as the task ends
+            return
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
 
     async def _answer(self, course: Course) -> AsyncIterator[Delta]:
         """The answer over as many legs as it takes: each turn asks the next target (the
@@ -346,9 +357,11 @@ class RoutedEngine:
         center = self._likely_center(course)
         seam = Seam(handoff.after_tokens, sentence=handoff.at == "sentence", prefill=False)
         if center is not None:
-            seam.warm_s = center.handoff_s
+            # Without a prefill a continuation costs the center's usual first-token time.
+            seam.warm_s = center.first_token_s
             if handoff.prefill:
                 seam.prefill = True
+                seam.warm_s = center.handoff_s
                 if center.prefill_s is not None:
                     seam.expect_ready_at = now + center.prefill_s
                 course.prefill = loop.create_task(self._prefill(course, center, seam))
@@ -532,11 +545,9 @@ class RoutedEngine:
         now = asyncio.get_running_loop().time()
         since = course.asked_at or now
         seam = course.seam
-        if seam is not None and seam.prefill:
-            if seam.ready_at is None:
-                return  # its prefill never answered: this delay says nothing about a warm one
-            since = max(since, seam.ready_at)
-        target.took_over(max(0.0, now - since))
+        if seam is None or not seam.prefill or seam.ready_at is None:
+            return  # no prefill (or none answered): this delay says nothing about a warm one
+        target.took_over(max(0.0, now - max(since, seam.ready_at)))
 
     def _hands_off(self, course: Course, delta: Delta, limit: int) -> bool:
         """Whether the edge's part ends after `delta`: by time (routes/seam.py), bounded by
