@@ -61,13 +61,20 @@ import numpy as np
 
 from bench.failover import Process, _free_port, gateway_events
 from bench.procs import ROOT, ServerProcess
+from firsttoken.engines.relay import render_open_chat
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
 LLAMA_MODEL = "smollm2-135m-instruct"
+LCPP_ALIAS = "smollm2"  # the llama-cpp-python center's name for the same model
 # The router's own test of a sentence end (firsttoken/routes/engine.py), applied to the text
 # before the seam: a seam right after it is a pause between sentences.
 SENTENCE_END = re.compile(r"""[.!?。！？…]["'”’)\]]*\s*$|\n\s*$""")
+# Today's hand-off: after exactly after_tokens, no prefill, no pace.
+BY_COUNT = ", prefill = false, pace_ms = 0"
+# The synthetic center continues any edge's text; with a prefix cache for the seam cases.
+SYNTH_KNOBS = {"continue_any": True}
+SEAM_KNOBS = {"continue_any": True, "prefix_cache": True}
 GREETINGS = ("Hi!", "hello", "Thanks!", "hi there", "Good morning")
 CANNED = {
     "hi": "Hello! How can I help you today?",
@@ -126,10 +133,19 @@ class Sizes:
     center_itl_ms: int = 20
     max_prompt_tokens: int = 16  # short_prompts: at most this many prompt tokens, counted here
     heartbeat_s: float = 0.25  # the edge's: pings inside a long seam show it stays warm
+    seam_requests: int = 30  # the seam cases (edge, synth-*, seam): answers a case
+    tier_delay_ms: int = 50  # between the tiers for the seam cases, each way (a delay line)
 
     @classmethod
     def quick(cls) -> Sizes:
-        return cls(requests=3, synth_requests=2, concurrency=2, max_tokens=16, after_tokens=4)
+        return cls(
+            requests=3,
+            synth_requests=2,
+            concurrency=2,
+            max_tokens=16,
+            after_tokens=4,
+            seam_requests=3,
+        )
 
 
 @dataclass(slots=True)
@@ -137,6 +153,7 @@ class Seen:
     """One stream as the client saw it: content chunks and heartbeats with their times."""
 
     kind: str
+    prompt: str = ""
     t_sent: float = 0.0
     t_end: float = 0.0
     stream: str | None = None
@@ -153,16 +170,24 @@ class Seen:
 
 
 async def stream_chat(
-    http: httpx.AsyncClient, url: str, model: str, prompt: str, kind: str, max_tokens: int
+    http: httpx.AsyncClient,
+    url: str,
+    model: str,
+    prompt: str,
+    kind: str,
+    max_tokens: int,
+    synthetic: dict[str, Any] | None = None,
 ) -> Seen:
-    body = {
+    body: dict[str, Any] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt}],
         "stream": True,
         "temperature": 0,
         "max_tokens": max_tokens,
     }
-    seen = Seen(kind)
+    if synthetic:
+        body["synthetic"] = synthetic
+    seen = Seen(kind, prompt)
     seen.t_sent = time.perf_counter()
     try:
         async with http.stream("POST", url + "/v1/chat/completions", json=body) as resp:
@@ -205,7 +230,13 @@ def _data(seen: Seen, event: str, data: str, now: float) -> None:
             seen.finish = choice["finish_reason"]
 
 
-async def drive(url: str, model: str, work: Sequence[tuple[str, str]], sizes: Sizes) -> list[Seen]:
+async def drive(
+    url: str,
+    model: str,
+    work: Sequence[tuple[str, str]],
+    sizes: Sizes,
+    synthetic: dict[str, Any] | None = None,
+) -> list[Seen]:
     """Every (kind, prompt), `sizes.concurrency` at a time."""
     slots = asyncio.Semaphore(sizes.concurrency)
     timeout = httpx.Timeout(300.0, connect=5.0)
@@ -213,7 +244,9 @@ async def drive(url: str, model: str, work: Sequence[tuple[str, str]], sizes: Si
 
         async def one(kind: str, prompt: str) -> Seen:
             async with slots:
-                return await stream_chat(http, url, model, prompt, kind, sizes.max_tokens)
+                return await stream_chat(
+                    http, url, model, prompt, kind, sizes.max_tokens, synthetic
+                )
 
         return list(await asyncio.gather(*(one(k, p) for k, p in work)))
 
@@ -226,9 +259,10 @@ class DelayLine:
     and the answers at once: the target starts each request that much later, as a center
     whose queue and prefill take that long would."""
 
-    def __init__(self, target_port: int, delay_s: float) -> None:
+    def __init__(self, target_port: int, delay_s: float, back_s: float = 0.0) -> None:
         self.target_port = target_port
         self.delay_s = delay_s
+        self.back_s = back_s  # the answers' way back, as late (0: at once)
         self.server: asyncio.Server | None = None
         self.port = 0
         self._handlers: set[asyncio.Task[None]] = set()
@@ -274,13 +308,30 @@ class DelayLine:
                 up_writer.write(data)
                 await up_writer.drain()
 
-        async def back() -> None:  # target → client, at once
+        returns: asyncio.Queue[tuple[float, bytes]] = asyncio.Queue()
+
+        async def back() -> None:  # target → client, `back_s` late (order kept)
             while data := await up_reader.read(65536):
+                if not self.back_s:
+                    writer.write(data)
+                    await writer.drain()
+                    continue
+                returns.put_nowait((loop.time() + self.back_s, data))
+            returns.put_nowait((loop.time() + self.back_s, b""))
+            if not self.back_s:
+                writer.close()
+
+        async def home() -> None:
+            while self.back_s:
+                due, data = await returns.get()
+                await asyncio.sleep(max(0.0, due - loop.time()))
+                if not data:
+                    writer.close()
+                    return
                 writer.write(data)
                 await writer.drain()
-            writer.close()
 
-        tasks = [asyncio.create_task(t()) for t in (take, give, back)]
+        tasks = [asyncio.create_task(t()) for t in (take, give, back, home)]
         try:
             await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
         except asyncio.CancelledError:
@@ -340,9 +391,21 @@ def figures(
         for i, (x, y) in enumerate(zip(s.times, s.times[1:], strict=False))
         if i != seams.get(s.stream or "", 0) - 1
     ]
+    # Over the whole answer: every gap between two content chunks, and each answer's longest.
+    all_gaps = [
+        (y - x) * 1000 for s in ok for x, y in zip(s.times, s.times[1:], strict=False)
+    ]
+    longest = [
+        max((y - x) * 1000 for x, y in zip(s.times, s.times[1:], strict=False))
+        for s in ok
+        if len(s.times) > 1
+    ]
     return {
         "requests": len(seen),
         "completed": len(ok),
+        "chunk_gap_ms_p99": _pct(all_gaps, 99),
+        "longest_pause_ms_p50": _pct(longest, 50),
+        "longest_pause_ms_max": max(longest) if longest else None,
         "errors": sorted({s.error[:160] for s in seen if s.error}),
         "ttft_ms_p50": _pct(ttft, 50),
         "ttft_ms_p99": _pct(ttft, 99),
@@ -399,12 +462,15 @@ def routes_toml(centers: dict[str, tuple[str, str]], sizes: Sizes) -> str:
     per case."""
     out = ["[targets.small]", 'kind = "llamacpp"', ""]
     for name, (url, model) in centers.items():
+        # llama-cpp-python cannot continue a final assistant message: the gateway renders the
+        # chat (ChatML) and asks its /v1/completions.
+        how = "completions" if name == "lcpp" else "vllm"
         out += [
             f"[targets.{name}-center]",
             'kind = "openai"',
             f'url = "{url}/v1"',
             f'model = "{model}"',
-            'continuation = "vllm"',
+            f'continuation = "{how}"',
             "first_token_timeout_s = 120",
             "",
         ]
@@ -415,16 +481,24 @@ def routes_toml(centers: dict[str, tuple[str, str]], sizes: Sizes) -> str:
             out += [
                 f"[models.{name}-{at}]",
                 f'targets = ["{name}-center"]',
-                f'handoff = {{ from = "small", after_tokens = {n}, at = "{at}" }}',
+                f'handoff = {{ from = "small", after_tokens = {n}, at = "{at}"{BY_COUNT} }}',
                 "",
             ]
+        # The hand-off without a seam: prefilled, paced, by time (at most 2/3 of the answer).
+        out += [
+            f"[models.{name}-seam]",
+            f'targets = ["{name}-center"]',
+            f'handoff = {{ from = "small", after_tokens = {sizes.max_tokens * 2 // 3} }}',
+            "",
+        ]
+    out += ["[models.edge]", 'targets = ["small"]', ""]
     short = f'short_prompts = {{ target = "small", max_prompt_tokens = {sizes.max_prompt_tokens} }}'
     out += ["[models.mix]", 'targets = ["slow-center"]', short, ""]
     out += [
         "[models.mix-handoff]",
         'targets = ["slow-center"]',
         short,
-        f'handoff = {{ from = "small", after_tokens = {n}, at = "sentence" }}',
+        f'handoff = {{ from = "small", after_tokens = {n}, at = "sentence"{BY_COUNT} }}',
     ]
     return "\n".join(out) + "\n"
 
@@ -454,6 +528,11 @@ def _work(n: int) -> list[tuple[str, str]]:
     return [("long", LONG[i % len(LONG)]) for i in range(n)]
 
 
+def _unique(n: int) -> list[tuple[str, str]]:
+    """Long prompts made unique (a prefix cache holds no earlier answer's prompt)."""
+    return [("long", f"{LONG[i % len(LONG)]} (Question {i + 1}.)") for i in range(n)]
+
+
 def _mix(n: int) -> list[tuple[str, str]]:
     kinds = ("greeting", "short", "long")
     pools = {"greeting": GREETINGS, "short": SHORT, "long": LONG}
@@ -464,21 +543,30 @@ def _mix(n: int) -> list[tuple[str, str]]:
 
 async def run_case(
     edge: ServerProcess,
-    center: ServerProcess,
+    center: ServerProcess | LlamaCppServer,
     model: str,
     work: Sequence[tuple[str, str]],
     sizes: Sizes,
 ) -> dict[str, Any]:
+    ours = not isinstance(center, LlamaCppServer)  # a firsttoken: its log and metrics
     offset, center_offset = edge.log.stat().st_size, center.log.stat().st_size
-    before = _streams(center)
+    before = _streams(center) if ours else 0.0
     canned_before = edge.metrics().get("firsttoken_canned_answers_total", 0.0)
     t0 = time.perf_counter()
-    seen = await drive(edge.url, model, work, sizes)
+    knobs = None
+    if model.startswith("synth"):
+        knobs = SEAM_KNOBS if model.endswith("-seam") else SYNTH_KNOBS
+    seen = await drive(edge.url, model, work, sizes, knobs)
     wall = time.perf_counter() - t0
     await asyncio.sleep(0.3)  # the last lines reach the log
     events = gateway_events(edge.log, offset)
-    row = {"case": model, "wall_s": wall, **figures(seen, events, _ttfts(center, center_offset))}
-    row["center_streams"] = _streams(center) - before
+    ttfts = _ttfts(center, center_offset) if ours else {}
+    row = {"case": model, "wall_s": wall, **figures(seen, events, ttfts)}
+    if model.startswith("synth"):
+        row["seam_text_exact"] = await seam_texts(center.url, seen, events, sizes)
+    elif model.startswith("lcpp"):
+        row["seam_text_exact"] = await lcpp_seam_texts(center.url, seen, events, sizes)
+    row["center_streams"] = _streams(center) - before if ours else None
     row["canned"] = edge.metrics().get("firsttoken_canned_answers_total", 0.0) - canned_before
     # A stream whose edge leg reached the hand-off point asked the center (whether or not
     # the center took it); one without a hand-off line of any kind stayed at the edge.
@@ -494,7 +582,128 @@ async def run_case(
     return row
 
 
+async def seam_texts(
+    center_url: str, seen: Sequence[Seen], events: Sequence[dict[str, Any]], sizes: Sizes
+) -> str:
+    """For each handed-off answer: is the text after the seam the center's own continuation
+    of exactly the text before it? (The center asked again, directly, for that.)"""
+    seams = {e["stream"]: int(e["at_token"]) for e in events if e.get("event") == "route.handoff"}
+    exact = asked = 0
+    async with httpx.AsyncClient(timeout=60) as http:
+        for s in seen:
+            k = seams.get(s.stream or "")
+            if not s.completed or not k:
+                continue
+            asked += 1
+            before, after = "".join(s.texts[:k]), "".join(s.texts[k:])
+            body = {
+                "model": "synthetic",
+                "messages": [
+                    {"role": "user", "content": s.prompt},
+                    {"role": "assistant", "content": before},
+                ],
+                "continue_final_message": True,
+                "add_generation_prompt": False,
+                "max_tokens": sizes.max_tokens - k,
+                "synthetic": SYNTH_KNOBS,
+            }
+            resp = await http.post(center_url + "/v1/chat/completions", json=body)
+            exact += resp.json()["choices"][0]["message"]["content"] == after
+    return f"{exact}/{asked}"
+
+
+async def lcpp_seam_texts(
+    center_url: str, seen: Sequence[Seen], events: Sequence[dict[str, Any]], sizes: Sizes
+) -> str:
+    """As `seam_texts`, for llama-cpp-python: its greedy /v1/completions on the ChatML
+    rendering of the conversation with the text before the seam left open (what the edge
+    asked it)."""
+    seams = {e["stream"]: int(e["at_token"]) for e in events if e.get("event") == "route.handoff"}
+    exact = asked = 0
+    async with httpx.AsyncClient(timeout=120) as http:
+        for s in seen:
+            k = seams.get(s.stream or "")
+            if not s.completed or not k:
+                continue
+            asked += 1
+            before, after = "".join(s.texts[:k]), "".join(s.texts[k:])
+            messages = [
+                {"role": "user", "content": s.prompt},
+                {"role": "assistant", "content": before},
+            ]
+            body = {
+                "model": LCPP_ALIAS,
+                "prompt": render_open_chat(messages, "chatml"),
+                "max_tokens": sizes.max_tokens - k,
+                "temperature": 0,
+            }
+            resp = await http.post(center_url + "/v1/completions", json=body)
+            exact += resp.json()["choices"][0]["text"] == after
+    return f"{exact}/{asked}"
+
+
+class LlamaCppServer:
+    """`python -m llama_cpp.server` (llama-cpp-python's own OpenAI-compatible server) with
+    the bundled SmolLM2, one thread: a center that is not a firsttoken."""
+
+    def __init__(self, logs: Path) -> None:
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = logs / "lcpp-center.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> LlamaCppServer:
+        from firsttoken.engines.llamacpp import default_model_path
+
+        cmd = [
+            sys.executable,
+            "-m",
+            "llama_cpp.server",
+            "--model",
+            str(default_model_path()),
+            "--model_alias",
+            LCPP_ALIAS,
+            "--chat_format",
+            "chatml",
+            "--n_threads",
+            "1",
+            "--n_threads_batch",
+            "1",
+            # Its default cuts a running answer off when another request comes: the edge's
+            # prefill for one answer would cut another's continuation.
+            "--interrupt_requests",
+            "False",
+            "--port",
+            str(self.port),
+        ]
+        with self.log.open("wb") as sink:
+            self.proc = subprocess.Popen(cmd, stdout=sink, stderr=subprocess.STDOUT)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(self.url + "/v1/models", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.3)
+        raise RuntimeError(f"llama-cpp-python server not ready (see {self.log})")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
 CASES = (
+    "edge",
+    "synth-seam",
+    "lcpp",
+    "lcpp-tokens",
+    "lcpp-seam",
+    "slow-seam",
     "slow",
     "slow-tokens",
     "slow-sentence",
@@ -524,7 +733,10 @@ async def bench(
         "synth": _serve("synth-center", synth_args, logs),
     }
     servers = {name: p.start() for name, p in procs.items()}
+    lcpp = LlamaCppServer(logs).start() if any(c.startswith("lcpp") for c in only) else None
     line: DelayLine | None = None
+    tier_line: DelayLine | None = None
+    lcpp_line: DelayLine | None = None
     edge_proc: Process | None = None
     res: dict[str, Any] = {"runs": []}
     try:
@@ -532,11 +744,20 @@ async def bench(
             await asyncio.to_thread(s.wait_ready, 180.0)
         line = DelayLine(servers["llama"].port, sizes.center_delay_ms / 1000)
         await line.start()
+        # No netem in this kernel: the synthetic center sits behind a delay line both ways.
+        tier = sizes.tier_delay_ms / 1000
+        tier_line = DelayLine(servers["synth"].port, tier, back_s=tier)
+        await tier_line.start()
         centers = {
             "slow": (f"http://127.0.0.1:{line.port}", LLAMA_MODEL),
             "llama": (servers["llama"].url, LLAMA_MODEL),
-            "synth": (servers["synth"].url, "synthetic"),
+            "synth": (f"http://127.0.0.1:{tier_line.port}", "synthetic"),
         }
+        if lcpp is not None:
+            await asyncio.to_thread(lcpp.wait_ready, 180.0)
+            lcpp_line = DelayLine(lcpp.port, tier, back_s=tier)
+            await lcpp_line.start()
+            centers["lcpp"] = (f"http://127.0.0.1:{lcpp_line.port}", LCPP_ALIAS)
         routes, canned = logs / "routes.toml", logs / "canned.toml"
         routes.write_text(routes_toml(centers, sizes))
         canned.write_text(canned_toml())
@@ -552,10 +773,13 @@ async def bench(
         edge = edge_proc.start()
         await asyncio.to_thread(edge.wait_ready, 180.0)
         _log(f"edge {edge.url}; llama.cpp center {servers['llama'].url} (slow: :{line.port})")
-        cases: list[tuple[str, ServerProcess, list[tuple[str, str]]]] = []
+        cases: list[tuple[str, ServerProcess | LlamaCppServer, list[tuple[str, str]]]] = []
         for model in only:
-            if model.startswith("synth"):
-                cases.append((model, servers["synth"], _work(sizes.synth_requests)))
+            if model.startswith("synth") or model == "edge":
+                cases.append((model, servers["synth"], _unique(sizes.seam_requests)))
+            elif model.startswith("lcpp"):
+                assert lcpp is not None
+                cases.append((model, lcpp, _unique(sizes.seam_requests)))
             elif model.startswith("mix"):
                 cases.append((model, servers["llama"], _mix(sizes.requests)))
             else:
@@ -574,6 +798,12 @@ async def bench(
             edge_proc.stop()
         if line is not None:
             await line.stop()
+        if tier_line is not None:
+            await tier_line.stop()
+        if lcpp_line is not None:
+            await lcpp_line.stop()
+        if lcpp is not None:
+            lcpp.stop()
         for p in procs.values():
             p.stop()
     return res
@@ -604,6 +834,12 @@ def render(res: dict[str, Any]) -> str:
     add("TTFT p50 / p99 ms", lambda r: pair(r, "ttft_ms_p50", "ttft_ms_p99"))
     add("total p50 / p99 ms", lambda r: pair(r, "total_ms_p50", "total_ms_p99"))
     add("chunks p50", lambda r: _f(r["chunks_p50"]))
+    add("gap between chunks p99 ms", lambda r: _f(r["chunk_gap_ms_p99"]))
+    add(
+        "longest pause p50 / max ms",
+        lambda r: pair(r, "longest_pause_ms_p50", "longest_pause_ms_max"),
+    )
+    add("seam text exact", lambda r: r.get("seam_text_exact", ""))
     add("gap between chunks p50 ms", lambda r: _f(r["itl_ms_p50"], "{:.1f}"))
     add("hand-offs / fallbacks", lambda r: f"{r['handoffs']} / {r['fallbacks']}")
     add("hand-off at token p50 / max", lambda r: pair(r, "at_token_p50", "at_token_max"))

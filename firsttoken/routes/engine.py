@@ -387,7 +387,12 @@ class RoutedEngine:
         warms while the edge writes, and its answer says the center is ready."""
         loop = asyncio.get_running_loop()
         began = loop.time()
-        request = prefill_request(course.request)
+        request = course.request
+        if center.config.continuation == "completions":
+            # The gateway renders this center's chat itself: the prefill is rendered the same
+            # way (the continuation of nothing), or its cache would hold another prompt.
+            request = continuation(request, Transcript()) or request
+        request = prefill_request(request)
         try:
             async with aclosing(self._leg(center, request, course.route)) as deltas:
                 async for _ in deltas:

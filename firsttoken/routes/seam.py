@@ -24,13 +24,14 @@ flows. The clock is passed in (the loop's time).
 
 from __future__ import annotations
 
+import hashlib
 from collections import deque
 from dataclasses import replace
 from typing import Any
 
 from firsttoken.engines.base import Delta, GenerationRequest
 
-__all__ = ["Pacer", "Seam", "prefill_request"]
+__all__ = ["Pacer", "Seam", "prefill_id", "prefill_request"]
 
 _LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
@@ -159,7 +160,13 @@ def prefill_request(request: GenerationRequest) -> GenerationRequest:
         body.pop("stream_options", None)
     return replace(
         request,
-        request_id=request.request_id + ".prefill",
+        request_id=prefill_id(request.request_id),
         max_tokens=1,
         body=body,
     )
+
+
+def prefill_id(request_id: str) -> str:
+    """The prefill's own request id: 32 hex digits, as the stream's (an upstream may insist
+    on a UUID in `X-Request-Id`: llama-cpp-python's server answers anything else 400)."""
+    return hashlib.blake2b(f"{request_id}\x00prefill".encode(), digest_size=16).hexdigest()

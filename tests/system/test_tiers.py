@@ -5,6 +5,7 @@ synthetic model here), and resume, cancel and an unreachable center must stay ho
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -245,13 +246,13 @@ handoff = {{ from = "small", after_tokens = 8{BY_COUNT} }}
     assert all(text == expected for _, text in seamless)
 
     def longest(times: list[float]) -> float:
-        return max(b - a for a, b in zip(times, times[1:], strict=False))
+        return max(b - a for a, b in itertools.pairwise(times))
 
     assert longest(counted) > 0.8  # by count: the center's whole TTFT at the seam
     for times, _ in seamless:
         assert times[0] < 0.5  # the edge's first token
         assert longest(times) < 0.3, longest(times)  # prefilled and paced: no freeze
-    assert [h["at_token"] for h in handoffs][0] == 8
+    assert handoffs[0]["at_token"] == 8
     # The first answer finds the center's prefill time unknown (after_tokens bounds it); later
     # ones know it, and hand off by time.
     assert all(h["at_token"] < 40 for h in handoffs[2:]), [h["at_token"] for h in handoffs]

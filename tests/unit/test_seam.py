@@ -4,7 +4,7 @@ hand, and the hand-off decision by time, bounded by `after_tokens` and sentence 
 from __future__ import annotations
 
 from firsttoken.engines.base import Delta, GenerationRequest
-from firsttoken.routes.seam import Pacer, Seam, prefill_request
+from firsttoken.routes.seam import Pacer, Seam, prefill_id, prefill_request
 from tests.unit.clock import FakeClock
 
 
@@ -137,7 +137,8 @@ def test_the_prefill_asks_one_token_of_the_conversation_alone() -> None:
         request_id="s1", prompt="user: hi", model="chat", max_tokens=300, body=body
     )
     prefill = prefill_request(request)
-    assert prefill.request_id == "s1.prefill" and prefill.max_tokens == 1
+    assert prefill.request_id == prefill_id("s1") and prefill.max_tokens == 1
+    assert len(prefill.request_id) == 32 and int(prefill.request_id, 16) >= 0
     assert prefill.body == {
         "model": "chat",
         "messages": [{"role": "user", "content": "hi"}],
