@@ -459,6 +459,13 @@ class RoutedEngine:
                 retryable=True,
                 status=503,
             )
+        if picked is None and course.cut is not None and course.handoffs and handoff is not None:
+            # The center broke off after it took over, and no other can continue: the edge
+            # finishes the answer, where allowed (a splice onto it).
+            edge = self.targets[handoff.source]
+            if handoff.fallback and edge.continues and not course.fell_back:
+                course.fell_back = True
+                return edge, None
         if picked is None:
             if course.cut is not None:
                 raise course.cut

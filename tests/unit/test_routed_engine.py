@@ -1202,3 +1202,27 @@ def test_a_client_leaving_mid_hand_off_closes_the_prefill_and_every_leg() -> Non
     virtual_loop.run(body())
     assert edge.ended_early and center.ended_early  # the edge's leg and the prefill
     assert all(t.outstanding == 0 for t in engine.targets.values())
+
+
+def test_a_center_that_breaks_after_the_hand_off_alone_leaves_the_edge_to_finish() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    words = Words(60, ttft_s=0.3, itl_s=0.02, warm_s=0.05)
+
+    def breaks(request: GenerationRequest) -> list[Any]:
+        steps = words(request)
+        return [*steps[:10], cut()] if "continuation" in request.options else steps
+
+    out = timed(seam_tiers(Scripted(breaks), edge=edge, pace_ms=50))
+    assert out.error is None and out.text == whole_words(60)
+    handoff, failover = out.metas
+    assert handoff["handoff"]["to"] == "center0"
+    assert failover["failover"] == {
+        "from": "center0",
+        "to": "edge",
+        "at_token": handoff["handoff"]["at_token"] + 5,
+    }
+    # The edge's own first token after the cut (0.1 s): no pause of a deadline's size.
+    assert out.longest_gap() <= 0.1 + 0.02
+    without = timed(seam_tiers(Scripted(breaks), edge=edge, pace_ms=50, fallback=False))
+    assert without.error is not None and without.error.code == "upstream_truncated"
+    assert all(d.finish_reason is None for _, d in without.deltas)  # never passed off whole
