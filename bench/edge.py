@@ -3,17 +3,22 @@ hand-off to the center costs the reader.
 
     .venv/bin/python -m bench.edge [--quick] [--requests 40] [--concurrency 4]
                                    [--max-tokens 48] [--after-tokens 16] [--cases A,B]
-                                   [--edge-root DIR]
+                                   [--seam-requests 30] [--tier-delay-ms 50] [--edge-root DIR]
 
-Processes on loopback (every one a `firsttoken serve`, bar the delay line):
+Processes on loopback (every one a `firsttoken serve`, bar the delay lines and lcpp-center):
 - `llama-center`: `--engine llamacpp`, the bundled SmolLM2-135M, the only real model here;
 - a delay line in this process, in front of it: every byte towards the center arrives
   `--center-delay-ms` (900) late, so the center starts each answer 900 ms after it was asked
-  (a big model's queue and prefill) and then decodes at the small model's pace. The hand-off
-  needs a center that continues a text it did not write, which the synthetic engine refuses;
-- `synth-center`: the synthetic engine, TTFT 900 ms, ITL 20 ms, its TTFT guard off. It
-  continues only its own answer (`invalid_continuation`, 400, for any other prefix), so its
-  hand-off cases show the refusal and the edge's fallback, on fewer requests;
+  (a big model's queue and prefill: a prefill cannot shorten it) and then decodes at the small
+  model's pace;
+- `synth-center`: the synthetic engine, TTFT 900 ms, ITL 20 ms, its TTFT guard off, behind a
+  delay line of `--tier-delay-ms` (50) each way (this kernel has no netem). Its requests carry
+  `synthetic.continue_any` (it continues the small model's text: the rest of its own answer
+  after as many tokens) and, for `synth-seam`, `prefix_cache` (its TTFT is the prompt's
+  prefill, which a prefill at the start warms);
+- `lcpp-center` (cases `lcpp*`): llama-cpp-python's own server (`python -m llama_cpp.server`,
+  the same SmolLM2, one thread, ChatML, `--interrupt_requests False`), behind the same kind of
+  delay line; a `continuation = "completions"` target (the edge renders ChatML);
 - `edge`: `--routes FILE --canned-answers FILE --heartbeat-s 0.25`, the small model in process
   (`kind = "llamacpp"`, the same SmolLM2), the centers as `kind = "openai"` targets with
   `continuation = "vllm"`. One route per case: the center alone, a hand-off `at = "tokens"`
@@ -23,14 +28,22 @@ Processes on loopback (every one a `firsttoken serve`, bar the delay line):
   machines; two llama.cpp processes at their default threads on 2 cores slow each other ×5-11).
 
 Centers by case name: `slow` (llama.cpp behind the delay line), `llama` (llama.cpp, no delay:
-the center is as fast as the edge), `synth`. Every case goes through the edge (same client
+the center is as fast as the edge), `synth`, `lcpp`. `-tokens` and `-sentence` are today's
+hand-off by count (`prefill = false, pace_ms = 0`); `-seam` the hand-off without a seam (the
+defaults: prefill, `pace_ms = 50`, by time, `after_tokens` two thirds of `--max-tokens`);
+`edge` the small model alone. The seam cases (`edge`, `synth*`, `lcpp*`) send
+`--seam-requests` (30) unique long prompts (no cache holds an earlier answer's prompt), and
+check the text after each seam against the center's own continuation of the text before it,
+asked again directly (`seam text exact`). Every case goes through the edge (same client
 path): `--requests` Chat Completions streams (`--synth-requests` for `synth`), `--concurrency`
 at once, greedy, `--max-tokens`; the `mix` cases send greetings (canned at the edge), short
 questions and long prompts, a third each. `--edge-root DIR` runs the edge from another tree.
 
 Figures per case: TTFT (request sent to first content chunk) and total time (to the last byte)
-p50/p99; hand-offs (the edge's `route.handoff` log lines, matched to the client's stream by id
-and `at_token`) and fallbacks (`route.handoff_fallback`: the center refused, the edge finished);
+p50/p99; every gap between two content chunks over the whole answer (p99) and each answer's
+longest pause (p50, max); hand-offs (the edge's `route.handoff` log lines, matched to the
+client's stream by id and `at_token`) and fallbacks (`route.handoff_fallback`: the center
+refused, the edge finished);
 the gap at the hand-off (the client's time from the last chunk before the seam to the first
 after it) beside the stream's ordinary gap between chunks, and the heartbeats that came inside
 it; where the seam falls (after a sentence end, or mid-sentence); a few seams as text. For
@@ -891,6 +904,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-tokens", type=int)
     ap.add_argument("--after-tokens", type=int)
     ap.add_argument("--center-delay-ms", type=int)
+    ap.add_argument("--seam-requests", type=int)
+    ap.add_argument("--tier-delay-ms", type=int, help="between the tiers, each way")
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: %(default)s")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument(
@@ -910,6 +925,8 @@ def main(argv: list[str] | None = None) -> None:
             "max_tokens",
             "after_tokens",
             "center_delay_ms",
+            "seam_requests",
+            "tier_delay_ms",
         )
         if getattr(args, k) is not None
     }
