@@ -15,7 +15,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
 
@@ -297,7 +297,7 @@ class RoutedEngine:
         self._prefills.add(task)
         task.add_done_callback(self._prefills.discard)
 
-    async def _answer(self, course: Course) -> AsyncIterator[Delta]:
+    async def _answer(self, course: Course) -> AsyncGenerator[Delta, None]:
         """The answer over as many legs as it takes: each turn asks the next target (the
         hand-off's edge first, where one applies) and streams its deltas; a leg that breaks
         off is reported, and the next turn fails over or splices."""
@@ -310,8 +310,10 @@ class RoutedEngine:
             target, limit = self._next_target(course)
             course.begin_leg(target)
             try:
-                async for delta in self._run_leg(course, target, leg_request, limit):
-                    yield delta
+                # Closed here, not by the collector: a client that leaves frees the leg now.
+                async with aclosing(self._run_leg(course, target, leg_request, limit)) as leg:
+                    async for delta in leg:
+                        yield delta
             except EngineError as exc:
                 self._leg_failed(course, exc)
                 continue
@@ -480,7 +482,7 @@ class RoutedEngine:
         target: Target,
         leg_request: GenerationRequest,
         limit: int | None,
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         """One leg's deltas, the seam's meta event first; sets `course.handed` when the
         edge's part is done (its leg closed). A failure is raised with `course.target` the
         target that failed (the last of a hedged pair)."""
@@ -1058,7 +1060,7 @@ async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterat
         yield delta
 
 
-async def _paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncIterator[Delta]:
+async def _paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:
     """`answer`'s deltas, in order, the edge's text let out by `pacer` while the answer is
     read as fast as it comes (the edge's leg is never slowed by the pace); once the next
     leg's text comes, straight through."""
