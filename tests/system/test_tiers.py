@@ -256,3 +256,21 @@ handoff = {{ from = "small", after_tokens = 8{BY_COUNT} }}
     # The first answer finds the center's prefill time unknown (after_tokens bounds it); later
     # ones know it, and hand off by time.
     assert all(h["at_token"] < 40 for h in handoffs[2:]), [h["at_token"] for h in handoffs]
+
+
+def test_a_dead_center_with_the_seams_prefill_leaves_the_edge_to_finish(tmp_path: Path) -> None:
+    # The prefill fails at once (nothing listens): the hand-off goes by after_tokens, the
+    # center cannot take it, and the edge finishes, its text paced but whole.
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with run_server("--routes", _routes(tmp_path, dead, seam="")) as gw:
+        body = {"prompt": "Tell me about tides.", "model": "chat", "max_tokens": 40}
+        events, _ = _native(gw, body)
+        records = gw.log_records()
+    assert events[-1][2] == "[DONE]"
+    tokens = [d for n, _, d in events if n is None and d != "[DONE]"]
+    assert len(tokens) == 40
+    metas = [json.loads(d) for n, _, d in events if n == "meta"]
+    assert [m["handoff"] for m in metas if "handoff" in m] == [
+        {"from": "small", "to": "small", "at_token": 8, "fallback": True}
+    ]
+    assert any(r["event"] == "route.prefill_failed" for r in records)
