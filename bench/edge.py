@@ -541,9 +541,10 @@ def _work(n: int) -> list[tuple[str, str]]:
     return [("long", LONG[i % len(LONG)]) for i in range(n)]
 
 
-def _unique(n: int) -> list[tuple[str, str]]:
-    """Long prompts made unique (a prefix cache holds no earlier answer's prompt)."""
-    return [("long", f"{LONG[i % len(LONG)]} (Question {i + 1}.)") for i in range(n)]
+def _unique(n: int, tag: str = "") -> list[tuple[str, str]]:
+    """Long prompts made unique, at their start (a prefix cache holds no earlier answer's
+    prompt, nor another case's)."""
+    return [("long", f"(Question {i + 1}{tag}.) {LONG[i % len(LONG)]}") for i in range(n)]
 
 
 def _mix(n: int) -> list[tuple[str, str]]:
@@ -566,10 +567,7 @@ async def run_case(
     before = _streams(center) if ours else 0.0
     canned_before = edge.metrics().get("firsttoken_canned_answers_total", 0.0)
     t0 = time.perf_counter()
-    knobs = None
-    if model.startswith("synth"):
-        knobs = SEAM_KNOBS if model.endswith("-seam") else SYNTH_KNOBS
-    seen = await drive(edge.url, model, work, sizes, knobs)
+    seen = await drive(edge.url, model, work, sizes, _knobs(model))
     wall = time.perf_counter() - t0
     await asyncio.sleep(0.3)  # the last lines reach the log
     events = gateway_events(edge.log, offset)
@@ -593,6 +591,52 @@ async def run_case(
         k["center_asked"] += s.stream in asked
     row["by_kind"] = kinds
     return row
+
+
+async def run_interleaved(
+    edge: ServerProcess,
+    cases: Sequence[tuple[str, ServerProcess | LlamaCppServer, list[tuple[str, str]]]],
+    sizes: Sizes,
+) -> list[dict[str, Any]]:
+    """One answer of each case in turn, round after round (one at a time): on a shared
+    machine whose load drifts, every case meets the same load."""
+    offset = edge.log.stat().st_size
+    seen: dict[str, list[Seen]] = {model: [] for model, _, _ in cases}
+    t0 = time.perf_counter()
+    rounds = max(len(work) for _, _, work in cases)
+    for i in range(rounds):
+        for model, _, work in cases:
+            if i < len(work):
+                seen[model] += await drive(edge.url, model, [work[i]], sizes, _knobs(model))
+        if (i + 1) % 10 == 0:
+            _log(f"  round {i + 1}/{rounds}")
+    wall = time.perf_counter() - t0
+    await asyncio.sleep(0.3)  # the last lines reach the log
+    events = gateway_events(edge.log, offset)
+    rows = []
+    for model, center, _ in cases:
+        ids = {s.stream for s in seen[model]}
+        mine = [e for e in events if e.get("stream") in ids]
+        row = {"case": model, "wall_s": wall, **figures(seen[model], mine, {})}
+        if model.startswith("synth"):
+            row["seam_text_exact"] = await seam_texts(center.url, seen[model], mine, sizes)
+        elif model.startswith("lcpp"):
+            row["seam_text_exact"] = await lcpp_seam_texts(center.url, seen[model], mine, sizes)
+        row["center_streams"] = None
+        row["canned"] = 0.0
+        row["by_kind"] = {}
+        rows.append(row)
+        _log(
+            f"{model}: {row['completed']}/{row['requests']} completed, TTFT p50 "
+            f"{_f(row['ttft_ms_p50'])} ms, longest pause p50 {_f(row['longest_pause_ms_p50'])}"
+        )
+    return rows
+
+
+def _knobs(model: str) -> dict[str, Any] | None:
+    if model.startswith("synth"):
+        return SEAM_KNOBS if model.endswith("-seam") else SYNTH_KNOBS
+    return None
 
 
 async def seam_texts(
@@ -731,7 +775,11 @@ CASES = (
 
 
 async def bench(
-    sizes: Sizes, out: Path, edge_root: Path = ROOT, only: Sequence[str] = CASES
+    sizes: Sizes,
+    out: Path,
+    edge_root: Path = ROOT,
+    only: Sequence[str] = CASES,
+    interleave: bool = False,
 ) -> dict[str, Any]:
     logs = out / "edge-logs"
     logs.mkdir(parents=True, exist_ok=True)
@@ -788,15 +836,19 @@ async def bench(
         _log(f"edge {edge.url}; llama.cpp center {servers['llama'].url} (slow: :{line.port})")
         cases: list[tuple[str, ServerProcess | LlamaCppServer, list[tuple[str, str]]]] = []
         for model in only:
+            tag = chr(ord("a") + len(cases)) if interleave else ""
             if model.startswith("synth") or model == "edge":
-                cases.append((model, servers["synth"], _unique(sizes.seam_requests)))
+                cases.append((model, servers["synth"], _unique(sizes.seam_requests, tag)))
             elif model.startswith("lcpp"):
                 assert lcpp is not None
-                cases.append((model, lcpp, _unique(sizes.seam_requests)))
+                cases.append((model, lcpp, _unique(sizes.seam_requests, tag)))
             elif model.startswith("mix"):
                 cases.append((model, servers["llama"], _mix(sizes.requests)))
             else:
                 cases.append((model, servers["llama"], _work(sizes.requests)))
+        if interleave:
+            res["runs"] = await run_interleaved(edge, cases, sizes)
+            cases = []
         for model, center, work in cases:
             _log(f"case {model}: {len(work)} streams, {sizes.concurrency} at once")
             row = await run_case(edge, center, model, work, sizes)
@@ -906,6 +958,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--center-delay-ms", type=int)
     ap.add_argument("--seam-requests", type=int)
     ap.add_argument("--tier-delay-ms", type=int, help="between the tiers, each way")
+    ap.add_argument(
+        "--interleave", action="store_true", help="one answer of each case in turn (one at a time)"
+    )
     ap.add_argument("--cases", default=",".join(CASES), help="comma-separated, of: %(default)s")
     ap.add_argument("--out", type=Path, default=DEFAULT_OUT)
     ap.add_argument(
@@ -941,7 +996,9 @@ def main(argv: list[str] | None = None) -> None:
     }
     if args.edge_root.resolve() != ROOT:
         meta["edge_root"] = str(args.edge_root)
-    res = asyncio.run(bench(sizes, args.out, args.edge_root.resolve(), only))
+    if args.interleave:
+        meta["interleaved"] = True
+    res = asyncio.run(bench(sizes, args.out, args.edge_root.resolve(), only, args.interleave))
     res["meta"] = {**meta, "loadavg_end": os.getloadavg()}
     (args.out / "edge.json").write_text(json.dumps(res, indent=2, ensure_ascii=False))
     print(render(res))
