@@ -94,6 +94,7 @@ class Course:
         "handing",
         "handoffs",
         "last",
+        "leg_began_at",
         "leg_request",
         "order",
         "owner",
@@ -138,11 +139,13 @@ class Course:
         self.splicing = False  # text was sent before this leg: it continues the answer
         self.target: Target  # set by begin_leg
         self.started = False  # the leg gave a delta
+        self.leg_began_at: float | None = None  # when it did
         self.handed = False  # the leg was the edge's, and its part is done
 
     def begin_leg(self, target: Target) -> None:
         self.target = target
         self.started = False
+        self.leg_began_at = None
         self.handed = False
 
 
@@ -520,6 +523,7 @@ class RoutedEngine:
             async for delta in deltas:
                 if not course.started:
                     course.started = True
+                    course.leg_began_at = asyncio.get_running_loop().time()
                     target.health.success()
                     seam = self._seam(course, target, before_tokens)
                     if seam is not None:
@@ -572,8 +576,18 @@ class RoutedEngine:
         if seam is None:
             return transcript.text_tokens >= limit
         now = asyncio.get_running_loop().time()
-        in_hand = course.pacer.in_hand(now) if course.pacer is not None else 0.0
-        return seam.hands_off(now, transcript.text_tokens, in_hand, _sentence_end(delta.text))
+        pacer, tokens = course.pacer, transcript.text_tokens
+        in_hand = pacer.in_hand(now) if pacer is not None else 0.0
+        began = course.leg_began_at
+        edge_itl = (now - began) / (tokens - 1) if began is not None and tokens > 1 else None
+        return seam.hands_off(
+            now,
+            tokens,
+            in_hand,
+            _sentence_end(delta.text),
+            edge_itl=edge_itl,
+            pace_s=pacer.pace_s if pacer is not None else 0.0,
+        )
 
     def _handing_over(self, course: Course) -> None:
         """The edge's leg is closed: the center is asked now, and the held text is spread

@@ -12,7 +12,8 @@ to its first token on the continuation. Three things hide it:
   an even pace (`Pacer`): the text held is time in hand;
 - the hand-off is timed (`Seam`): it happens at the first token boundary where the time in
   hand covers the center's expected delay, `after_tokens` being the latest point; a center
-  that is ready before the edge has said much takes over at the next token boundary.
+  that is ready before the edge has said much takes over at the next token boundary, and so
+  does a ready center when the edge cannot get ahead of the pace (nothing to hold back).
 
 After the hand-off the held text is spread over the center's expected delay, and what is left
 when the center's first token comes leaves at once. The expected delay is learned per target
@@ -138,14 +139,31 @@ class Seam:
         # whose delay is not known yet is taken for fast (the next boundary hands off).
         return max(now, ready) + (self.warm_s or 0.0)
 
-    def hands_off(self, now: float, text_tokens: int, in_hand: float, sentence_end: bool) -> bool:
-        """Whether the edge's part ends at this token boundary."""
+    def hands_off(
+        self,
+        now: float,
+        text_tokens: int,
+        in_hand: float,
+        sentence_end: bool,
+        *,
+        edge_itl: float | None = None,
+        pace_s: float = 0.0,
+    ) -> bool:
+        """Whether the edge's part ends at this token boundary. `edge_itl`: the edge's own
+        time per token so far in this answer; `pace_s`: the pace (0: none)."""
         if self.sentence and not sentence_end:
             return False
         if text_tokens >= self.after_tokens:
             return True
         expected = self.expected_first(now)
-        return expected is not None and now + in_hand >= expected
+        if expected is None:
+            return False
+        if now + in_hand >= expected:
+            return True
+        # A ready center, and an edge that cannot get ahead of the pace (or no pace): no
+        # text will be held back to cover its delay, and each token more only lengthens
+        # the prefix the center must read. It takes over now.
+        return self.ready_at is not None and edge_itl is not None and edge_itl >= pace_s
 
 
 def prefill_request(request: GenerationRequest) -> GenerationRequest:

@@ -1226,3 +1226,18 @@ def test_a_center_that_breaks_after_the_hand_off_alone_leaves_the_edge_to_finish
     without = timed(seam_tiers(Scripted(breaks), edge=edge, pace_ms=50, fallback=False))
     assert without.error is not None and without.error.code == "upstream_truncated"
     assert all(d.finish_reason is None for _, d in without.deltas)  # never passed off whole
+
+
+def test_an_edge_slower_than_the_pace_hands_off_once_the_center_is_ready() -> None:
+    # Nothing can be held back (80 ms a token against a 50 ms pace): waiting for the bound
+    # would only make the center read more of the edge's text.
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.08))
+    center = Scripted(Words(60, ttft_s=0.5, itl_s=0.02, warm_s=0.2))
+    engine = seam_tiers(center, edge=edge, pace_ms=50)
+    engine.targets["center0"].handoff_s = 0.2  # its warm delay is known
+    out = timed(engine)
+    assert out.text == whole_words(60)
+    [meta] = out.metas
+    # Ready at 0.5 s; the edge's tokens come at 0.1, 0.18, ... 0.42, 0.5: the boundary at
+    # 0.5 s, its 6th token (not the bound, 40).
+    assert meta["handoff"]["at_token"] == 6

@@ -147,3 +147,15 @@ def test_the_prefill_asks_one_token_of_the_conversation_alone() -> None:
         "synthetic": {"ttft_ms": 900},
     }
     assert request.body is body and body["max_completion_tokens"] == 300  # untouched
+
+
+def test_a_ready_center_takes_over_when_the_edge_cannot_get_ahead_of_the_pace() -> None:
+    seam = Seam(32, warm_s=0.4)
+    seam.ready(1.0)
+    # The edge writes a token every 80 ms against a 50 ms pace: nothing will be held back.
+    assert seam.hands_off(1.1, 5, in_hand=0.0, sentence_end=False, edge_itl=0.08, pace_s=0.05)
+    # One faster than the pace waits until what it holds covers the center's delay.
+    assert not seam.hands_off(1.1, 5, in_hand=0.1, sentence_end=False, edge_itl=0.02, pace_s=0.05)
+    # Not ready: no early hand-off, however slow the edge.
+    waiting = Seam(32, warm_s=0.4, expect_ready_at=5.0)
+    assert not waiting.hands_off(1.1, 5, 0.0, False, edge_itl=0.08, pace_s=0.05)
