@@ -503,6 +503,12 @@ def routes_toml(centers: dict[str, tuple[str, str]], sizes: Sizes) -> str:
             f'targets = ["{name}-center"]',
             f'handoff = {{ from = "small", after_tokens = {sizes.max_tokens * 2 // 3} }}',
             "",
+            # The same without the prefill: what the prefill itself costs and buys.
+            f"[models.{name}-noprefill]",
+            f'targets = ["{name}-center"]',
+            f'handoff = {{ from = "small", after_tokens = {sizes.max_tokens * 2 // 3}'
+            ", prefill = false }",
+            "",
         ]
     out += ["[models.edge]", 'targets = ["small"]', ""]
     short = f'short_prompts = {{ target = "small", max_prompt_tokens = {sizes.max_prompt_tokens} }}'
@@ -760,6 +766,8 @@ CASES = (
     "lcpp",
     "lcpp-tokens",
     "lcpp-seam",
+    "lcpp-noprefill",
+    "synth-noprefill",
     "slow-seam",
     "slow",
     "slow-tokens",
