@@ -31,6 +31,7 @@ Centers by case name: `slow` (llama.cpp behind the delay line), `llama` (llama.c
 the center is as fast as the edge), `synth`, `lcpp`. `-tokens` and `-sentence` are today's
 hand-off by count (`prefill = false, pace_ms = 0`); `-seam` the hand-off without a seam (the
 defaults: prefill, `pace_ms = 50`, by time, `after_tokens` two thirds of `--max-tokens`);
+`-noprefill` the same without the prefill;
 `edge` the small model alone. The seam cases (`edge`, `synth*`, `lcpp*`) send
 `--seam-requests` (30) unique long prompts (no cache holds an earlier answer's prompt), and
 check the text after each seam against the center's own continuation of the text before it,
