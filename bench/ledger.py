@@ -125,7 +125,7 @@ price = {price("oai")}
 targets = ["center"]
 [models.handoff]
 targets = ["center"]
-handoff = {{ from = "edge", after_tokens = {HANDOFF_AFTER} }}
+handoff = {{ from = "edge", after_tokens = {HANDOFF_AFTER}, prefill = false, pace_ms = 0 }}
 [models.splice]
 targets = ["cut", "mend"]
 max_splices = 3

@@ -244,7 +244,7 @@ class RoutedEngine(BaseEngine):
     async def close(self) -> None:
         for task in (*self._checks.values(), *self._prefills):
             task.cancel()
-        for task in self._checks:
+        for task in self._checks.values():
             with suppress(asyncio.CancelledError):
                 await task
         self._checks.clear()
@@ -652,7 +652,7 @@ class RoutedEngine(BaseEngine):
         owner = request.tenant if _passes_through(request) else None
         racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
         racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
-        spare_at = asyncio.get_running_loop().time() + target.hedge_after()
+        spare_at: float | None = asyncio.get_running_loop().time() + target.hedge_after()
         error: BaseException | None = None
         try:
             while racers:
@@ -844,7 +844,7 @@ class RoutedEngine(BaseEngine):
 
     async def _leg(
         self, target: Target, request: GenerationRequest, route: ModelRoute
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         cfg = target.config
         await target.take_slot(request)
         rid = request.request_id

@@ -57,7 +57,7 @@ price = {{ prompt = 0, completion = 10000 }}
 targets = ["center"]
 [models.chat]
 targets = ["center"]
-handoff = {{ from = "edge", after_tokens = 5 }}
+handoff = {{ from = "edge", after_tokens = 5, prefill = false, pace_ms = 0 }}  # at exactly 5
 [models.gold]
 targets = ["gold"]
 {vllm_route}
