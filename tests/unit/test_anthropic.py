@@ -10,8 +10,8 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from firsttoken.api.anthropic import chat_body, generation_request, prompt_text
-from firsttoken.api.anthropic_protocol import MessagesRequest
+from firsttoken.api.anthropic.adapter import MESSAGES, chat_body, prompt_text
+from firsttoken.api.anthropic.protocol import MessagesRequest
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.base import Delta, ToolCallDelta
@@ -365,7 +365,7 @@ def test_generation_request_prompt_and_limits() -> None:
             "synthetic": {"ttft_ms": 5},
         }
     )
-    generation = generation_request(request, "synthetic", "id1")
+    generation = MESSAGES.generation(request, "synthetic", "id1")
     assert generation.prompt == "system: S\nuser: Q"
     assert generation.max_tokens == 7 and generation.stop == ("x", "y")
     assert generation.seed is None and generation.temperature == 0.2

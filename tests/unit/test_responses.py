@@ -14,14 +14,14 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from firsttoken.api.responses import (
+from firsttoken.api.responses.adapter import (
+    RESPONSES,
     chat_body,
     chat_messages,
-    generation_request,
     response_base,
     transcript,
 )
-from firsttoken.api.responses_protocol import ResponsesRequest
+from firsttoken.api.responses.protocol import ResponsesRequest
 from firsttoken.engines.base import Delta, ToolCallDelta
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage
@@ -260,7 +260,7 @@ def test_string_input_and_instructions() -> None:
     assert body["max_completion_tokens"] == 9 and body["temperature"] == 0.5
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["model"] == "m" and "max_output_tokens" not in body
-    gen = generation_request(req, "id", "m")
+    gen = RESPONSES.generation(req, "m", "id")
     assert gen.prompt == "system: Be brief.\nuser: Hi"
     assert gen.max_tokens == 9 and gen.body == body
 
