@@ -26,6 +26,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
+from functools import partial
 from typing import Any, Generic, NamedTuple, TypeVar
 
 import orjson
@@ -50,6 +51,7 @@ from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.assemble import ChatAnswer
+from firsttoken.wire.transport import client_gone
 
 __all__ = ["Ending", "Format", "Inputs", "Plan", "serve"]
 
@@ -212,7 +214,7 @@ async def _fold(
         headers[format.trace_header] = trace
     headers["x-stream-id"] = stream.id
     try:
-        answer = await Collector(stream).answer(gw.registry, request)
+        answer = await Collector(stream).answer(gw.registry, partial(client_gone, request.receive))
     except EngineError as exc:
         return format.failed(exc, trace, headers)
     if answer is None:
