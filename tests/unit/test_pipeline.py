@@ -116,7 +116,8 @@ def test_a_whole_completion_carries_text() -> None:
 
 
 def test_an_anthropic_stream_carries_its_request_id_and_its_input_tokens() -> None:
-    body = {"max_tokens": 2, "stream": True, "messages": CHAT_BODY["messages"]}
+    body = {"model": "synthetic", "max_tokens": 2, "stream": True}
+    body["messages"] = CHAT_BODY["messages"]
     status, headers, data, _ = run(_answer(MESSAGES, body))
     assert status == 200 and headers["request-id"] == headers["x-request-id"]
     events = _events(data)
