@@ -49,13 +49,16 @@ from firsttoken.api.protocol import Coalesce
 from firsttoken.config import Settings
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Renderer, Stream
+from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.transport import client_gone
 
-__all__ = ["Ending", "Format", "Inputs", "Plan", "serve"]
+__all__ = ["Answer", "Ending", "Format", "Inputs", "Plan", "serve"]
 
 B = TypeVar("B", bound=BaseModel)
+# What a request is answered with: a body, or an event stream its connection reads.
+Answer = Response | EventStreamResponse
 
 # An open server's caller (no keys file): no name, default priority and weight.
 _OPEN = ApiKey(name="")
@@ -166,7 +169,7 @@ class Format(Generic[B]):
         return APIError(status, exc.code, exc.message, headers=retry_headers(exc)).response(trace)
 
 
-async def serve(request: Request, format: Format[Any]) -> Response:
+async def serve(request: Request, format: Format[Any]) -> Answer:
     """Carry one request from its head to its writer (or its fold)."""
     accepted_at = arrived_at(request)
     gw = gateway(request)

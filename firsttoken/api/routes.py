@@ -9,14 +9,13 @@ from functools import partial
 from typing import Any, NamedTuple
 
 from starlette.requests import Request
-from starlette.responses import Response
 
 from firsttoken.api import anthropic, native, openai, responses
-from firsttoken.api.pipeline import Format, serve
+from firsttoken.api.pipeline import Answer, Format, serve
 
 __all__ = ["ROUTES", "ApiRoute", "Endpoint", "endpoint"]
 
-Endpoint = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[Answer]]
 
 
 def endpoint(format: Format[Any]) -> Endpoint:

@@ -21,8 +21,8 @@ holds the installed uvicorn to it).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any, Protocol
 
 import anyio
@@ -202,11 +202,11 @@ class Exchange(Protocol):
     """An event stream's response: opened with its head sent (or held), then written through
     `body` while `attached`, then ended."""
 
-    body: Body
+    @property
+    def body(self) -> Body: ...
 
-    def attached(self, listener: ConnectionListener) -> Any:
-        """An async context: the connection reports pause, resume and loss to `listener`
-        while it is entered."""
+    def attached(self, listener: ConnectionListener) -> AbstractAsyncContextManager[None]:
+        """The connection reports pause, resume and loss to `listener` while it is entered."""
         ...
 
     async def end(self, tail: bytes, timeout_s: float, terminated: bool = False) -> bool:
@@ -248,6 +248,7 @@ class DirectExchange:
 
     async def end(self, tail: bytes, timeout_s: float, terminated: bool = False) -> bool:
         last = {"type": "http.response.body", "body": tail, "more_body": False}
+        sent: Awaitable[Any]
         if terminated:
             # The bytes are out: uvicorn's cycle is told, and writes nothing.
             connection = _connection(self.scope)  # its cycle, when CORS wrapped `send`

@@ -11,6 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import gateway, trace_id
+from firsttoken.api.pipeline import Answer
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
 
@@ -23,7 +24,7 @@ _SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
 _PREAMBLE = b"retry: 1000\n\n"
 
 
-async def stream_events(request: Request) -> Response:
+async def stream_events(request: Request) -> Answer:
     gw = gateway(request)
     try:
         stream = await _authorized_stream(request)

@@ -25,7 +25,7 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 class _OpenAIFormat(Format[R], Generic[R]):
     kind = "openai"
     prefix: str  # of the answer's id, before the stream's
-    object: str  # a whole answer's `object`
+    answer_object: str  # a whole answer's `object`
     renderer: type[ChatRenderer] | type[CompletionRenderer]
 
     def grace_s(self, settings: Settings) -> float:
@@ -75,7 +75,7 @@ class _OpenAIFormat(Format[R], Generic[R]):
         choice.update(logprobs=None, finish_reason=answer.finish_reason)
         return {
             "id": answer_id,
-            "object": self.object,
+            "object": self.answer_object,
             "created": created,
             "model": model,
             "choices": [choice],
@@ -91,7 +91,7 @@ class ChatFormat(_OpenAIFormat[ChatCompletionRequest]):
 
     body = ChatCompletionRequest
     prefix = "chatcmpl-"
-    object = "chat.completion"
+    answer_object = "chat.completion"
     renderer = ChatRenderer
 
     def inputs(self, body: ChatCompletionRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
@@ -116,7 +116,7 @@ class CompletionFormat(_OpenAIFormat[CompletionRequest]):
 
     body = CompletionRequest
     prefix = "cmpl-"
-    object = "text_completion"
+    answer_object = "text_completion"
     renderer = CompletionRenderer
 
     def prompt(self, body: CompletionRequest) -> str:
