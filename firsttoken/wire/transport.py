@@ -237,14 +237,17 @@ class DirectExchange:
         if not transport.is_closing():
             self.body.hold(head)  # the head leaves with the first events (`release`)
 
-    @asynccontextmanager
-    async def attached(self, listener: ConnectionListener) -> AsyncIterator[None]:
-        connection = self.connection
-        connection.listener = listener
-        try:
-            yield
-        finally:
-            connection.listener = None
+    def attached(self, listener: ConnectionListener) -> DirectExchange:
+        # Its own context manager: `asynccontextmanager` costs every stream a generator and
+        # a wrapper object.
+        self.connection.listener = listener
+        return self
+
+    async def __aenter__(self) -> None:
+        pass
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.connection.listener = None
 
     async def end(self, tail: bytes, timeout_s: float, terminated: bool = False) -> bool:
         last = {"type": "http.response.body", "body": tail, "more_body": False}
