@@ -43,7 +43,7 @@ from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
-from firsttoken.wire.sse import PING, encode_event, response_headers
+from firsttoken.wire.sse import PING, encode_event, response_headers, stamp
 from firsttoken.wire.transport import Body, Exchange, open_exchange
 
 __all__ = ["End", "EventStreamResponse", "EventWriter"]
@@ -507,5 +507,5 @@ def _cut_if_unread(
 
 
 def _stamped(events: Sequence[Event]) -> bytes:
-    stamp = b": t=%.6f\n" % time.time()
-    return b"".join(stamp + e.wire for e in events)
+    sent = stamp(time.time())
+    return b"".join(sent + e.wire for e in events)

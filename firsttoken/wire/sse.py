@@ -21,6 +21,7 @@ __all__ = [
     "encode_event",
     "event_payload",
     "response_headers",
+    "stamp",
     "token_frame",
 ]
 
@@ -62,6 +63,12 @@ def token_frame(event: str | None, prefix: bytes, suffix: bytes) -> bytes:
         + suffix.replace(b"%", b"%%")
         + b"\n\n"
     )
+
+
+def stamp(unix_time: float) -> bytes:
+    """A comment line before an event that says when it was sent (`timestamps`, for
+    diagnosis): `: t=<unix time>`."""
+    return b": t=%.6f\n" % unix_time
 
 
 def event_payload(wire: bytes) -> tuple[str | None, bytes]:
