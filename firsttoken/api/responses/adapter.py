@@ -174,7 +174,11 @@ def chat_body(req: ResponsesRequest, model: str) -> dict[str, Any]:
         if fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
         elif fmt is not None and fmt.type == "json_schema":
-            schema = {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
+            schema: dict[str, Any] = {
+                "name": fmt.name,
+                "schema": fmt.schema_,
+                "description": fmt.description,
+            }
             if fmt.strict is not None:
                 schema["strict"] = fmt.strict
             body["response_format"] = {
