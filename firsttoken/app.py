@@ -28,10 +28,12 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
+from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
-from firsttoken.routes import build_engine
+from firsttoken.routes import RoutedEngine, build_engine, routes_in
+from firsttoken.routes.live import LiveRoutes
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
@@ -74,12 +76,13 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
-    routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
+    routed = routes_in(engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
+    _price(admission, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    parts += (telemetry,)
-    for part in parts:
-        if hasattr(part, "collect"):
+    for part in (*parts, telemetry, admission.ledger):
+        if part is not None:
+            # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
         settings=settings,
@@ -90,6 +93,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
+    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    reloader = Reloader(files, gw, watch=settings.watch_config)
+    metrics.registry.register(reloader)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,6 +104,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
+            tg.start_soon(reloader.run)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
@@ -118,17 +126,38 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
         middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
+        # Starlette calls each handler with its own class of exception only, but types every
+        # handler as taking any Exception.
         exception_handlers={
-            HTTPException: _http_error,
-            APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
             Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
-        },  # type: ignore[dict-item]
+        },
     )
     app.state.gateway = gw
+    app.state.reloader = reloader
     return app
 
 
-def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:
+def _price(admission: Admission, routed: RoutedEngine | LiveRoutes | None) -> None:
+    """The routes file's prices for the ledger, and who answers each request."""
+    if routed is None:
+        return
+    admission.ledger.price(routed.table, routed.routes)
+    admission.serving = routed.serving
+    unpriced = admission.ledger.unpriced(routed.table)
+    if unpriced:
+        log_event(
+            "routes.unpriced",
+            logging.WARNING,
+            targets=unpriced,
+            note="these targets have no price: their tokens cost 0",
+        )
+
+
+def _telemetry(
+    settings: Settings, registry: StreamRegistry, routed: RoutedEngine | LiveRoutes | None
+) -> Telemetry | None:
     """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
     if not settings.otlp_endpoint:
         return None
@@ -136,7 +165,7 @@ def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> 
 
     telemetry = Telemetry(settings.otlp_endpoint)
     registry.tracer = telemetry
-    if hasattr(routed, "observer"):
+    if routed is not None:
         routed.observer = telemetry
     return telemetry
 
@@ -350,7 +379,7 @@ async def _readyz(request: Request) -> Response:
         )
     # Degraded is still ready: local streams need nothing from Redis (docs/reliability.md).
     parts = (gw.registry.store, gw.admission.limits)
-    degraded = sorted({d for part in parts if (d := getattr(part, "degraded", None))})
+    degraded = sorted({d for part in parts if (d := part.degraded)})
     body: dict[str, object] = {"status": "degraded" if degraded else "ready"}
     if degraded:
         body["degraded"] = degraded
@@ -370,6 +399,7 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response(
+    headers = dict(exc.headers) if exc.headers is not None else None
+    return APIError(exc.status_code, code, str(exc.detail), headers=headers).response(
         trace_id(request)
     )

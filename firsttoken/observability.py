@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
-KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached")
+KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached", "cache_write")
 OPEN_KEY = "open"  # the caller of a server without a keys file, in metrics and logs
 
 
@@ -234,8 +234,8 @@ class Metrics:
         )
         per_key = CounterMetricFamily(
             "firsttoken_key_tokens",
-            "Tokens billed to each API key, by kind (completion includes reasoning; cached is "
-            "the part of prompt an upstream read from its cache).",
+            "Tokens billed to each API key, by kind (completion includes reasoning; cached and "
+            "cache_write are the parts of prompt an upstream read from and wrote to its cache).",
             labels=["key", "kind"],
         )
         for (key, kind), tokens in self.key_tokens.items():
@@ -243,8 +243,8 @@ class Metrics:
         yield per_key
 
     def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
-        """An ended answer's usage (prompt, completion, reasoning, cached: `core.stream.Usage`),
-        added to its key's counters."""
+        """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
+        cache_write), added to its key's counters."""
         for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
             self.key_tokens[key, kind] = self.key_tokens.get((key, kind), 0) + tokens
 
@@ -254,9 +254,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _one(kind: type[Metric], name: str, doc: str, value: float) -> Metric:
+def _one(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, value: float
+) -> Metric:
     family = kind(name, doc)
-    family.add_metric([], value)  # type: ignore[attr-defined]
+    family.add_metric([], value)
     return family
 
 
@@ -398,6 +400,8 @@ def merge_families(parts: Iterable[tuple[list[Family], bool]]) -> list[Family]:
                 if sample is None:
                     index[key] = sample = [sample_name, labels, value]
                     family[3].append(sample)
+                elif sample_name.endswith("_timestamp_seconds"):
+                    sample[2] = min(sample[2], value)  # the stalest worker's, not a sum
                 elif kind in (*CUMULATIVE, "gauge") and not sample_name.endswith("_created"):
                     sample[2] += value
     return list(merged.values())

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from starlette.requests import Request
 
-from firsttoken.api import anthropic, native, openai, responses
+from firsttoken.api import anthropic, native, openai, responses, usage
 from firsttoken.api.pipeline import Answer, Format, serve
 
 __all__ = ["ROUTES", "ApiRoute", "Endpoint", "endpoint"]
@@ -42,4 +42,5 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute("GET", "/streams/{stream_id}/events", native.stream_events, hot=True),
     ApiRoute("POST", "/streams/{stream_id}/cancel", native.cancel_stream),
     ApiRoute("DELETE", "/streams/{stream_id}", native.cancel_stream),
+    ApiRoute("GET", "/usage", usage.usage),  # admin: the ledger
 )

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -97,7 +97,8 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
         trimmed = _trim_prefill(turns)
     body: dict[str, Any] = {"model": model or request.model, "messages": turns}
     if system:
-        body["system"] = system[0]["text"] if len(system) == 1 else system
+        one = len(system) == 1 and "cache_control" not in system[0]
+        body["system"] = system[0]["text"] if one else system
     # What admission allowed (the smaller of the body's two limits, or its budget's cap),
     # never the body's own: a larger one there would go past what the key was charged.
     max_tokens = _first(
@@ -469,7 +470,11 @@ class MessagesReader:
             "prompt_tokens": prompt,
             "completion_tokens": out,
             "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            # cache_write_tokens: the Responses API's name; priced apart (cache_write).
+            "prompt_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": u["cache_creation_input_tokens"],
+            },
         }
 
 
@@ -562,7 +567,7 @@ class AnthropicRelay(RemoteEngine):
             errors=errors,
         )
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         call = messages_body(request, self.model)
         return self.post(
             request,
@@ -572,7 +577,9 @@ class AnthropicRelay(RemoteEngine):
             lambda resp: self._deltas(resp, MessagesReader(call.trimmed)),
         )
 
-    async def _deltas(self, resp: UpstreamResponse, reader: MessagesReader) -> AsyncIterator[Delta]:
+    async def _deltas(
+        self, resp: UpstreamResponse, reader: MessagesReader
+    ) -> AsyncGenerator[Delta, None]:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # One JSON body where a stream belongs: an error, or a server that ignored `stream`.

@@ -83,10 +83,12 @@ def response_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
     prompt = int(usage.get("prompt_tokens") or 0)
     completion = int(usage.get("completion_tokens") or 0)
     details = usage.get("completion_tokens_details") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    cached = prompt_details.get("cached_tokens") or 0
+    written = prompt_details.get("cache_write_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens") or 0},
         "total_tokens": int(usage.get("total_tokens") or prompt + completion),
@@ -393,7 +395,8 @@ class ResponsesRenderer:
             done = self._event("response.refusal.done", **common, refusal=text)
         else:
             done = self._event("response.reasoning_text.done", **common, text=text)
-        out = [done, self._part_event("response.content_part.done", item, text)]
+        out: list[tuple[str | None, bytes]] = [done]
+        out.append(self._part_event("response.content_part.done", item, text))
         if item.kind == "message":
             item.parts.append(self._part(item, text))
             item.part = None
