@@ -41,6 +41,7 @@ from firsttoken.engines.synthetic import Plan, SyntheticEngine, _Run
 from firsttoken.observability import Metrics
 from firsttoken.resume import EventLog
 from firsttoken.wire.render import ChatRenderer
+from firsttoken.wire.transport import ChunkedBody
 
 __all__ = ["main", "measure", "render_table", "stages"]
 
@@ -191,8 +192,7 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
             stream,
             registry,
             metrics,
-            out,
-            chunked=True,
+            ChunkedBody(out),
             after=0,
             heartbeat_s=15,
             send_timeout_s=30,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import anyio
 from starlette.applications import Starlette
@@ -21,8 +21,8 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
 from firsttoken.admission.admin import AdminKey
-from firsttoken.api import anthropic, native, openai, responses, usage
 from firsttoken.api.gateway import Gateway, gateway, trace_id
+from firsttoken.api.routes import ROUTES, ApiRoute, Endpoint
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
@@ -111,20 +111,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         if telemetry is not None:
             await telemetry.close()  # after the drain ended every stream: their spans go too
 
-    api = [
-        Route("/chat/completions", openai.chat_completions, methods=["POST"]),
-        Route("/completions", openai.completions, methods=["POST"]),
-        Route("/responses", responses.responses, methods=["POST"]),
-        Route("/messages", anthropic.messages, methods=["POST"]),
-        Route("/messages/count_tokens", anthropic.count_tokens, methods=["POST"]),
-        Route("/models", openai.models, methods=["GET"]),
-        Route("/models/{model_id:path}", openai.model, methods=["GET"]),
-        Route("/streams", native.create_stream, methods=["POST"]),
-        Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
-        Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
-        Route("/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
-        Route("/usage", usage.usage, methods=["GET"]),
-    ]
+    api = [Route(r.path, r.endpoint, methods=[r.method]) for r in ROUTES]
     routes = [
         # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
         Mount("/v1", routes=api),
@@ -274,10 +261,11 @@ class RawSendApp:
         endpoint = HOT_ROUTES.get((method, path))
         if endpoint is not None:
             return endpoint, None
-        if method == "GET" and path.startswith("/v1/streams/"):
-            stream_id, slash, rest = path[12:].partition("/")
-            if slash and rest == "events" and stream_id:
-                return native.stream_events, {"stream_id": stream_id}
+        for pattern in HOT_PATTERNS:
+            if method == pattern.method:
+                params = pattern.match(path)
+                if params is not None:
+                    return pattern.endpoint, params
         return None
 
     def serve(self, route: HotRoute, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
@@ -321,15 +309,45 @@ def _let_go(scope: Scope) -> None:
     scope.pop(CONNECTION_KEY, None)
 
 
-Endpoint = Callable[[Request], Awaitable[Response]]
 HotRoute = tuple[Endpoint, dict[str, str] | None]  # the handler, and its path parameters
-HOT_ROUTES: dict[tuple[str, str], Endpoint] = {
-    ("POST", "/v1/chat/completions"): openai.chat_completions,
-    ("POST", "/v1/completions"): openai.completions,
-    ("POST", "/v1/responses"): responses.responses,
-    ("POST", "/v1/messages"): anthropic.messages,
-    ("POST", "/v1/streams"): native.create_stream,
-}
+
+
+class HotPattern(NamedTuple):
+    """A hot route with one path parameter: one segment between a fixed prefix and suffix."""
+
+    method: str
+    prefix: str
+    name: str
+    suffix: str
+    endpoint: Endpoint
+
+    def match(self, path: str) -> dict[str, str] | None:
+        if not (path.startswith(self.prefix) and path.endswith(self.suffix)):
+            return None
+        value = path[len(self.prefix) : len(path) - len(self.suffix)]
+        return {self.name: value} if value and "/" not in value else None
+
+
+def _hot(routes: tuple[ApiRoute, ...]) -> tuple[dict[tuple[str, str], Endpoint], list[HotPattern]]:
+    """The table's hot routes: exact paths in a dict, those with a parameter as patterns."""
+    exact: dict[tuple[str, str], Endpoint] = {}
+    patterns: list[HotPattern] = []
+    for route in routes:
+        if not route.hot:
+            continue
+        path = "/v1" + route.path
+        if "{" not in path:
+            exact[(route.method, path)] = route.endpoint
+            continue
+        prefix, _, rest = path.partition("{")
+        name, _, suffix = rest.partition("}")
+        if ":" in name or "{" in suffix:
+            raise ValueError(f"a hot route takes one plain path parameter: {route.path}")
+        patterns.append(HotPattern(route.method, prefix, name, suffix, route.endpoint))
+    return exact, patterns
+
+
+HOT_ROUTES, HOT_PATTERNS = _hot(ROUTES)
 
 
 async def _metrics(request: Request) -> Response:

@@ -1,4 +1,6 @@
-"""What every handler needs: settings, the engine, the stream registry, the metrics."""
+"""What every request needs: settings, the engine, the stream registry, the metrics; and the
+steps the pipeline (`api/pipeline.py`) takes through them, each one place: `accept` (the key,
+the body, `model`: which model the request gets), `admit`, `open_stream`, `reader`."""
 
 from __future__ import annotations
 
@@ -118,6 +120,7 @@ class Gateway:
         renderer: Renderer,
         *,
         kind: str,
+        grace_s: float,
         trace: str,
         accepted_at: float,
         ticket: Ticket,
@@ -127,7 +130,8 @@ class Gateway:
         takeover: bool = True,
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings, for
-        the request as admitted (`Ticket.max_tokens`, the prompt's count). `traceparent`
+        the request as admitted (`Ticket.max_tokens`, the prompt's count); `grace_s` is how
+        long it outlives its last reader (its format's choice). `traceparent`
         (the client's) goes with the request, to its span and its upstream, with
         --trust-trace-headers; else the span only links to it. With a shared store, what
         another instance needs to continue it goes with it (`takeover`: False for a whole
@@ -149,7 +153,7 @@ class Gateway:
                 renderer,
                 kind=kind,
                 trace_id=trace,
-                grace_s=s.resume_grace_s if kind == "native" else s.openai_grace_s,
+                grace_s=grace_s,
                 prompt_tokens=ticket.prompt_tokens,
                 max_events=s.resume_max_events,
                 accepted_at=accepted_at,

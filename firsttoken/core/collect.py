@@ -10,14 +10,15 @@ streamed one is not.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 import orjson
-from starlette.requests import Request
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines.base import EngineError
 from firsttoken.wire.assemble import ChatAnswer, ChatFold
+from firsttoken.wire.sse import event_payload
 
 __all__ = ["Collector"]
 
@@ -37,7 +38,7 @@ class Collector:
     def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
         self.cursor = seq
         self.tokens += tokens
-        name, data = _payload(wire)
+        name, data = event_payload(wire)
         if name == "error":
             if self.failure is None:
                 error = orjson.loads(data)["error"]
@@ -80,9 +81,10 @@ class Collector:
         for event in self.stream.log.after(self.cursor):  # what a corked append held back
             self.deliver(*event)
 
-    async def run(self, registry: StreamRegistry, request: Request) -> bool:
-        """Start the stream and collect it; False if the client left first (the stream is
-        then stopped, as a streaming reader's departure would)."""
+    async def run(self, registry: StreamRegistry, gone: Callable[[], Awaitable[None]]) -> bool:
+        """Start the stream and collect it; False if the client left first (`gone` returns
+        when it has: `wire.transport.client_gone`), and the stream is then stopped, as a
+        streaming reader's departure would."""
         stream = self.stream
         if self.max_bytes is None:
             self.max_bytes = registry.max_response_bytes
@@ -94,11 +96,11 @@ class Collector:
             if stream.log.shown_all:
                 delivered = True
                 return True
-            gone = asyncio.ensure_future(_disconnected(request))
+            left = asyncio.ensure_future(gone())
             try:
-                await asyncio.wait({gone, self._closed}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({left, self._closed}, return_when=asyncio.FIRST_COMPLETED)
             finally:
-                gone.cancel()
+                left.cancel()
             delivered = self._closed.done()
             return delivered
         finally:
@@ -109,28 +111,13 @@ class Collector:
                 registry.metrics.tokens_sent += self.tokens
             registry.detach(stream)
 
-    async def answer(self, registry: StreamRegistry, request: Request) -> ChatAnswer | None:
+    async def answer(
+        self, registry: StreamRegistry, gone: Callable[[], Awaitable[None]]
+    ) -> ChatAnswer | None:
         """Run the stream and return what it said as one answer: None if the client left
         first; raises the engine's error (or `response_too_large`) if it failed."""
-        if not await self.run(registry, request):
+        if not await self.run(registry, gone):
             return None
         if self.failure is not None:
             raise self.failure
         return self.fold.done()
-
-
-def _payload(wire: bytes) -> tuple[str | None, bytes]:
-    """An SSE event's name and data (one `data:` line: JSON has no raw line breaks)."""
-    name: str | None = None
-    data = b""
-    for line in wire.split(b"\n"):
-        if line.startswith(b"data: "):
-            data = line[6:]
-        elif line.startswith(b"event: "):
-            name = line[7:].decode()
-    return name, data
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass

@@ -27,7 +27,7 @@ from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.eventlog import EventLog
 from firsttoken.resume import StreamRecord, token_digest
-from firsttoken.wire.sse import encode_event
+from firsttoken.wire.sse import DATA_FRAME, encode_event, token_frame
 
 __all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "Usage"]
 
@@ -271,19 +271,8 @@ class Stream:
         self._template = None
         template = renderer.token_template()
         if template is not None:
-            # `id: <seq>\n[event: <name>\n]data: <prefix><JSON text><suffix>\n\n`, as one
-            # %-format per token (or per coalesced chunk).
-            prefix, suffix = template
-            event = self._token_event
-            head = b"id: %d\n" if event is None else b"id: %d\nevent: " + event.encode() + b"\n"
-            self._template = (
-                head
-                + b"data: "
-                + prefix.replace(b"%", b"%%")
-                + b"%s"
-                + suffix.replace(b"%", b"%%")
-                + b"\n\n"
-            )
+            # One %-format per token (or per coalesced chunk).
+            self._template = token_frame(self._token_event, *template)
         if self._coalescer is None and self.meta_interval_s is None:
             self._frame = self._template  # from now on, tokens take the hot path
 
@@ -515,7 +504,7 @@ class Stream:
         data = self.renderer.token(text)
         if self._token_event is None:
             # JSON has no raw line breaks: the one-line frame needs no checks.
-            log.append(b"id: %d\ndata: %s\n\n" % (log.last_seq + 1, data), tokens)
+            log.append(DATA_FRAME % (log.last_seq + 1, data), tokens)
         else:
             log.append(encode_event(log.last_seq + 1, data, self._token_event), tokens)
         if self.meta_interval_s is not None:

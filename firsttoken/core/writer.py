@@ -2,11 +2,13 @@
 streaming ASGI response that hands it the connection. It is the reader side of the log (as
 `collect.Collector` is for whole answers); `wire/` below it knows only bytes and formats.
 
-The response sends its headers through ASGI, then hands the connection to an `EventWriter`
-and waits for one future. From then on the writer is driven by callbacks, never by a task:
+The response opens its exchange (`wire.transport`: the head, and a `Body` that frames and
+writes to the connection; the core never sees the server's internals), hands it to an
+`EventWriter` and waits for one future. From then on the writer is driven by callbacks, never
+by a task:
 
-- the log's `deliver` (a new event, inside the engine's step): written at once when the
-  reader is caught up and the socket takes bytes, with the HTTP chunk framing;
+- the log's `deliver` (a new event, inside the engine's step): written at once to the body
+  when the reader is caught up and the socket takes bytes;
 - the protocol's `pause_writing` / `resume_writing`: a paused reader stops writing and falls
   behind (the stream's window then pauses the engine); on resume it writes what piled up;
 - the protocol's `connection_lost`: the reader detaches at once, so an abandoned stream's
@@ -14,8 +16,8 @@ and waits for one future. From then on the writer is driven by callbacks, never 
 - the server's shared `Schedule`: heartbeats after `heartbeat_s` without a write, and a cut
   after `send_timeout_s` of a socket that takes nothing.
 
-The last body message (the terminating chunk) goes back through ASGI, so uvicorn's own
-bookkeeping of the response (keep-alive, completion) stays right.
+The last body message goes back through the exchange (`Exchange.end`: ASGI), so the server's
+own bookkeeping of the response (keep-alive, completion) stays right.
 
 Writes are system calls, and a short stream made five: the head, the opening event, its
 tokens, the closing events, the terminating chunk. The head waits for the opening events
@@ -27,9 +29,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import Any
 
 import anyio
 import anyio.lowlevel
@@ -41,18 +42,11 @@ from firsttoken.core.stream import Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
-from firsttoken.wire.connection import ABORT_KEY, CONNECTION_KEY, RAW_SEND_KEY, Held, held_send
 from firsttoken.wire.errors import error_body
-from firsttoken.wire.sse import PING, encode_event
+from firsttoken.wire.sse import PING, encode_event, response_headers, stamp
+from firsttoken.wire.transport import Body, Exchange, open_exchange
 
-__all__ = ["SSE_HEADERS", "End", "EventStreamResponse", "EventWriter", "sse_headers"]
-
-
-SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
-    (b"content-type", b"text/event-stream"),
-    (b"cache-control", b"no-cache, no-transform"),
-    (b"x-accel-buffering", b"no"),
-)
+__all__ = ["End", "EventStreamResponse", "EventWriter"]
 
 # perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
 # inter-chunk histograms with 0.5 ms buckets.
@@ -63,17 +57,6 @@ _REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
 # pauses the writer, so a reader that never reads holds that mark plus the kernel's buffer.
 _HOLD_MAX_BYTES = 65536
 _MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
-
-
-def sse_headers(stream: Stream, extra: dict[str, str] | None = None) -> list[tuple[bytes, bytes]]:
-    headers = [
-        *SSE_HEADERS,
-        (b"x-stream-id", stream.id.encode()),
-        (b"x-request-id", stream.trace_id.encode()),
-    ]
-    for name, value in (extra or {}).items():
-        headers.append((name.lower().encode(), value.encode()))
-    return headers
 
 
 class End(Enum):
@@ -90,7 +73,7 @@ class EventWriter:
         "_paused_since",
         "_stuck_since",
         "_unsent_low",
-        "chunked",
+        "body",
         "compressor",
         "cursor",
         "done",
@@ -108,7 +91,6 @@ class EventWriter:
         "terminated",
         "throttled",
         "timestamps",
-        "transport",
     )
 
     def __init__(
@@ -116,9 +98,8 @@ class EventWriter:
         stream: Stream,
         registry: StreamRegistry,
         metrics: Metrics,
-        transport: Any,
+        body: Body,
         *,
-        chunked: bool,
         after: int,
         heartbeat_s: float,
         send_timeout_s: float,
@@ -129,8 +110,7 @@ class EventWriter:
         self.log = stream.log
         self.registry = registry
         self.metrics = metrics
-        self.transport = transport
-        self.chunked = chunked  # HTTP/1.1 chunk framing (uvicorn's choice for our responses)
+        self.body = body  # the connection's, framed by wire/ (`wire.transport`)
         self.schedule: Schedule = registry.schedule
         self.cursor = after
         self.heartbeat_s = heartbeat_s
@@ -139,8 +119,8 @@ class EventWriter:
         self.compressor = compressor
         self.pacer = registry.pacer  # --max-stream-bytes-per-s, or None
         self.throttled = False  # waiting for its turn in the pacer's line
-        # Nothing between the event and the socket but the chunk framing: the hot path.
-        self.plain = chunked and compressor is None and not timestamps and self.pacer is None
+        # Nothing between the event and the socket but the body's framing: the hot path.
+        self.plain = compressor is None and not timestamps and self.pacer is None
         self.paused = False
         self.terminated = False  # the terminating chunk went out with the last events
         self._paused_since = 0.0
@@ -176,18 +156,13 @@ class EventWriter:
         head, the preamble, the opening events) leave in one system call. A replay longer than
         `_HOLD_MAX_BYTES` is released as it goes (`catch_up`), so the transport's flow
         control bounds it as it bounds every later write."""
-        self.transport = Held(self.transport, head)
+        self.body.hold(head)
 
     def release(self) -> None:
-        held = self.transport
-        if not isinstance(held, Held):
-            return
-        self.transport = held.real
-        if held.parts and not held.real.is_closing():
-            try:
-                self.transport.write(b"".join(held.parts))  # may pause us, right here
-            except RuntimeError:
-                self.close(End.DISCONNECTED)
+        try:
+            self.body.release()  # may pause us, right here
+        except RuntimeError:
+            self.close(End.DISCONNECTED)
 
     def close(self, end: End) -> None:
         """Detach (once): the registry may stop an abandoned stream's engine right here."""
@@ -213,7 +188,7 @@ class EventWriter:
             return  # behind: catch_up() writes it when the socket takes bytes again
         if self.plain:
             try:
-                self.transport.write(b"%x\r\n%b\r\n" % (len(wire), wire))
+                self.body.write(wire)
             except RuntimeError:  # the transport closed under us; connection_lost follows
                 self.close(End.DISCONNECTED)
                 return
@@ -243,17 +218,14 @@ class EventWriter:
         if self.compressor is not None:
             data = self.compressor.compress(data)
         try:
-            if self.chunked:
-                self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
-            else:
-                self.transport.write(data)
+            self.body.write(data)
         except RuntimeError:  # the transport closed under us; connection_lost is on its way
             self.close(End.DISCONNECTED)
 
     def _write_last(self, data: bytes) -> None:
-        """The closing events with the terminating chunk, in one write."""
+        """The closing events with the end of the body, in one write."""
         try:
-            self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
+            self.body.write_last(data)
             self.terminated = True
         except RuntimeError:
             self.close(End.DISCONNECTED)
@@ -298,15 +270,14 @@ class EventWriter:
                 data = b"".join(e.wire for e in events)
             if not self._paced(len(data)):
                 return
-            if log.closed and self.plain and events[-1].seq == log.last_seq:
+            if log.closed and self.plain and self.body.ends_body and events[-1].seq == log.last_seq:
                 self._write_last(data)
             else:
                 self._write(data)
             self.cursor = events[-1].seq
             self.last_write = _clock()
             self._account(events)
-            held = self.transport
-            if type(held) is Held and held.size > _HOLD_MAX_BYTES:
+            if self.body.held() > _HOLD_MAX_BYTES:
                 self.release()  # from here the transport's flow control bounds the replay
             log.advanced()
 
@@ -377,7 +348,7 @@ class EventWriter:
         # Not paused, yet bytes wait in the transport: a reader that stopped reading below
         # the high-water mark (a live stream's window keeps it there) is as stalled as a
         # paused one, once they have not gone down for a send timeout.
-        unsent = _unsent(self.transport)
+        unsent = self.body.unsent()
         if not unsent:
             self._stuck_since = 0.0
         elif not self._stuck_since or unsent < self._unsent_low:
@@ -416,7 +387,7 @@ class EventStreamResponse:
         self.after = after
         self.heartbeat_s = heartbeat_s
         self.preamble = preamble
-        self.headers = sse_headers(stream, headers)
+        self.headers = response_headers(stream.id, stream.trace_id, headers)
         self.start = start  # this reader starts the stream (OpenAI path: one request, one answer)
         self.send_timeout_s = send_timeout_s
         self.timestamps = timestamps
@@ -428,49 +399,33 @@ class EventStreamResponse:
             ]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        # The last body message skips the middleware's send wrappers (GZip, error handlers):
-        # they only act on the start message.
-        body_send: Send = scope.get(RAW_SEND_KEY, send)
-        start = {"type": "http.response.start", "status": 200, "headers": self.headers}
-        head = b""
-        if scope.get(CONNECTION_KEY) is not None:  # the writer can reach the connection
-            head = await held_send(body_send, send, start)
-        else:
-            await send(start)
-        # Sent: a waiting stream's frame keeps neither the message nor its headers.
-        del start
-        self.headers = []
-        connection = _connection(scope)
-        if connection is None:
-            await self._serve_over_asgi(receive, body_send)
-            return
-        writer = self._writer(connection.transport, chunked=bool(connection.cycle.chunked_encoding))
-        connection.listener = writer
+        exchange = await open_exchange(scope, receive, send, self.headers)
+        self.headers = []  # sent: a waiting stream's frame need not keep them
+        writer = self._writer(exchange.body)
         try:
-            if connection.transport.is_closing():
-                writer.close(End.DISCONNECTED)
-            else:
-                writer.hold(head)
-                del head
+            async with exchange.attached(writer):
                 try:
-                    await self._run(writer)
+                    if exchange.body.is_closing():
+                        writer.close(End.DISCONNECTED)
+                    else:
+                        try:
+                            await self._run(writer)
+                        finally:
+                            writer.release()
+                    end = await writer.done
                 finally:
-                    writer.release()
-            end = await writer.done
+                    writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
         finally:
-            writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
-            connection.listener = None
             if self.start:
                 self.registry.discard(self.stream)  # never started: give back its ticket
-        await self._finish(end, writer, scope, body_send)
+        await self._finish(end, writer, exchange)
 
-    def _writer(self, transport: Any, *, chunked: bool) -> EventWriter:
+    def _writer(self, body: Body) -> EventWriter:
         return EventWriter(
             self.stream,
             self.registry,
             self.metrics,
-            transport,
-            chunked=chunked,
+            body,
             after=self.after,
             heartbeat_s=self.heartbeat_s,
             send_timeout_s=self.send_timeout_s,
@@ -488,46 +443,29 @@ class EventStreamResponse:
             # relay's upstream request), so a burst's streams start one set-up apart, not two.
             await asyncio.sleep(0)
 
-    async def _finish(self, end: End, writer: EventWriter, scope: Scope, send: Send) -> None:
+    async def _finish(self, end: End, writer: EventWriter, exchange: Exchange) -> None:
         if end is End.FINISHED:
             tail = self.compressor.finish() if self.compressor is not None else b""
-            last = {"type": "http.response.body", "body": tail, "more_body": False}
-            if writer.terminated:  # the bytes are out: uvicorn's are dropped
-                connection = _connection(scope)  # its cycle, when CORS wrapped `send`
-                cycle = connection.cycle if connection is not None else None
-                sent: Awaitable[object] = held_send(send, send, last, cycle)
-            else:
-                sent = send(last)
-            waited_out = False
-            if _write_paused(scope):
-                # uvicorn's send waits for a paused transport to drain, with no limit of its
-                # own. Only then: a cancel scope costs every stream ~10 µs.
-                with anyio.move_on_after(self.send_timeout_s) as waited:
-                    await sent
-                waited_out = waited.cancelled_caught
-            else:
-                await sent
-            if not waited_out:
+            if await exchange.end(tail, self.send_timeout_s, writer.terminated):
                 if writer.stream.outcome is Outcome.MOVED:
                     # Another instance goes on with it: the reader comes back with
                     # Last-Event-ID on a new connection, not this one (this instance may
                     # be on its way out).
-                    writer.transport.close()
+                    writer.body.close()
                     return
-                schedule, cut = self.registry.schedule, self._stalled_after(scope)
-                _cut_if_unread(writer.transport, schedule, self.send_timeout_s, cut)
+                schedule, cut = self.registry.schedule, self._stalled_after(exchange)
+                _cut_if_unread(writer.body, schedule, self.send_timeout_s, cut)
                 return
         elif end is not End.STALLED:
             return
         # The reader takes no bytes: a graceful close would wait on it forever.
-        self._stalled_after(scope)()
+        self._stalled_after(exchange)()
         await anyio.lowlevel.checkpoint()  # let the server see the connection go
 
-    def _stalled_after(self, scope: Scope) -> Callable[[], None]:
+    def _stalled_after(self, exchange: Exchange) -> Callable[[], None]:
         """What cuts this response's reader for taking no bytes for `send_timeout_s`: reset
         the connection (a graceful close would wait for it to read, forever), log, count."""
         stream, metrics, timeout = self.stream, self.metrics, self.send_timeout_s
-        abort = scope.get(ABORT_KEY)
 
         def cut() -> None:
             metrics.readers_stalled += 1
@@ -538,66 +476,25 @@ class EventStreamResponse:
                 key=key_label(stream.request.tenant),
                 send_timeout_s=timeout,
             )
-            if abort is not None:
-                abort()
+            exchange.abort()
 
         return cut
 
-    async def _serve_over_asgi(self, receive: Receive, send: Send) -> None:
-        """Under another ASGI server (no transport to reach): the same writer, with its
-        writes queued for a task that awaits `send`. Slower, and never paused."""
-        outlet = _AsgiOutlet()
-        writer = self._writer(outlet, chunked=False)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(outlet.pump, send)
-            tg.start_soon(_watch_disconnect, receive, writer.connection_lost)
-            try:
-                await self._run(writer)
-                end = await writer.done
-            finally:
-                writer.close(End.DISCONNECTED)
-                if self.start:
-                    self.registry.discard(self.stream)
-            await outlet.drained()
-            tg.cancel_scope.cancel()
-        if end is End.FINISHED:
-            tail = self.compressor.finish() if self.compressor is not None else b""
-            await send({"type": "http.response.body", "body": tail, "more_body": False})
-
-
-def _connection(scope: Scope) -> Any:
-    connection = scope.get(CONNECTION_KEY)
-    if connection is None:
-        return None
-    cycle = connection.cycle
-    # Only while this request's response is the connection's current one: a pipelined
-    # request behind it would already own `cycle`, with no response started yet.
-    if cycle is None or not cycle.response_started or cycle.response_complete:
-        return None
-    return connection
-
-
-def _write_paused(scope: Scope) -> bool:
-    """Whether uvicorn's send would wait for the transport to drain (True when unknown)."""
-    flow = getattr(scope.get(CONNECTION_KEY), "flow", None)
-    return flow is None or bool(flow.write_paused)
-
 
 def _cut_if_unread(
-    transport: Any, schedule: Schedule, timeout_s: float, cut: Callable[[], None]
+    body: Body, schedule: Schedule, timeout_s: float, cut: Callable[[], None]
 ) -> None:
     """After the response's last byte was handed over: if the transport still holds bytes the
     reader has not taken, cut it once `timeout_s` passes without progress. The transport is
     under its high-water mark, so nothing else waits on it, and uvicorn's keep-alive close
     would wait for those bytes to leave, forever."""
-    size = getattr(transport, "get_write_buffer_size", None)
-    if size is None or not size():
+    left = body.unsent()
+    if not left:
         return
-    left = size()
 
     def check() -> None:
         nonlocal left
-        now = size()
+        now = body.unsent()
         if not now:
             return
         if now < left:  # a slow reader, not a stalled one
@@ -609,50 +506,6 @@ def _cut_if_unread(
     schedule.call_later(timeout_s, check)
 
 
-def _unsent(transport: Any) -> int:
-    """Bytes waiting in a real transport (0 for the stand-ins, which wait for nobody)."""
-    size = getattr(transport, "get_write_buffer_size", None)
-    return int(size()) if size is not None else 0
-
-
 def _stamped(events: Sequence[Event]) -> bytes:
-    stamp = b": t=%.6f\n" % time.time()
-    return b"".join(stamp + e.wire for e in events)
-
-
-class _AsgiOutlet:
-    """A transport stand-in that feeds ASGI `send` from a task (the fallback path)."""
-
-    def __init__(self) -> None:
-        self._parts: list[bytes] = []
-        self._wakeup = asyncio.Event()
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def write(self, data: bytes) -> None:
-        self._parts.append(data)
-        self._idle.clear()
-        self._wakeup.set()
-
-    def is_closing(self) -> bool:
-        return False
-
-    async def pump(self, send: Send) -> None:
-        while True:
-            await self._wakeup.wait()
-            self._wakeup.clear()
-            body, self._parts = b"".join(self._parts), []
-            await send({"type": "http.response.body", "body": body, "more_body": True})
-            if not self._parts:
-                self._idle.set()
-
-    async def drained(self) -> None:
-        await self._idle.wait()
-
-
-async def _watch_disconnect(receive: Receive, on_disconnect: Callable[[], None]) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            on_disconnect()
-            return
+    sent = stamp(time.time())
+    return b"".join(sent + e.wire for e in events)

@@ -21,6 +21,7 @@ from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.render import Events
 
 __all__ = [
+    "THREAD_UNSUPPORTED",
     "Block",
     "MessagesRenderer",
     "error_body",
@@ -91,18 +92,28 @@ def status_error_type(status: int) -> str:
     return _STATUS_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
 
 
+# A `thread` that continues sends only the turn's new messages, and answering those alone
+# would lose the conversation (the SDK's tool runner then calls its tool until its iteration
+# limit). Refused with the code on which the SDK drops `thread` and sends the whole history.
+THREAD_UNSUPPORTED = "thread_unsupported_request"
+# Codes the SDK reads from `error.details.error_code`: to pick an error class, or a fallback.
+_DETAILED = frozenset({THREAD_UNSUPPORTED})
+
+
 def error_body(
-    type_: str,
+    code: str,
     message: str,
+    type_: str = "api_error",
+    param: str | None = None,
     request_id: str | None = None,
-    details: Mapping[str, Any] | None = None,
 ) -> bytes:
     """`{"type": "error", "error": {"type", "message"}}`: the HTTP body of a refusal and the
-    data of a stream's `event: error`. `details` (`{"error_code": ...}`) is what the SDK reads
-    to pick an error class, and to decide a fallback (a thread refused)."""
+    data of a stream's `event: error`. The signature of `wire.errors.error_body`; `type_` is
+    one of Anthropic's (`error_type`, `status_error_type`), and the shape has no place for
+    `param`."""
     error: dict[str, Any] = {"type": type_, "message": message}
-    if details:
-        error["details"] = dict(details)
+    if code in _DETAILED:
+        error["details"] = {"error_code": code}
     body: dict[str, Any] = {"type": "error", "error": error}
     if request_id:
         body["request_id"] = request_id
@@ -185,7 +196,7 @@ class MessagesRenderer:
         return out
 
     def error(self, code: str, message: str, type_: str = "server_error") -> Events:
-        return [("error", error_body(error_type(code, type_), message))]
+        return [("error", error_body(code, message, error_type(code, type_)))]
 
     # -- text ------------------------------------------------------------------------------
 

@@ -424,7 +424,7 @@ def uvicorn_cycle(raw_send: Send) -> Any:
 
 class Held:
     """A transport stand-in that keeps what is written, to leave in one system call later
-    (`held_send`; `core.writer.EventWriter.hold`)."""
+    (`held_send`; `transport.Body.hold`)."""
 
     __slots__ = ("parts", "real", "size")
 

@@ -37,9 +37,15 @@ _TYPES = {
 
 
 def error_body(
-    code: str, message: str, type_: str = "server_error", param: str | None = None
+    code: str,
+    message: str,
+    type_: str = "server_error",
+    param: str | None = None,
+    request_id: str | None = None,
 ) -> bytes:
-    """The error object, before the first byte (HTTP body) and after it (`event: error`)."""
+    """The error object, before the first byte (HTTP body) and after it (`event: error`).
+    Every format's error body takes these arguments (`wire.anthropic.error_body`); OpenAI's
+    shape carries the request's id in its `x-request-id` header only."""
     return orjson.dumps(
         {"error": {"code": code, "message": message, "type": type_, "param": param}}
     )

@@ -11,7 +11,77 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-__all__ = ["PING", "EventDecoder", "ServerSentEvent", "comment", "encode_event"]
+__all__ = [
+    "DATA_FRAME",
+    "PING",
+    "SSE_HEADERS",
+    "EventDecoder",
+    "ServerSentEvent",
+    "comment",
+    "encode_event",
+    "event_payload",
+    "response_headers",
+    "stamp",
+    "token_frame",
+]
+
+# Every event stream's response headers: no cache or proxy may hold its bytes back.
+SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache, no-transform"),
+    (b"x-accel-buffering", b"no"),
+)
+# A one-line data event, `%` (its seq, its data): the hot path's, for data with no line break
+# (JSON's has none).
+DATA_FRAME = b"id: %d\ndata: %s\n\n"
+
+
+def response_headers(
+    stream_id: str, trace_id: str, extra: dict[str, str] | None = None
+) -> list[tuple[bytes, bytes]]:
+    """An event stream's response headers: `SSE_HEADERS`, its ids, and `extra`."""
+    headers = [
+        *SSE_HEADERS,
+        (b"x-stream-id", stream_id.encode()),
+        (b"x-request-id", trace_id.encode()),
+    ]
+    for name, value in (extra or {}).items():
+        headers.append((name.lower().encode(), value.encode()))
+    return headers
+
+
+def token_frame(event: str | None, prefix: bytes, suffix: bytes) -> bytes:
+    """The frame of a token event, `%` (its seq, its JSON-escaped text): `id: <seq>\n`
+    [`event: <name>\n`] `data: <prefix><text><suffix>\n\n`. Built once per text run, so a
+    token costs one %-format; `prefix` and `suffix` hold no line break (JSON)."""
+    head = b"id: %d\n" if event is None else b"id: %d\nevent: " + event.encode() + b"\n"
+    return (
+        head
+        + b"data: "
+        + prefix.replace(b"%", b"%%")
+        + b"%s"
+        + suffix.replace(b"%", b"%%")
+        + b"\n\n"
+    )
+
+
+def stamp(unix_time: float) -> bytes:
+    """A comment line before an event that says when it was sent (`timestamps`, for
+    diagnosis): `: t=<unix time>`."""
+    return b": t=%.6f\n" % unix_time
+
+
+def event_payload(wire: bytes) -> tuple[str | None, bytes]:
+    """A framed event's name and data, for events framed here (one `data:` line: JSON has
+    no raw line breaks)."""
+    name: str | None = None
+    data = b""
+    for line in wire.split(b"\n"):
+        if line.startswith(b"data: "):
+            data = line[6:]
+        elif line.startswith(b"event: "):
+            name = line[7:].decode()
+    return name, data
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _FORBIDDEN_IN_FIELD = ("\r", "\n", "\0")
@@ -56,7 +126,7 @@ def encode_event(seq: int, data: bytes, event: str | None = None) -> bytes:
     """Fast path for the per-token hot path: one `id:` and one-line data (JSON has no raw
     line breaks); anything else goes through `ServerSentEvent.encode`."""
     if event is None and b"\n" not in data and b"\r" not in data:
-        return b"id: %d\ndata: %s\n\n" % (seq, data)
+        return DATA_FRAME % (seq, data)
     return ServerSentEvent(data=data.decode(), event=event, id=str(seq)).encode()
 
 

@@ -10,13 +10,16 @@ from anthropic.lib.streaming._messages import accumulate_event
 from anthropic.types import RawMessageStreamEvent
 from pydantic import TypeAdapter
 
-from firsttoken.api.anthropic import chat_body, generation_request, prompt_text
-from firsttoken.api.anthropic_protocol import MessagesRequest
+from firsttoken.api.anthropic.adapter import MESSAGES, chat_body, prompt_text
+from firsttoken.api.anthropic.protocol import MessagesRequest
+from firsttoken.api.bodies import APIError
+from firsttoken.api.pipeline import Ending
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.base import Delta, ToolCallDelta
 from firsttoken.wire.anthropic import MessagesRenderer, message_object, stop_reason
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
+from firsttoken.wire.render import ChatRenderer
 
 _EVENT = TypeAdapter(RawMessageStreamEvent)
 
@@ -365,7 +368,7 @@ def test_generation_request_prompt_and_limits() -> None:
             "synthetic": {"ttft_ms": 5},
         }
     )
-    generation = generation_request(request, "synthetic", "id1")
+    generation = MESSAGES.generation(request, "synthetic", "id1")
     assert generation.prompt == "system: S\nuser: Q"
     assert generation.max_tokens == 7 and generation.stop == ("x", "y")
     assert generation.seed is None and generation.temperature == 0.2
@@ -420,6 +423,37 @@ def test_url_image_and_string_tool_result() -> None:
         ],
     }
     assert messages[2:] == [{"role": "tool", "tool_call_id": "t", "content": "ok"}]
+
+
+def test_the_messages_adapter_plans_a_stream_with_its_input_tokens_or_a_folded_message() -> None:
+    request = {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    stream = MessagesRequest.model_validate({**request, "stream": True})
+    streamed = MESSAGES.plan(stream, "m", "s1", 9)
+    assert streamed.ending is Ending.STREAM
+    assert isinstance(streamed.renderer, MessagesRenderer) and streamed.renderer.input_tokens == 9
+    whole = MESSAGES.plan(MessagesRequest.model_validate(request), "m", "s1", 9)
+    assert whole.ending is Ending.WHOLE and isinstance(whole.renderer, ChatRenderer)
+    assert whole.fold is not None
+    message = whole.fold(ChatAnswer(content="ok", usage={"prompt_tokens": 9}))
+    assert message["id"] == "msg_s1" and message["content"] == [{"type": "text", "text": "ok"}]
+
+
+def test_the_messages_adapter_answers_errors_in_anthropics_shape() -> None:
+    refused = MESSAGES.refused(APIError(429, "rate_limited", "slow down"), "t1")
+    body = orjson.loads(refused.body)
+    assert refused.status_code == 429 and refused.headers["x-request-id"] == "t1"
+    assert body == {
+        "type": "error",
+        "error": {"type": "rate_limit_error", "message": "slow down"},
+        "request_id": "t1",
+    }
+    failed = MESSAGES.failed(
+        EngineError("upstream_timeout", "late", status=503), "t1", {"x-stream-id": "s1"}
+    )
+    body = orjson.loads(failed.body)
+    assert failed.status_code == 503 and failed.headers["x-stream-id"] == "s1"
+    assert failed.headers["retry-after"] == "1"
+    assert body["error"] == {"type": "timeout_error", "message": "late"}
 
 
 def test_cache_control_markers_reach_an_anthropic_target_unchanged() -> None:

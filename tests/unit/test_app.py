@@ -7,7 +7,9 @@ import json
 from typing import Any
 
 from starlette.requests import Request
+from starlette.routing import Mount
 
+from firsttoken.api.routes import ROUTES
 from firsttoken.app import RawSendApp, create_app
 from firsttoken.config import Settings
 
@@ -91,3 +93,24 @@ def test_metrics_need_the_admin_key_only_when_told(monkeypatch: Any) -> None:
     assert status == 404 and json.loads(body)["error"]["code"] == "not_found"
     status, body = _get(closed, "/metrics", [(b"authorization", b"Bearer adm")])
     assert status == 200 and b"firsttoken_" in body
+
+
+def test_the_route_table_builds_both_the_asgi_routes_and_the_direct_dispatch() -> None:
+    """One table (`api/routes.py`): every route is a Starlette route under /v1, and the hot
+    ones are served straight from the connection, with their path parameters."""
+    starlette = create_app(Settings())
+    (v1,) = [r for r in starlette.routes if isinstance(r, Mount) and r.path == "/v1"]
+    assert [(r.path, sorted(r.methods or ())) for r in v1.routes] == [  # type: ignore[attr-defined]
+        (r.path, sorted({r.method} | ({"HEAD"} if r.method == "GET" else set()))) for r in ROUTES
+    ]
+    app = RawSendApp(starlette)
+    for route in ROUTES:
+        path = "/v1" + route.path.replace("{stream_id}", "abc").replace("{model_id:path}", "m")
+        found = app.route(route.method, path)
+        assert (found is not None) == route.hot, route.path
+        if found is not None:
+            assert found[0] is route.endpoint
+            assert found[1] == ({"stream_id": "abc"} if "{" in route.path else None)
+    assert app.route("GET", "/v1/streams//events") is None
+    assert app.route("GET", "/v1/streams/a/b/events") is None
+    assert app.route("POST", "/v1/streams/abc/events") is None

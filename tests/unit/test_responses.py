@@ -14,16 +14,18 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
-from firsttoken.api.responses import (
+from firsttoken.api.pipeline import Ending
+from firsttoken.api.responses.adapter import (
+    RESPONSES,
     chat_body,
     chat_messages,
-    generation_request,
     response_base,
     transcript,
 )
-from firsttoken.api.responses_protocol import ResponsesRequest
+from firsttoken.api.responses.protocol import ResponsesRequest
 from firsttoken.engines.base import Delta, ToolCallDelta
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
+from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage
 
 USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
@@ -260,7 +262,7 @@ def test_string_input_and_instructions() -> None:
     assert body["max_completion_tokens"] == 9 and body["temperature"] == 0.5
     assert body["stream"] is True and body["stream_options"] == {"include_usage": True}
     assert body["model"] == "m" and "max_output_tokens" not in body
-    gen = generation_request(req, "id", "m")
+    gen = RESPONSES.generation(req, "m", "id")
     assert gen.prompt == "system: Be brief.\nuser: Hi"
     assert gen.max_tokens == 9 and gen.body == body
 
@@ -442,3 +444,16 @@ def test_refused_requests(body: dict, param: str, words: str) -> None:
     error = info.value.errors()[0]
     assert ".".join(str(p) for p in error["loc"]).startswith(param)
     assert words in str(info.value)
+
+
+def test_the_responses_adapter_plans_a_stream_or_a_folded_response() -> None:
+    streamed = RESPONSES.plan(
+        request(input="q", stream=True, stream_options={"coalesce": "off"}), "m", "s1", 3
+    )
+    assert streamed.ending is Ending.STREAM and isinstance(streamed.renderer, ResponsesRenderer)
+    assert streamed.coalesce == "off" and not streamed.meta  # SDKs would misread meta events
+    whole = RESPONSES.plan(request(input="q"), "m", "s1", 3)
+    assert whole.ending is Ending.WHOLE and isinstance(whole.renderer, ChatRenderer)
+    assert whole.fold is not None
+    response = whole.fold(ChatAnswer(content="ok", usage={"prompt_tokens": 3}))
+    assert response["id"] == "resp_s1" and response["status"] == "completed"

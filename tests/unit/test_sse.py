@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from firsttoken.wire import sse
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent, comment, encode_event
 
 
@@ -133,3 +134,27 @@ def test_decoder_ignores_a_retry_that_is_not_ascii_digits() -> None:
     decoder = EventDecoder()
     decoder.feed(b"retry: 2500\ndata: x\n\n")
     assert decoder.retry == 2500
+
+
+def test_a_token_frame_takes_its_seq_and_text_and_escapes_percent_signs() -> None:
+    frame = sse.token_frame(None, b'{"p":"100%","t":', b"}")
+    assert frame % (7, b'"hi"') == b'id: 7\ndata: {"p":"100%","t":"hi"}\n\n'
+    named = sse.token_frame("delta", b"[", b"]")
+    assert named % (1, b"x") == b"id: 1\nevent: delta\ndata: [x]\n\n"
+    assert sse.DATA_FRAME % (2, b"{}") == sse.encode_event(2, b"{}")
+
+
+def test_an_events_name_and_data_read_back_from_its_frame() -> None:
+    assert sse.event_payload(sse.encode_event(3, b'{"a":1}', "error")) == ("error", b'{"a":1}')
+    assert sse.event_payload(sse.encode_event(4, b"[DONE]")) == (None, b"[DONE]")
+
+
+def test_response_headers_and_the_send_stamp() -> None:
+    headers = sse.response_headers("s1", "t1", {"X-Resume-Token": "r"})
+    assert headers[: len(sse.SSE_HEADERS)] == list(sse.SSE_HEADERS)
+    assert headers[len(sse.SSE_HEADERS) :] == [
+        (b"x-stream-id", b"s1"),
+        (b"x-request-id", b"t1"),
+        (b"x-resume-token", b"r"),
+    ]
+    assert sse.stamp(1.5) == b": t=1.500000\n"

@@ -16,6 +16,7 @@ from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.observability import Metrics
 from firsttoken.wire.render import NativeRenderer
+from firsttoken.wire.transport import ChunkedBody
 from tests.unit.clock import FakeClock
 
 
@@ -57,8 +58,7 @@ def setup(
         stream,
         registry,
         registry.metrics,
-        transport,
-        chunked=True,
+        ChunkedBody(transport),
         after=0,
         heartbeat_s=5.0,
         send_timeout_s=30.0,
@@ -198,8 +198,7 @@ def test_a_replay_is_not_counted_as_sent_twice(monkeypatch: pytest.MonkeyPatch) 
             stream,
             registry,
             registry.metrics,
-            Transport(),
-            chunked=True,
+            ChunkedBody(Transport()),
             after=1,
             heartbeat_s=5,
             send_timeout_s=30,
@@ -207,7 +206,7 @@ def test_a_replay_is_not_counted_as_sent_twice(monkeypatch: pytest.MonkeyPatch) 
             compressor=None,
         )
         again.open(b"")
-        assert body_of(again.transport.writes).count(b"id: ") == 2
+        assert body_of(again.body.real.writes).count(b"id: ") == 2
         assert stream.tokens_sent == 3 and registry.metrics.tokens_sent == 3
 
     run(body)
@@ -231,7 +230,8 @@ def test_a_reader_stuck_below_the_high_water_mark_is_cut_after_the_send_timeout(
 
     async def body() -> None:
         clock, stream, _, _, writer = setup(monkeypatch)
-        transport = writer.transport = _Unread()
+        transport = _Unread()
+        writer.body = ChunkedBody(transport)
         writer.open(b"")
         stream.begin()
         stream.push("Hello")
@@ -306,7 +306,7 @@ def test_a_started_stream_lets_its_engine_run_before_its_first_write(
         registry = StreamRegistry(Upstream(), Metrics(), ttl_s=10)  # type: ignore[arg-type]
         response = EventStreamResponse(stream, registry, registry.metrics, start=True)
         transport = Recording()
-        writer = response._writer(transport, chunked=True)
+        writer = response._writer(ChunkedBody(transport))
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             writer.hold(b"HTTP/1.1 200 OK\r\n\r\n")

@@ -1,4 +1,5 @@
-"""The native stream API: create, read (EventSource-friendly GET, resumable), cancel."""
+"""The native stream API's reading side: read (an EventSource-friendly GET, resumable) and
+cancel a stream that `POST /v1/streams` (`adapter.py`) started."""
 
 from __future__ import annotations
 
@@ -9,21 +10,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import (
-    arrived_at,
-    gateway,
-    new_stream_id,
-    retry_headers,
-    trace_id,
-    traceparent,
-)
-from firsttoken.api.protocol import NativeStreamRequest
+from firsttoken.api.gateway import gateway, trace_id
+from firsttoken.api.pipeline import Answer
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
-from firsttoken.engines import GenerationRequest
-from firsttoken.wire.render import NativeRenderer
 
-__all__ = ["cancel_stream", "create_stream", "stream_events"]
+__all__ = ["cancel_stream", "stream_events"]
 
 _SEQ_DIGITS = 18  # under 2**63: any event id this server can have given
 _SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
@@ -32,62 +24,7 @@ _SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
 _PREAMBLE = b"retry: 1000\n\n"
 
 
-async def create_stream(request: Request) -> Response:
-    accepted_at = arrived_at(request)
-    gw = gateway(request)
-    trace = trace_id(request)
-    try:
-        body, model, key = await gw.accept(request, NativeStreamRequest)
-        stream_id = new_stream_id()
-        generation = GenerationRequest(
-            request_id=stream_id,
-            prompt=body.prompt,
-            model=model,
-            max_tokens=body.max_tokens,
-            seed=body.seed,
-            temperature=body.temperature,
-            stop=body.stop_strings(),
-            options={"synthetic": body.synthetic.model_dump() if body.synthetic else None},
-            tenant=key.name,
-            priority=key.priority,
-            weight=key.weight,
-        )
-        ticket = await gw.admit(key, generation)
-    except APIError as exc:
-        return exc.response(trace)
-    stream = gw.open_stream(
-        generation,
-        NativeRenderer(binary=body.binary),
-        kind="native",
-        trace=trace,
-        accepted_at=accepted_at,
-        ticket=ticket,
-        coalesce=body.coalesce,
-        meta=body.meta,
-        traceparent=traceparent(request),
-    )
-    failed = await gw.registry.start(stream)
-    if failed is not None:
-        # Failed before its id was handed out: nobody could read the error event.
-        gw.registry.forget(stream)
-        status = failed.status or 500
-        refused = APIError(status, failed.code, failed.message, headers=retry_headers(failed))
-        return refused.response(trace)
-    events_url = f"/v1/streams/{stream.id}/events?token={stream.resume_token}"
-    return JSONResponse(
-        {
-            "id": stream.id,
-            "resume_token": stream.resume_token,
-            "events_url": events_url,
-            "cancel_url": f"/v1/streams/{stream.id}/cancel",
-            "model": model,
-        },
-        status_code=201,
-        headers={"x-stream-id": stream.id, "x-request-id": trace, "location": events_url},
-    )
-
-
-async def stream_events(request: Request) -> Response:
+async def stream_events(request: Request) -> Answer:
     gw = gateway(request)
     try:
         stream = await _authorized_stream(request)

@@ -3,8 +3,7 @@
 A request becomes the same `GenerationRequest` an OpenAI one does: its plain-text prompt, and
 its translation to a Chat Completions body (what a relay forwards to an OpenAI-compatible
 upstream). A streaming answer is rendered by `wire.anthropic.MessagesRenderer`; a whole one is
-collected in the chat format, assembled, and reshaped into a message object, as
-`openai._complete` does for its own.
+collected in the chat format, assembled, and reshaped into a message object.
 """
 
 from __future__ import annotations
@@ -17,8 +16,7 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.admission.keys import ApiKey
-from firsttoken.api.anthropic_protocol import (
+from firsttoken.api.anthropic.protocol import (
     Base64Source,
     CountTokensRequest,
     ImageBlock,
@@ -29,20 +27,13 @@ from firsttoken.api.anthropic_protocol import (
     ToolResultBlock,
     ToolUseBlock,
 )
-from firsttoken.api.bodies import APIError, read_model
-from firsttoken.api.gateway import (
-    Gateway,
-    arrived_at,
-    gateway,
-    new_stream_id,
-    retry_headers,
-    trace_id,
-    traceparent,
-)
-from firsttoken.core.collect import Collector
-from firsttoken.core.stream import Stream
-from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.api.bodies import APIError
+from firsttoken.api.gateway import gateway, retry_headers, trace_id
+from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
+from firsttoken.config import Settings
+from firsttoken.engines import EngineError
 from firsttoken.wire.anthropic import (
+    THREAD_UNSUPPORTED,
     MessagesRenderer,
     error_body,
     error_type,
@@ -52,23 +43,94 @@ from firsttoken.wire.anthropic import (
 from firsttoken.wire.render import ChatRenderer
 
 __all__ = [
+    "MESSAGES",
+    "MessagesFormat",
     "chat_body",
     "chat_messages",
     "chat_tool_choice",
     "count_tokens",
-    "generation_request",
-    "messages",
     "prompt_text",
 ]
 
 
-async def messages(request: Request) -> Response:
-    accepted_at = arrived_at(request)
-    trace = trace_id(request)
-    try:
-        return await _serve(request, gateway(request), trace, accepted_at)
-    except APIError as exc:
-        return _refusal(exc, trace)
+class MessagesFormat(Format[MessagesRequest]):
+    """`POST /v1/messages`. A whole answer is collected in the chat format (which
+    `assemble_chat` folds) and reshaped into a message object."""
+
+    kind = "anthropic"
+    body = MessagesRequest
+    trace_header = "request-id"  # what the SDK reads as the request's id
+
+    def grace_s(self, settings: Settings) -> float:
+        # Resumed like a Chat Completions stream (Last-Event-ID on the same kind of POST).
+        return settings.openai_grace_s
+
+    def check(self, body: MessagesRequest) -> None:
+        if body.thread is not None:
+            raise APIError(
+                400,
+                THREAD_UNSUPPORTED,
+                "this server keeps no conversation state: send the whole conversation in "
+                "`messages`, without `thread`",
+                param="thread",
+            )
+
+    def inputs(self, body: MessagesRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
+        """The plain-text prompt, the limits, and the Chat Completions body a relay
+        forwards."""
+        chat = chat_body(body, model)
+        messages = chat["messages"]
+        options: dict[str, Any] = {
+            "synthetic": body.synthetic.model_dump() if body.synthetic else None
+        }
+        prefill = _prefill(body)
+        if prefill is not None:  # the answer continues it; the prompt is the rest
+            options["continuation"] = prefill
+        return Inputs(
+            prompt_text(messages[:-1] if prefill is not None else messages),
+            body.max_tokens,
+            None,  # the Messages API has no seed
+            body.temperature,
+            tuple(body.stop_sequences or ()),
+            tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
+            chat,
+            options,
+        )
+
+    def plan(self, body: MessagesRequest, model: str, stream_id: str, prompt_tokens: int) -> Plan:
+        message_id = "msg_" + stream_id
+        if body.stream:
+            renderer = MessagesRenderer(message_id, model)
+            renderer.input_tokens = prompt_tokens
+            return Plan(renderer, Ending.STREAM)
+        # A whole answer is collected in the chat format, which `assemble_chat` folds.
+        chat = ChatRenderer("chatcmpl-" + stream_id, model, int(time.time()), True)
+        return Plan(
+            chat, Ending.WHOLE, fold=lambda answer: message_object(message_id, model, answer)
+        )
+
+    def refused(self, exc: APIError, trace: str) -> Response:
+        """Anthropic's shape, with the same status, headers and log line."""
+        plain = exc.response(trace)
+        headers = {
+            k: v for k, v in plain.headers.items() if k not in ("content-length", "content-type")
+        }
+        body = error_body(exc.code, exc.message, status_error_type(exc.status), request_id=trace)
+        return Response(
+            body, status_code=exc.status, media_type="application/json", headers=headers
+        )
+
+    def failed(self, exc: EngineError, trace: str, headers: Mapping[str, str]) -> Response:
+        body = error_body(exc.code, exc.message, error_type(exc.code, exc.type), request_id=trace)
+        return Response(
+            body,
+            status_code=exc.status or 500,
+            media_type="application/json",
+            headers={**headers, **retry_headers(exc)},
+        )
+
+
+MESSAGES = MessagesFormat()
 
 
 async def count_tokens(request: Request) -> Response:
@@ -78,137 +140,15 @@ async def count_tokens(request: Request) -> Response:
     trace = trace_id(request)
     gw = gateway(request)
     try:
-        key = gw.admission.authenticate(request)
-        s = gw.settings
-        body = await read_model(request, CountTokensRequest, s.max_body_bytes, s.body_timeout_s)
-        model = gw.model(body.model, key)
+        body, model, _ = await gw.accept(request, CountTokensRequest)
     except APIError as exc:
-        return _refusal(exc, trace)
-    prompt = generation_request(body, model, "count_tokens").prompt
-    count = {"input_tokens": gw.engine.prompt_tokens(prompt)}
+        return MESSAGES.refused(exc, trace)
+    count = {"input_tokens": gw.engine.prompt_tokens(MESSAGES.inputs(body, None, model).prompt)}
     headers = {"x-request-id": trace, "request-id": trace}
     return Response(orjson.dumps(count), media_type="application/json", headers=headers)
 
 
-# A `thread` that continues sends only the turn's new messages, and answering those alone
-# would lose the conversation (the SDK's tool runner then calls its tool until its iteration
-# limit). Refused with the code on which the SDK drops `thread` and sends the whole history.
-THREAD_UNSUPPORTED = "thread_unsupported_request"
-
-
-async def _serve(request: Request, gw: Gateway, trace: str, accepted_at: float) -> Response:
-    body, model, key = await gw.accept(request, MessagesRequest)
-    if body.thread is not None:
-        raise APIError(
-            400,
-            THREAD_UNSUPPORTED,
-            "this server keeps no conversation state: send the whole conversation in "
-            "`messages`, without `thread`",
-            param="thread",
-        )
-    stream_id = new_stream_id()
-    generation = generation_request(body, model, stream_id, key)
-    ticket = await gw.admit(key, generation)
-    message_id = "msg_" + stream_id
-    renderer: MessagesRenderer | ChatRenderer
-    if body.stream:
-        renderer = MessagesRenderer(message_id, model)
-    else:
-        # A whole answer is collected in the chat format, which `assemble_chat` folds.
-        renderer = ChatRenderer("chatcmpl-" + stream_id, model, int(time.time()), True)
-    stream = gw.open_stream(
-        generation,
-        renderer,
-        kind="anthropic",
-        trace=trace,
-        accepted_at=accepted_at,
-        ticket=ticket,
-        # A whole answer is read at once: chunking would be wasted on it.
-        coalesce=None if body.stream else "off",
-        meta=False,
-        traceparent=traceparent(request),
-        takeover=body.stream,
-    )
-    headers = {"x-request-id": trace, "request-id": trace, "x-stream-id": stream.id}
-    if not isinstance(renderer, MessagesRenderer):
-        return await _complete(gw, request, stream, message_id, headers)
-    renderer.input_tokens = stream.prompt_tokens
-    return gw.reader(
-        stream,
-        request,
-        headers={"x-resume-token": stream.resume_token, "request-id": trace},
-        start=True,
-    )
-
-
-async def _complete(
-    gw: Gateway, request: Request, stream: Stream, message_id: str, headers: dict[str, str]
-) -> Response:
-    """A non-streaming answer: the same lifecycle, read by a collector into one message."""
-    try:
-        answer = await Collector(stream).answer(gw.registry, request)
-    except EngineError as exc:
-        return Response(
-            error_body(error_type(exc.code, exc.type), exc.message, headers["x-request-id"]),
-            status_code=exc.status or 500,
-            media_type="application/json",
-            headers={**headers, **retry_headers(exc)},
-        )
-    if answer is None:
-        return Response(status_code=499)  # nobody is left to read it
-    body = message_object(message_id, stream.request.model, answer)
-    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
-
-
-def _refusal(exc: APIError, trace: str) -> Response:
-    """An `APIError` before the first byte, in Anthropic's shape (same status, same headers,
-    same log line)."""
-    plain = exc.response(trace)
-    headers = {
-        k: v for k, v in plain.headers.items() if k not in ("content-length", "content-type")
-    }
-    details = {"error_code": exc.code} if exc.code == THREAD_UNSUPPORTED else None
-    return Response(
-        error_body(status_error_type(exc.status), exc.message, trace, details),
-        status_code=exc.status,
-        media_type="application/json",
-        headers=headers,
-    )
-
-
 # -- the request, as the engines and a relay see it ---------------------------------------------
-
-
-def generation_request(
-    body: MessagesRequest, model: str, stream_id: str, key: ApiKey | None = None
-) -> GenerationRequest:
-    """The engine's request: the plain-text prompt, the limits, and the Chat Completions
-    body a relay forwards; `key` (None: an open server's caller) gives its name, priority
-    and weight."""
-    key = key or ApiKey(name="")
-    chat = chat_body(body, model)
-    messages = chat["messages"]
-    options: dict[str, Any] = {
-        "synthetic": body.synthetic.model_dump() if body.synthetic else None
-    }
-    prefill = _prefill(body)
-    if prefill is not None:  # the answer continues it; the prompt is the rest
-        options["continuation"] = prefill
-    return GenerationRequest(
-        request_id=stream_id,
-        prompt=prompt_text(messages[:-1] if prefill is not None else messages),
-        model=model,
-        max_tokens=body.max_tokens,
-        seed=None,  # the Messages API has none
-        temperature=body.temperature,
-        stop=tuple(body.stop_sequences or ()),
-        messages=tuple({"role": m["role"], "content": _text(m.get("content"))} for m in messages),
-        body=chat,
-        options=options,
-        tenant=key.name,
-        priority=key.priority,
-        weight=key.weight,
-    )
 
 
 def prompt_text(messages: list[dict[str, Any]]) -> str:

@@ -31,22 +31,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import orjson
-from starlette.requests import Request
-from starlette.responses import Response
-
-from firsttoken.admission.keys import ApiKey
-from firsttoken.api.bodies import APIError
-from firsttoken.api.gateway import (
-    Gateway,
-    arrived_at,
-    gateway,
-    new_stream_id,
-    retry_headers,
-    trace_id,
-    traceparent,
-)
-from firsttoken.api.responses_protocol import (
+from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
+from firsttoken.api.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
     InputFile,
@@ -56,105 +42,66 @@ from firsttoken.api.responses_protocol import (
     RefusalPart,
     ResponsesRequest,
 )
-from firsttoken.core.collect import Collector
-from firsttoken.core.stream import Stream
-from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.config import Settings
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer
 
 __all__ = [
+    "RESPONSES",
+    "ResponsesFormat",
     "chat_body",
     "chat_messages",
     "chat_tool_choice",
-    "generation_request",
     "response_base",
-    "responses",
     "transcript",
 ]
 
 
-async def responses(request: Request) -> Response:
-    accepted_at = arrived_at(request)
-    gw = gateway(request)
-    trace = trace_id(request)
-    try:
-        body, model, key = await gw.accept(request, ResponsesRequest)
-        stream_id = new_stream_id()
-        generation = generation_request(body, stream_id, model, key)
-        ticket = await gw.admit(key, generation)
-    except APIError as exc:
-        return exc.response(trace)
-    created = int(time.time())
-    base = response_base(body, "resp_" + stream_id, model, created)
-    renderer: ResponsesRenderer | ChatRenderer
-    if body.stream:
-        renderer = ResponsesRenderer(base, stream_id)
-        coalesce = body.stream_options.coalesce if body.stream_options else None
-    else:
-        # A whole answer is read at once: chunking would be wasted on it.
-        renderer = ChatRenderer("chatcmpl-" + stream_id, model, created, True)
-        coalesce = "off"
-    stream = gw.open_stream(
-        generation,
-        renderer,
-        kind="responses",
-        trace=trace,
-        accepted_at=accepted_at,
-        ticket=ticket,
-        coalesce=coalesce,
-        meta=False,  # SDKs would parse a named meta event as a response event
-        traceparent=traceparent(request),
-        takeover=body.stream,
-    )
-    if not body.stream:
-        return await _complete(gw, request, stream, base, trace)
-    return gw.reader(stream, request, headers={"x-resume-token": stream.resume_token}, start=True)
+class ResponsesFormat(Format[ResponsesRequest]):
+    """`POST /v1/responses`."""
+
+    kind = "responses"
+    body = ResponsesRequest
+
+    def grace_s(self, settings: Settings) -> float:
+        # Resumed like a Chat Completions stream (Last-Event-ID on the same kind of POST).
+        return settings.openai_grace_s
+
+    def inputs(self, body: ResponsesRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
+        lines = transcript(body)
+        return Inputs(
+            "\n".join(f"{role}: {text}" for role, text in lines),
+            body.max_output_tokens,
+            body.seed,
+            body.temperature,
+            (),
+            tuple({"role": role, "content": text} for role, text in lines),
+            chat_body(body, model),
+            {"synthetic": body.synthetic.model_dump() if body.synthetic else None},
+        )
+
+    def plan(self, body: ResponsesRequest, model: str, stream_id: str, prompt_tokens: int) -> Plan:
+        created = int(time.time())
+        base = response_base(body, "resp_" + stream_id, model, created)
+        if body.stream:
+            options = body.stream_options
+            # No progress events: SDKs would parse a named meta event as a response event.
+            return Plan(
+                ResponsesRenderer(base, stream_id),
+                Ending.STREAM,
+                coalesce=options.coalesce if options else None,
+            )
+        # A whole answer runs the same stream as chat chunks, folded into one Response.
+        chat = ChatRenderer("chatcmpl-" + stream_id, model, created, True)
+        return Plan(
+            chat, Ending.WHOLE, fold=lambda answer: response_from_answer(base, stream_id, answer)
+        )
 
 
-async def _complete(
-    gw: Gateway, request: Request, stream: Stream, base: dict[str, Any], trace: str
-) -> Response:
-    """A non-streaming answer: the same lifecycle, collected as chat chunks, then folded
-    into one Response."""
-    try:
-        answer = await Collector(stream).answer(gw.registry, request)
-    except EngineError as exc:
-        status = exc.status or 500
-        return APIError(status, exc.code, exc.message, headers=retry_headers(exc)).response(trace)
-    if answer is None:
-        return Response(status_code=499)  # nobody is left to read it
-    body = response_from_answer(base, stream.id, answer)
-    return Response(
-        orjson.dumps(body),
-        media_type="application/json",
-        headers={"x-request-id": trace, "x-stream-id": stream.id},
-    )
+RESPONSES = ResponsesFormat()
 
 
 # -- the request, converted ---------------------------------------------------------------
-
-
-def generation_request(
-    req: ResponsesRequest, stream_id: str, model: str, key: ApiKey | None = None
-) -> GenerationRequest:
-    """The engine's request; `key` (None: an open server's caller) gives its name, priority
-    and weight."""
-    key = key or ApiKey(name="")
-    lines = transcript(req)
-    return GenerationRequest(
-        request_id=stream_id,
-        prompt="\n".join(f"{role}: {text}" for role, text in lines),
-        model=model,
-        max_tokens=req.max_output_tokens,
-        seed=req.seed,
-        temperature=req.temperature,
-        messages=tuple({"role": role, "content": text} for role, text in lines),
-        body=chat_body(req, model),
-        options={"synthetic": req.synthetic.model_dump() if req.synthetic else None},
-        tenant=key.name,
-        priority=key.priority,
-        weight=key.weight,
-    )
 
 
 def transcript(req: ResponsesRequest) -> list[tuple[str, str]]:
@@ -227,7 +174,11 @@ def chat_body(req: ResponsesRequest, model: str) -> dict[str, Any]:
         if fmt is not None and fmt.type == "json_object":
             body["response_format"] = {"type": "json_object"}
         elif fmt is not None and fmt.type == "json_schema":
-            schema = {"name": fmt.name, "schema": fmt.schema_, "description": fmt.description}
+            schema: dict[str, Any] = {
+                "name": fmt.name,
+                "schema": fmt.schema_,
+                "description": fmt.description,
+            }
             if fmt.strict is not None:
                 schema["strict"] = fmt.strict
             body["response_format"] = {
