@@ -28,6 +28,7 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
+from firsttoken.ops import OpsView
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
@@ -90,6 +91,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    ops = OpsView(gw, PAGE_HEADERS)  # GET /ops and its feed, /v1/admin/events (docs/ops.md)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -97,6 +99,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
+            tg.start_soon(ops.run)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
@@ -115,6 +118,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
         Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
         Route("/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+        *ops.api_routes(),
     ]
     routes = [
         # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
@@ -123,6 +127,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),
         Route("/favicon.ico", _favicon, methods=["GET", "HEAD"]),
+        *ops.page_routes(),
         Mount("/", WebFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
     app = Starlette(
