@@ -321,3 +321,60 @@ def test_admin_events_feed_shapes(tmp_path: Path) -> None:
             assert section in snapshot
         assert snapshot["slo"]["ttft_p99"]["target"] == 0.3
         assert snapshot["deps"] == {"redis": None, "otel": None, "ledger": None}
+
+
+def test_the_feed_shows_every_worker(tmp_path: Path) -> None:
+    """Under --workers the feed is the whole server: streams and errors of every worker,
+    whichever worker serves the feed."""
+    body = {
+        "stream": True,
+        "max_tokens": 50,
+        "messages": [{"role": "user", "content": "w"}],
+        "synthetic": {"ttft_ms": 10, "itl_ms": 100},
+    }
+    failing = {**body, "max_tokens": 5, "synthetic": {"fail_after": 2, "itl_ms": 1}}
+    args = ("--workers", "2", "--admin-key-env", "FIRSTTOKEN_TEST_ADMIN")
+    with run_server(*args, env=ADMIN_ENV) as server:
+        url = server.url + "/v1/chat/completions"
+        # New connections each: the kernel spreads them over both workers.
+        for _ in range(8):
+            httpx.post(url, json=failing, timeout=10)
+        stop = threading.Event()
+
+        def hold() -> None:
+            while not stop.is_set():
+                httpx.post(url, json=body, timeout=30)
+
+        threads = [threading.Thread(target=hold, daemon=True) for _ in range(6)]
+        for t in threads:
+            t.start()
+        try:
+            wait_for(lambda: server.metric("firsttoken_active_streams") >= 6, timeout=15)
+            for _ in range(3):  # each time on a new connection, any worker may answer
+                snapshot = _fresh_snapshot(server)
+                assert snapshot["workers"] == 2
+                assert snapshot["traffic"]["active"] == 6
+                assert snapshot["keys"]["open"]["active"] == 6
+                assert len(snapshot["errors"]) == 8
+                assert len({e["pid"] for e in snapshot["errors"]}) == 2  # both workers'
+                assert {e["code"] for e in snapshot["errors"]} == {"engine_error"}
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=30)
+
+
+def _fresh_snapshot(server: Server) -> dict[str, Any]:
+    """The first snapshot built after connecting (the one sent at once may be a second old)."""
+    with httpx.stream(
+        "GET", server.url + "/v1/admin/events", headers=BEARER, timeout=10
+    ) as resp:
+        event, seen = "", 0
+        for line in resp.iter_lines():
+            if line.startswith("event: "):
+                event = line[7:]
+            elif line.startswith("data: ") and event == "snapshot":
+                seen += 1
+                if seen == 2:
+                    return dict(json.loads(line[6:]))
+    raise AssertionError("no snapshot")
