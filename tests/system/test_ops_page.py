@@ -25,7 +25,7 @@ from tests.system.test_web import ARTIFACTS, CHROMIUM, CHROMIUM_ARGS
 from tests.upstreams import free_port, scripted_upstream
 
 ADMIN = "admin-secret-ops"
-ADMIN_ENV = {"FIRSTTOKEN_TEST_ADMIN": ADMIN}
+ADMIN_ENV = {"OPS_TEST_ADMIN": ADMIN}
 BEARER = {"Authorization": f"Bearer {ADMIN}"}
 KEYS = {"alice": "sk-alice", "bob": "sk-bob"}
 
@@ -184,7 +184,7 @@ def test_ops_page_shows_the_live_server_and_survives_a_restart(
             "--api-keys",
             str(keys_file(tmp_path)),
             "--admin-key-env",
-            "FIRSTTOKEN_TEST_ADMIN",
+            "OPS_TEST_ADMIN",
             "--rate-limit-per-s",
             "0",
             "--breaker-error-rate",
@@ -291,7 +291,7 @@ def test_ops_page_shows_the_live_server_and_survives_a_restart(
 
 def test_admin_events_feed_shapes(tmp_path: Path) -> None:
     """The feed other tools read: `retry`, then `history`, then a `snapshot` a second."""
-    with run_server("--admin-key-env", "FIRSTTOKEN_TEST_ADMIN", env=ADMIN_ENV) as server:
+    with run_server("--admin-key-env", "OPS_TEST_ADMIN", env=ADMIN_ENV) as server:
         events: list[tuple[str, Any]] = []
         with httpx.stream(
             "GET", server.url + "/v1/admin/events", headers=BEARER, timeout=10
@@ -333,7 +333,7 @@ def test_the_feed_shows_every_worker(tmp_path: Path) -> None:
         "synthetic": {"ttft_ms": 10, "itl_ms": 100},
     }
     failing = {**body, "max_tokens": 5, "synthetic": {"fail_after": 2, "itl_ms": 1}}
-    args = ("--workers", "2", "--admin-key-env", "FIRSTTOKEN_TEST_ADMIN")
+    args = ("--workers", "2", "--admin-key-env", "OPS_TEST_ADMIN")
     with run_server(*args, env=ADMIN_ENV) as server:
         url = server.url + "/v1/chat/completions"
         # New connections each: the kernel spreads them over both workers.
