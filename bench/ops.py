@@ -29,6 +29,7 @@ import time
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import psutil
@@ -57,10 +58,19 @@ class Phase:
         return self.tokens / self.cpu_s if self.cpu_s else 0.0
 
 
+class LongSpec(RequestSpec):
+    """A stream whose natural answer is as long as its `max_tokens` (not ~300 tokens)."""
+
+    def body(self) -> dict[str, Any]:
+        body = super().body()
+        body["synthetic"]["answer_tokens"] = self.max_tokens
+        return body
+
+
 def load_main(port: int, streams: int, seconds: float) -> None:
     """The load client's process: `streams` streams that each outlast `seconds`."""
     tokens = int(seconds * 1000 / ITL_MS) + 200
-    specs = [RequestSpec(i % 8, tokens, 20.0, ITL_MS) for i in range(streams)]
+    specs = [LongSpec(i % 8, tokens, 20.0, ITL_MS) for i in range(streams)]
     plan = Plan(specs, ramp_s=min(10.0, streams / 100), deadline_s=seconds + 60)
     asyncio.run(drive("127.0.0.1", port, plan))
 
