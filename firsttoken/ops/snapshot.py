@@ -118,6 +118,7 @@ class Snapshots:
         self.points: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.ttft_bounds: list[float] = []
         self.inter_chunk_bounds: list[float] = []
+        self._found: dict[tuple[float, float], _Tick | None] = {}
 
     def build(
         self,
@@ -126,6 +127,7 @@ class Snapshots:
         errors: list[dict[str, Any]] | None = None,
     ) -> dict[str, Any]:
         s = _Samples(families)
+        self._found.clear()
         counters = self._counters(s)
         self.ttft_bounds, ttft = s.buckets("firsttoken_ttft_seconds")
         self.inter_chunk_bounds, inter_chunk = s.buckets("firsttoken_inter_chunk_seconds")
@@ -216,11 +218,17 @@ class Snapshots:
         return out
 
     def _since(self, now: float, seconds: float) -> _Tick | None:
-        """The oldest tick within `seconds` of `now` (None: only `now`'s own)."""
-        for tick in self.ticks:
-            if tick.ts >= now - seconds - 0.5:
-                return None if tick is self.ticks[-1] else tick
-        return None
+        """The oldest tick within `seconds` of `now` (None: only `now`'s own); a handful of
+        windows, each looked up once per build."""
+        key = (now, seconds)
+        if key not in self._found:
+            found = None
+            for tick in self.ticks:
+                if tick.ts >= now - seconds - 0.5:
+                    found = None if tick is self.ticks[-1] else tick
+                    break
+            self._found[key] = found
+        return self._found[key]
 
     def _rate(self, tick: _Tick, name: str, seconds: float, per: float = 1.0) -> float:
         before = self._since(tick.ts, seconds)

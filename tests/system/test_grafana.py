@@ -159,9 +159,13 @@ connect_timeout_s = 1
 [targets.gpu-a]
 kind = "synthetic"
 max_concurrency = 2
+ttft_ms = 20
+itl_ms = 20
 
 [targets.edge]
 kind = "synthetic"
+ttft_ms = 20
+itl_ms = 20
 
 [targets.gpu-cut]
 kind = "openai"
@@ -199,7 +203,6 @@ def _load(url: str, stop: threading.Event, key: str, model: str) -> None:
         "stream": True,
         "max_tokens": 12,
         "messages": [{"role": "user", "content": "grafana"}],
-        "synthetic": {"ttft_ms": 20, "itl_ms": 20},
     }
     with httpx.Client(timeout=30, headers={"Authorization": f"Bearer {key}"}) as client:
         while not stop.is_set():

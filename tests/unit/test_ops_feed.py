@@ -133,3 +133,31 @@ def test_changes_between_snapshots() -> None:
     assert kinds == ["target_ejected", "breaker", "shedding", "dependency", "reload"]
     assert changes(after, before)[0]["kind"] == "target_up"
     assert changes(None, after) == [] and changes(before, before) == []
+
+
+def test_idle_ticks_are_sparse_and_a_subscriber_wakes_the_feed() -> None:
+    async def main() -> list[float]:
+        metrics = Metrics()
+        loop = asyncio.get_running_loop()
+        feed, _ = feed_of(metrics, FakeClock())
+        feed.clock = loop.time
+        feed.interval_s = 0.05
+        ticks: list[float] = []
+        tick = feed.tick
+
+        async def counted() -> dict[str, Any]:
+            ticks.append(loop.time())
+            return await tick()
+
+        feed.tick = counted  # type: ignore[method-assign]
+        runner = asyncio.ensure_future(feed.run())
+        await asyncio.sleep(0.3)
+        idle = len(ticks)
+        feed.subscribe()
+        await asyncio.sleep(0.3)
+        runner.cancel()
+        return [idle, len(ticks) - idle]
+
+    idle, watched = asyncio.run(main())
+    assert idle == 1  # the first, then nothing for IDLE_INTERVAL_S
+    assert watched >= 3  # one per interval_s (0.05 s) once someone listens
