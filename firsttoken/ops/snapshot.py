@@ -15,6 +15,7 @@ number of streams or subscribers (measured: `tests/unit/test_ops_snapshot.py` bu
 from __future__ import annotations
 
 from array import array
+from bisect import bisect_left
 from collections import deque
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -119,6 +120,7 @@ class Snapshots:
         self.ttft_bounds: list[float] = []
         self.inter_chunk_bounds: list[float] = []
         self._found: dict[tuple[float, float], _Tick | None] = {}
+        self._stamps: list[float] = []  # the ticks' times, for bisect (rebuilt once a build)
 
     def build(
         self,
@@ -128,6 +130,7 @@ class Snapshots:
     ) -> dict[str, Any]:
         s = _Samples(families)
         self._found.clear()
+        self._stamps = []
         counters = self._counters(s)
         self.ttft_bounds, ttft = s.buckets("firsttoken_ttft_seconds")
         self.inter_chunk_bounds, inter_chunk = s.buckets("firsttoken_inter_chunk_seconds")
@@ -222,12 +225,11 @@ class Snapshots:
         windows, each looked up once per build."""
         key = (now, seconds)
         if key not in self._found:
-            found = None
-            for tick in self.ticks:
-                if tick.ts >= now - seconds - 0.5:
-                    found = None if tick is self.ticks[-1] else tick
-                    break
-            self._found[key] = found
+            if len(self._stamps) != len(self.ticks):
+                self._stamps = [tick.ts for tick in self.ticks]
+            at = bisect_left(self._stamps, now - seconds - 0.5)
+            last = len(self.ticks) - 1
+            self._found[key] = self.ticks[at] if at < last else None
         return self._found[key]
 
     def _rate(self, tick: _Tick, name: str, seconds: float, per: float = 1.0) -> float:
