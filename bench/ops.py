@@ -12,12 +12,12 @@ EventSource on `/v1/admin/events`; in `none` they are closed. Each phase measure
 process's CPU (user + system, every thread) and the tokens it wrote
 (`firsttoken_tokens_sent_total`), and reports tokens per CPU-second; the cost is 1 - pages /
 none over the sums of all rounds (pooled), and the median over rounds of each `pages` phase
-against the `none` phases beside it. With two cores or more the server runs on one core and
-everything else (this process, the load client, Chromium) on another, so that the browsers' own
-drawing does not share the server's core. With nobody watching the feed still builds a snapshot
-every 5 s (so that the charts have their 15 minutes when a page opens); with a page open, one a
-second: the difference is the page's cost, and is in the figure. One snapshot's CPU (collect,
-build, encode) is also measured apart, in process, as `build_ms`.
+against the `none` phases beside it. With two cores or more the server runs on a core of its own
+and Chromium on the others, so that the browsers' drawing does not share the server's core. With
+nobody watching the feed still builds a snapshot every 5 s (so that the charts have their 15
+minutes when a page opens); with a page open, one a second: the difference is the page's cost,
+and is in the figure. One snapshot's CPU (collect, build, encode) is also measured apart, in
+process, as `build_ms`.
 
 Needs Chromium (`/usr/bin/chromium`, or FIRSTTOKEN_CHROMIUM) and Playwright, as the web tests.
 """
@@ -94,8 +94,6 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
     phases: list[Phase] = []
     cores = sorted(os.sched_getaffinity(0))
     pin = cores[:2] if len(cores) >= 2 else []
-    if pin:
-        os.sched_setaffinity(0, {pin[1]})  # inherited by the load client and Chromium
     with ExitStack() as stack:
         server = stack.enter_context(
             run_server(
@@ -109,7 +107,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             )
         )
         proc = psutil.Process(server.proc.pid)
-        if pin:  # the server on its own core; this process, the load and Chromium on another
+        if pin:  # the server on a core of its own
             os.sched_setaffinity(server.proc.pid, {pin[0]})
         load = subprocess.Popen(
             [
@@ -129,6 +127,8 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
             interval=0.5,
         )
         time.sleep(2)
+        if pin:  # Chromium (launched from here) off the server's core; the load client anywhere
+            os.sched_setaffinity(0, set(cores) - {pin[0]})
         playwright = stack.enter_context(sync_playwright())
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox", "--disable-gpu"]
@@ -146,7 +146,7 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
                         page.goto(server.url + "/ops")
                         page.wait_for_function("() => window.opsState.snapshots > 0")
                         contexts.append(context)
-                time.sleep(1)
+                time.sleep(3)  # the pages' loading done: what is measured is them open
                 t0, cpu0, sent0 = sample(server, proc)
                 time.sleep(args.phase_s)
                 t1, cpu1, sent1 = sample(server, proc)

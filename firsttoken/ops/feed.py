@@ -43,7 +43,13 @@ class Subscriber:
     def __init__(self, first: list[bytes]) -> None:
         self.frames: deque[bytes] = deque(first, maxlen=QUEUE_FRAMES + len(first))
         self.lost = 0
+        self.closed = False
         self._wakeup = asyncio.Event()
+        self._wakeup.set()
+
+    def close(self) -> None:
+        """No more frames: the response ends once the ones waiting are written."""
+        self.closed = True
         self._wakeup.set()
 
     def put(self, data: bytes) -> None:
@@ -58,6 +64,8 @@ class Subscriber:
             self._wakeup.clear()
             while self.frames:
                 yield self.frames.popleft()
+            if self.closed:
+                return
 
 
 class OpsFeed:
@@ -69,8 +77,10 @@ class OpsFeed:
         errors: Callable[[], Awaitable[list[dict[str, Any]]]],
         clock: Callable[[], float],
         interval_s: float = 1.0,
+        draining: Callable[[], bool] = lambda: False,
     ) -> None:
         self.collect = collect
+        self.draining = draining
         self.errors = errors
         self.clock = clock
         self.interval_s = interval_s
@@ -100,6 +110,12 @@ class OpsFeed:
         self._last_frame = frame("snapshot", snapshot)
         for subscriber in self.subscribers:
             subscriber.put(self._last_frame)
+        if self.draining():
+            # The server is shutting down: let readers go (their EventSource reconnects to
+            # whichever process answers next) rather than hold the shutdown for them.
+            for subscriber in self.subscribers:
+                subscriber.close()
+            self.subscribers.clear()
         return snapshot
 
     def publish(self, event: str, data: object) -> None:

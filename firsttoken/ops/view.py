@@ -52,7 +52,10 @@ class OpsView:
         gauges = LimitGauges(targets.values(), keys, gw.settings.max_streams_per_key)
         for collector in (self.tap, gauges):
             gw.metrics.registry.register(collector)
-        self.feed = OpsFeed(self._collect, self._errors, time.time)
+        shedder = gw.admission.shedder
+        self.feed = OpsFeed(
+            self._collect, self._errors, time.time, draining=lambda: shedder.draining
+        )
         self.tap.listener = self.feed.heard
         tap_log_events(self.tap.heard)
 

@@ -161,3 +161,21 @@ def test_idle_ticks_are_sparse_and_a_subscriber_wakes_the_feed() -> None:
     idle, watched = asyncio.run(main())
     assert idle == 1  # the first, then nothing for IDLE_INTERVAL_S
     assert watched >= 3  # one per interval_s (0.05 s) once someone listens
+
+
+def test_a_draining_server_lets_its_readers_go() -> None:
+    async def main() -> list[bytes]:
+        clock, metrics = FakeClock(), Metrics()
+        feed, _ = feed_of(metrics, clock)
+        draining = {"on": False}
+        feed.draining = lambda: draining["on"]
+        reader = feed.subscribe()
+        await feed.tick()
+        draining["on"] = True
+        await feed.tick()
+        got = [data async for data in reader.frames_due()]  # ends: the response closes
+        assert not feed.subscribers
+        return got
+
+    got = asyncio.run(main())
+    assert [e for e, _ in events(got)] == ["history", "snapshot", "snapshot"]
