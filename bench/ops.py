@@ -1,23 +1,21 @@
 """What the operator's page costs the gateway: tokens per server CPU-second with 500 streams
 running, with `/ops` open in 3 browsers against none, in the same run.
 
-    .venv/bin/python -m bench.ops [--streams 500] [--rounds 3] [--phase-s 10] [--quick]
+    .venv/bin/python -m bench.ops [--streams 500] [--rounds 6] [--phase-s 10] [--quick]
 
-One `firsttoken serve` (synthetic engine at its default pace, 20 ms per token; each stream long
-enough to outlast the run) takes `--streams` streams from a load client in its own process
-(bench/load.py: raw sockets, no parsing while it runs). Once they all run, phases alternate,
-`none` then `pages`, `--rounds` times: in `pages`, three Chromium contexts (separate sessions,
-as three operators' browsers would be) have `/ops` open behind the admin key, each with its
-EventSource on `/v1/admin/events`; in `none` they are closed. Each phase measures the server
+Two identical `firsttoken serve` processes (twins: synthetic engine at its default pace, 20 ms
+per token; each stream long enough to outlast the run) each take `--streams` streams from a load
+client in its own process (bench/load.py: raw sockets, no parsing while it runs). Once they all
+run, each round opens `/ops` in three Chromium contexts (separate sessions, as three operators'
+browsers would be: the page and its EventSource on `/v1/admin/events`, behind the admin key) on
+one twin, alternating between them, and measures both twins over the same seconds: each
 process's CPU (user + system, every thread) and the tokens it wrote
-(`firsttoken_tokens_sent_total`), and reports tokens per CPU-second; the cost is 1 - pages /
-none over the sums of all rounds (pooled), and the median over rounds of each `pages` phase
-against the `none` phases beside it. With two cores or more the server runs on a core of its own
-and Chromium on the others, so that the browsers' drawing does not share the server's core. With
-nobody watching the feed still builds a snapshot every 5 s (so that the charts have their 15
-minutes when a page opens); with a page open, one a second: the difference is the page's cost,
-and is in the figure. One snapshot's CPU (collect, build, encode) is also measured apart, in
-process, as `build_ms`.
+(`firsttoken_tokens_sent_total`). Measuring both at once is what makes the comparison hold on a
+shared machine: a neighbour's burst lands on both twins. The cost is 1 - pages / none in tokens
+per CPU-second, pooled over all rounds and as the median of the rounds. With nobody watching,
+the feed still builds a snapshot every 5 s (so that the charts have their 15 minutes when a page
+opens); with a page open, one a second: the difference is the page's cost, and is in the figure.
+One snapshot's CPU (collect, build, encode) is also measured apart, in process, as `build_ms`.
 
 Needs Chromium (`/usr/bin/chromium`, or FIRSTTOKEN_CHROMIUM) and Playwright, as the web tests.
 """
@@ -87,97 +85,91 @@ def sample(server: Server, proc: psutil.Process) -> tuple[float, float, float]:
     return time.monotonic(), times.user + times.system, sent["firsttoken_tokens_sent_total"]
 
 
-def measure(args: argparse.Namespace) -> dict[str, object]:
-    from playwright.sync_api import sync_playwright
-
-    total_s = args.rounds * 2 * (args.phase_s + 3) + 30
-    phases: list[Phase] = []
-    cores = sorted(os.sched_getaffinity(0))
-    pin = cores[:2] if len(cores) >= 2 else []
-    with ExitStack() as stack:
-        server = stack.enter_context(
-            run_server(
-                "--admin-key-env",
-                "OPS_BENCH_ADMIN",
-                "--max-streams-per-key",
-                str(args.streams * 2),
-                *OPEN,
-                env=ADMIN_ENV,
-                timeout=60,
-            )
-        )
-        proc = psutil.Process(server.proc.pid)
-        if pin:  # the server on a core of its own
-            os.sched_setaffinity(server.proc.pid, {pin[0]})
-        load = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "bench.ops",
-                "--_load",
-                str(server.port),
-                str(args.streams),
-                str(total_s),
-            ],
-        )
-        stack.callback(load.kill)
-        wait_for(
-            lambda: server.metric("firsttoken_active_streams") >= args.streams * 0.98,
+def start_twin(stack: ExitStack, args: argparse.Namespace, total_s: float) -> Server:
+    server = stack.enter_context(
+        run_server(
+            "--admin-key-env",
+            "OPS_BENCH_ADMIN",
+            "--max-streams-per-key",
+            str(args.streams * 2),
+            *OPEN,
+            env=ADMIN_ENV,
             timeout=60,
-            interval=0.5,
         )
+    )
+    command = ["-m", "bench.ops", "--_load", str(server.port), str(args.streams), str(total_s)]
+    load = subprocess.Popen([sys.executable, *command])
+    stack.callback(load.kill)
+    return server
+
+
+def measure(args: argparse.Namespace) -> dict[str, object]:
+    from playwright.sync_api import BrowserContext, sync_playwright
+
+    total_s = args.rounds * (args.phase_s + 8) + 60
+    phases: list[Phase] = []
+    with ExitStack() as stack:
+        twins = [start_twin(stack, args, total_s) for _ in range(2)]
+        procs = [psutil.Process(t.proc.pid) for t in twins]
+        for twin in twins:
+            wait_for(
+                lambda twin=twin: twin.metric("firsttoken_active_streams") >= args.streams * 0.98,
+                timeout=90,
+                interval=0.5,
+            )
         time.sleep(2)
-        if pin:  # Chromium (launched from here) off the server's core; the load client anywhere
-            os.sched_setaffinity(0, set(cores) - {pin[0]})
         playwright = stack.enter_context(sync_playwright())
         browser = playwright.chromium.launch(
             executable_path=str(CHROMIUM), headless=True, args=["--no-sandbox", "--disable-gpu"]
         )
         stack.callback(browser.close)
-        for _ in range(args.rounds):
-            for arm in ("none", "pages"):
-                contexts = []
-                if arm == "pages":
-                    for _ in range(3):
-                        context = browser.new_context(
-                            extra_http_headers={"Authorization": f"Bearer {ADMIN}"}
-                        )
-                        page = context.new_page()
-                        page.goto(server.url + "/ops")
-                        page.wait_for_function("() => window.opsState.snapshots > 0")
-                        contexts.append(context)
-                time.sleep(3)  # the pages' loading done: what is measured is them open
-                t0, cpu0, sent0 = sample(server, proc)
-                time.sleep(args.phase_s)
-                t1, cpu1, sent1 = sample(server, proc)
-                phases.append(Phase(arm, t1 - t0, cpu1 - cpu0, sent1 - sent0))
-                for context in contexts:
-                    context.close()
-                print(
-                    f"  {arm:5s} {phases[-1].tokens_per_cpu_s:9.0f} tokens/CPU-s "
-                    f"({phases[-1].tokens:.0f} tokens, {phases[-1].cpu_s:.2f} CPU-s)",
-                    flush=True,
+        contexts: list[BrowserContext] = []
+        for round_ in range(args.rounds):
+            watched = round_ % 2  # the twin with the pages open this round
+            for context in contexts:
+                context.close()
+            contexts = []
+            for _ in range(3):
+                context = browser.new_context(
+                    extra_http_headers={"Authorization": f"Bearer {ADMIN}"}
                 )
-        active = server.metric("firsttoken_active_streams")
+                page = context.new_page()
+                page.goto(twins[watched].url + "/ops")
+                page.wait_for_function("() => window.opsState.snapshots > 0")
+                contexts.append(context)
+            time.sleep(3)  # the pages' loading done: what is measured is them open
+            before = [sample(t, p) for t, p in zip(twins, procs, strict=True)]
+            time.sleep(args.phase_s)
+            after = [sample(t, p) for t, p in zip(twins, procs, strict=True)]
+            for i, (b, a) in enumerate(zip(before, after, strict=True)):
+                arm = "pages" if i == watched else "none"
+                phases.append(Phase(arm, a[0] - b[0], a[1] - b[1], a[2] - b[2]))
+            pages, none = (phases[-2], phases[-1]) if watched == 0 else (phases[-1], phases[-2])
+            print(
+                f"  round {round_ + 1}: pages on twin {watched + 1}: "
+                f"{pages.tokens_per_cpu_s:8.0f} tokens/CPU-s, none {none.tokens_per_cpu_s:8.0f} "
+                f"({1 - pages.tokens_per_cpu_s / none.tokens_per_cpu_s:+.2%})",
+                flush=True,
+            )
+        active = sum(t.metric("firsttoken_active_streams") for t in twins)
     arms = {
         arm: sum(p.tokens for p in phases if p.arm == arm)
         / sum(p.cpu_s for p in phases if p.arm == arm)
         for arm in ("none", "pages")
     }
-    # Each `pages` phase against the mean of the `none` phases beside it: the median of these
-    # is less moved by a neighbour's burst than the pooled figure.
-    paired = []
-    for i, phase in enumerate(phases):
-        if phase.arm == "pages":
-            beside = [p.tokens_per_cpu_s for p in phases[max(0, i - 1) : i + 2] if p.arm == "none"]
-            paired.append(1 - phase.tokens_per_cpu_s / (sum(beside) / len(beside)))
+    rounds = [
+        1 - pages.tokens_per_cpu_s / none.tokens_per_cpu_s
+        for pages, none in (
+            sorted(phases[i : i + 2], key=lambda p: p.arm != "pages")
+            for i in range(0, len(phases), 2)
+        )
+    ]
     return {
         "streams": args.streams,
-        "pinned_cores": pin,
-        "cost_median_of_rounds": statistics.median(paired),
         "active_at_end": active,
         "tokens_per_cpu_s": arms,
         "cost": 1 - arms["pages"] / arms["none"],
+        "cost_median_of_rounds": statistics.median(rounds),
         "build_ms": build_ms(),
         "phases": [asdict(p) | {"tokens_per_cpu_s": p.tokens_per_cpu_s} for p in phases],
     }
@@ -209,17 +201,17 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(prog="python -m bench.ops", description=__doc__.split("\n")[0])
     parser.add_argument("--streams", type=int, default=500)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--phase-s", type=float, default=10.0)
-    parser.add_argument("--quick", action="store_true", help="50 streams, 1 round of 3 s")
+    parser.add_argument("--quick", action="store_true", help="50 streams, 2 rounds of 3 s")
     parser.add_argument("--out", type=Path, default=RESULTS, help="where ops.json goes")
     args = parser.parse_args()
     if args.quick:
-        args.streams, args.rounds, args.phase_s = 50, 1, 3.0
+        args.streams, args.rounds, args.phase_s = 50, 2, 3.0
     others = psutil.cpu_percent(interval=0.5) / 100 * (psutil.cpu_count() or 1)
     print(
-        f"bench.ops: {args.streams} streams, {args.rounds} rounds of {args.phase_s:g} s "
-        f"per arm (machine busy before: {others:.2f} cores)",
+        f"bench.ops: two twins of {args.streams} streams, {args.rounds} rounds of "
+        f"{args.phase_s:g} s (machine busy before: {others:.2f} cores)",
         flush=True,
     )
     result = measure(args)
