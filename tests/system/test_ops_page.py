@@ -191,6 +191,8 @@ def test_ops_page_shows_the_live_server_and_survives_a_restart(
             "0",
             "--breaker-error-rate",
             "1",
+            "--ttft-slo-ms",
+            "0",  # the queue's TTFT would have the shedder refuse alice's streams
             "--drain-timeout-s",
             "1",
         )
@@ -235,7 +237,7 @@ def test_ops_page_shows_the_live_server_and_survives_a_restart(
         assert agrees(page, server, traffic_agrees)
 
         # Tokens per minute against alice's budget: a number with its limit.
-        assert cell(page, "keys", "alice", "tokens_per_min").endswith("/ 1000000")
+        assert cell(page, "keys", "alice", "tokens_per_min").endswith("/ 1,000,000")
         assert page.is_hidden("#keys th.spend")  # no prices on this server: no spend column
 
         # The cut upstream's errors, with their trace ids, route and target.
@@ -352,6 +354,8 @@ def test_the_feed_shows_every_worker(tmp_path: Path) -> None:
             t.start()
         try:
             wait_for(lambda: server.metric("firsttoken_active_streams") >= 6, timeout=15)
+            # Another worker's errors reach its file within a second of happening.
+            wait_for(lambda: len(_fresh_snapshot(server)["errors"]) == 8, timeout=15)
             for _ in range(3):  # each time on a new connection, any worker may answer
                 snapshot = _fresh_snapshot(server)
                 assert snapshot["workers"] == 2

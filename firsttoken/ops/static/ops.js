@@ -14,7 +14,8 @@ const $ = (selector, root = document) => root.querySelector(selector);
 
 const ms = (s) => (s === null || s === undefined ? '–' : s < 1 ? `${(s * 1000).toFixed(s < 0.01 ? 1 : 0)} ms` : `${s.toFixed(2)} s`);
 const pct = (r) => (r === null || r === undefined ? '–' : `${(r * 100).toFixed(r > 0.999 ? 2 : 1)} %`);
-const num = (n, digits = 1) => (n === null || n === undefined ? '–' : Number.isInteger(n) ? String(n) : n.toFixed(digits));
+const num = (n, digits = 1) =>
+  n === null || n === undefined ? '–' : Number.isInteger(n) || Math.abs(n) >= 1000 ? Math.round(n).toLocaleString('en-US') : n.toFixed(digits);
 const clock = (ts) => new Date(ts * 1000).toLocaleTimeString([], { hour12: false });
 
 function setText(node, text) {
@@ -172,7 +173,7 @@ function renderKeys(keys) {
     {
       field: 'tokens_per_min',
       render: (td, k) =>
-        meter(td, k.tokens_per_min_limit ? `${num(k.tokens_per_min, 0)} / ${k.tokens_per_min_limit}` : num(k.tokens_per_min, 0), k.tokens_per_min, k.tokens_per_min_limit),
+        meter(td, k.tokens_per_min_limit ? `${num(k.tokens_per_min, 0)} / ${num(k.tokens_per_min_limit)}` : num(k.tokens_per_min, 0), k.tokens_per_min, k.tokens_per_min_limit),
     },
     {
       field: 'spend',
