@@ -9,7 +9,7 @@ other collector.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Protocol
 
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -33,12 +33,13 @@ class LimitGauges:
 
     def __init__(
         self,
-        targets: Iterable[object],  # routes.target.Target: read by attribute, any engine
-        keys: Iterable[_KeyLimits],
+        targets: Callable[[], Iterable[object]],  # routes.target.Target, read by attribute
+        keys: Callable[[], Iterable[_KeyLimits]],
         max_streams_per_key: int,
     ) -> None:
-        self.targets = list(targets)
-        self.keys = list(keys)
+        # Callables, read at each collect: a reload swaps the targets and keys whole.
+        self.targets = targets
+        self.keys = keys
         self.max_streams_per_key = max_streams_per_key
 
     def collect(self) -> Iterator[Metric]:
@@ -55,7 +56,7 @@ class LimitGauges:
             "A target's usual time to first token (moving average of its recent streams).",
             labels=["target"],
         )
-        for target in self.targets:
+        for target in self.targets():
             name = str(getattr(target, "name", ""))
             in_flight.add_metric([name], getattr(target, "outstanding", 0))
             config = getattr(target, "config", None)
@@ -78,7 +79,7 @@ class LimitGauges:
             "A key's tokens_per_minute budget (keys without one are not listed).",
             labels=["key"],
         )
-        for key in self.keys:
+        for key in self.keys():
             streams.add_metric([key.name], key.max_streams or self.max_streams_per_key)
             if key.tokens_per_minute is not None:
                 tokens.add_metric([key.name], key.tokens_per_minute)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import FileResponse, Response, StreamingResponse
 from starlette.routing import BaseRoute, Route
 
+from firsttoken.admission.keys import ApiKey
 from firsttoken.api.gateway import Gateway, gateway
 from firsttoken.observability import tap_log_events
 from firsttoken.ops.feed import OpsFeed
@@ -45,11 +46,7 @@ class OpsView:
         share = gw.metrics.share
         self.share = share
         self.tap = LogTap(time.time, (share.directory, share.name) if share else None)
-        routed = getattr(gw.engine, "inner", gw.engine)
-        targets = getattr(routed, "targets", {})
-        ring = gw.admission.keys
-        keys = [k for n in ring.names() if (k := ring.named(n))] if ring is not None else []
-        gauges = LimitGauges(targets.values(), keys, gw.settings.max_streams_per_key)
+        gauges = LimitGauges(self._targets, self._keys, gw.settings.max_streams_per_key)
         for collector in (self.tap, gauges):
             gw.metrics.registry.register(collector)
         shedder = gw.admission.shedder
@@ -101,6 +98,14 @@ class OpsView:
         )
 
     # -- what the feed reads ---------------------------------------------------------------
+
+    def _targets(self) -> Iterable[object]:
+        routed = getattr(self.gateway.engine, "inner", self.gateway.engine)
+        return list(getattr(routed, "targets", {}).values())
+
+    def _keys(self) -> list[ApiKey]:
+        ring = self.gateway.admission.keys
+        return [k for n in ring.names() if (k := ring.named(n))] if ring is not None else []
 
     async def _collect(self) -> list[Family]:
         if self.share is not None:  # every worker's, asked over their sockets: not on the loop

@@ -274,6 +274,21 @@ def test_ops_page_shows_the_live_server_and_survives_a_restart(
             " let n = 0; for (let i = 3; i < d.length; i += 4) n += d[i] > 0; return n; }"
         )
         assert painted > 500
+        # No flicker: over three snapshots, rows and cards are updated in place, never
+        # replaced (only text changes), and the charts' canvases stay the same elements (the
+        # errors and events lists drop their oldest rows: those are not watched).
+        page.evaluate(
+            """() => { window.replacedNodes = 0;
+            new MutationObserver((records) => { for (const r of records) {
+              if (r.target.closest('#errors, #events')) continue;
+              for (const n of r.removedNodes)
+                if (n.nodeType === 1 && n.matches('tr, .level, canvas')) window.replacedNodes++;
+            } }).observe(document.querySelector('main'), { childList: true, subtree: true });
+            }"""
+        )
+        seen = snapshots(page)
+        wait_for(lambda: snapshots(page) >= seen + 3, timeout=10)
+        assert page.evaluate("() => window.replacedNodes") == 0
         # Live lines: the ejection and failovers were said as they happened.
         assert page.locator("#events li").count() > 0
         page.screenshot(path=ARTIFACTS / "ops-page.png", full_page=True)

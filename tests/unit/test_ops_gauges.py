@@ -25,7 +25,7 @@ def test_targets_and_keys_as_gauges() -> None:
         ),
     ]
     keys = [ApiKey("alice", max_streams=8, tokens_per_minute=1000), ApiKey("bob")]
-    gauges = LimitGauges(targets, keys, max_streams_per_key=5)
+    gauges = LimitGauges(lambda: targets, lambda: keys, max_streams_per_key=5)
     samples = {
         (s.name, tuple(s.labels.values())): s.value
         for family in gauges.collect()
@@ -40,3 +40,6 @@ def test_targets_and_keys_as_gauges() -> None:
     assert samples["firsttoken_key_max_streams", ("bob",)] == 5  # the server's default
     assert samples["firsttoken_key_tokens_per_minute_limit", ("alice",)] == 1000
     assert ("firsttoken_key_tokens_per_minute_limit", ("bob",)) not in samples
+    keys[:] = [ApiKey("carol", max_streams=2)]  # a reload: read again at the next collect
+    names = {s.labels.get("key") for family in gauges.collect() for s in family.samples}
+    assert names - {None} == {"carol"}
