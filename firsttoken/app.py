@@ -29,10 +29,12 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
 from firsttoken.ops import OpsView
+from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
-from firsttoken.routes import build_engine
+from firsttoken.routes import RoutedEngine, build_engine, routes_in
+from firsttoken.routes.live import LiveRoutes
 from firsttoken.runtime_metrics import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
@@ -75,12 +77,12 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     if settings.max_stream_bytes_per_s > 0:
         registry.pacer = Pacer(settings.max_stream_bytes_per_s)
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
-    routed = getattr(engine, "inner", engine)  # the routes' metrics, under a cache too
+    routed = routes_in(engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    parts += (telemetry,)
-    for part in parts:
-        if hasattr(part, "collect"):
+    for part in (*parts, telemetry):
+        if part is not None:
+            # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
     gw = Gateway(
         settings=settings,
@@ -91,6 +93,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
+    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    reloader = Reloader(files, gw, watch=settings.watch_config)
+    metrics.registry.register(reloader)
     ops = OpsView(gw, PAGE_HEADERS)  # GET /ops and its feed, /v1/admin/events (docs/ops.md)
 
     @asynccontextmanager
@@ -99,6 +105,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
+            tg.start_soon(reloader.run)
             tg.start_soon(ops.run)
             yield
             tg.cancel_scope.cancel()
@@ -135,17 +142,22 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         lifespan=lifespan,
         # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
         middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
+        # Starlette calls each handler with its own class of exception only, but types every
+        # handler as taking any Exception.
         exception_handlers={
-            HTTPException: _http_error,
-            APIError: _api_error,  # e.g. 503 store_unavailable from a Redis call
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
             Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
-        },  # type: ignore[dict-item]
+        },
     )
     app.state.gateway = gw
+    app.state.reloader = reloader
     return app
 
 
-def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> Telemetry | None:
+def _telemetry(
+    settings: Settings, registry: StreamRegistry, routed: RoutedEngine | LiveRoutes | None
+) -> Telemetry | None:
     """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
     if not settings.otlp_endpoint:
         return None
@@ -153,7 +165,7 @@ def _telemetry(settings: Settings, registry: StreamRegistry, routed: object) -> 
 
     telemetry = Telemetry(settings.otlp_endpoint)
     registry.tracer = telemetry
-    if hasattr(routed, "observer"):
+    if routed is not None:
         routed.observer = telemetry
     return telemetry
 
@@ -336,7 +348,7 @@ async def _readyz(request: Request) -> Response:
         )
     # Degraded is still ready: local streams need nothing from Redis (docs/reliability.md).
     parts = (gw.registry.store, gw.admission.limits)
-    degraded = sorted({d for part in parts if (d := getattr(part, "degraded", None))})
+    degraded = sorted({d for part in parts if (d := part.degraded)})
     body: dict[str, object] = {"status": "degraded" if degraded else "ready"}
     if degraded:
         body["degraded"] = degraded
@@ -356,6 +368,7 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
-    return APIError(exc.status_code, code, str(exc.detail), headers=exc.headers).response(
+    headers = dict(exc.headers) if exc.headers is not None else None
+    return APIError(exc.status_code, code, str(exc.detail), headers=headers).response(
         trace_id(request)
     )

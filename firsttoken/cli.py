@@ -1,5 +1,5 @@
-"""`firsttoken serve | diag | replay` — a thin dispatcher (the parser every command uses is
-`config.Parser`, on the ground floor).
+"""`firsttoken serve | diag | replay | check | keys` — a thin dispatcher (the parser every
+command uses is `config.Parser`, on the ground floor).
 
 Exit status 2 is a usage problem (a bad flag or setting), told in one line plus a hint.
 """
@@ -14,11 +14,13 @@ from firsttoken.config import usage_error
 
 __all__ = ["main"]
 
-_USAGE = """usage: firsttoken {serve,diag,replay} [options]
+_USAGE = """usage: firsttoken {serve,diag,replay,check,keys} [options]
 
   serve    run the server (synthetic engine by default)
   diag     measure any SSE endpoint: TTFT, chunk intervals, buffering
   replay   replay a captured stream to stdout or as an SSE endpoint
+  check    validate the keys, routes and canned answers files as a reload would
+  keys     'keys new NAME': a fresh key and its keys-file lines; 'keys hash': a secret's digest
 
 'firsttoken COMMAND --help' lists a command's options; 'firsttoken --version' the version.
 """
@@ -43,7 +45,74 @@ def main(argv: Sequence[str] | None = None) -> int:
         from firsttoken.tools.replay import main as replay
 
         return replay(rest)
-    usage_error("firsttoken", f"unknown command {command!r} (serve, diag or replay)")
+    if command == "check":
+        return _check(rest)
+    if command == "keys":
+        return _keys(rest)
+    usage_error("firsttoken", f"unknown command {command!r} (serve, diag, replay, check or keys)")
+
+
+def _check(argv: list[str]) -> int:
+    """The validation a reload runs, offline: one line per problem, exit 0 or 1."""
+    import os
+
+    from firsttoken.config import Parser
+    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes
+
+    parser = Parser(
+        prog="firsttoken check",
+        description="Validate the files a server reloads (each defaults to its FIRSTTOKEN_* "
+        "variable, as serve reads it): exit 0 when all are valid, 1 otherwise.",
+    )
+    parser.add_argument("--api-keys", metavar="FILE", default=os.environ.get("FIRSTTOKEN_API_KEYS"))
+    parser.add_argument("--routes", metavar="FILE", default=os.environ.get("FIRSTTOKEN_ROUTES"))
+    parser.add_argument(
+        "--canned-answers", metavar="FILE", default=os.environ.get("FIRSTTOKEN_CANNED_ANSWERS")
+    )
+    args = parser.parse_args(argv)
+    files = ConfigFiles(args.api_keys, args.routes, args.canned_answers)
+    if not files.paths():
+        usage_error("firsttoken check", "no file to check (--api-keys, --routes, --canned-answers)")
+    problems = check_files(files)
+    for problem in problems:
+        print(problem, file=sys.stderr)
+    for warning in unmatched_routes(files):  # not a failure: the key is refused that route
+        print(f"warning: {warning}", file=sys.stderr)
+    bad = {p.split(": ", 1)[0] for p in problems}
+    for path in files.paths():
+        if path not in bad:
+            print(f"{path}: ok")
+    return 1 if problems else 0
+
+
+def _keys(argv: list[str]) -> int:
+    """`keys new NAME`: a fresh secret (printed once) and the [[keys]] lines that hold only
+    its digest; `keys hash`: the digest of the secret on stdin."""
+    import json
+
+    from firsttoken.admission.keys import digest_hex, new_secret
+
+    if argv[:1] == ["new"] and len(argv) == 2 and argv[1]:
+        secret = new_secret()
+        print(secret)
+        print()
+        print("[[keys]]")
+        print(f"name = {json.dumps(argv[1])}")
+        print(f'key_sha256 = "{digest_hex(secret)}"')
+        print(
+            "firsttoken keys: the first line is the new key's secret, shown only now: give it "
+            "to its user; paste the [[keys]] lines into the keys file (they hold no secret)",
+            file=sys.stderr,
+        )
+        return 0
+    if argv == ["hash"]:
+        secret = sys.stdin.read().strip()
+        if not secret:
+            print("firsttoken keys hash: no secret on stdin", file=sys.stderr)
+            return 1
+        print(digest_hex(secret))
+        return 0
+    usage_error("firsttoken keys", "expected 'keys new NAME' or 'keys hash' (secret on stdin)")
 
 
 def _serve(argv: list[str]) -> int:

@@ -368,6 +368,11 @@ class Settings:
         "/metrics takes the admin key too (default: /metrics is open)",
         needs=(ADMIN,),
     )
+    watch_config: bool = _knob(
+        False,
+        "reload the keys, routes and canned answers files when their contents change "
+        "(checked once a second), as SIGHUP does (1/true/yes or 0/false/no; the bare flag: on)",
+    )
     heartbeat_s: float = _knob(
         15.0,
         "send a ': ping' comment after this many idle seconds",

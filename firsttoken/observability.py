@@ -297,9 +297,11 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _one(kind: type[Metric], name: str, doc: str, value: float) -> Metric:
+def _one(
+    kind: type[CounterMetricFamily] | type[GaugeMetricFamily], name: str, doc: str, value: float
+) -> Metric:
     family = kind(name, doc)
-    family.add_metric([], value)  # type: ignore[attr-defined]
+    family.add_metric([], value)
     return family
 
 
@@ -441,6 +443,8 @@ def merge_families(parts: Iterable[tuple[list[Family], bool]]) -> list[Family]:
                 if sample is None:
                     index[key] = sample = [sample_name, labels, value]
                     family[3].append(sample)
+                elif sample_name.endswith("_timestamp_seconds"):
+                    sample[2] = min(sample[2], value)  # the stalest worker's, not a sum
                 elif kind in (*CUMULATIVE, "gauge") and not sample_name.endswith("_created"):
                     sample[2] += value
     return list(merged.values())

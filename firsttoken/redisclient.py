@@ -7,7 +7,7 @@ import asyncio
 import threading
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, cast
 
 from redis.asyncio import BlockingConnectionPool, Redis
 from redis.asyncio.cluster import ClusterPipeline, RedisCluster
@@ -20,6 +20,7 @@ __all__ = [
     "REDIS_DOWN",
     "AnyRedis",
     "Liveness",
+    "RawEntries",
     "pack",
     "redis_client",
     "resp_arg",
@@ -27,6 +28,9 @@ __all__ = [
 ]
 
 AnyRedis = Redis | RedisCluster
+# A stream's entries as our clients read them: bytes, since no client here decodes replies
+# (redis-py's types allow either mode, so callers cast to this).
+RawEntries = list[tuple[bytes, dict[bytes, bytes]]]
 
 # What a call to an unreachable (or reconfiguring) Redis raises. The cluster client's own
 # errors (no node for a slot yet, a command it refuses) are not RedisErrors, and redis-py
@@ -98,7 +102,8 @@ class _WaitingCluster(RedisCluster):
     wait up to `POOL_WAIT_S` for a turn, then fail as the single node's pool does."""
 
     def __init__(self, *args: Any, max_connections: int, **kwargs: Any) -> None:
-        super().__init__(*args, max_connections=max_connections, **kwargs)
+        kwargs["max_connections"] = max_connections
+        super().__init__(*args, **kwargs)
         self.turns = asyncio.Semaphore(max_connections)
 
     @asynccontextmanager
@@ -119,12 +124,13 @@ class _WaitingCluster(RedisCluster):
     def pipeline(self, transaction: Any | None = None, shard_hint: Any | None = None) -> Any:
         if shard_hint:
             return super().pipeline(transaction, shard_hint)  # which refuses it
-        return _WaitingPipeline(self, transaction)
+        # redis-py declares `_event_dispatcher` abstract on a class it instantiates itself.
+        return _WaitingPipeline(self, transaction)  # type: ignore[abstract]
 
 
 class _WaitingPipeline(ClusterPipeline):
     async def execute(self, *args: Any, **kwargs: Any) -> Any:
-        async with self.cluster_client.turn():
+        async with cast(_WaitingCluster, self.cluster_client).turn():  # its own `pipeline()`
             return await super().execute(*args, **kwargs)
 
 

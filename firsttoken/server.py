@@ -25,6 +25,7 @@ from firsttoken.app import asgi_app, create_app, direct_routes
 from firsttoken.config import Settings, unknown_variables
 from firsttoken.observability import configure_logging, flush_logs, log_event
 from firsttoken.preflight import StartupError, describe, preflight
+from firsttoken.reload import Reloader
 from firsttoken.wire.connection import StreamingProtocol
 from firsttoken.workers import Supervisor
 
@@ -56,6 +57,7 @@ class _Server(uvicorn.Server):
         self._drain_deadline: float | None = None
         self._ending = False
         self._hand_over = False  # streams go to other instances at the next tick
+        self.reloader: Reloader | None = None
 
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn's, but the listening is ours: uvicorn leaves a TLS handshake the event
@@ -80,6 +82,13 @@ class _Server(uvicorn.Server):
                 ssl_handshake_timeout=handshake_s,
             )
             self.servers.append(server)
+        reloader = self.reloader
+        if reloader is not None:
+            # SIGHUP reloads the keys, routes and canned answers files (firsttoken/reload.py),
+            # in the loop's own time: the handler only asks.
+            signal.signal(
+                signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(reloader.request)
+            )
         log_event("listening", url=self.url)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
@@ -280,7 +289,9 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
     StreamingProtocol.direct = direct_routes(outer)
     _tune_gc()
     try:
-        _Server(config, url, starlette.state.gateway, settings.drain_timeout_s).run(sockets=[sock])
+        server = _Server(config, url, starlette.state.gateway, settings.drain_timeout_s)
+        server.reloader = starlette.state.reloader
+        server.run(sockets=[sock])
     except SystemExit:
         if app.failure is None:
             raise

@@ -67,6 +67,7 @@ FLUSH_TIMEOUT_S = 5.0  # the longest a shutdown waits for the collector
 EXPORT_TIMEOUT_S = 5.0
 
 # Bucket boundaries the GenAI conventions advise for each histogram.
+_TTFT_BUCKETS: tuple[float, ...]
 _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1, 2.5, 5)
 _TTFT_BUCKETS += (7.5, 10)
 _PER_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)

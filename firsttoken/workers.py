@@ -66,6 +66,7 @@ class Supervisor:
         """Until a forwarded signal stops every worker (or a crash loop); the exit code."""
         for sig in FORWARDED:
             signal.signal(sig, self._forward)
+        signal.signal(signal.SIGHUP, self._reload)
         fold_worker(self.directory, "", restarted=False)  # the restart counter starts at 0
         try:
             for _ in range(self.count):
@@ -90,19 +91,26 @@ class Supervisor:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
+    def _reload(self, signum: int, _frame: object) -> None:
+        """SIGHUP goes to every worker: each reloads its files (firsttoken/reload.py)."""
+        log_event("workers.reload", workers=len(self.workers))
+        for pid in list(self.workers):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGHUP)
+
     def _spawn(self) -> None:
         name = f"w{self.spawned}"
         self.spawned += 1
         # Blocked across the fork: the child must not run the parent's handler, and the parent
         # forwards a signal that came meanwhile to this child too.
-        signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+        signal.pthread_sigmask(signal.SIG_BLOCK, (*FORWARDED, signal.SIGHUP))
         try:
             pid = os.fork()
             if pid == 0:
                 self._child(name)
             self.workers[pid] = _Worker(name, pid, time.monotonic())
         finally:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGHUP))
         log_event("worker.start", worker=name, pid=pid)
 
     def _child(self, name: str) -> NoReturn:
@@ -113,7 +121,10 @@ class Supervisor:
             os.setpgid(0, 0)
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+            # Until its server listens and takes SIGHUP as a reload (a new worker reads the
+            # files as they are anyway): not the default, which would end it.
+            signal.signal(signal.SIGHUP, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, (*FORWARDED, signal.SIGHUP))
             _die_with_parent(self.pid)
             share_across_workers(self.directory, name)
             self.target()

@@ -1,7 +1,9 @@
 """Admission: who may start a stream now — auth, limits, load shedding — decided up front.
 
 Every refusal is an `APIError` before the first byte (401, 429 or 503 with Retry-After) and is
-counted as a `rejected` stream.
+counted as a `rejected` stream. A key is refused as unknown, expired or disabled (the expiry on
+the clock admission is given); its `requests_per_minute` counts per clock minute, like its
+tokens (limits.py), checked first: a request refused by a later limit still counted.
 
 A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves its prompt plus
 its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
@@ -17,7 +19,8 @@ from __future__ import annotations
 import ipaddress
 import logging
 import math
-from collections.abc import Mapping
+import time
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import anyio
@@ -122,9 +125,12 @@ class Ticket:
 
 
 class Admission:
-    def __init__(self, settings: Settings, metrics: Metrics) -> None:
+    def __init__(
+        self, settings: Settings, metrics: Metrics, clock: Callable[[], float] = time.time
+    ) -> None:
         self.settings = settings
         self.metrics = metrics
+        self.clock = clock  # Unix time: what a key's expires_at is compared with
         self.keys = KeyRing.load(settings.api_keys) if settings.api_keys else None
         self._warned_open = False
         if settings.redis:
@@ -168,6 +174,11 @@ class Admission:
                 "missing or unknown API key "
                 "(send Authorization: Bearer <key>, or x-api-key: <key>)",
             )
+        refusal = key.refusal(self.clock())
+        if refusal is not None:
+            self._rejected()
+            why = "was disabled" if refusal == "key_disabled" else "has expired"
+            raise APIError(401, refusal, f"the API key {key.name!r} {why}")
         return key
 
     def held(self, ticket: Ticket) -> dict[str, Any]:
@@ -208,6 +219,18 @@ class Admission:
             code, message, retry = refusal
             self._rejected()
             raise APIError(503, code, message, headers=_retry_after(retry))
+        rate = key.requests_per_minute
+        if rate:
+            wait = await self.limits.count_request(key.name, rate)
+            if wait is not None:
+                self._rejected()
+                raise APIError(
+                    429,
+                    "rate_limited",
+                    f"key {key.name!r} made its {rate} requests for this minute "
+                    f"(requests_per_minute={rate})",
+                    headers=_retry_after(wait),
+                )
         reservation = None
         budget = key.tokens_per_minute
         admitted = max_tokens

@@ -1,15 +1,30 @@
-"""API keys: a TOML file of named keys, each with optional limits."""
+"""API keys: a TOML file of named keys, each with optional limits, routes and a lifetime.
+
+Each `[[keys]]` field is one line of `_FIELDS` (its parser and default), so a new field is one
+more line. A key's secret is given as `key` (the secret itself) or `key_sha256` (its SHA-256,
+hex: the file then holds no secret); either way the ring keeps only digests, and a lookup
+never compares secrets byte by byte.
+"""
 
 from __future__ import annotations
 
+import datetime
+import fnmatch
+import functools
 import hashlib
 import math
+import re
+import secrets
 import tomllib
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ApiKey", "KeyRing"]
+__all__ = ["ApiKey", "KeyRing", "digest_hex", "new_secret", "pattern_problem"]
+
+# `firsttoken keys new`: 32 random bytes (256 bits) as URL-safe text.
+SECRET_BYTES = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,27 +37,147 @@ class ApiKey:
     # keys share the target's turns in proportion to their weight (counted in tokens).
     priority: int = 0
     weight: float = 1.0
+    requests_per_minute: int | None = None  # None: no request rate of its own
+    routes: tuple[str, ...] | None = None  # names or globs of the routes it may use; None: all
+    expires_at: float | None = None  # Unix time from which it is refused; None: never
+    disabled: bool = False
+    # The secret's SHA-256: which secret a stream was admitted with (a name may have two
+    # while it is rotated; a reload that drops one ends that one's streams only).
+    digest: bytes = field(default=b"", compare=False, repr=False)
+
+    def may_use(self, model: str) -> bool:
+        """Whether the key's `routes` let it use the route (model name) `model`."""
+        return self.routes is None or _matcher(self.routes).match(model) is not None
+
+    def refusal(self, now: float) -> str | None:
+        """Why the key may not be used at `now` (Unix time): `key_disabled`, `key_expired`;
+        None when it may."""
+        if self.disabled:
+            return "key_disabled"
+        if self.expires_at is not None and now >= self.expires_at:
+            return "key_expired"
+        return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _matcher(patterns: tuple[str, ...]) -> re.Pattern[str]:
+    """One regular expression for a key's `routes` (fnmatch's, case-sensitive): a request
+    checks its model against it once."""
+    return re.compile("|".join(f"(?:{fnmatch.translate(p)})" for p in patterns) or "(?!)")
+
+
+class _Bad(ValueError):
+    """A field's value is wrong: what a person reads after `keys[i].field`."""
 
 
 def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)  # TOML true is no number
 
 
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
+def _positive_int(value: Any) -> int:
+    if not _is_int(value) or value < 1:
+        raise _Bad("must be a positive integer")
+    return int(value)
 
 
-# Every field a [[keys]] entry may have: anything else is a typo that would otherwise leave
-# the key on a default limit without a word.
-_FIELDS = (
-    "name",
-    "key",
-    "max_streams",
-    "tokens_per_minute",
-    "resume_max_bytes",
-    "priority",
-    "weight",
-)
+def _integer(value: Any) -> int:
+    if not _is_int(value):
+        raise _Bad("must be an integer")
+    return int(value)
+
+
+def _positive_number(value: Any) -> float:
+    if not isinstance(value, int | float) or isinstance(value, bool) or not 0 < value < math.inf:
+        raise _Bad("must be a positive number")
+    return float(value)
+
+
+def _flag(value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise _Bad("must be true or false")
+    return value
+
+
+def _secret(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Bad("must be a non-empty string")
+    return value
+
+
+_HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
+
+
+def _sha256(value: Any) -> str:
+    if not isinstance(value, str) or not _HEX64.match(value):
+        raise _Bad("must be 64 hex digits (`firsttoken keys hash` prints it)")
+    return value.lower()
+
+
+# Route names are 1-128 of these (routes/config.py); a pattern adds fnmatch's * ? [ ] !.
+_ROUTE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/-")
+_GLOB = re.compile(r"^(?:[^\[\]]|\[!?[^\[\]]+\])+$")  # brackets only as whole [...] sets
+
+
+def pattern_problem(pattern: object) -> str | None:
+    """What is wrong with one entry of a key's `routes` (a route name or a glob); None if
+    nothing."""
+    if not isinstance(pattern, str) or not pattern or len(pattern) > 128:
+        return "must be route names or globs (1-128 characters)"
+    if not set(pattern) <= _ROUTE_CHARS | set("*?[]!"):
+        return f"{pattern!r}: a route name or glob is made of A-Z a-z 0-9 . _ : / - * ? [ ] !"
+    if not _GLOB.match(pattern):
+        return f"{pattern!r}: a bad glob (a [ without its ], or one inside another)"
+    return None
+
+
+def _routes(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list):
+        raise _Bad('must be a list of route names or globs (routes = ["chat", "edge-*"])')
+    for item in value:
+        problem = pattern_problem(item)
+        if problem is not None:
+            raise _Bad(problem)
+    return tuple(value)
+
+
+def _when(value: Any) -> float:
+    """A TOML date or date-time as Unix time; one without an offset is UTC."""
+    if isinstance(value, datetime.datetime):
+        when: datetime.datetime = value
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=datetime.UTC)
+        return when.timestamp()
+    if isinstance(value, datetime.date):
+        return datetime.datetime(
+            value.year, value.month, value.day, tzinfo=datetime.UTC
+        ).timestamp()
+    raise _Bad("must be a TOML date-time (expires_at = 2026-12-31T23:59:59Z)")
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not value:
+        raise _Bad("must be a non-empty string")
+    return value
+
+
+# Every field a [[keys]] entry may have, with its parser: anything else is a typo that would
+# otherwise leave the key on a default limit without a word. `key` and `key_sha256` are the
+# secret's (one of the two), the rest become ApiKey's fields of the same name.
+_FIELDS: dict[str, Callable[[Any], Any]] = {
+    "name": _name,
+    "key": _secret,
+    "key_sha256": _sha256,
+    "max_streams": _positive_int,
+    "tokens_per_minute": _positive_int,
+    "requests_per_minute": _positive_int,
+    "resume_max_bytes": _positive_int,
+    "priority": _integer,
+    "weight": _positive_number,
+    "routes": _routes,
+    "expires_at": _when,
+    "disabled": _flag,
+}
+_SECRETS = ("key", "key_sha256")
 _SHAPE = '[[keys]] entries (name = "...", key = "...")'
 
 
@@ -71,64 +206,82 @@ def _digest(secret: str) -> bytes:
     return hashlib.sha256(secret.encode()).digest()
 
 
+def digest_hex(secret: str) -> str:
+    """What a keys file's `key_sha256` holds for `secret`."""
+    return hashlib.sha256(secret.encode()).hexdigest()
+
+
+def new_secret() -> str:
+    """A fresh API key: 256 random bits."""
+    return "sk-" + secrets.token_urlsafe(SECRET_BYTES)
+
+
+def _parse(entry: dict[str, Any], i: int, path: str | Path) -> tuple[bytes, ApiKey]:
+    values: dict[str, Any] = {}
+    for name, raw in entry.items():
+        try:
+            values[name] = _FIELDS[name](raw)
+        except _Bad as bad:
+            raise ValueError(f"{path}: keys[{i}].{name} {bad}") from None
+    given = [s for s in _SECRETS if s in values]
+    if "name" not in values or len(given) != 1:
+        raise ValueError(
+            f"{path}: keys[{i}] needs a string 'name' and one of 'key' or 'key_sha256'"
+        )
+    secret = values.pop("key", None)
+    digest = _digest(secret) if secret is not None else bytes.fromhex(values.pop("key_sha256"))
+    return digest, ApiKey(**values, digest=digest)
+
+
 class KeyRing:
     """Keys by the digest of their secret: lookups never compare secrets byte by byte."""
 
     def __init__(self, keys: dict[str, ApiKey]) -> None:
-        self._by_digest = {_digest(secret): key for secret, key in keys.items()}
+        self._by_digest = {
+            (d := _digest(secret)): replace(key, digest=d) for secret, key in keys.items()
+        }
+
+    @classmethod
+    def of_digests(cls, keys: Iterable[tuple[bytes, ApiKey]]) -> KeyRing:
+        ring = cls({})
+        ring._by_digest = {d: key if key.digest else replace(key, digest=d) for d, key in keys}
+        return ring
 
     @classmethod
     def load(cls, path: str | Path) -> KeyRing:
         """
         [[keys]]
         name = "alice"
-        key = "sk-alice-..."
-        max_streams = 5      # optional
-        tokens_per_minute = 20000   # optional
+        key = "sk-alice-..."          # or key_sha256 = "<hex>" (`firsttoken keys hash`)
+        max_streams = 5               # optional
+        tokens_per_minute = 20000     # optional
+        requests_per_minute = 600     # optional
         resume_max_bytes = 33554432   # optional
         priority = 1         # optional, default 0: higher goes first in a full target's queue
         weight = 2.0         # optional, default 1: its share of a full target, in tokens
+        routes = ["chat", "edge-*"]   # optional, default: every route
+        expires_at = 2026-12-31T00:00:00Z   # optional
+        disabled = true               # optional, default false
         """
-        raw = tomllib.loads(Path(path).read_text())
-        keys: dict[str, ApiKey] = {}
-        where: dict[str, int] = {}
+        try:
+            raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: not valid TOML ({exc})") from None
+        keys: dict[bytes, ApiKey] = {}
+        where: dict[bytes, int] = {}
         for i, entry in enumerate(_entries(raw, path)):
-            secret, name = entry.get("key"), entry.get("name")
-            if not isinstance(secret, str) or not secret or not isinstance(name, str):
-                raise ValueError(f"{path}: keys[{i}] needs a string 'name' and 'key'")
-            if secret in keys:  # one secret, two names: which limits would apply?
-                first = where[secret]
+            digest, key = _parse(entry, i, path)
+            if digest in keys:  # one secret, two names: which limits would apply?
+                first = where[digest]
                 raise ValueError(
-                    f"{path}: keys[{i}] ({name!r}) has the same key as keys[{first}] "
-                    f"({keys[secret].name!r}); each key must be listed once"
+                    f"{path}: keys[{i}] ({key.name!r}) has the same key as keys[{first}] "
+                    f"({keys[digest].name!r}); each key must be listed once"
                 )
-            where[secret] = i
-            limit = entry.get("max_streams")
-            if limit is not None and (not _is_int(limit) or limit < 1):
-                raise ValueError(f"{path}: keys[{i}].max_streams must be a positive integer")
-            budget = entry.get("tokens_per_minute")
-            if budget is not None and (not _is_int(budget) or budget < 1):
-                raise ValueError(f"{path}: keys[{i}].tokens_per_minute must be a positive integer")
-            kept = entry.get("resume_max_bytes")
-            if kept is not None and (not _is_int(kept) or kept < 1):
-                raise ValueError(f"{path}: keys[{i}].resume_max_bytes must be a positive integer")
-            priority = entry.get("priority", 0)
-            if not _is_int(priority):
-                raise ValueError(f"{path}: keys[{i}].priority must be an integer")
-            weight = entry.get("weight", 1)
-            if not _is_number(weight) or not 0 < weight < math.inf:
-                raise ValueError(f"{path}: keys[{i}].weight must be a positive number")
-            keys[secret] = ApiKey(
-                name=name,
-                max_streams=limit,
-                tokens_per_minute=budget,
-                resume_max_bytes=kept,
-                priority=priority,
-                weight=float(weight),
-            )
+            where[digest] = i
+            keys[digest] = key
         if not keys:
             raise ValueError(f"{path}: no [[keys]] entries")
-        return cls(keys)
+        return cls.of_digests(keys.items())
 
     def find(self, secret: str) -> ApiKey | None:
         return self._by_digest.get(_digest(secret))
@@ -140,6 +293,14 @@ class KeyRing:
     def names(self) -> list[str]:
         """Every key's name, once each, in the file's order (the bounded label set)."""
         return list(dict.fromkeys(k.name for k in self._by_digest.values()))
+
+    def keys(self) -> list[ApiKey]:
+        return list(self._by_digest.values())
+
+    def holds(self, key: ApiKey) -> ApiKey | None:
+        """This ring's entry for `key`'s secret (what a reload made of it), or None when the
+        secret is gone."""
+        return self._by_digest.get(key.digest)
 
     def resume_limits(self) -> dict[str, int]:
         """Each key's own bound on its finished streams' resume buffers, by key name."""

@@ -16,8 +16,12 @@ reservations, however many arrive at once.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = [
     "OK",
@@ -25,6 +29,7 @@ __all__ = [
     "SLOTS",
     "Lease",
     "MemoryLimits",
+    "RequestRates",
     "Reservation",
     "TokenBudgets",
     "seconds_to_next_minute",
@@ -105,7 +110,31 @@ class TokenBudgets:
         self._used[key] = (now, max(0, (held if window == now else 0) + tokens))
 
 
+class RequestRates:
+    """Requests per key in fixed clock-minute windows (`requests_per_minute`), as the token
+    budgets count: the check and the count are one step."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self.clock = clock
+        self._count: dict[str, tuple[int, int]] = {}  # key -> (minute, requests in it)
+
+    def take(self, key: str, limit: int) -> float | None:
+        """Count one request of `key`; None when it is within `limit` for this minute, else
+        the seconds until the next minute (and it is not counted)."""
+        now = self.clock()
+        minute = int(now // 60)
+        window, count = self._count.get(key, (minute, 0))
+        if window != minute:
+            count = 0
+        if count >= limit:
+            return 60 - now % 60
+        self._count[key] = (minute, count + 1)
+        return None
+
+
 class MemoryLimits:
+    degraded: str | None = None  # nothing to lose: no Redis
+
     def __init__(self, rate_per_s: float, burst: int) -> None:
         self.rate = rate_per_s
         self.burst = max(1, burst)
@@ -114,9 +143,13 @@ class MemoryLimits:
         self._held: dict[str, int] = {}
         self._next = 0
         self.budgets = TokenBudgets()
+        self.requests = RequestRates()
 
     async def run(self) -> None:
         return None
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(())  # nothing of its own to scrape
 
     async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
         """`key` None: no per-key slots (an open server)."""
@@ -138,6 +171,10 @@ class MemoryLimits:
 
     async def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
         return self.budgets.reserve(key, budget, prompt, answer)
+
+    async def count_request(self, key: str, limit: int) -> float | None:
+        """`RequestRates.take`: None, or the seconds to wait."""
+        return self.requests.take(key, limit)
 
     async def settle(self, reservation: Reservation, used: int) -> None:
         self.budgets.settle(reservation, used)

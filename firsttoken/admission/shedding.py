@@ -180,7 +180,7 @@ class LoadShedder:
         while outcomes and outcomes[0][0] < horizon:
             self._failures -= outcomes.popleft()[1]
 
-    def _trim(self, window: deque, now: float) -> None:  # type: ignore[type-arg]
+    def _trim(self, window: deque[tuple[float, float]], now: float) -> None:
         horizon = now - self.s.breaker_window_s
         while window and window[0][0] < horizon:
             window.popleft()

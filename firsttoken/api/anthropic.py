@@ -78,10 +78,10 @@ async def count_tokens(request: Request) -> Response:
     trace = trace_id(request)
     gw = gateway(request)
     try:
-        gw.admission.authenticate(request)
+        key = gw.admission.authenticate(request)
         s = gw.settings
         body = await read_model(request, CountTokensRequest, s.max_body_bytes, s.body_timeout_s)
-        model = gw.model(body.model)
+        model = gw.model(body.model, key)
     except APIError as exc:
         return _refusal(exc, trace)
     prompt = generation_request(body, model, "count_tokens").prompt

@@ -94,7 +94,7 @@ class Gateway:
         key = self.admission.authenticate(request)
         raw = await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
         body = validate(kind, raw)
-        model = self.model(getattr(body, "model", None))
+        model = self.model(getattr(body, "model", None), key)
         return body, raw, model, key
 
     async def admit(self, key: ApiKey, generation: GenerationRequest) -> Ticket:
@@ -279,11 +279,8 @@ class Gateway:
     def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:
         """Refuse before the first byte what the engine can tell at once it would fail (a
         continuation that does not start its answer), as a 4xx with the ticket given back."""
-        check = getattr(self.engine, "check", None)
-        if check is None:
-            return
         try:
-            check(generation)
+            self.engine.check(generation)
         except EngineError as exc:
             ticket.client_fault = exc.client_fault
             self.registry.unstarted(ticket)
@@ -323,23 +320,35 @@ class Gateway:
         encoding = negotiate(request.headers.get("accept-encoding", ""))
         return StreamCompressor(encoding) if encoding else None
 
-    def model(self, requested: str | None) -> str:
-        if requested is None:
-            return self.engine.models[0]
+    def models_for(self, key: ApiKey | None) -> tuple[str, ...]:
+        """The models (routes) `key` may use: those its `routes` allow, of those served."""
         models = self.engine.models
-        if requested not in models:
-            shown = ", ".join(models[:20])
-            if len(models) > 20:
-                shown += f" and {len(models) - 20} more"
-            raise APIError(
-                404,
-                "model_not_found",
-                f"the model {echo(requested)} does not exist; this server serves: {shown} "
-                "(GET /v1/models lists them)",
-                param="model",
-            )
-        # The engine's own string, shared: the body's copy would stay with every stream.
-        return models[models.index(requested)]
+        if key is None or key.routes is None:
+            return models
+        return tuple(m for m in models if key.may_use(m))
+
+    def model(self, requested: str | None, key: ApiKey | None = None) -> str:
+        """The served model `requested` names (None: the first `key` may use), or 404
+        `model_not_found`: also for a route the key may not use, which it is not told
+        exists (OpenAI's answer for a model you cannot see)."""
+        served = self.engine.models
+        if requested is not None and requested in served:
+            if key is None or key.may_use(requested):  # the usual case: one match, no list
+                # The engine's own string, shared: the body's copy would stay with every stream.
+                return served[served.index(requested)]
+        models = self.models_for(key)
+        if requested is None and models:
+            return models[0]
+        shown = ", ".join(models[:20]) or "none to this key"
+        if len(models) > 20:
+            shown += f" and {len(models) - 20} more"
+        raise APIError(
+            404,
+            "model_not_found",
+            f"the model {echo(requested or '')} does not exist or you do not have access "
+            f"to it; this server serves: {shown} (GET /v1/models lists them)",
+            param="model",
+        )
 
 
 def gateway(request: Request) -> Gateway:

@@ -31,10 +31,10 @@ __all__ = ["chat_completions", "completions", "models"]
 async def models(request: Request) -> Response:
     gw = gateway(request)
     try:
-        gw.admission.authenticate(request)
+        key = gw.admission.authenticate(request)
     except APIError as exc:
         return exc.response(trace_id(request))
-    data = [_model_object(m) for m in gw.engine.models]
+    data = [_model_object(m) for m in gw.models_for(key)]
     return JSONResponse({"object": "list", "data": data})
 
 
@@ -43,8 +43,8 @@ async def model(request: Request) -> Response:
     `model_not_found` naming the ones served. Ids may hold slashes (`org/name`)."""
     gw = gateway(request)
     try:
-        gw.admission.authenticate(request)
-        served = gw.model(request.path_params["model_id"])
+        key = gw.admission.authenticate(request)
+        served = gw.model(request.path_params["model_id"], key)
     except APIError as exc:
         return exc.response(trace_id(request))
     return JSONResponse(_model_object(served))

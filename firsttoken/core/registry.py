@@ -18,8 +18,8 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
-from typing import Protocol
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, Protocol
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
@@ -28,7 +28,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
-from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest, delivers_steps
+from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest
 from firsttoken.observability import (
     LOOP_LAG_SAMPLE_S,
     Metrics,
@@ -133,16 +133,16 @@ class StreamRegistry:
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
         self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
-        self._steps = delivers_steps(engine)
+        self._stepper = engine.as_step_engine()
         self._streams: dict[str, Stream] = {}
         self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
         self._expiry: deque[tuple[float, str]] = deque()
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self._tg: TaskGroup | None = None
         # Work that callbacks (engine steps, the schedule) hand to the task group.
-        self._spawns: deque[tuple[Callable[..., Awaitable[None]], tuple[object, ...], bool]] = (
-            deque()
-        )
+        self._spawns: deque[
+            tuple[Callable[..., Coroutine[Any, Any, None]], tuple[object, ...], bool]
+        ] = deque()
         self._spawn_wakeup: asyncio.Future[None] | None = None
         # Bound once, shared by every stream: a bound method per stream would cost 64 bytes.
         self._on_end = self._ended
@@ -385,8 +385,8 @@ class StreamRegistry:
     def _launch(self, stream: Stream, request: GenerationRequest) -> None:
         """The engine starts on `request`, with `stream` as its sink."""
         assert self._tg is not None
-        if self._steps:
-            stream.generation = self.engine.open(request, stream)  # type: ignore[attr-defined]
+        if self._stepper is not None:
+            stream.generation = self._stepper.open(request, stream)
         else:
             pulled = _Pulled(self.engine, stream, request)
             stream.generation = pulled
@@ -477,6 +477,14 @@ class StreamRegistry:
             stream.stop(Outcome.ERROR, EngineError(code, message))
         return len(live)
 
+    def end_where(self, doomed: Callable[[Stream], bool], error: EngineError) -> int:
+        """End the live streams `doomed` picks with `event: error` `error` (a revoked key's);
+        returns how many were ended."""
+        live = [s for s in self._streams.values() if s.outcome is None and doomed(s)]
+        for stream in live:
+            stream.stop(Outcome.ERROR, error)
+        return len(live)
+
     def _first_token(self, stream: Stream, ttft_s: float) -> None:
         self.metrics.ttft.observe(ttft_s)
         if stream.ticket is not None:
@@ -561,7 +569,7 @@ class StreamRegistry:
             )
 
     def _spawn(
-        self, fn: Callable[..., Awaitable[None]], *args: object, inline: bool = False
+        self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object, inline: bool = False
     ) -> None:
         """Run `fn(*args)` in the registry's task group (inline: awaited by the spawner
         task itself, in order); callable from plain callbacks."""

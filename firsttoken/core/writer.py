@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from enum import Enum
 from typing import Any
 
@@ -495,7 +495,7 @@ class EventStreamResponse:
             if writer.terminated:  # the bytes are out: uvicorn's are dropped
                 connection = _connection(scope)  # its cycle, when CORS wrapped `send`
                 cycle = connection.cycle if connection is not None else None
-                sent = held_send(send, send, last, cycle)
+                sent: Awaitable[object] = held_send(send, send, last, cycle)
             else:
                 sent = send(last)
             waited_out = False

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -562,7 +562,7 @@ class AnthropicRelay(RemoteEngine):
             errors=errors,
         )
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         call = messages_body(request, self.model)
         return self.post(
             request,
@@ -572,7 +572,9 @@ class AnthropicRelay(RemoteEngine):
             lambda resp: self._deltas(resp, MessagesReader(call.trimmed)),
         )
 
-    async def _deltas(self, resp: UpstreamResponse, reader: MessagesReader) -> AsyncIterator[Delta]:
+    async def _deltas(
+        self, resp: UpstreamResponse, reader: MessagesReader
+    ) -> AsyncGenerator[Delta, None]:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # One JSON body where a stream belongs: an error, or a server that ignored `stream`.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Protocol
@@ -14,6 +14,7 @@ from firsttoken.delta import Delta, ToolCallDelta
 __all__ = [
     "DEFAULT_ANSWER_TOKENS",
     "TARGET_FAULTS",
+    "BaseEngine",
     "Delta",
     "Engine",
     "EngineError",
@@ -22,7 +23,6 @@ __all__ = [
     "Sink",
     "StepEngine",
     "ToolCallDelta",
-    "delivers_steps",
 ]
 
 
@@ -159,15 +159,24 @@ class EngineError(Exception):
         self.retry_after_s = retry_after_s  # an upstream's Retry-After, when it sent one
         # An upstream's own error text, as it came (bounded): for the server's log only.
         self.upstream_said: str | None = None
+        # The route's target that failed (set by the routes, e.g. the loser of a hedged pair).
+        self.target: str | None = None
 
 
 class Engine(Protocol):
-    """An async iterator of deltas per request, abort by id, and a count of tokens made."""
+    """An async iterator of deltas per request, abort by id, and a count of tokens made.
 
-    models: tuple[str, ...]
-    tokens_generated: int
+    Every method a caller uses is here: nobody asks an engine with `getattr` what it can do.
+    `BaseEngine` holds the defaults of those only some engines have (up-front checks, an
+    upstream's model list, steps)."""
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]: ...
+    @property
+    def models(self) -> tuple[str, ...]: ...
+
+    @property
+    def tokens_generated(self) -> int: ...
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]: ...
 
     async def abort(self, request_id: str) -> None: ...
 
@@ -180,6 +189,43 @@ class Engine(Protocol):
     async def start(self) -> None: ...
 
     async def close(self) -> None: ...
+
+    def check(self, request: GenerationRequest) -> None:
+        """Raise EngineError for what this engine would refuse before it sends anything (an
+        in-process engine's bad continuation): the API answers it as a 4xx."""
+        ...
+
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        """Ask the engine now what it serves: a remote engine's GET /models, None when its
+        upstream did not answer (the routes' active health check)."""
+        ...
+
+    @property
+    def listed(self) -> tuple[str, ...] | None:
+        """What the engine's upstream listed when last asked; None: no upstream, or no
+        answer."""
+        ...
+
+    def as_step_engine(self) -> StepEngine | None:
+        """This engine, when it runs its requests in steps and writes into their sinks itself;
+        None: it offers `generate()` only, and a task per request pulls it."""
+        ...
+
+
+class BaseEngine:
+    """The defaults of `Engine`'s capabilities that only some engines have: an engine
+    subclasses it and overrides what it does otherwise."""
+
+    listed: tuple[str, ...] | None = None  # no upstream to list models
+
+    def check(self, request: GenerationRequest) -> None:
+        return None  # nothing it can tell before it runs
+
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        return ()  # no upstream to ask: an in-process engine is up while the process is
+
+    def as_step_engine(self) -> StepEngine | None:
+        return None
 
 
 class Sink(Protocol):
@@ -221,6 +267,3 @@ class StepEngine(Engine, Protocol):
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation: ...
 
-
-def delivers_steps(engine: Engine) -> bool:
-    return callable(getattr(engine, "open", None))

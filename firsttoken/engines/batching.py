@@ -19,7 +19,7 @@ mysteriously drops" incident: abandoned streams used to hold their slots until t
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 
@@ -27,7 +27,15 @@ import anyio
 from anyio.abc import TaskGroup
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest, Sink
+from firsttoken.engines.base import (
+    BaseEngine,
+    Delta,
+    EngineError,
+    Generation,
+    GenerationRequest,
+    Sink,
+    StepEngine,
+)
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
@@ -66,10 +74,10 @@ class _Seq:
         self.engine._leave(self)
 
 
-class BatchingEngine:
+class BatchingEngine(BaseEngine):
     """Synthetic text, paced by a step scheduler with a bounded batch."""
 
-    models = (MODEL_ID,)
+    models: tuple[str, ...] = (MODEL_ID,)
 
     def __init__(self, settings: Settings) -> None:
         self.batch_max = max(1, settings.batch_max)
@@ -145,7 +153,10 @@ class BatchingEngine:
         self._notify()
         return seq
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def as_step_engine(self) -> StepEngine:
+        return self
+
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return pull(self, request)
 
     # -- the scheduler ---------------------------------------------------------------------

@@ -27,7 +27,7 @@ import time
 import tomllib
 import unicodedata
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +38,7 @@ import anyio.lowlevel
 import orjson
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, Engine, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, Engine, GenerationRequest
 from firsttoken.engines.text import apply_stop, split_words
 
 __all__ = ["CachedEngine", "load_canned"]
@@ -88,7 +88,7 @@ _KEYED = frozenset(
 )
 
 
-class CachedEngine:
+class CachedEngine(BaseEngine):
     """Wraps an engine: cache hits and canned answers never reach it."""
 
     def __init__(self, inner: Engine, settings: Settings) -> None:
@@ -123,9 +123,12 @@ class CachedEngine:
         return self.inner.prompt_tokens(prompt)
 
     def check(self, request: GenerationRequest) -> None:
-        check = getattr(self.inner, "check", None)  # what the engine refuses up front
-        if check is not None:
-            check(request)
+        self.inner.check(request)  # what the engine refuses up front
+
+    async def fetch_models(self) -> tuple[str, ...] | None:
+        return await self.inner.fetch_models()
+
+    # Not `as_step_engine`: every request comes through `generate`, where the cache answers.
 
     async def start(self) -> None:
         await self.inner.start()
@@ -141,7 +144,7 @@ class CachedEngine:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         answer = self._canned_answer(request)
         if answer is not None:
             self.canned_hits += 1
@@ -227,8 +230,8 @@ class CachedEngine:
         tokens, finish = split_words(answer), "stop"
         if request.max_tokens is not None and request.max_tokens < len(tokens):
             tokens, finish = tokens[: request.max_tokens], "length"
-        tokens, stopped = apply_stop(tokens, request.stop)
-        return tokens, "stop" if stopped else finish
+        cut, stopped = apply_stop(tokens, request.stop)
+        return list(cut), "stop" if stopped else finish
 
     async def _replay(
         self, request: GenerationRequest, tokens: list[str], finish: str

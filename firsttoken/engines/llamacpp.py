@@ -25,7 +25,7 @@ import importlib.util
 import re
 import threading
 from collections import deque
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncGenerator, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,7 +36,7 @@ import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import estimate
 
 if TYPE_CHECKING:
@@ -182,7 +182,7 @@ class _Job:
         self.handoff.close()  # and is not left waiting for room
 
 
-class LlamaCppEngine:
+class LlamaCppEngine(BaseEngine):
     """Streams a GGUF model's tokens; one generation at a time, in a worker thread."""
 
     def __init__(self, settings: Settings, path: str | None = None) -> None:
@@ -271,7 +271,7 @@ class LlamaCppEngine:
         with anyio.move_on_after(5):
             await job.done.wait()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         if self._exit is None or self._portal is None:
             raise EngineError("engine_unavailable", "the llama.cpp engine is not running")
         job = _Job(request, _Handoff(self._portal))

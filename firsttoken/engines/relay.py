@@ -9,7 +9,7 @@ Choosing among upstreams, failing over and splicing a cut answer onto another ar
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from typing import Any
 
 import orjson
@@ -92,7 +92,7 @@ class RelayEngine(RemoteEngine):
 
     # -- the Engine protocol ---------------------------------------------------------------
 
-    def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return self._stream(request)
 
     # -- internals -------------------------------------------------------------------------
@@ -168,7 +168,7 @@ class RelayEngine(RemoteEngine):
             if knobs:
                 body["synthetic"] = knobs
 
-    def _stream(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    def _stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         path, body = self._body(request)
         chat = path == "/chat/completions"
         return self.post(
@@ -181,7 +181,7 @@ class RelayEngine(RemoteEngine):
             lambda resp: self._deltas(resp, chat),
         )
 
-    async def _deltas(self, resp: UpstreamResponse, chat: bool) -> AsyncIterator[Delta]:
+    async def _deltas(self, resp: UpstreamResponse, chat: bool) -> AsyncGenerator[Delta, None]:
         ctype = resp.headers.get("content-type", "")
         if "json" in ctype and "event-stream" not in ctype:
             # A server that answers an error (or ignores `stream`) with one JSON body.

@@ -4,14 +4,14 @@ connection pool, its model list, and stopping a request by closing its response.
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from contextlib import aclosing
 from typing import ClassVar
 from urllib.parse import urlsplit
 
 import httpx
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import count_words
 from firsttoken.engines.upstream import (
     ConnectError,
@@ -35,7 +35,7 @@ def upstream_base(url: str) -> str:
     return url
 
 
-class RemoteEngine:
+class RemoteEngine(BaseEngine):
     """One upstream at `url` (the API root). `model`, when given, is the name the upstream
     knows; else `start()` lists what it serves (`GET /models`), when it answers: an upstream
     down at start is the routes' health to see, never fatal here."""
@@ -120,8 +120,8 @@ class RemoteEngine:
         path: str,
         body: bytes,
         refused: Callable[[UpstreamResponse, bytes], EngineError],
-        read: Callable[[UpstreamResponse], AsyncIterator[Delta]],
-    ) -> AsyncIterator[Delta]:
+        read: Callable[[UpstreamResponse], AsyncGenerator[Delta, None]],
+    ) -> AsyncGenerator[Delta, None]:
         """Stream one request: POST `body` to `path` (the request id and the client's trace
         go along), `refused(resp, body)` for an HTTP error answer, `read(resp)` for the
         deltas. The response is closed at the end, early or not, so the upstream sees us

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
 from firsttoken.engines.base import Delta, EngineError, GenerationRequest
@@ -51,7 +51,7 @@ class _QueueSink:
             self.wakeup.set_result(None)
 
 
-async def pull(engine: StepEngine, request: GenerationRequest) -> AsyncIterator[Delta]:
+async def pull(engine: StepEngine, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
     sink = _QueueSink()
     generation = engine.open(request, sink)
     try:

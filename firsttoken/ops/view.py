@@ -21,6 +21,7 @@ from firsttoken.ops.feed import OpsFeed
 from firsttoken.ops.gauges import LimitGauges
 from firsttoken.ops.snapshot import Family
 from firsttoken.ops.tap import LogTap, read_errors
+from firsttoken.routes import routes_in
 from firsttoken.wire.errors import APIError
 
 __all__ = ["STATIC_DIR", "OpsView"]
@@ -100,8 +101,8 @@ class OpsView:
     # -- what the feed reads ---------------------------------------------------------------
 
     def _targets(self) -> Iterable[object]:
-        routed = getattr(self.gateway.engine, "inner", self.gateway.engine)
-        return list(getattr(routed, "targets", {}).values())
+        routed = routes_in(self.gateway.engine)  # the live routes: a reload swaps their targets
+        return list(routed.targets.values()) if routed is not None else []
 
     def _keys(self) -> list[ApiKey]:
         ring = self.gateway.admission.keys

@@ -50,11 +50,12 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from anyio.abc import TaskStatus
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
@@ -63,6 +64,7 @@ from firsttoken.observability import log_event
 from firsttoken.redisclient import (
     REDIS_DOWN,
     Liveness,
+    RawEntries,
     pack,
     redis_client,
     resp_arg,
@@ -597,8 +599,9 @@ class RedisStore:
             async with self.redis.pipeline(transaction=False) as pipe:
                 for command in commands:
                     pipe.execute_command(*command)
-                return await pipe.execute(raise_on_error=False)  # type: ignore[no-any-return]
-        return await roundtrip(self.redis, [pack(*c) for c in commands], len(commands))
+                return await pipe.execute(raise_on_error=False)
+        single = cast(Redis, self.redis)  # not a cluster
+        return await roundtrip(single, [pack(*c) for c in commands], len(commands))
 
     # -- the flusher ----------------------------------------------------------------------
 
@@ -711,7 +714,7 @@ class RedisStore:
                 (call,) = calls.values()
                 pieces = [pack(*c) for c in before]
                 pieces += call.packed(self._write_runs.sha)
-                results = await roundtrip(self.redis, pieces, len(before) + 1)
+                results = await roundtrip(cast(Redis, self.redis), pieces, len(before) + 1)
         except BaseException:
             for rep in batch:  # nothing confirmed: all of it goes again
                 rep.sent = 0
@@ -825,11 +828,11 @@ class RedisStore:
                     if rep.end_sent:
                         rep.end_done = True
                 else:
-                    error = result.decode() if isinstance(result, bytes) else result
-                    if error == FENCED:
+                    said = result.decode() if isinstance(result, bytes) else result
+                    if said == FENCED:
                         fenced.append(rep)
                     else:
-                        failed = failed or error
+                        failed = failed or said
                 rep.sent = 0
                 rep.end_sent = False
         for rep in fenced:
@@ -855,7 +858,7 @@ class RedisStore:
             raise _unavailable("streams of other instances cannot be found now") from None
         if meta[0] is None:
             return None
-        kind, digest, trace, model = (v.decode() for v in meta)
+        kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", meta))  # raw
         return StreamRecord(stream_id, kind, digest, trace, model)
 
     async def cancel(self, stream_id: str) -> str | None:
@@ -872,7 +875,7 @@ class RedisStore:
                 except REDIS_DOWN:
                     outcome = None
                 if outcome:
-                    return outcome.decode()
+                    return cast(bytes, outcome).decode()  # a raw reply
                 await anyio.sleep(0.02)
         return None
 
@@ -901,7 +904,7 @@ class RedisStore:
         )
         if entries and after + 1 < (first := _first_seq(entries[0])):
             fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
-            return
+            return None
         last = entry_id(entries[-1][0]) if entries else (after, 0)
         if apply_entries(entries, log):
             return None
@@ -927,23 +930,23 @@ class RedisStore:
         key = events_key(stream_id)
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                newest = await self.redis.xrevrange(key, count=1)
+                newest = cast(RawEntries, await self.redis.xrevrange(key, count=1))
                 if newest and b"end" not in newest[0][1]:
                     held = entry_id(newest[0][0])[0]
                     if after > held:  # the reader saw what died with its owner
                         return "lost"
-                oldest = await self.redis.xrange(key, min="-", max="+", count=1)
+                oldest = cast(RawEntries, await self.redis.xrange(key, min="-", max="+", count=1))
                 if oldest and b"end" not in oldest[0][1] and run_first(oldest[0][1]) > 1:
                     return "lost"  # its start was trimmed: no text to go on from
                 answer = await self._claim(
                     keys=[meta_key(stream_id)], args=[owner, self.instance]
                 )
-            why = answer[0].decode()
+            why: str = answer[0].decode()
             if why != "claimed":
                 return why
             fence, handover = int(answer[1]), answer[2]
             with anyio.fail_after(_OP_TIMEOUT_S * 5):
-                entries = await self.redis.xrange(key, min="-", max="+")
+                entries = cast(RawEntries, await self.redis.xrange(key, min="-", max="+"))
         except REDIS_DOWN as exc:
             self._set_up(False, exc)
             return "gone"
@@ -1038,7 +1041,8 @@ class RedisStore:
             finally:
                 with anyio.CancelScope(shield=True):
                     try:
-                        await pubsub.aclose()
+                        # redis-py leaves PubSub.aclose unannotated.
+                        await pubsub.aclose()  # type: ignore[no-untyped-call]
                     except Exception:
                         pass  # its connection is gone already
 

@@ -8,14 +8,17 @@ reader is attached there, and ask the owner to cancel it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import anyio
 from anyio.abc import TaskStatus
 
 from firsttoken.eventlog import EventLog
+
+if TYPE_CHECKING:
+    from prometheus_client.core import Metric
 
 __all__ = ["Claim", "EventStore", "MemoryStore", "Orphan", "StreamRecord", "token_digest"]
 
@@ -56,8 +59,18 @@ class Claim:
 
 class EventStore(Protocol):
     instance: str  # this process, as the store names it to other instances
+    replicates: bool  # other instances read what it holds (Redis), or none do (memory)
     # Told of each stream another instance took over while this one still generated it.
     on_fenced: Callable[[str], None]
+
+    @property
+    def degraded(self) -> str | None:
+        """What /readyz reports degraded ("redis" while Redis is away); None: nothing."""
+        ...
+
+    def collect(self) -> Iterator[Metric]:
+        """Its gauges and counters for /metrics."""
+        ...
 
     async def run(
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
@@ -115,6 +128,10 @@ class MemoryStore:
 
     replicates = False
     instance = ""
+    degraded: str | None = None
+
+    def collect(self) -> Iterator[Metric]:
+        return iter(())
 
     def __init__(self) -> None:
         self.on_fenced: Callable[[str], None] = lambda stream_id: None

@@ -23,13 +23,14 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from anyio.abc import TaskGroup, TaskStatus
+from redis.typing import KeyT, StreamIdT
 
 from firsttoken.eventlog import EventLog
-from firsttoken.redisclient import REDIS_DOWN, AnyRedis
+from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
 from firsttoken.resume.keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.wire.errors import error_body
@@ -240,13 +241,17 @@ class Tailer:
                 lane.joined = anyio.Event()
                 await lane.joined.wait()
             lane.idle = False
-            streams: dict[str, str] = {lane.wake_key: lane.wake_last}
+            streams: dict[KeyT, StreamIdT] = {lane.wake_key: lane.wake_last}
             for key, group in lane.followers.items():
                 ms, seq = min(f.last for f in group)
                 streams[key] = f"{ms}-{seq}"
             lane.woken = False  # who joins from now on is not in this read
             try:
-                found = await self.redis.xread(streams, block=BLOCK_MS, count=COUNT)
+                # RESP2, raw: [[key, entries], ...] (redis-py's type allows every mode's).
+                found = cast(
+                    "list[tuple[bytes, RawEntries]]",
+                    await self.redis.xread(streams, block=BLOCK_MS, count=COUNT),
+                )
             except Exception as exc:  # not only REDIS_DOWN: a client bug in a failover too
                 self.on_error(exc)
                 await anyio.sleep(RETRY_S)

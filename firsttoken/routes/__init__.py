@@ -1,6 +1,6 @@
 """Routes: many engines behind one gateway, with health, phase deadlines and the splice."""
 
-from firsttoken.routes.build import build_engine, build_routes, shorthand
+from firsttoken.routes.build import build_engine, build_routes, routes_in, shorthand
 from firsttoken.routes.config import ModelRoute, RoutesError, RouteTable, TargetConfig, load_routes
 from firsttoken.routes.engine import RoutedEngine
 
@@ -13,5 +13,6 @@ __all__ = [
     "build_engine",
     "build_routes",
     "load_routes",
+    "routes_in",
     "shorthand",
 ]

@@ -1,8 +1,8 @@
 """The routes file: which engines (targets) stand behind which model names (routes).
 
-A TOML file read once at start. Every mistake is refused there as one line naming the file,
-the table and the field, because a route that silently falls back to something else sends a
-user's prompt to a model they did not choose.
+A TOML file read at start and on each reload (firsttoken/reload.py). Every mistake is refused
+as one line naming the file, the table and the field, because a route that silently falls
+back to something else sends a user's prompt to a model they did not choose.
 """
 
 from __future__ import annotations
@@ -281,14 +281,14 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
         values["targets"] = tuple(listed)
         if "handoff" in values:
             raw_handoff = _fields(values["handoff"], _HANDOFF_FIELDS, f"{where} handoff", fail)
-            source = raw_handoff.get("from")
-            _known_target(source, targets, f"{where} handoff.from", fail)
+            # Not `source`: that names the file in `fail`.
+            edge = _known_target(raw_handoff.get("from"), targets, f"{where} handoff.from", fail)
             if "after_tokens" not in raw_handoff:
                 raise fail(f"{where} handoff.after_tokens", "is required")
-            if source in listed:
+            if edge in listed:
                 raise fail(f"{where} handoff.from", "hands off to the route's targets: not one")
             values["handoff"] = Handoff(
-                source=source,
+                source=edge,
                 after_tokens=raw_handoff["after_tokens"],
                 at=raw_handoff.get("at", "tokens"),
                 fallback=raw_handoff.get("fallback", True),
@@ -307,11 +307,12 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
     return RouteTable(targets=targets, routes=routes)
 
 
-def _known_target(name: Any, targets: Mapping[str, Any], where: str, fail: Any) -> None:
+def _known_target(name: Any, targets: Mapping[str, Any], where: str, fail: Any) -> str:
     if name is None:
         raise fail(where, "is required")
     if name not in targets:
         raise fail(where, f"no target named {name!r} (targets: {', '.join(targets)})")
+    return str(name)
 
 
 def _table(data: Mapping[str, Any], key: str, source: str) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
 from typing import Any, Protocol
 
@@ -26,7 +26,13 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.engines.base import TARGET_FAULTS, Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import (
+    TARGET_FAULTS,
+    BaseEngine,
+    Delta,
+    EngineError,
+    GenerationRequest,
+)
 from firsttoken.observability import log_event
 from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
@@ -78,7 +84,7 @@ class RouteObserver(Protocol):
     def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
-class RoutedEngine:
+class RoutedEngine(BaseEngine):
     """`--routes FILE` (or the `--upstream` shorthand): model names → ordered targets."""
 
     def __init__(self, table: RouteTable, targets: Mapping[str, Target]) -> None:
@@ -93,7 +99,7 @@ class RoutedEngine:
         self.observer: RouteObserver | None = None  # --otlp-endpoint: spans per leg, events
         self._current: dict[str, Target] = {}
         self._turn = 0
-        self._checks: list[asyncio.Task[None]] = []
+        self._checks: dict[str, asyncio.Task[None]] = {}  # active health, by target
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -121,8 +127,12 @@ class RoutedEngine:
         self.models = tuple(names)
         self._warn_of_unlisted_models()
         for target in self.targets.values():
-            if target.config.health_check_interval_s > 0:
-                self._checks.append(asyncio.create_task(self._watch(target)))
+            self.watch(target)
+
+    def watch(self, target: Target) -> None:
+        """Start `target`'s active health checks, if it has them."""
+        if target.config.health_check_interval_s > 0 and target.name not in self._checks:
+            self._checks[target.name] = asyncio.create_task(self._watch(target))
 
     def _warn_of_unlisted_models(self) -> None:
         """A model name the target's upstream does not list (a typo, a model not loaded) gets
@@ -137,7 +147,7 @@ class RoutedEngine:
             names += [route.short_prompts.target] if route.short_prompts else []
             for name in names:
                 target = self.targets[name]
-                listed = getattr(target.engine, "listed", None)
+                listed = target.engine.listed
                 model = target.config.model or route.name
                 if not listed or (name, model) in said or _serves(listed, model):
                     continue  # not a remote engine, its upstream did not answer, or it is there
@@ -160,9 +170,9 @@ class RoutedEngine:
             raise RuntimeError(f"target {target.name!r}: {exc}") from exc
 
     async def close(self) -> None:
-        for task in self._checks:
+        for task in self._checks.values():
             task.cancel()
-        for task in self._checks:
+        for task in self._checks.values():
             with suppress(asyncio.CancelledError):
                 await task
         self._checks.clear()
@@ -190,16 +200,14 @@ class RoutedEngine:
         in-process engine's bad continuation): the API answers it as a 4xx."""
         route = self.routes.get(request.model) or self.table.default
         target = self.targets[route.targets[0]]
-        check = getattr(target.engine, "check", None)
-        if check is not None:
-            check(request)
+        target.engine.check(request)
 
     async def abort(self, request_id: str) -> None:
         target = self._current.pop(request_id, None)
         if target is not None:
             await target.engine.abort(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         route = self.routes.get(request.model) or self.table.default
         short = self._short(route, request)
         order = (
@@ -228,6 +236,7 @@ class RoutedEngine:
         edge = None if short else self._edge(route, request)
         handing: Target | None = None  # set while the answer goes from `edge` to the center
         fell_back = False  # the edge was asked to finish what the center could not take
+        target: Target | None
         while True:
             splicing = transcript.tokens > 0
             if splicing:
@@ -338,8 +347,8 @@ class RoutedEngine:
                 continue
             except EngineError as exc:
                 error = exc
-                failed_target = getattr(exc, "target", None)
-                if isinstance(failed_target, str) and failed_target in self.targets:
+                failed_target = exc.target
+                if failed_target is not None and failed_target in self.targets:
                     target = self.targets[failed_target]  # the last of a hedged pair
             except BaseException:
                 if not started:  # the client left (or a bug): a half-open probe goes back
@@ -380,7 +389,7 @@ class RoutedEngine:
         owner = request.tenant if _passes_through(request) else None
         racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
         racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
-        spare_at = asyncio.get_running_loop().time() + target.hedge_after()
+        spare_at: float | None = asyncio.get_running_loop().time() + target.hedge_after()
         error: BaseException | None = None
         try:
             while racers:
@@ -422,7 +431,7 @@ class RoutedEngine:
                         else:
                             raise failure
                     elif isinstance(failure, EngineError):
-                        failure.target = who.name  # type: ignore[attr-defined]
+                        failure.target = who.name
             assert error is not None
             raise error
         finally:
@@ -507,7 +516,7 @@ class RoutedEngine:
             "route.handoff_fallback" if fallback else "route.handoff",
             stream=request.request_id,
             route=route.name,
-            **{"from": source.name},
+            **_from(source),
             to=to.name,
             at_token=at_token,
         )
@@ -572,7 +581,7 @@ class RoutedEngine:
 
     async def _leg(
         self, target: Target, request: GenerationRequest, route: ModelRoute
-    ) -> AsyncIterator[Delta]:
+    ) -> AsyncGenerator[Delta, None]:
         cfg = target.config
         await target.take_slot(request)
         rid = request.request_id
@@ -652,7 +661,7 @@ class RoutedEngine:
             stream=request.request_id,
             route=route.name,
             phase=phase,
-            **{"from": source.name},
+            **_from(source),
             to=to.name,
             at_token=transcript.tokens,
         )
@@ -759,13 +768,18 @@ def _for_client(error: EngineError) -> EngineError:
     )
 
 
+def _from(source: Target) -> dict[str, Any]:
+    """A route event's `from` field (a word Python keeps for itself), typed as any field."""
+    return {"from": source.name}
+
+
 def _named(error: EngineError, target: Target) -> EngineError:
-    error.target = target.name  # type: ignore[attr-defined]
+    error.target = target.name
     return error
 
 
 def failed_from(error: EngineError | None) -> str | None:
-    return getattr(error, "target", None)
+    return None if error is None else error.target
 
 
 def _failover_meta(source: str | None, to: Target, at_token: int) -> Delta:

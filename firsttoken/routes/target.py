@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 
 from firsttoken.engines.base import (
@@ -13,7 +13,6 @@ from firsttoken.engines.base import (
     Engine,
     EngineError,
     GenerationRequest,
-    delivers_steps,
 )
 from firsttoken.engines.steps import pull
 from firsttoken.observability import TTFT_BUCKETS, Histogram, log_event
@@ -54,7 +53,7 @@ class Target:
         self.outstanding = 0  # streams there now
         self.last_chunk_at = 0.0  # loop time of the last chunk from any of them
         self.first_token_s: float | None = None  # its usual wait for a first token (EWMA)
-        self.steps = delivers_steps(engine)
+        self.steps = engine.as_step_engine()  # pulled by a task of ours when it steps
         self.queue = FairQueue()
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS)
 
@@ -149,22 +148,19 @@ class Target:
         answer = request.max_tokens if request.max_tokens is not None else DEFAULT_ANSWER_TOKENS
         return max(1, prompt + answer)
 
-    def generate(self, request: GenerationRequest, model: str) -> AsyncIterator[Delta]:
+    def generate(self, request: GenerationRequest, model: str) -> AsyncGenerator[Delta, None]:
         """The engine's deltas for `request`, sent under the name this target knows."""
         if request.model != model:
             request = replace(request, model=model)
-        if self.steps:
-            return pull(self.engine, request)  # type: ignore[arg-type]
+        if self.steps is not None:
+            return pull(self.steps, request)
         return self.engine.generate(request)
 
     async def check(self) -> bool:
-        """Active health: does the upstream answer GET /models? (Engines without a URL are
-        not checked.)"""
-        fetch = getattr(self.engine, "fetch_models", None)
-        if fetch is None:
-            return True
+        """Active health: does the upstream answer GET /models? (An engine without one
+        answers at once.)"""
         try:
-            return await fetch() is not None
+            return await self.engine.fetch_models() is not None
         except Exception as exc:  # a check must never take the router down
             log_event("route.check_failed", logging.WARNING, target=self.name, error=repr(exc))
             return False

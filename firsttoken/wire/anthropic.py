@@ -157,7 +157,7 @@ class MessagesRenderer:
     # -- the stream's ends -----------------------------------------------------------------
 
     def opening(self) -> Events:
-        message = {
+        message: dict[str, Any] = {
             "id": self.message_id,
             "type": "message",
             "role": "assistant",
@@ -208,7 +208,7 @@ class MessagesRenderer:
         out: list[tuple[str | None, bytes]] = []
         if delta.reasoning:
             if self._open is not Block.THINKING:
-                block = {"type": "thinking", "thinking": "", "signature": ""}
+                block: dict[str, Any] = {"type": "thinking", "thinking": "", "signature": ""}
                 out += self._start(block, Block.THINKING)
             out.append(
                 self._delta(self._index, {"type": "thinking_delta", "thinking": delta.reasoning})

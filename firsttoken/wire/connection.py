@@ -12,7 +12,7 @@ from typing import Any, ClassVar, NoReturn, Protocol
 import httptools
 from starlette.types import Scope, Send
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from firsttoken.wire.cycle import DirectCycle, DirectRoutes
 
@@ -106,6 +106,7 @@ class StreamingProtocol(HttpToolsProtocol):
         # Made at accept: under TLS, connection_made comes after the handshake.
         self._accepted = self.loop.time()
 
+    # A Transport, as uvicorn's own signature says (asyncio's says BaseTransport).
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # TCP_NODELAY is the event loop's own doing: uvloop and asyncio set it on every TCP
         # transport (a test holds it), so no system call of ours per connection for it.
@@ -151,6 +152,7 @@ class StreamingProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        # Keys of ours in uvicorn's scope, which its TypedDict does not list.
         self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
         self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
         # The request's first byte: where TTFT starts (an outside client's clock starts there).
@@ -175,7 +177,7 @@ class StreamingProtocol(HttpToolsProtocol):
         if self._header_timer is not None:
             self._header_timer.cancel()
             self._header_timer = None
-        answering = self.cycle
+        answering: RequestResponseCycle | None = self.cycle
         if answering is not None and answering.response_complete:
             answering = None
         if answering is not None and len(self.pipeline) >= self.max_pipelined:
@@ -289,14 +291,14 @@ class StreamingProtocol(HttpToolsProtocol):
         scope["raw_path"] = raw_path
         scope["query_string"] = query
         cycle = DirectCycle(
-            scope,  # type: ignore[arg-type]
+            scope,
             self.transport,
             self.flow,
             self.server_state.default_headers,
             parser.should_keep_alive(),
             self.on_response_complete,
         )
-        self.cycle = cycle  # type: ignore[assignment]
+        self.cycle = cycle
         serve = partial(direct.serve, route)  # the ASGI app the cycle runs
         task = self.loop.create_task(cycle.run_asgi(serve))
         task.add_done_callback(self.tasks.discard)
@@ -359,7 +361,7 @@ def lean_event(event: asyncio.Event) -> None:
     (~620 B), and every connection has two Events that are hardly ever waited on. asyncio's
     Event only appends to, removes from and iterates this queue (3.11; tested)."""
     if type(getattr(event, "_waiters", None)) is collections.deque and not event._waiters:
-        event._waiters = []  # type: ignore[assignment]
+        event._waiters = []  # type: ignore[assignment]  # typeshed: a deque (see above)
 
 
 def _address(info: object) -> tuple[str, int] | None:

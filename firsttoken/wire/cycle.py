@@ -14,11 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import Receive, Scope, Send
 from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+if TYPE_CHECKING:
+    from uvicorn._types import HTTPScope
 
 __all__ = ["Arrival", "DirectCycle", "DirectRoutes"]
 
@@ -70,7 +73,7 @@ class DirectCycle(RequestResponseCycle):
 
     def __init__(
         self,
-        scope: Scope,
+        scope: HTTPScope,
         transport: asyncio.Transport,
         flow: FlowControl,
         default_headers: list[tuple[bytes, bytes]],
@@ -79,13 +82,14 @@ class DirectCycle(RequestResponseCycle):
     ) -> None:
         # uvicorn's __init__, with no access log (ours is off), no `expect: 100-continue`
         # (such a request goes the ASGI way) and a lighter arrival flag.
-        self.scope = scope  # type: ignore[assignment]
+        self.scope = scope
         self.transport = transport
         self.flow = flow
         self.logger = _LOGGER
         self.access_logger = _LOGGER
         self.access_log = False
         self.default_headers = default_headers
+        # A lighter flag with asyncio.Event's shape, where uvicorn's type says Event.
         self.message_event = Arrival()  # type: ignore[assignment]
         self.on_response = on_response
         self.disconnected = False

@@ -34,9 +34,9 @@ def rebuild(spec: dict[str, Any]) -> Rebuilt:
         case "native":
             return NativeRenderer(binary=bool(spec.get("binary")))
         case ChatRenderer.object:
-            return ChatRenderer._from_spec(spec)  # type: ignore[return-value]
+            return ChatRenderer._from_spec(spec)
         case CompletionRenderer.object:
-            return CompletionRenderer._from_spec(spec)  # type: ignore[return-value]
+            return CompletionRenderer._from_spec(spec)
         case "responses":
             return ResponsesRenderer(spec["base"], spec["key"])
         case "messages":

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import base64
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import orjson
 
@@ -52,7 +52,7 @@ class _OpenAIRenderer:
         self._head = _dumps(head)[:-1]  # the JSON object without its closing brace
         self.include_usage = include_usage
 
-    def _chunk(self, choice: dict[str, object]) -> bytes:
+    def _chunk(self, choice: dict[str, Any]) -> bytes:
         return self._head + b',"choices":[' + _dumps(choice) + b"]}"
 
     def spec(self) -> dict[str, Any]:
@@ -60,7 +60,7 @@ class _OpenAIRenderer:
         return {"format": self.object, "head": self._head.decode(), "usage": self.include_usage}
 
     @classmethod
-    def _from_spec(cls, spec: dict[str, Any]) -> _OpenAIRenderer:
+    def _from_spec(cls, spec: dict[str, Any]) -> Self:
         renderer = cls.__new__(cls)
         renderer._head = spec["head"].encode()
         renderer.include_usage = bool(spec["usage"])
@@ -83,7 +83,7 @@ class _OpenAIRenderer:
         out.append((None, DONE))
         return out
 
-    def _final(self, finish_reason: str) -> dict[str, object]:
+    def _final(self, finish_reason: str) -> dict[str, Any]:
         raise NotImplementedError
 
     def error(self, code: str, message: str, type_: str = "server_error") -> Events:
@@ -105,7 +105,7 @@ class ChatRenderer(_OpenAIRenderer):
         }
         return [(None, self._chunk(choice))]
 
-    def _final(self, finish_reason: str) -> dict[str, object]:
+    def _final(self, finish_reason: str) -> dict[str, Any]:
         return {"index": 0, "delta": {}, "logprobs": None, "finish_reason": finish_reason}
 
     def part(self, delta: Delta) -> Events:
@@ -131,7 +131,7 @@ class CompletionRenderer(_OpenAIRenderer):
     def opening(self) -> Events:
         return ()
 
-    def _final(self, finish_reason: str) -> dict[str, object]:
+    def _final(self, finish_reason: str) -> dict[str, Any]:
         return {"index": 0, "text": "", "logprobs": None, "finish_reason": finish_reason}
 
     def part(self, delta: Delta) -> Events:

@@ -393,7 +393,8 @@ class ResponsesRenderer:
             done = self._event("response.refusal.done", **common, refusal=text)
         else:
             done = self._event("response.reasoning_text.done", **common, text=text)
-        out = [done, self._part_event("response.content_part.done", item, text)]
+        out: list[tuple[str | None, bytes]] = [done]
+        out.append(self._part_event("response.content_part.done", item, text))
         if item.kind == "message":
             item.parts.append(self._part(item, text))
             item.part = None

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 
 __all__ = ["ANSWER", "PROMPT_TOKENS", "Fail", "Scripted", "answer", "cut", "tokens"]
 
@@ -83,7 +83,7 @@ def answer(request: GenerationRequest) -> list[Step]:
     return steps
 
 
-class Scripted:
+class Scripted(BaseEngine):
     """An engine whose n-th request plays the n-th script (the last one repeats)."""
 
     def __init__(self, *scripts: Script, models: tuple[str, ...] = ("m",)) -> None:

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+from starlette.requests import Request
 
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
-from firsttoken.admission.limits import TokenBudgets
+from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
@@ -290,3 +291,47 @@ def test_a_moved_streams_hold_is_settled_once_by_the_instance_that_took_it_over(
         assert adm.limits.budgets.used("dave") == 17
 
     asyncio.run(body())
+
+
+def test_a_key_past_its_requests_per_minute_gets_429_rate_limited(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = admission()
+        minute = FakeClock(start=6000.0)
+        adm.limits.requests = RequestRates(minute)
+        hasty = ApiKey(name="hasty", requests_per_minute=2)
+        for _ in range(2):
+            await (await adm.admit(hasty)).release(Outcome.COMPLETED)
+        with pytest.raises(APIError) as refused:
+            await adm.admit(hasty)
+        assert (refused.value.status, refused.value.code) == (429, "rate_limited")
+        assert refused.value.headers == {"retry-after": "60"}
+        assert adm.metrics.streams["rejected"] == 1
+        minute.advance(60)
+        await adm.admit(hasty)
+
+    asyncio.run(body())
+
+
+def test_an_expired_or_disabled_key_is_refused_with_401_on_the_admissions_clock() -> None:
+    wall = FakeClock(start=1_000_000.0)
+    adm = Admission(Settings(), Metrics(), clock=wall)
+    adm.keys = KeyRing(
+        {
+            "sk-t": ApiKey(name="temp", expires_at=1_000_010.0),
+            "sk-o": ApiKey(name="off", disabled=True),
+        }
+    )
+
+    def refused(secret: str) -> tuple[int, str] | None:
+        request = Request({"type": "http", "headers": [(b"x-api-key", secret.encode())]})
+        try:
+            adm.authenticate(request)
+        except APIError as exc:
+            return exc.status, exc.code
+        return None
+
+    assert refused("sk-t") is None
+    assert refused("sk-o") == (401, "key_disabled")
+    wall.advance(10)
+    assert refused("sk-t") == (401, "key_expired")
+    assert refused("sk-x") == (401, "invalid_api_key")

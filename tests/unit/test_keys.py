@@ -4,7 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from firsttoken.admission.keys import ApiKey, KeyRing
+from firsttoken.admission.keys import ApiKey, KeyRing, digest_hex, new_secret
+from tests.unit.clock import FakeClock
 
 
 def test_keys_are_found_by_secret(tmp_path: Path) -> None:
@@ -92,19 +93,23 @@ def test_a_bad_priority_or_weight_is_one_line_naming_it(
     assert str(refused.value) == f"{path}: {message}"
 
 
+KNOWN = (
+    "name, key, key_sha256, max_streams, tokens_per_minute, requests_per_minute, "
+    "resume_max_bytes, priority, weight, routes, expires_at, disabled"
+)
+
+
 @pytest.mark.parametrize(
     ("body", "message"),
     [
         # A typo would leave the key on the default limit without a word.
         (
             "max_stream = 3",
-            "keys[0].max_stream: unknown field (known: name, key, max_streams, "
-            "tokens_per_minute, resume_max_bytes, priority, weight)",
+            f"keys[0].max_stream: unknown field (known: {KNOWN})",
         ),
         (
             "weigth = 2",
-            "keys[0].weigth: unknown field (known: name, key, max_streams, "
-            "tokens_per_minute, resume_max_bytes, priority, weight)",
+            f"keys[0].weigth: unknown field (known: {KNOWN})",
         ),
     ],
 )
@@ -146,3 +151,139 @@ def test_a_keys_file_of_the_wrong_shape_says_so_without_its_secrets(
         KeyRing.load(path)
     assert str(refused.value) == f"{path}: {message}"
     assert "sk-" not in str(refused.value)
+
+
+def load(tmp_path: Path, body: str) -> KeyRing:
+    path = tmp_path / "keys.toml"
+    path.write_text(body)
+    return KeyRing.load(path)
+
+
+def test_routes_allow_names_and_globs_and_default_to_every_route(tmp_path: Path) -> None:
+    ring = load(
+        tmp_path,
+        '[[keys]]\nname = "a"\nkey = "sk-a"\nroutes = ["chat", "edge-*", "v[12]"]\n\n'
+        '[[keys]]\nname = "b"\nkey = "sk-b"\n',
+    )
+    a, b = ring.find("sk-a"), ring.find("sk-b")
+    assert a is not None and b is not None
+    assert [m for m in ("chat", "edge-1", "edge", "v1", "v3", "chat-2") if a.may_use(m)] == [
+        "chat",
+        "edge-1",
+        "v1",
+    ]
+    assert b.routes is None and b.may_use("anything")
+    none = load(tmp_path, '[[keys]]\nname = "n"\nkey = "sk-n"\nroutes = []\n').find("sk-n")
+    assert none is not None and not none.may_use("chat")  # an empty list: no route
+
+
+@pytest.mark.parametrize(
+    ("routes", "message"),
+    [
+        ('"chat"', 'keys[0].routes must be a list of route names or globs (routes = ["chat"'),
+        ('["edge-[12"]', "keys[0].routes 'edge-[12': a bad glob"),
+        ('["a]"]', "keys[0].routes 'a]': a bad glob"),
+        ('["chat bot"]', "keys[0].routes 'chat bot': a route name or glob is made of"),
+        ('[""]', "keys[0].routes must be route names or globs"),
+        ("[1]", "keys[0].routes must be route names or globs"),
+    ],
+)
+def test_a_bad_routes_entry_is_one_line_naming_it(
+    tmp_path: Path, routes: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        load(tmp_path, f'[[keys]]\nname = "x"\nkey = "k"\nroutes = {routes}\n')
+    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: {message}")
+
+
+def test_a_key_given_by_its_digest_is_found_by_its_secret(tmp_path: Path) -> None:
+    secret = new_secret()
+    assert len(secret) >= 3 + 43  # "sk-" and 256 bits in base64
+    ring = load(
+        tmp_path, f'[[keys]]\nname = "a"\nkey_sha256 = "{digest_hex(secret).upper()}"\n'
+    )
+    found = ring.find(secret)
+    assert found is not None and found.name == "a"
+    assert ring.find(secret + "x") is None
+
+
+@pytest.mark.parametrize(
+    ("secret", "message"),
+    [
+        ('key_sha256 = "abc"', "keys[0].key_sha256 must be 64 hex digits"),
+        ("", "keys[0] needs a string 'name' and one of 'key' or 'key_sha256'"),
+        (
+            f'key = "k"\nkey_sha256 = "{"0" * 64}"',
+            "keys[0] needs a string 'name' and one of 'key' or 'key_sha256'",
+        ),
+    ],
+)
+def test_a_key_needs_exactly_one_well_formed_secret(
+    tmp_path: Path, secret: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        load(tmp_path, f'[[keys]]\nname = "x"\n{secret}\n')
+    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: {message}")
+
+
+def test_a_secret_given_plainly_and_as_its_digest_is_the_same_key_twice(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"keys\[1\] \('b'\) has the same key as keys\[0\]"):
+        load(
+            tmp_path,
+            f'[[keys]]\nname = "a"\nkey = "sk-a"\n\n'
+            f'[[keys]]\nname = "b"\nkey_sha256 = "{digest_hex("sk-a")}"\n',
+        )
+
+
+def test_expiry_and_disabling_refuse_the_key_on_the_clock_given(tmp_path: Path) -> None:
+    ring = load(
+        tmp_path,
+        '[[keys]]\nname = "temp"\nkey = "sk-t"\nexpires_at = 2030-01-01T00:00:00Z\n\n'
+        '[[keys]]\nname = "local"\nkey = "sk-l"\nexpires_at = 2030-01-01T01:00:00+01:00\n\n'
+        '[[keys]]\nname = "day"\nkey = "sk-d"\nexpires_at = 2030-01-01\n\n'
+        '[[keys]]\nname = "off"\nkey = "sk-o"\ndisabled = true\n',
+    )
+    clock = FakeClock(start=1_893_456_000.0 - 1)  # 2030-01-01T00:00:00Z, less a second
+    temp, local, day, off = (ring.find(s) for s in ("sk-t", "sk-l", "sk-d", "sk-o"))
+    assert temp is not None and local is not None and day is not None and off is not None
+    assert temp.expires_at == local.expires_at == day.expires_at == 1_893_456_000.0
+    assert temp.refusal(clock()) is None
+    assert off.refusal(clock()) == "key_disabled"
+    clock.advance(1)
+    assert temp.refusal(clock()) == "key_expired"
+    plain = load(tmp_path, '[[keys]]\nname = "n"\nkey = "k"\n').find("k")
+    assert plain is not None and plain.refusal(clock()) is None  # no expiry: never
+
+
+@pytest.mark.parametrize(
+    ("field", "message"),
+    [
+        ('expires_at = "2030-01-01"', "keys[0].expires_at must be a TOML date-time"),
+        ('disabled = "yes"', "keys[0].disabled must be true or false"),
+        ("requests_per_minute = 0", "keys[0].requests_per_minute must be a positive integer"),
+    ],
+)
+def test_a_bad_lifetime_or_rate_is_one_line_naming_it(
+    tmp_path: Path, field: str, message: str
+) -> None:
+    with pytest.raises(ValueError) as refused:
+        load(tmp_path, f'[[keys]]\nname = "x"\nkey = "k"\n{field}\n')
+    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: {message}")
+
+
+def test_a_file_that_is_not_toml_is_one_line_naming_it(tmp_path: Path) -> None:
+    with pytest.raises(ValueError) as refused:
+        load(tmp_path, '[[keys]]\nname = "x\n')
+    assert str(refused.value).startswith(f"{tmp_path / 'keys.toml'}: not valid TOML (")
+
+
+def test_a_reloaded_ring_says_which_secrets_it_still_holds(tmp_path: Path) -> None:
+    # A name may hold two secrets while it is rotated.
+    old = load(
+        tmp_path, '[[keys]]\nname = "a"\nkey = "sk-1"\n\n[[keys]]\nname = "a"\nkey = "sk-2"\n'
+    )
+    new = load(tmp_path, '[[keys]]\nname = "a"\nkey = "sk-2"\nweight = 2\n')
+    first, second = old.find("sk-1"), old.find("sk-2")
+    assert first is not None and second is not None
+    assert new.holds(first) is None  # rotated out: its streams end
+    assert new.holds(second) == ApiKey(name="a", weight=2.0)  # the same secret, new settings

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 import asyncio
 
-from firsttoken.admission.limits import OK, SLOTS, MemoryLimits, Reservation, TokenBudgets
+from firsttoken.admission.limits import (
+    OK,
+    SLOTS,
+    MemoryLimits,
+    RequestRates,
+    Reservation,
+    TokenBudgets,
+)
 from tests.unit.clock import FakeClock
 
 START = 6000.0  # the start of a clock minute (minute 100)
@@ -119,3 +126,14 @@ def test_memory_limits_reserve_and_settle_through_their_budgets() -> None:
         assert (await limits.admit("k", 1))[0] == SLOTS  # slots are apart from tokens
 
     asyncio.run(body())
+
+
+def test_requests_per_minute_count_in_clock_minutes() -> None:
+    clock = FakeClock(start=6000.0)  # a minute's start
+    rates = RequestRates(clock)
+    assert [rates.take("k", 2) for _ in range(2)] == [None, None]
+    clock.advance(15)
+    assert rates.take("k", 2) == 45.0  # refused: the next minute is 45 s away
+    assert rates.take("other", 2) is None  # each key its own count
+    clock.advance(45)
+    assert rates.take("k", 2) is None  # a new minute

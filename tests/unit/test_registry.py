@@ -15,7 +15,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Delta, Engine, Generation, Sink
+from firsttoken.engines.base import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.observability import Metrics
 from firsttoken.resume import Claim, EventLog, MemoryStore, Orphan, ResumeExpired, StreamRecord
@@ -54,7 +54,7 @@ class _Store(MemoryStore):
         self.finished.append((stream_id, outcome))
 
 
-class _FailingSteps:
+class _FailingSteps(BaseEngine):
     """A step engine whose `open` raises `error`."""
 
     models = ("synthetic",)
@@ -65,6 +65,9 @@ class _FailingSteps:
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         raise self.error
+
+    def as_step_engine(self) -> StepEngine:
+        return self  # type: ignore[return-value]  # a test's partial engine
 
     def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
         from firsttoken.engines.steps import pull
@@ -81,7 +84,7 @@ class _FailingSteps:
         return {}
 
 
-class _FailingPull:
+class _FailingPull(BaseEngine):
     """An iterator engine whose first pull raises (a relay that cannot connect)."""
 
     models = ("synthetic",)
@@ -314,7 +317,7 @@ class _Reader:
         self.catch_up()
 
 
-class _Recording:
+class _Recording(BaseEngine):
     """A step engine that writes down what it was asked to generate."""
 
     models = ("synthetic",)
@@ -326,6 +329,9 @@ class _Recording:
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         self.opened.append(request)
         return _Idle()
+
+    def as_step_engine(self) -> StepEngine:
+        return self  # type: ignore[return-value]  # a test's partial engine
 
     def prompt_tokens(self, prompt: str) -> int:
         return 1
@@ -490,3 +496,31 @@ def test_two_readers_here_of_one_orphan_read_the_one_stream_continued_here() -> 
             tg.cancel_scope.cancel()
 
     asyncio.run(body())
+
+
+def test_end_where_ends_only_the_live_streams_it_picks_with_their_error() -> None:
+    registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
+    streams = {}
+    for stream_id, tenant in (("a1", "alice"), ("a2", "alice"), ("b1", "bob")):
+        stream = Stream(
+            GenerationRequest(stream_id, "", "synthetic", tenant=tenant),
+            NativeRenderer(),
+            kind="native",
+            trace_id="t",
+            grace_s=0.0,
+            prompt_tokens=1,
+            max_events=100,
+            accepted_at=0.0,
+        )
+        registry._streams[stream_id] = stream
+        registry.metrics.active_streams += 1
+        stream.on_end = registry._ended
+        stream.begin()
+        stream.push("tok")
+        streams[stream_id] = stream
+    streams["a2"].finish("stop")  # ended already: not ended twice
+    revoked = EngineError("key_revoked", "gone", client_fault=True)
+    assert registry.end_where(lambda s: s.request.tenant == "alice", revoked) == 1
+    assert streams["a1"].outcome is Outcome.ERROR and streams["a1"].error_code == "key_revoked"
+    assert b"key_revoked" in streams["a1"].log.after(0)[-1].wire
+    assert streams["a2"].outcome is Outcome.COMPLETED and streams["b1"].outcome is None

@@ -3,12 +3,17 @@ each target kind becomes its engine with the file's settings (no sockets are ope
 
 from __future__ import annotations
 
+import pytest
+
 from firsttoken.config import Settings
 from firsttoken.engines.anthropic_relay import AnthropicRelay
+from firsttoken.engines.batching import BatchingEngine
+from firsttoken.engines.cache import CachedEngine
 from firsttoken.engines.relay import RelayEngine
 from firsttoken.engines.synthetic import SyntheticEngine
-from firsttoken.routes.build import build_routes, shorthand
+from firsttoken.routes.build import build_engine, build_routes, engine_of, routes_in, shorthand
 from firsttoken.routes.config import parse_routes
+from firsttoken.routes.engine import RoutedEngine
 
 
 def test_the_upstream_shorthand_is_one_balanced_route_without_splices() -> None:
@@ -65,3 +70,23 @@ def test_each_kind_becomes_its_engine_with_the_files_settings() -> None:
     assert (fake.ttft_ms, fake.itl_ms) == (3.0, 1.0)
     assert engine.models == ("chat",)
     assert engine.targets["fake"].continues and not engine.targets["vllm"].continues
+
+
+def test_the_servers_own_engine_comes_from_the_same_builder_as_a_targets() -> None:
+    alone = build_engine(Settings(synthetic_ttft_ms=7, synthetic_fail_rate=0.5))
+    assert isinstance(alone, SyntheticEngine)
+    assert alone.ttft_ms == 7.0 and alone.faults.rate == 0.5
+    assert isinstance(build_engine(Settings(batch_max=4)), BatchingEngine)
+    cached = build_engine(Settings(cache_ttl_s=60))
+    assert isinstance(cached, CachedEngine) and isinstance(cached.inner, SyntheticEngine)
+    with pytest.raises(ValueError, match="unknown engine 'openai'"):
+        engine_of("openai", Settings())  # a relay needs a target's URL
+
+
+def test_the_app_finds_the_routes_under_the_cache_and_none_in_a_single_engine() -> None:
+    upstream = Settings(engine="openai", upstream="http://127.0.0.1:8001/v1", cache_ttl_s=60)
+    cached = build_engine(upstream)
+    assert isinstance(cached, CachedEngine) and isinstance(cached.inner, RoutedEngine)
+    assert routes_in(cached) is cached.inner
+    assert routes_in(cached.inner) is cached.inner
+    assert routes_in(build_engine(Settings())) is None

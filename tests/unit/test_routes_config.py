@@ -305,3 +305,14 @@ def test_a_good_file_loads(tmp_path: Path) -> None:
     routes = load_routes(path)
     assert routes.targets["fake"].continuation == "native"
     assert routes.default.max_splices == 2
+
+
+def test_a_mistake_after_a_hand_off_still_names_the_file() -> None:
+    data = {
+        "targets": {"a": dict(GOOD_TARGET), "edge": dict(GOOD_TARGET)},
+        "models": {
+            "chat": {"targets": ["a"], "handoff": {"from": "edge", "after_tokens": 8}},
+            "other": {"targets": ["nowhere"]},
+        },
+    }
+    assert refused(data).startswith("routes.toml: [models.other] targets: no target named")

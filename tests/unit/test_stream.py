@@ -17,7 +17,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
-from firsttoken.engines.base import Delta, Generation, Sink, ToolCallDelta
+from firsttoken.engines.base import BaseEngine, Delta, Generation, Sink, ToolCallDelta
 from firsttoken.observability import Metrics
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
@@ -258,7 +258,7 @@ def test_a_step_engine_gets_the_whole_request_and_the_stream_keeps_less() -> Non
 
 
 def test_a_pulled_engine_reads_the_whole_request_after_start_returns() -> None:
-    class Pulled:
+    class Pulled(BaseEngine):
         models = ("synthetic",)
         tokens_generated = 0
         seen: GenerationRequest | None = None

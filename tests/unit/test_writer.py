@@ -278,10 +278,11 @@ def test_a_started_stream_lets_its_engine_run_before_its_first_write(
 
     from firsttoken.core.writer import EventStreamResponse
     from firsttoken.delta import Delta
+    from firsttoken.engines.base import BaseEngine
 
     order: list[str] = []
 
-    class Upstream:  # an iterator engine: the registry pulls it from a task
+    class Upstream(BaseEngine):  # an iterator engine: the registry pulls it from a task
         models = ("synthetic",)
         tokens_generated = 0
 

@@ -1,0 +1,285 @@
+"""Reload without a restart: the keys file, the routes file and the canned answers, on SIGHUP
+or when their contents change (`--watch-config`, checked once a second).
+
+A reload reads every file the server started with and validates them whole (`load_files`)
+before anything changes; the first problem is one `config.reload_failed` line naming the
+file, the table and the field, and the running configuration stays. Then the new routes are
+built beside the old (`LiveRoutes.prepare`: new targets started, unchanged ones carried over
+with their health, queues and counts) and everything is swapped in one step, with no await
+in between: keys, routes, canned answers. Streams keep the key and targets they started
+with; the streams of a key that is gone, or now disabled, end at once with `event: error`
+`key_revoked` (a leaked key must stop spending), while any other change to a key applies to
+its next request.
+
+`firsttoken check` runs the same validation offline (`check_files`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from firsttoken.admission import ApiKey, KeyRing
+from firsttoken.api.gateway import Gateway
+from firsttoken.core.stream import Stream, Usage
+from firsttoken.engines import EngineError
+from firsttoken.engines.cache import CachedEngine, load_canned
+from firsttoken.observability import key_label, log_event
+from firsttoken.routes import RouteTable, load_routes
+from firsttoken.routes.live import LiveRoutes
+
+__all__ = [
+    "ConfigFiles",
+    "Configuration",
+    "Reloader",
+    "check_files",
+    "load_files",
+    "unmatched_routes",
+]
+
+WATCH_S = 1.0  # --watch-config: how often the files' contents are compared
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigFiles:
+    """The files a reload reads (None: not given, nothing to reload)."""
+
+    api_keys: str | None = None
+    routes: str | None = None
+    canned_answers: str | None = None
+
+    def paths(self) -> list[str]:
+        return [p for p in (self.api_keys, self.routes, self.canned_answers) if p]
+
+
+@dataclass(frozen=True, slots=True)
+class Configuration:
+    """What the files say, each validated."""
+
+    keys: KeyRing | None = None
+    routes: RouteTable | None = None
+    canned: dict[str, str] | None = None
+
+
+def _named(path: str, exc: BaseException) -> str:
+    """One line naming the file (the loaders' own messages mostly start with it)."""
+    line = " ".join(str(exc).split())
+    return line if line.startswith(str(path)) else f"{path}: {line}"
+
+
+def _load_keys(path: str) -> KeyRing:
+    return KeyRing.load(path)
+
+
+def _load_canned(path: str) -> dict[str, str]:
+    return load_canned(path)
+
+
+def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
+    keys = routes = canned = None
+    problems: list[str] = []
+    if files.api_keys:
+        try:
+            keys = _load_keys(files.api_keys)
+        except (OSError, ValueError) as exc:
+            problems.append(_named(files.api_keys, exc))
+    if files.routes:
+        try:
+            routes = load_routes(files.routes)
+        except (OSError, ValueError) as exc:
+            problems.append(_named(files.routes, exc))
+    if files.canned_answers:
+        try:
+            canned = _load_canned(files.canned_answers)
+        except (OSError, ValueError) as exc:
+            problems.append(_named(files.canned_answers, exc))
+    return Configuration(keys, routes, canned), problems
+
+
+def load_files(files: ConfigFiles) -> Configuration:
+    """Every file, validated; ValueError (the first problem, one line) if any is wrong."""
+    config, problems = _problems(files)
+    if problems:
+        raise ValueError(problems[0])
+    return config
+
+
+def check_files(files: ConfigFiles) -> list[str]:
+    """Every problem in the files, one line each (`firsttoken check`); [] when all are valid."""
+    return _problems(files)[1]
+
+
+def unmatched_routes(files: ConfigFiles) -> list[str]:
+    """A key's `routes` entry that matches no route of the routes file: most likely a typo
+    (the key is then refused that route), said as a warning; [] unless both files are valid."""
+    config = _problems(files)[0]
+    if config.keys is None or config.routes is None:
+        return []
+    names = list(config.routes.routes)
+    warnings = []
+    for key in config.keys.keys():
+        for pattern in key.routes or ():
+            if not any(ApiKey(key.name, routes=(pattern,)).may_use(n) for n in names):
+                warnings.append(
+                    f"{files.api_keys}: key {key.name!r}: routes entry {pattern!r} matches no "
+                    f"route of {files.routes} ({', '.join(names)})"
+                )
+    return warnings
+
+
+def _fingerprint(paths: list[str]) -> tuple[bytes | None, ...]:
+    """The files' contents, as digests (None: unreadable now)."""
+    prints: list[bytes | None] = []
+    for path in paths:
+        try:
+            prints.append(hashlib.sha256(Path(path).read_bytes()).digest())
+        except OSError:
+            prints.append(None)
+    return tuple(prints)
+
+
+class Reloader:
+    """Swaps a new configuration into a running gateway (see the module's docstring)."""
+
+    def __init__(
+        self,
+        files: ConfigFiles,
+        gateway: Gateway,
+        *,
+        watch: bool = False,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.files = files
+        self.gateway = gateway
+        self.watch = watch
+        self.clock = clock  # Unix time, for the loaded timestamp
+        engine = gateway.engine
+        self.canned = engine if isinstance(engine, CachedEngine) and engine.canned else None
+        inner = engine.inner if isinstance(engine, CachedEngine) else engine
+        self.routes = inner if isinstance(inner, LiveRoutes) and files.routes else None
+        self.results = {"ok": 0, "failed": 0}
+        self.loaded_at = clock()
+        self._seen = _fingerprint(files.paths())
+        self._asked = anyio.Event()
+
+    def request(self) -> None:
+        """Reload soon (SIGHUP: called by the loop's signal handler, in the loop's thread)."""
+        self._asked.set()
+
+    async def run(self) -> None:
+        """Reload when asked, or (with `watch`) when a file's contents change; close retired
+        targets once idle. Until cancelled."""
+        while True:
+            with anyio.move_on_after(WATCH_S):
+                await self._asked.wait()
+            asked = self._asked.is_set()
+            if asked:
+                self._asked = anyio.Event()
+            if asked or (self.watch and self.changed()):
+                await self.reload("signal" if asked else "watch")
+            if self.routes is not None:
+                await self.routes.sweep()
+
+    def changed(self) -> bool:
+        """Whether a file's contents differ from those last loaded or tried (a bad file is
+        said once, not every second)."""
+        return _fingerprint(self.files.paths()) != self._seen
+
+    async def reload(self, why: str = "signal") -> bool:
+        """Load, validate and swap in the files' configuration; False (nothing changed, one
+        `config.reload_failed` line) when any of it is wrong."""
+        self._seen = _fingerprint(self.files.paths())
+        started = time.perf_counter()
+        try:
+            config = load_files(self.files)
+            prepared = None
+            if self.routes is not None and config.routes is not None:
+                prepared = await self.routes.prepare(config.routes)
+        except Exception as exc:
+            self.results["failed"] += 1
+            # Not a validation error: a new target that could not start (the routes file's).
+            line = str(exc) if isinstance(exc, ValueError) else _named(self.files.routes or "", exc)
+            log_event("config.reload_failed", logging.ERROR, trigger=why, error=line)
+            return False
+        # One step from here: no await until every part is swapped.
+        said: dict[str, Any] = {"trigger": why}
+        if config.keys is not None:
+            said.update(self._swap_keys(config.keys))
+        if prepared is not None and self.routes is not None:
+            old = self.routes.current
+            retired = self.routes.swap(prepared)
+            said["routes"] = list(prepared.models)
+            added = [t for t in prepared.targets if old.targets.get(t) is not prepared.targets[t]]
+            if added:
+                said["targets_new"] = added
+            if retired:
+                said["targets_retired"] = retired
+        if config.canned is not None and self.canned is not None:
+            self.canned.canned = config.canned
+            said["canned_answers"] = len(config.canned)
+        self.results["ok"] += 1
+        self.loaded_at = self.clock()
+        said["took_ms"] = round((time.perf_counter() - started) * 1000, 3)
+        log_event("config.reloaded", **said)
+        return True
+
+    def _swap_keys(self, ring: KeyRing) -> dict[str, object]:
+        gw = self.gateway
+        old = gw.admission.keys
+        gw.admission.keys = ring
+        budget = gw.registry.budget
+        if budget is not None:
+            budget.per_key = ring.resume_limits()
+        names = ring.names()
+        for name in names:  # a new key's series from 0, as at start
+            gw.metrics.count_key_tokens(key_label(name), Usage())
+
+        def revoked(stream: Stream) -> bool:
+            ticket = stream.ticket
+            key = getattr(ticket, "key", None)
+            if key is None or not key.digest:
+                return False
+            now = ring.holds(key)
+            return now is None or now.disabled
+
+        ended = gw.registry.end_where(
+            revoked,
+            EngineError(
+                "key_revoked",
+                "the API key of this stream was removed or disabled",
+                type_="invalid_request_error",
+                client_fault=True,  # the breaker learns nothing from it
+            ),
+        )
+        said: dict[str, object] = {"keys": len(ring.keys())}
+        if old is not None:
+            gone = sorted(set(old.names()) - set(names))
+            if gone:
+                said["keys_removed"] = gone
+        if ended:
+            said["streams_revoked"] = ended
+        return said
+
+    def collect(self) -> Iterator[Metric]:
+        reloads = CounterMetricFamily(
+            "firsttoken_config_reloads",
+            "Reloads of the keys, routes and canned answers files, by result.",
+            labels=["result"],
+        )
+        for result, count in self.results.items():
+            reloads.add_metric([result], count)
+        yield reloads
+        yield GaugeMetricFamily(
+            "firsttoken_config_loaded_timestamp_seconds",
+            "When the running configuration was loaded (Unix time): at start or the last "
+            "reload that took.",
+            value=self.loaded_at,
+        )

@@ -1,0 +1,190 @@
+"""The reload (firsttoken/reload.py) on a gateway built from real files: a good set of files
+is swapped in whole, a bad one changes nothing and says why in one line, the watch sees a
+change of contents once."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import anyio
+import orjson
+import pytest
+
+from firsttoken.app import create_app
+from firsttoken.config import Settings
+from firsttoken.reload import WATCH_S, ConfigFiles, Reloader, check_files, unmatched_routes
+from firsttoken.routes.live import LiveRoutes
+from tests.unit import virtual_loop
+from tests.unit.clock import FakeClock
+
+KEYS = '[[keys]]\nname = "a"\nkey = "sk-a"\nroutes = ["edge"]\n'
+ROUTES = (
+    '[targets.s]\nkind = "synthetic"\n\n[models.chat]\ntargets = ["s"]\n\n'
+    '[models.edge]\ntargets = ["s"]\n'
+)
+CANNED = '[answers]\n"hi" = "Hello!"\n'
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> ConfigFiles:
+    (tmp_path / "keys.toml").write_text(KEYS)
+    (tmp_path / "routes.toml").write_text(ROUTES)
+    (tmp_path / "canned.toml").write_text(CANNED)
+    return ConfigFiles(
+        str(tmp_path / "keys.toml"), str(tmp_path / "routes.toml"), str(tmp_path / "canned.toml")
+    )
+
+
+def reloader(files: ConfigFiles, clock: FakeClock | None = None) -> Reloader:
+    app = create_app(
+        Settings(api_keys=files.api_keys, routes=files.routes, canned_answers=files.canned_answers)
+    )
+    reloader: Reloader = app.state.reloader
+    if clock is not None:
+        reloader.clock = clock
+    return reloader
+
+
+def write(path: str | None, text: str) -> None:
+    assert path is not None
+    Path(path).write_text(text)
+
+
+def test_a_good_set_of_files_is_swapped_in_whole(files: ConfigFiles) -> None:
+    clock = FakeClock(start=5000.0)
+    r = reloader(files, clock)
+    gw = r.gateway
+    assert r.routes is not None and r.canned is not None
+    old_target = r.routes.current.targets["s"]
+    write(files.api_keys, KEYS.replace('["edge"]', '["edge", "chat"]'))
+    write(
+        files.routes,
+        ROUTES + '\n[targets.t]\nkind = "synthetic"\n\n[models.new]\ntargets = ["t"]\n',
+    )
+    write(files.canned_answers, '[answers]\n"hey" = "Hi there."\n')
+    clock.advance(7)
+    assert anyio.run(r.reload) is True
+    key = gw.admission.keys.find("sk-a") if gw.admission.keys else None
+    assert key is not None and key.routes == ("edge", "chat")
+    assert gw.engine.models == ("chat", "edge", "new")
+    assert r.routes.current.targets["s"] is old_target  # unchanged: carried over
+    assert r.canned.canned == {"hey": "Hi there."}
+    assert r.results == {"ok": 1, "failed": 0} and r.loaded_at == 5007.0
+    samples = {(m.name, tuple(s.labels.values())): s.value for m in r.collect() for s in m.samples}
+    assert samples[("firsttoken_config_reloads", ("ok",))] == 1
+    assert samples[("firsttoken_config_loaded_timestamp_seconds", ())] == 5007.0
+
+
+@pytest.mark.parametrize(
+    ("which", "text", "says"),
+    [
+        ("api_keys", '[[keys]]\nname = "a\n', "keys.toml: not valid TOML ("),
+        ("api_keys", KEYS + "max_stream = 2\n", "keys.toml: keys[0].max_stream: unknown field"),
+        (
+            "api_keys",
+            KEYS + '\n[[keys]]\nname = "b"\nkey = "sk-a"\n',
+            "keys.toml: keys[1] ('b') has the same key as keys[0] ('a')",
+        ),
+        ("api_keys", KEYS.replace('"edge"', '"edge-[1"'), "keys.toml: keys[0].routes 'edge-[1'"),
+        (
+            "routes",
+            ROUTES.replace('targets = ["s"]\n\n[models.edge]', 'targets = ["x"]\n\n[models.edge]'),
+            "routes.toml: [models.chat] targets: no target named 'x'",
+        ),
+        ("routes", ROUTES + "\nbalance = 1\n", "routes.toml: [models.edge] balance: must be"),
+        ("canned_answers", "[answer]\n", "canned.toml: unknown table or field 'answer'"),
+    ],
+)
+def test_a_bad_file_changes_nothing_and_says_where_in_one_line(
+    files: ConfigFiles,
+    caplog: pytest.LogCaptureFixture,
+    which: str,
+    text: str,
+    says: str,
+) -> None:
+    r = reloader(files)
+    gw, routes = r.gateway, r.routes
+    assert routes is not None
+    keys, current, canned = gw.admission.keys, routes.current, dict(r.canned.canned)  # type: ignore[union-attr]
+    write(getattr(files, which), text)
+    with caplog.at_level(logging.INFO, logger="firsttoken"):
+        assert anyio.run(r.reload) is False
+    assert gw.admission.keys is keys and routes.current is current
+    assert r.canned is not None and r.canned.canned == canned
+    assert r.results == {"ok": 0, "failed": 1}
+    lines = [orjson.loads(m) for m in caplog.messages if "config." in m]
+    assert len(lines) == 1 and lines[0]["event"] == "config.reload_failed"
+    assert says in lines[0]["error"] and "\n" not in lines[0]["error"]
+    assert check_files(files) == [lines[0]["error"]]  # `firsttoken check` says the same
+
+
+def test_the_watch_sees_a_change_of_contents_once(files: ConfigFiles) -> None:
+    r = reloader(files)
+    assert not r.changed()
+    write(files.routes, ROUTES + "\n")
+    assert r.changed()
+    write(files.api_keys, "broken")
+    assert not anyio.run(r.reload)
+    assert not r.changed()  # a bad file is tried once, not every second
+    write(files.api_keys, KEYS)
+    assert r.changed() and anyio.run(r.reload)
+
+
+def test_without_routes_or_canned_files_only_the_keys_reload(tmp_path: Path) -> None:
+    (tmp_path / "keys.toml").write_text(KEYS)
+    files = ConfigFiles(str(tmp_path / "keys.toml"))
+    r = reloader(files)
+    assert r.routes is None and r.canned is None
+    assert not isinstance(r.gateway.engine, LiveRoutes)
+    write(files.api_keys, KEYS.replace('"a"', '"b"'))
+    assert anyio.run(r.reload)
+    assert r.gateway.admission.keys is not None and r.gateway.admission.keys.names() == ["b"]
+
+
+async def until(done: Callable[[], bool]) -> None:
+    """Wait (on the loop's clock, in steps of 1 ms) until `done()`; 10 s at most."""
+    for _ in range(10_000):
+        if done():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError("not done within 10 s")
+
+
+def test_the_loop_reloads_at_once_when_asked_and_within_a_second_of_a_change(
+    files: ConfigFiles,
+) -> None:
+    r = reloader(files)
+    r.watch = True
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(r.run())
+        await asyncio.sleep(0.25)
+        asked = loop.time()
+        r.request()  # SIGHUP: at once, not at the next second
+        await until(lambda: r.results["ok"] == 1)
+        assert loop.time() - asked < 0.01
+        write(files.routes, ROUTES + '\n[models.late]\ntargets = ["s"]\n')
+        changed = loop.time()
+        await until(lambda: r.results["ok"] == 2)
+        assert loop.time() - changed <= WATCH_S + 0.01  # seen within one look
+        assert r.gateway.engine.models == ("chat", "edge", "late")
+        await asyncio.sleep(5)
+        assert r.results == {"ok": 2, "failed": 0}  # unchanged files: no more reloads
+        task.cancel()
+
+    virtual_loop.run(body())
+
+
+def test_a_routes_entry_that_matches_no_route_is_a_warning(files: ConfigFiles) -> None:
+    assert unmatched_routes(files) == []  # "edge" is a route
+    write(files.api_keys, KEYS.replace('["edge"]', '["edge", "egde", "chat-*", "c?at"]'))
+    assert unmatched_routes(files) == [
+        f"{files.api_keys}: key 'a': routes entry {p!r} matches no route of {files.routes} "
+        "(chat, edge)"
+        for p in ("egde", "chat-*")
+    ]
+    assert check_files(files) == []  # not a problem: the key is refused what it misnames
