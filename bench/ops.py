@@ -184,7 +184,7 @@ def build_ms() -> float:
     metrics, snaps = Metrics(), Snapshots()
     for i in range(20):
         metrics.stream_started(f"route-{i}", f"key-{i}")
-        metrics.count_key_tokens(f"key-{i}", (1, 2, 3, 4))
+        metrics.count_key_tokens(f"key-{i}", (1, 2, 3, 4, 0))
     started = time.perf_counter()
     for i in range(200):
         families = [

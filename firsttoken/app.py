@@ -21,7 +21,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from firsttoken.admission import Admission
 from firsttoken.admission.admin import AdminKey
-from firsttoken.api import anthropic, native, openai, responses
+from firsttoken.api import anthropic, native, openai, responses, usage
 from firsttoken.api.gateway import Gateway, gateway, trace_id
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
@@ -79,8 +79,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     # Scrape-time gauges: Redis (up, replication backlog, fallbacks), tasks and descriptors.
     routed = routes_in(engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
+    _price(admission, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    for part in (*parts, telemetry):
+    for part in (*parts, telemetry, admission.ledger):
         if part is not None:
             # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
@@ -125,6 +126,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/streams/{stream_id}/events", native.stream_events, methods=["GET"]),
         Route("/streams/{stream_id}/cancel", native.cancel_stream, methods=["POST"]),
         Route("/streams/{stream_id}", native.cancel_stream, methods=["DELETE"]),
+        Route("/usage", usage.usage, methods=["GET"]),
         *ops.api_routes(),
     ]
     routes = [
@@ -153,6 +155,22 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     app.state.gateway = gw
     app.state.reloader = reloader
     return app
+
+
+def _price(admission: Admission, routed: RoutedEngine | LiveRoutes | None) -> None:
+    """The routes file's prices for the ledger, and who answers each request."""
+    if routed is None:
+        return
+    admission.ledger.price(routed.table, routed.routes)
+    admission.serving = routed.serving
+    unpriced = admission.ledger.unpriced(routed.table)
+    if unpriced:
+        log_event(
+            "routes.unpriced",
+            logging.WARNING,
+            targets=unpriced,
+            note="these targets have no price: their tokens cost 0",
+        )
 
 
 def _telemetry(

@@ -1,5 +1,5 @@
-"""`firsttoken serve | diag | replay | check | keys` — a thin dispatcher (the parser every
-command uses is `config.Parser`, on the ground floor).
+"""`firsttoken serve | diag | replay | check | keys | usage` — a thin dispatcher (the parser
+every command uses is `config.Parser`, on the ground floor).
 
 Exit status 2 is a usage problem (a bad flag or setting), told in one line plus a hint.
 """
@@ -14,13 +14,14 @@ from firsttoken.config import usage_error
 
 __all__ = ["main"]
 
-_USAGE = """usage: firsttoken {serve,diag,replay,check,keys} [options]
+_USAGE = """usage: firsttoken {serve,diag,replay,check,keys,usage} [options]
 
   serve    run the server (synthetic engine by default)
   diag     measure any SSE endpoint: TTFT, chunk intervals, buffering
   replay   replay a captured stream to stdout or as an SSE endpoint
   check    validate the keys, routes and canned answers files as a reload would
   keys     'keys new NAME': a fresh key and its keys-file lines; 'keys hash': a secret's digest
+  usage    what the usage ledger holds: tokens and cost by key, route, target or day
 
 'firsttoken COMMAND --help' lists a command's options; 'firsttoken --version' the version.
 """
@@ -41,6 +42,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from firsttoken.tools.diag import main as diag
 
         return diag(rest)
+    if command == "usage":
+        from firsttoken.ledger.report import main as usage
+
+        return usage(rest)
     if command == "replay":
         from firsttoken.tools.replay import main as replay
 
@@ -49,7 +54,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _check(rest)
     if command == "keys":
         return _keys(rest)
-    usage_error("firsttoken", f"unknown command {command!r} (serve, diag, replay, check or keys)")
+    usage_error(
+        "firsttoken", f"unknown command {command!r} (serve, diag, replay, check, keys or usage)"
+    )
 
 
 def _check(argv: list[str]) -> int:
@@ -57,7 +64,7 @@ def _check(argv: list[str]) -> int:
     import os
 
     from firsttoken.config import Parser
-    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes
+    from firsttoken.reload import ConfigFiles, check_files, unmatched_routes, unpriced_targets
 
     parser = Parser(
         prog="firsttoken check",
@@ -76,7 +83,8 @@ def _check(argv: list[str]) -> int:
     problems = check_files(files)
     for problem in problems:
         print(problem, file=sys.stderr)
-    for warning in unmatched_routes(files):  # not a failure: the key is refused that route
+    # Not failures: the key is refused that route; the target's tokens cost 0.
+    for warning in unmatched_routes(files) + unpriced_targets(files):
         print(f"warning: {warning}", file=sys.stderr)
     bad = {p.split(": ", 1)[0] for p in problems}
     for path in files.paths():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import math
 import os
 import re
@@ -172,6 +173,19 @@ def _redis_url(value: str) -> str | None:
     if parts.scheme == "unix" and parts.path:
         return None
     return "must be a Redis URL: redis://HOST[:PORT][/DB], rediss://… or unix:///PATH"
+
+
+def _usage_db(value: str) -> str | None:
+    if value.startswith("sqlite:///") and len(value) > len("sqlite:///"):
+        return None
+    if value.startswith(("postgresql://", "postgres://")):
+        if importlib.util.find_spec("psycopg") is None:
+            return (
+                "needs the postgres extra (FIRSTTOKEN_EXTRAS=postgres ./scripts/serve, or "
+                "pip install 'firsttoken[postgres]')"
+            )
+        return None
+    return "must be sqlite:///PATH or postgresql://USER[:PASSWORD]@HOST[:PORT]/DB"
 
 
 def _http_urls(value: str) -> str | None:
@@ -362,6 +376,12 @@ class Settings:
         "the environment variable holding the admin key (Authorization: Bearer ...), which "
         "admin endpoints take instead of an API key (default: admin endpoints answer 404)",
         check=_secret_variable,
+    )
+    usage_db: str | None = _knob(
+        None,
+        "the usage ledger: sqlite:///PATH (one instance) or postgresql://... (shared); "
+        "default: records in memory only, budgets reset on restart",
+        check=_usage_db,
     )
     metrics_need_admin: bool = _knob(
         False,

@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
-KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached")
+KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached", "cache_write")
 MAX_ROUTE_LABELS = 64
 OTHER_ROUTE = "other"
 OPEN_KEY = "open"  # the caller of a server without a keys file, in metrics and logs
@@ -241,8 +241,8 @@ class Metrics:
         )
         per_key = CounterMetricFamily(
             "firsttoken_key_tokens",
-            "Tokens billed to each API key, by kind (completion includes reasoning; cached is "
-            "the part of prompt an upstream read from its cache).",
+            "Tokens billed to each API key, by kind (completion includes reasoning; cached and "
+            "cache_write are the parts of prompt an upstream read from and wrote to its cache).",
             labels=["key", "kind"],
         )
         for (key, kind), tokens in self.key_tokens.items():
@@ -286,8 +286,8 @@ class Metrics:
         self.key_active[key] = self.key_active.get(key, 0) - 1
 
     def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
-        """An ended answer's usage (prompt, completion, reasoning, cached: `core.stream.Usage`),
-        added to its key's counters."""
+        """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
+        cache_write), added to its key's counters."""
         for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
             self.key_tokens[key, kind] = self.key_tokens.get((key, kind), 0) + tokens
 

@@ -135,6 +135,18 @@ def unmatched_routes(files: ConfigFiles) -> list[str]:
     return warnings
 
 
+def unpriced_targets(files: ConfigFiles) -> list[str]:
+    """What the routes file leaves free: each target without a `price` (its tokens cost 0),
+    or one line when no target has a price; [] when every target has one, or the file is bad."""
+    config = _problems(files)[0]
+    if config.routes is None:
+        return []
+    free = [n for n, t in config.routes.targets.items() if t.price is None]
+    if len(free) == len(config.routes.targets):
+        return [f"{files.routes}: no target has a price: every answer costs 0"]
+    return [f"{files.routes}: [targets.{n}] has no price: its tokens cost 0" for n in free]
+
+
 def _fingerprint(paths: list[str]) -> tuple[bytes | None, ...]:
     """The files' contents, as digests (None: unreadable now)."""
     prints: list[bytes | None] = []
@@ -216,6 +228,8 @@ class Reloader:
         if prepared is not None and self.routes is not None:
             old = self.routes.current
             retired = self.routes.swap(prepared)
+            # New prices from here: a request is priced when it ends, at its targets' prices.
+            self.gateway.admission.ledger.price(prepared.table, prepared.routes)
             said["routes"] = list(prepared.models)
             added = [t for t in prepared.targets if old.targets.get(t) is not prepared.targets[t]]
             if added:

@@ -89,7 +89,11 @@ class _Server(uvicorn.Server):
             signal.signal(
                 signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(reloader.request)
             )
-        log_event("listening", url=self.url)
+        usage = self.gateway.admission.ledger.store.shown if self.gateway is not None else None
+        fields: dict[str, str] = {"usage_db": usage} if usage else {}
+        if usage == "memory":  # no --usage-db
+            fields["note"] = "usage records are kept in memory only: budgets reset on restart"
+        log_event("listening", url=self.url, **fields)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         gw = self.gateway

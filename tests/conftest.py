@@ -4,6 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from tests.postgres_server import PostgresServer, postgres_server
 from tests.servers import Server, run_server
 
 
@@ -25,3 +26,11 @@ def server() -> Iterator[Server]:
         "0",
     ) as s:
         yield s
+
+
+@pytest.fixture(scope="session")
+def postgres() -> Iterator[PostgresServer]:
+    """One real PostgreSQL for the session; each test takes a database of its own
+    (`postgres.new_database()`)."""
+    with postgres_server() as pg:
+        yield pg

@@ -37,11 +37,14 @@ from firsttoken.admission.limits import (
     seconds_to_next_minute,
 )
 from firsttoken.admission.shedding import LoadShedder
+from firsttoken.admission.spend import MemorySpend, SpendHold, period_of, period_start
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Usage
 from firsttoken.engines.base import DEFAULT_ANSWER_TOKENS
+from firsttoken.ledger import Ledger
 from firsttoken.observability import OPEN_KEY, Metrics, key_label, log_event
+from firsttoken.pricing import Leg, TokenCounts, money_text
 from firsttoken.wire.errors import APIError
 
 __all__ = [
@@ -97,10 +100,34 @@ class Ticket:
         # Otherwise one key could trip the breaker or the TTFT guard for everyone.
         self.own_latency = False
         self.client_fault = False
+        # For the ledger: which request, what it may cost, and where its tokens came from.
+        self.spend_hold: SpendHold | None = None  # money held against the key's budget
+        self.request_id = ""  # "" : not a request of its own (a takeover's): no record
+        self.model = ""
+        self.trace_id = ""
+        self.arrived_at = time.time()
+        self.started = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.legs: list[Leg] = []  # the targets that answered, from which token on
 
     def first_token(self, ttft_s: float) -> None:
+        self.ttft_s = ttft_s
+        if not self.legs:
+            target = self.admission.serving(self.request_id)
+            if target is not None:
+                self.legs.append(Leg(target))
         if not self.own_latency:
             self.admission.shedder.record_ttft(ttft_s)
+
+    def seam(self, meta: Mapping[str, Any]) -> None:
+        """A splice or a hand-off took: the next leg's target, from the token it began at."""
+        seam = meta.get("failover") or meta.get("handoff")
+        if not isinstance(seam, Mapping) or not isinstance(seam.get("to"), str):
+            return
+        if not self.legs and isinstance(seam.get("from"), str):
+            self.legs.append(Leg(seam["from"]))
+        at = seam.get("at_token")
+        self.legs.append(Leg(seam["to"], at if isinstance(at, int) else 0))
 
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         if self.released:
@@ -108,6 +135,9 @@ class Ticket:
         self.released = True
         used = billed(outcome, usage)
         self.admission.metrics.count_key_tokens(key_label(self.key.name), used)
+        cost = self._account(outcome, used)
+        if self.spend_hold is not None:
+            await self.admission.settle_spend(self.spend_hold, cost)
         # A moved stream's hold is settled by the instance that takes it over, which knows
         # what the whole answer used (`Admission.settle_taken`): once, whoever wins the claim.
         if self.reservation is not None and outcome is not Outcome.MOVED:
@@ -122,6 +152,26 @@ class Ticket:
             self.admission.shedder.record_outcome(failed=failed)
         if self.lease is not None:
             await self.admission.limits.release(self.lease)
+
+    def _account(self, outcome: Outcome, used: Usage) -> int:
+        """The ledger's record of this request, and its cost in picos."""
+        if not self.request_id:
+            return 0
+        ttft = self.ttft_s
+        return self.admission.ledger.account(
+            request_id=self.request_id,
+            at=self.arrived_at,
+            key=key_label(self.key.name),  # `open` without a keys file, as in metrics
+            model=self.model,
+            legs=self.legs,
+            usage=TokenCounts(
+                used.prompt, used.completion, used.reasoning, used.cached, used.cache_write
+            ),
+            outcome=outcome.value,
+            ttft_ms=None if ttft is None else round(ttft * 1000, 3),
+            duration_ms=round((time.perf_counter() - self.started) * 1000, 3),
+            trace_id=self.trace_id,
+        )
 
 
 class Admission:
@@ -146,14 +196,71 @@ class Admission:
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
         self.shedder = LoadShedder(settings, metrics)
+        self.ledger = Ledger(settings.usage_db)
+        if settings.redis:
+            from firsttoken.admission.redis_spend import RedisSpend
+
+            self.spend: MemorySpend | RedisSpend = RedisSpend(self.limits.redis)  # type: ignore[union-attr]
+        else:
+            self.spend = MemorySpend()
+        # The target answering a request now, by request id (the routes say; None without).
+        self.serving: Callable[[str], str | None] = lambda request_id: None
         # Every key's usage series from the start, at 0 (a rate over a new series needs two).
         for name in self.keys.names() if self.keys is not None else [OPEN_KEY]:
             metrics.count_key_tokens(key_label(name), Usage())
+            self.ledger.spend.setdefault(key_label(name), 0)
 
     async def run(self, registry: StreamRegistry) -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(self.limits.run)
+            tg.start_soon(self.ledger.run)
+            tg.start_soon(self._seed_budgets)
             tg.start_soon(self.shedder.watch_memory, registry.end_oldest)
+
+    async def _seed_budgets(self) -> None:
+        """With --usage-db, what each budgeted key spent in its current period so far, from
+        the ledger: budgets hold across restarts. Retried while the database is away."""
+        if not self.settings.usage_db or self.keys is None:
+            return
+        named = (self.keys.named(name) for name in self.keys.names())
+        budgeted = [k for k in named if k is not None and k.budget is not None]
+        if not budgeted:
+            return
+        store = self.ledger.store
+        await self.ledger.ready.wait()
+        while True:
+            try:
+                for key in budgeted:
+                    assert key.budget is not None
+                    start = period_start(key.budget.per, self.spend_clock())
+                    spent = await store.spent(key.name, start)
+                    await self._seed(key.name, key.budget.per, spent)
+                return
+            except Exception as exc:  # the database away: budgets count from 0 until it is back
+                log_event("ledger.seed_failed", logging.WARNING, error=repr(exc))
+                await anyio.sleep(5)
+
+    async def _seed(self, key: str, per: str, picos: int) -> None:
+        if isinstance(self.spend, MemorySpend):
+            self.spend.seed(key, per, picos)
+        else:
+            await self.spend.seed(key, per, picos)
+
+    def spend_clock(self) -> float:
+        spend = self.spend
+        return (spend if isinstance(spend, MemorySpend) else spend.local).clock()
+
+    async def settle_spend(self, hold: SpendHold, cost: int) -> None:
+        if isinstance(self.spend, MemorySpend):
+            self.spend.settle(hold, cost)
+        else:
+            await self.spend.settle(hold, cost)
+
+    async def _hold_spend(self, key: ApiKey, picos: int) -> SpendHold | None:
+        assert key.budget is not None
+        if isinstance(self.spend, MemorySpend):
+            return self.spend.reserve(key.name, key.budget, picos)
+        return await self.spend.reserve(key.name, key.budget, picos)
 
     def authenticate(self, request: Request) -> ApiKey:
         if self.keys is None:
@@ -210,10 +317,14 @@ class Admission:
         return self.keys.named(name)
 
     async def admit(
-        self, key: ApiKey, prompt_tokens: int = 0, max_tokens: int | None = None
+        self,
+        key: ApiKey,
+        prompt_tokens: int = 0,
+        max_tokens: int | None = None,
+        model: str = "",
     ) -> Ticket:
         """Admit a request whose prompt counts `prompt_tokens` and whose answer may run to
-        `max_tokens` (None: no limit given), or raise the refusal."""
+        `max_tokens` (None: no limit given), for the route `model`, or raise the refusal."""
         refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
@@ -258,12 +369,35 @@ class Admission:
             # be 100x the budget); one that names none may run to that too.
             left = reservation.left
             admitted = left if max_tokens is None else min(max_tokens, left)
+        hold = None
+        if key.budget is not None:
+            # The worst case: the prompt and the whole answer at the route's dearest prices.
+            answer = DEFAULT_ANSWER_TOKENS if admitted is None else admitted
+            hold = await self._hold_spend(
+                key, self.ledger.worst_cost(model, prompt_tokens, answer)
+            )
+            if hold is None:
+                if reservation is not None:
+                    await self.limits.settle(reservation, 0)
+                self._rejected()
+                money = key.budget
+                _, reset = period_of(money.per, self.spend_clock())
+                period = "in total" if money.per == "total" else f"this {money.per} (UTC)"
+                raise APIError(
+                    429,
+                    "budget_exceeded",
+                    f"key {key.name!r} spent its budget of {money_text(money.amount)} "
+                    f"{self.ledger.currency} {period}",
+                    headers=_retry_after(reset),
+                )
         limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit
         )
         if verdict != OK and reservation is not None:
             await self.limits.settle(reservation, 0)  # refused: the hold goes back
+        if verdict != OK and hold is not None:
+            await self.settle_spend(hold, 0)
         if verdict == RATE:
             self._rejected()
             raise APIError(
@@ -292,6 +426,8 @@ class Admission:
                     await self.limits.release(lease)
                 if reservation is not None:
                     await self.limits.settle(reservation, 0)
+                if hold is not None:
+                    await self.settle_spend(hold, 0)
                 code, message, retry = refusal or (
                     "engine_unavailable",
                     "the breaker is probing the engine",
@@ -301,6 +437,8 @@ class Admission:
                 raise APIError(503, code, message, headers=_retry_after(retry))
         ticket = Ticket(self, key, lease, probe, reservation)
         ticket.max_tokens = admitted
+        ticket.spend_hold = hold
+        ticket.model = model
         return ticket
 
     def _rejected(self) -> None:

@@ -21,6 +21,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from firsttoken.admission.spend import Budget, parse_budget
+
 __all__ = ["ApiKey", "KeyRing", "digest_hex", "new_secret", "pattern_problem"]
 
 # `firsttoken keys new`: 32 random bytes (256 bits) as URL-safe text.
@@ -41,6 +43,7 @@ class ApiKey:
     routes: tuple[str, ...] | None = None  # names or globs of the routes it may use; None: all
     expires_at: float | None = None  # Unix time from which it is refused; None: never
     disabled: bool = False
+    budget: Budget | None = None  # money per UTC day, month or in total (spend.py)
     # The secret's SHA-256: which secret a stream was admitted with (a name may have two
     # while it is rotated; a reload that drops one ends that one's streams only).
     digest: bytes = field(default=b"", compare=False, repr=False)
@@ -102,6 +105,13 @@ def _secret(value: Any) -> str:
     if not isinstance(value, str) or not value:
         raise _Bad("must be a non-empty string")
     return value
+
+
+def _budget(value: Any) -> Budget:
+    try:
+        return parse_budget(value, "")
+    except ValueError as exc:
+        raise _Bad(str(exc).lstrip()) from None
 
 
 _HEX64 = re.compile(r"^[0-9a-fA-F]{64}$")
@@ -176,6 +186,7 @@ _FIELDS: dict[str, Callable[[Any], Any]] = {
     "routes": _routes,
     "expires_at": _when,
     "disabled": _flag,
+    "budget": _budget,
 }
 _SECRETS = ("key", "key_sha256")
 _SHAPE = '[[keys]] entries (name = "...", key = "...")'
@@ -222,7 +233,8 @@ def _parse(entry: dict[str, Any], i: int, path: str | Path) -> tuple[bytes, ApiK
         try:
             values[name] = _FIELDS[name](raw)
         except _Bad as bad:
-            raise ValueError(f"{path}: keys[{i}].{name} {bad}") from None
+            sep = "" if str(bad).startswith(".") else " "  # a field of the field: budget.per
+            raise ValueError(f"{path}: keys[{i}].{name}{sep}{bad}") from None
     given = [s for s in _SECRETS if s in values]
     if "name" not in values or len(given) != 1:
         raise ValueError(
@@ -262,6 +274,7 @@ class KeyRing:
         routes = ["chat", "edge-*"]   # optional, default: every route
         expires_at = 2026-12-31T00:00:00Z   # optional
         disabled = true               # optional, default false
+        budget = { amount = 25.00, per = "day" }   # optional: money per day, month or total
         """
         try:
             raw = tomllib.loads(Path(path).read_text(encoding="utf-8"))

@@ -287,7 +287,9 @@ def chat_messages(body: MessagesRequest) -> list[dict[str, Any]]:
     become `tool` messages (before the rest of that turn, as they answer the calls just
     made); an assistant's tool uses become its `tool_calls`; thinking is not forwarded."""
     out: list[dict[str, Any]] = []
-    if body.system:
+    if isinstance(body.system, list) and any(b.cache_control for b in body.system):
+        out.append({"role": "system", "content": [_chat_part(b) for b in body.system]})
+    elif body.system:
         out.append({"role": "system", "content": body.system_text()})
     for message in body.messages:
         out.extend(_chat_message(message))
@@ -320,7 +322,7 @@ def _chat_message(message: MessageParam) -> list[dict[str, Any]]:
         if isinstance(b, ToolResultBlock)
     ]
     parts = [_chat_part(b) for b in message.content if isinstance(b, TextBlock | ImageBlock)]
-    if len(parts) == 1 and parts[0]["type"] == "text":
+    if len(parts) == 1 and parts[0]["type"] == "text" and "cache_control" not in parts[0]:
         out.append({"role": "user", "content": parts[0]["text"]})
     elif parts or not out:
         out.append({"role": "user", "content": parts})
@@ -329,6 +331,8 @@ def _chat_message(message: MessageParam) -> list[dict[str, Any]]:
 
 def _chat_part(block: TextBlock | ImageBlock) -> dict[str, Any]:
     if isinstance(block, TextBlock):
+        if block.cache_control is not None:  # reaches an Anthropic target as it was sent
+            return {"type": "text", "text": block.text, "cache_control": block.cache_control}
         return {"type": "text", "text": block.text}
     source = block.source
     if isinstance(source, Base64Source):

@@ -33,6 +33,8 @@ class _Body(BaseModel):
 class TextBlock(_Body):
     type: Literal["text"]
     text: str
+    # A prompt-cache marker: kept on its way to an Anthropic target (priced as cache there).
+    cache_control: dict[str, Any] | None = None
 
 
 class Base64Source(_Body):

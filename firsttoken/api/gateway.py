@@ -101,8 +101,11 @@ class Gateway:
         """Admit the request once its prompt and limits are known: the key's token budget
         holds its prompt (counted here, once) plus its `max_tokens`."""
         prompt_tokens = self.engine.prompt_tokens(generation.prompt)
-        ticket = await self.admission.admit(key, prompt_tokens, generation.max_tokens)
+        ticket = await self.admission.admit(
+            key, prompt_tokens, generation.max_tokens, generation.model
+        )
         ticket.prompt_tokens = prompt_tokens
+        ticket.request_id = generation.request_id  # the ledger's record of it
         return ticket
 
     def open_stream(
@@ -159,6 +162,7 @@ class Gateway:
             )
             raise APIError(500, "internal_error", "the stream could not be set up") from None
         stream.ticket = ticket
+        ticket.trace_id = trace
         ticket.own_latency = sets_own_latency(generation.options)
         stream.coalesce = self.coalesce_policy(coalesce)
         if meta:
@@ -263,10 +267,13 @@ class Gateway:
         used = carried.prompt + carried.completion if carried is not None else 0
         await self.admission.settle_taken(spec.get("held", {}), used)
         try:
-            ticket = await self.admission.admit(key, 0, remaining)
+            ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:
             raise EngineError(exc.code, exc.message) from None
         stream.ticket = ticket
+        # The ledger's record of the part made here (the first instance recorded its own).
+        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        ticket.trace_id = mirror.trace_id
         ticket.prompt_tokens = spec["prompt_tokens"]
         ticket.own_latency = sets_own_latency(generation.options)
         if following is not None:  # what the key's budget left it, as a new request's

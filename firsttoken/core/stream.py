@@ -91,6 +91,7 @@ class Usage(NamedTuple):
     completion: int = 0  # reasoning included, as OpenAI counts it
     reasoning: int = 0
     cached: int = 0  # prompt tokens the upstream read from its cache (part of `prompt`)
+    cache_write: int = 0  # prompt tokens the upstream wrote to its cache (part of `prompt`)
 
 
 class _Named(Protocol):
@@ -104,6 +105,8 @@ class AdmissionTicket(Protocol):
     key: _Named  # the API key it was admitted for (its name goes into log lines)
 
     def first_token(self, ttft_s: float) -> None: ...
+
+    def seam(self, meta: Mapping[str, Any]) -> None: ...
 
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None: ...
 
@@ -339,6 +342,8 @@ class Stream:
         if self.outcome is not None:
             return False
         if delta.meta is not None:
+            if self.ticket is not None:  # a splice or hand-off: where the next leg begins
+                self.ticket.seam(delta.meta)
             # News about the stream (a splice), not a token: native readers see it.
             if self.kind == "native":
                 self._flush_pending()
@@ -414,6 +419,7 @@ class Stream:
                 self.reasoning_tokens,
             ),
             _count(_detail(counted, "prompt_tokens_details", "cached_tokens"), 0),
+            _count(_detail(counted, "prompt_tokens_details", "cache_write_tokens"), 0),
         )
 
     def fail(self, error: EngineError) -> None:

@@ -97,7 +97,8 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
         trimmed = _trim_prefill(turns)
     body: dict[str, Any] = {"model": model or request.model, "messages": turns}
     if system:
-        body["system"] = system[0]["text"] if len(system) == 1 else system
+        one = len(system) == 1 and "cache_control" not in system[0]
+        body["system"] = system[0]["text"] if one else system
     # What admission allowed (the smaller of the body's two limits, or its budget's cap),
     # never the body's own: a larger one there would go past what the key was charged.
     max_tokens = _first(
@@ -469,7 +470,11 @@ class MessagesReader:
             "prompt_tokens": prompt,
             "completion_tokens": out,
             "total_tokens": prompt + out,
-            "prompt_tokens_details": {"cached_tokens": cached},
+            # cache_write_tokens: the Responses API's name; priced apart (cache_write).
+            "prompt_tokens_details": {
+                "cached_tokens": cached,
+                "cache_write_tokens": u["cache_creation_input_tokens"],
+            },
         }
 
 

@@ -78,13 +78,14 @@ class OpsFeed:
         clock: Callable[[], float],
         interval_s: float = 1.0,
         draining: Callable[[], bool] = lambda: False,
+        ledger: bool = False,
     ) -> None:
         self.collect = collect
         self.draining = draining
         self.errors = errors
         self.clock = clock
         self.interval_s = interval_s
-        self.snapshots = Snapshots()
+        self.snapshots = Snapshots(ledger)
         self.subscribers: set[Subscriber] = set()
         self.last: dict[str, Any] | None = None
         self._last_frame: bytes | None = None

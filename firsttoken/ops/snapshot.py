@@ -114,7 +114,8 @@ def quantile(q: float, bounds: list[float], cumulative: Iterable[float]) -> floa
 class Snapshots:
     """Builds each second's snapshot and keeps what the windows and charts need."""
 
-    def __init__(self) -> None:
+    def __init__(self, ledger: bool = False) -> None:
+        self.ledger = ledger  # --usage-db given: the ledger is a dependency to show
         self.ticks: deque[_Tick] = deque()
         self.points: deque[dict[str, Any]] = deque(maxlen=HISTORY)
         self.ttft_bounds: list[float] = []
@@ -218,6 +219,8 @@ class Snapshots:
         for key, value in s.by("firsttoken_key_spend_total", "key").items():
             out[f"spend:{key}"] = value
         out["otel_dropped"] = s.total("firsttoken_otel_dropped_total")
+        out["ledger_queued"] = s.total("firsttoken_usage_records_queued")
+        out["ledger_dropped"] = s.total("firsttoken_usage_records_dropped_total")
         return out
 
     def _since(self, now: float, seconds: float) -> _Tick | None:
@@ -263,8 +266,9 @@ class Snapshots:
             gaps = _delta(counters, was, "inter_chunk_count")
             gap_time = _delta(counters, was, "inter_chunk_sum")
             levels.setdefault("completion", {})[label] = (
-                round(done / (done + failed), 5) if done is not None and failed is not None
-                and done + failed > 0 else None
+                round(done / (done + failed), 5)
+                if done is not None and failed is not None and done + failed > 0
+                else None
             )
             levels.setdefault("inter_chunk_mean", {})[label] = (
                 round(gap_time / gaps, 5) if gaps and gap_time is not None else None
@@ -332,7 +336,12 @@ class Snapshots:
         limit = s.by("firsttoken_key_max_streams", "key")
         budget = s.by("firsttoken_key_tokens_per_minute_limit", "key")
         spend = s.by("firsttoken_key_spend_total", "key")
-        names = set(active) | set(limit) | set(s.by("firsttoken_key_tokens_total", "key"))
+        names = (
+            set(active) | set(limit) | set(spend) | set(s.by("firsttoken_key_tokens_total", "key"))
+        )
+        # Spend once prices exist: a route with a cost, or a key that spent something.
+        costs = s.by("firsttoken_cost_per_million_tokens", "route").values()
+        priced = s.has("firsttoken_key_spend") and (any(costs) or any(spend.values()))
         out: dict[str, Any] = {}
         for name in sorted(names):
             out[name] = {
@@ -341,7 +350,7 @@ class Snapshots:
                 "tokens_per_min": self._rate(tick, f"key_tokens:{name}", MINUTE_S, 60),
                 "tokens_per_min_limit": int(budget[name]) if name in budget else None,
             }
-            if s.has("firsttoken_key_spend"):  # only once prices exist
+            if priced:
                 out[name]["spend"] = spend.get(name, 0.0)
                 out[name]["spend_per_min"] = self._rate(tick, f"spend:{name}", MINUTE_S, 60)
         return out
@@ -355,8 +364,11 @@ class Snapshots:
         if s.has("firsttoken_otel_dropped"):  # spans dropped in the last 30 s: away
             otel = "away" if self._rate(tick, "otel_dropped", 30.0) > 0 else "up"
         ledger = None
-        if s.has("firsttoken_ledger_up"):
-            ledger = "up" if s.total("firsttoken_ledger_up") > 0 else "away"
+        if self.ledger:  # away: records waiting all of the last 10 s, or dropped in the last 30
+            recent = [t for t in self.ticks if t.ts >= tick.ts - NOW_S]
+            stuck = len(recent) > 1 and all(t.counters.get("ledger_queued", 0) > 0 for t in recent)
+            dropped = self._rate(tick, "ledger_dropped", 30.0) > 0
+            ledger = "away" if stuck or dropped else "up"
         return {"redis": redis, "otel": otel, "ledger": ledger}
 
 

@@ -52,7 +52,11 @@ class OpsView:
             gw.metrics.registry.register(collector)
         shedder = gw.admission.shedder
         self.feed = OpsFeed(
-            self._collect, self._errors, time.time, draining=lambda: shedder.draining
+            self._collect,
+            self._errors,
+            time.time,
+            draining=lambda: shedder.draining,
+            ledger=bool(gw.settings.usage_db),
         )
         self.tap.listener = self.feed.heard
         tap_log_events(self.tap.heard)

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
+from firsttoken.pricing import Price, parse_money
+
 __all__ = [
     "CONTINUATIONS",
     "KINDS",
@@ -63,6 +65,7 @@ class TargetConfig:
     # kind synthetic: the engine's pace (None: the server's --synthetic-* settings)
     ttft_ms: float | None = None
     itl_ms: float | None = None
+    price: Price | None = None  # None: no price given, its tokens cost 0
 
     def api_key(self, env: Mapping[str, str]) -> str | None:
         return env.get(self.api_key_env) if self.api_key_env else None
@@ -113,6 +116,7 @@ class ShortPrompts:
 class RouteTable:
     targets: Mapping[str, TargetConfig]
     routes: Mapping[str, ModelRoute]  # in the file's order: the first is the default
+    currency: str = "USD"  # of every target's price
 
     @property
     def default(self) -> ModelRoute:
@@ -170,6 +174,7 @@ _TARGET_FIELDS: dict[str, tuple[Any, Any]] = {
     "health_check_interval_s": (_NUMBER, _non_negative),
     "ttft_ms": (_NUMBER, _non_negative),
     "itl_ms": (_NUMBER, _non_negative),
+    "price": (dict, None),
 }
 _ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
     "targets": (list, None),
@@ -209,7 +214,7 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
     def fail(where: str, message: str) -> RoutesError:
         return RoutesError(f"{source}: {where}: {message}")
 
-    unknown = set(data) - {"targets", "models"}
+    unknown = set(data) - {"targets", "models", "currency"}
     if unknown:
         raise fail(f"[{sorted(unknown)[0]}]", "unknown table (expected [targets.*], [models.*])")
     raw_targets = _table(data, "targets", source)
@@ -226,6 +231,8 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
         if not isinstance(raw, dict):
             raise fail(where, "must be a table")
         values = _fields(raw, _TARGET_FIELDS, where, fail)
+        if "price" in values:
+            values["price"] = _price(values["price"], f"{where} price", fail)
         kind = values.get("kind")
         if kind is None:
             raise fail(f"{where} kind", "is required (" + " | ".join(KINDS) + ")")
@@ -304,7 +311,30 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
                 raw_short["target"], raw_short["max_prompt_tokens"]
             )
         routes[name] = ModelRoute(name=name, **values)
-    return RouteTable(targets=targets, routes=routes)
+    return RouteTable(targets=targets, routes=routes, currency=_currency(data, fail))
+
+
+_PRICE_FIELDS = ("prompt", "completion", "cached_prompt", "cache_write", "reasoning")
+
+
+def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
+    """`price = { prompt = 0.50, completion = 1.50, ... }`, per million tokens, exact."""
+    given = {}
+    for name, value in raw.items():
+        if name not in _PRICE_FIELDS:
+            raise fail(f"{where}.{name}", "unknown price (known: " + ", ".join(_PRICE_FIELDS) + ")")
+        try:
+            given[name] = parse_money(value, "a price")
+        except ValueError as exc:
+            raise fail(f"{where}.{name}", f"{exc}, not {value!r}") from None
+    return Price.per_million(**given)
+
+
+def _currency(data: Mapping[str, Any], fail: Any) -> str:
+    currency = data.get("currency", "USD")
+    if not isinstance(currency, str) or not 1 <= len(currency) <= 16 or not currency.isalnum():
+        raise fail("currency", f"must be a currency code such as \"USD\", not {currency!r}")
+    return currency
 
 
 def _known_target(name: Any, targets: Mapping[str, Any], where: str, fail: Any) -> str:

@@ -202,6 +202,11 @@ class RoutedEngine(BaseEngine):
         target = self.targets[route.targets[0]]
         target.engine.check(request)
 
+    def serving(self, request_id: str) -> str | None:
+        """The target answering `request_id` now (its first leg, asked at its first token)."""
+        target = self._current.get(request_id)
+        return target.name if target is not None else None
+
     async def abort(self, request_id: str) -> None:
         target = self._current.pop(request_id, None)
         if target is not None:

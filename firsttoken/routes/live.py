@@ -170,6 +170,10 @@ class LiveRoutes(BaseEngine):
     async def fetch_models(self) -> tuple[str, ...] | None:
         return await self.current.fetch_models()
 
+    def serving(self, request_id: str) -> str | None:
+        # Every generation shares one map of the legs in flight (`prepare`).
+        return self.current.serving(request_id)
+
     # -- what callers read of the current routes --------------------------------------------
 
     @property

@@ -176,7 +176,7 @@ class MessagesRenderer:
         out = self._close()
         counts: dict[str, Any] = {"output_tokens": usage.get("completion_tokens", 0)}
         if isinstance(usage.get("prompt_tokens"), int):
-            counts["input_tokens"] = usage["prompt_tokens"]
+            counts.update(cache_counts(usage))
         delta = {"stop_reason": stop_reason(finish_reason), "stop_sequence": None}
         out.append(
             ("message_delta", _dumps({"type": "message_delta", "delta": delta, "usage": counts}))
@@ -289,10 +289,27 @@ def message_object(message_id: str, model: str, answer: ChatAnswer) -> dict[str,
         "stop_reason": stop_reason(answer.finish_reason),
         "stop_sequence": None,
         "usage": {
-            "input_tokens": usage.get("prompt_tokens", 0),
+            **cache_counts(usage),
             "output_tokens": usage.get("completion_tokens", 0),
         },
     }
+
+
+def cache_counts(usage: Mapping[str, Any]) -> dict[str, int]:
+    """Chat Completions' prompt count in Anthropic's terms: `input_tokens` are the prompt's
+    tokens that neither came from the prompt cache nor went into it, and the cache's reads
+    and writes are counted apart (shown when there are any)."""
+    prompt = usage.get("prompt_tokens", 0)
+    details = usage.get("prompt_tokens_details")
+    read = write = 0
+    if isinstance(details, Mapping):
+        read = details.get("cached_tokens") or 0
+        write = details.get("cache_write_tokens") or 0
+    counts = {"input_tokens": max(0, prompt - read - write)}
+    if read or write:
+        counts["cache_creation_input_tokens"] = write
+        counts["cache_read_input_tokens"] = read
+    return counts
 
 
 def _input(arguments: str) -> dict[str, Any]:

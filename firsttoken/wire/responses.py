@@ -83,10 +83,12 @@ def response_usage(usage: Mapping[str, Any]) -> dict[str, Any]:
     prompt = int(usage.get("prompt_tokens") or 0)
     completion = int(usage.get("completion_tokens") or 0)
     details = usage.get("completion_tokens_details") or {}
-    cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    prompt_details = usage.get("prompt_tokens_details") or {}
+    cached = prompt_details.get("cached_tokens") or 0
+    written = prompt_details.get("cache_write_tokens") or 0
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": cached, "cache_write_tokens": written},
         "output_tokens": completion,
         "output_tokens_details": {"reasoning_tokens": details.get("reasoning_tokens") or 0},
         "total_tokens": int(usage.get("total_tokens") or prompt + completion),

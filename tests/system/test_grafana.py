@@ -1,7 +1,7 @@
 """The Grafana dashboards (deploy/grafana/): every panel's PromQL returns data from a real
 Prometheus scraping a real gateway under load (two workers, Redis, routes with a failing, a
-queueing, a cutting and a handing-off target, two keys, an OpenTelemetry collector that is
-away), each service-level threshold is the one its alert rule uses, and the JSON decodes into
+queueing, a cutting and a handing-off target and prices, two keys, a SQLite usage ledger, an
+OpenTelemetry collector that is away), each service-level threshold is the one its alert rule uses, and the JSON decodes into
 Grafana's own dashboard models (the official Foundation SDK) without losing a field.
 
 Needs the Debian packages `prometheus` and `redis-server` (scripts/test installs them).
@@ -30,7 +30,7 @@ from tests.upstreams import free_port, scripted_upstream
 DASHBOARDS = sorted((ROOT / "deploy" / "grafana").glob("*.json"))
 # Metrics a panel may draw that a gateway exposes only once configured for them: their panels
 # may be empty while the metric is absent from /metrics, and must have data once it is there.
-NOT_YET = ("firsttoken_key_spend_total",)  # prices in the routes file
+NOT_YET: tuple[str, ...] = ()
 
 
 def panels(dashboard: dict[str, Any]) -> Iterator[dict[str, Any]]:
@@ -151,6 +151,8 @@ def routes(tmp: Path, upstream: str) -> Path:
     path = tmp / "routes.toml"
     path.write_text(
         f"""
+currency = "USD"
+
 [targets.gpu-down]
 kind = "openai"
 url = "http://127.0.0.1:{free_port()}/v1"
@@ -161,6 +163,7 @@ kind = "synthetic"
 max_concurrency = 2
 ttft_ms = 20
 itl_ms = 20
+price = {{ prompt = 0.50, completion = 1.50 }}
 
 [targets.edge]
 kind = "synthetic"
@@ -231,6 +234,8 @@ def test_every_panel_returns_data_from_a_real_prometheus(tmp_path: Path) -> None
                 str(keys(tmp_path)),
                 "--otlp-endpoint",
                 f"http://127.0.0.1:{free_port()}",  # away: spans dropped
+                "--usage-db",
+                f"sqlite:///{tmp_path / 'usage.db'}",
                 "--rate-limit-per-s",
                 "0",
                 "--breaker-error-rate",

@@ -420,3 +420,50 @@ def test_url_image_and_string_tool_result() -> None:
         ],
     }
     assert messages[2:] == [{"role": "tool", "tool_call_id": "t", "content": "ok"}]
+
+
+def test_cache_control_markers_reach_an_anthropic_target_unchanged() -> None:
+    from firsttoken.engines.anthropic_relay import messages_body
+
+    marker = {"type": "ephemeral"}
+    body = MessagesRequest.model_validate(
+        {
+            "model": "claude",
+            "max_tokens": 10,
+            "system": [{"type": "text", "text": "a long system prompt", "cache_control": marker}],
+            "messages": [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "a long document", "cache_control": marker}
+                    ],
+                }
+            ],
+        }
+    )
+    chat = chat_body(body)
+    upstream = messages_body(GenerationRequest("r", "", "claude", body=chat)).body
+    assert upstream["system"] == [
+        {"type": "text", "text": "a long system prompt", "cache_control": marker}
+    ]
+    assert upstream["messages"] == [
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "a long document", "cache_control": marker}],
+        }
+    ]
+
+
+def test_usage_shows_the_prompt_caches_reads_and_writes_apart() -> None:
+    from firsttoken.wire.anthropic import cache_counts
+
+    usage = {
+        "prompt_tokens": 3210,
+        "prompt_tokens_details": {"cached_tokens": 3000, "cache_write_tokens": 200},
+    }
+    assert cache_counts(usage) == {
+        "input_tokens": 10,
+        "cache_creation_input_tokens": 200,
+        "cache_read_input_tokens": 3000,
+    }
+    assert cache_counts({"prompt_tokens": 5}) == {"input_tokens": 5}

@@ -443,7 +443,7 @@ def test_text_stream() -> None:
         "prompt_tokens": 25,
         "completion_tokens": 15,
         "total_tokens": 40,
-        "prompt_tokens_details": {"cached_tokens": 0},
+        "prompt_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
     }
 
 
@@ -508,7 +508,7 @@ def test_cache_usage_counts_in_the_prompt() -> None:
         "prompt_tokens": 3210,
         "completion_tokens": 42,
         "total_tokens": 3252,
-        "prompt_tokens_details": {"cached_tokens": 3000},
+        "prompt_tokens_details": {"cached_tokens": 3000, "cache_write_tokens": 200},
     }
 
 

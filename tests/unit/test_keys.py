@@ -95,7 +95,7 @@ def test_a_bad_priority_or_weight_is_one_line_naming_it(
 
 KNOWN = (
     "name, key, key_sha256, max_streams, tokens_per_minute, requests_per_minute, "
-    "resume_max_bytes, priority, weight, routes, expires_at, disabled"
+    "resume_max_bytes, priority, weight, routes, expires_at, disabled, budget"
 )
 
 

@@ -63,14 +63,14 @@ def test_rates_traffic_by_route_and_keys() -> None:
     clock, snaps = FakeClock(), Snapshots()
     generated = {"n": 0}
     metrics = Metrics(tokens_generated=lambda: generated["n"])
-    metrics.count_key_tokens("alice", (0, 0, 0, 0))
+    metrics.count_key_tokens("alice", (0, 0, 0, 0, 0))
     snaps.build(families(metrics), clock())
     for _ in range(10):
         metrics.stream_started("chat", "alice")
     metrics.stream_ended("chat", "alice")
     generated["n"] += 500
     metrics.tokens_sent += 400
-    metrics.count_key_tokens("alice", (100, 200, 0, 0))
+    metrics.count_key_tokens("alice", (100, 200, 0, 0, 0))
     clock.advance(5)
     snap = snaps.build(families(metrics), clock())
     chat = snap["traffic"]["routes"]["chat"]
@@ -153,7 +153,7 @@ def test_a_snapshot_costs_little() -> None:
     metrics, snaps = Metrics(), Snapshots()
     for i in range(20):
         metrics.stream_started(f"route-{i}", f"key-{i}")
-        metrics.count_key_tokens(f"key-{i}", (1, 2, 3, 4))
+        metrics.count_key_tokens(f"key-{i}", (1, 2, 3, 4, 0))
     for i in range(1000):
         metrics.ttft.observe(i / 1000)
     fams = families(metrics)
@@ -162,3 +162,36 @@ def test_a_snapshot_costs_little() -> None:
         snaps.build(fams, 1000.0 + i)
     per_build = (time.perf_counter() - started) / 100
     assert per_build < 0.01  # 1 % of a core at one a second; ~1 ms measured
+
+
+def test_spend_hidden_while_nothing_has_a_price() -> None:
+    """The ledger counts every key's spend from the start, at 0, and every route's cost per
+    million tokens, 0 without prices: no price, no column."""
+    spend = "firsttoken_key_spend_total"
+    cost = "firsttoken_cost_per_million_tokens"
+
+    def families(route_cost: float) -> list[Any]:
+        return [
+            ["firsttoken_key_spend", "counter", "", [[spend, {"key": "a"}, 0.0]]],
+            [cost, "gauge", "", [[cost, {"route": "r"}, route_cost]]],
+        ]
+
+    assert "spend" not in Snapshots().build(families(0.0), 1000.0)["keys"]["a"]
+    assert Snapshots().build(families(1.0), 1000.0)["keys"]["a"]["spend"] == 0.0
+
+
+def test_the_ledger_is_away_while_its_records_wait() -> None:
+    def queued(n: float) -> list[Any]:
+        name = "firsttoken_usage_records_queued"
+        return [[name, "gauge", "", [[name, {}, n]]]]
+
+    clock, snaps = FakeClock(), Snapshots(ledger=True)
+    assert Snapshots().build(queued(0), clock())["deps"]["ledger"] is None  # no --usage-db
+    for n in (0, 5, 0):  # a batch waits a moment, then goes: up
+        state = snaps.build(queued(n), clock())["deps"]["ledger"]
+        clock.advance(1)
+    assert state == "up"
+    for _ in range(12):  # records waiting for ten seconds and more: away
+        state = snaps.build(queued(40), clock())["deps"]["ledger"]
+        clock.advance(1)
+    assert state == "away"

@@ -33,6 +33,9 @@ class _Ticket:
     def first_token(self, ttft_s: float) -> None:
         pass
 
+    def seam(self, meta: object) -> None:
+        pass
+
     async def release(self, outcome: Outcome, tokens: int = 0, **_: object) -> None:
         self.releases.append(outcome)
         self.released.set()

@@ -15,7 +15,14 @@ import pytest
 
 from firsttoken.app import create_app
 from firsttoken.config import Settings
-from firsttoken.reload import WATCH_S, ConfigFiles, Reloader, check_files, unmatched_routes
+from firsttoken.reload import (
+    WATCH_S,
+    ConfigFiles,
+    Reloader,
+    check_files,
+    unmatched_routes,
+    unpriced_targets,
+)
 from firsttoken.routes.live import LiveRoutes
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
@@ -188,3 +195,20 @@ def test_a_routes_entry_that_matches_no_route_is_a_warning(files: ConfigFiles) -
         for p in ("egde", "chat-*")
     ]
     assert check_files(files) == []  # not a problem: the key is refused what it misnames
+
+
+def test_a_target_without_a_price_is_said_to_cost_nothing(files: ConfigFiles) -> None:
+    assert unpriced_targets(files) == [
+        f"{files.routes}: no target has a price: every answer costs 0"
+    ]
+    priced = ROUTES.replace(
+        'kind = "synthetic"\n', 'kind = "synthetic"\nprice = { prompt = 0.5, completion = 1.5 }\n'
+    )
+    write(files.routes, priced + '\n[targets.free]\nkind = "synthetic"\n')
+    assert unpriced_targets(files) == [
+        f"{files.routes}: [targets.free] has no price: its tokens cost 0"
+    ]
+    write(files.routes, priced)
+    assert unpriced_targets(files) == []
+    write(files.routes, "not toml [")
+    assert unpriced_targets(files) == []  # a bad file is check_files' to say

@@ -316,3 +316,36 @@ def test_a_mistake_after_a_hand_off_still_names_the_file() -> None:
         },
     }
     assert refused(data).startswith("routes.toml: [models.other] targets: no target named")
+def test_a_price_is_read_exactly_with_its_defaults_and_one_currency() -> None:
+    from firsttoken.pricing import Price
+
+    price = {"prompt": 0.50, "completion": "1.50", "cache_write": 0.625}
+    data = {**table({**GOOD_TARGET, "price": price}), "currency": "EUR"}
+    read = parse_routes(data)
+    assert read.currency == "EUR"
+    assert read.targets["a"].price == Price(
+        prompt=500_000,
+        completion=1_500_000,
+        cached_prompt=500_000,
+        cache_write=625_000,
+        reasoning=1_500_000,
+    )
+    assert parse_routes(table()).currency == "USD"
+    assert parse_routes(table()).targets["a"].price is None
+
+
+@pytest.mark.parametrize(
+    ("price", "says"),
+    [
+        ({"prompt": -1}, "[targets.a] price.prompt: a price must be a number >= 0"),
+        ({"input": 1}, "[targets.a] price.input: unknown price"),
+        ({"prompt": 0.0000001}, "more than 6 decimal places"),
+        ({"prompt": True}, "a price must be a number"),
+    ],
+)
+def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> None:
+    assert says in refused(table({**GOOD_TARGET, "price": price}))
+
+
+def test_a_bad_currency_is_refused() -> None:
+    assert "currency: must be a currency code" in refused({**table(), "currency": ""})

@@ -95,6 +95,9 @@ class _Ticket:
     def first_token(self, ttft_s: float) -> None:
         pass
 
+    def seam(self, meta: object) -> None:
+        pass
+
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         pass
 

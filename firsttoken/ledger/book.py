@@ -1,0 +1,168 @@
+"""The ledger as the gateway holds it: prices, what each request cost, the counters, and the
+records on their way to the store.
+
+`worst_cost` is what admission reserves against a money budget; `account` prices an ended
+request (`pricing.answer_cost`), counts it (`firsttoken_key_spend_total`,
+`firsttoken_cost_per_million_tokens`) and queues its record. The spend counter and the record
+come from the same integer, so the ledger's total and the counter agree to the last pico.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator, Mapping, Sequence
+from decimal import Decimal
+
+import anyio
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from firsttoken.ledger.record import UsageRecord
+from firsttoken.ledger.stores import Store, open_store
+from firsttoken.ledger.writer import LedgerWriter
+from firsttoken.observability import log_event
+from firsttoken.pricing import FREE, PICOS, Leg, Price, TokenCounts, answer_cost
+from firsttoken.routes.config import ModelRoute, RouteTable
+
+__all__ = ["Ledger"]
+
+
+class Ledger:
+    def __init__(self, url: str | None = None, max_records: int = 100_000) -> None:
+        self.url = url
+        self.store: Store = open_store(url)
+        self.writer = LedgerWriter(self.store, max_records=max_records)
+        self.currency = "USD"
+        self.prices: dict[str, Price] = {}
+        self._routes: Mapping[str, ModelRoute] = {}
+        self._default: ModelRoute | None = None
+        self._worst: dict[str, tuple[int, int]] = {}  # route -> picos per prompt, answer token
+        self.spend: dict[str, int] = {}  # key -> picos, since start
+        self.route_cost: dict[str, int] = {}  # route -> picos
+        self.route_tokens: dict[str, int] = {}  # route -> prompt + completion tokens
+        self.ready = asyncio.Event()  # the store is open (its schema migrated)
+
+    def price(self, table: RouteTable, routes: Mapping[str, ModelRoute] | None = None) -> None:
+        """Take the routes file's prices; `routes`: the engine's model names (aliases too)."""
+        self.currency = table.currency
+        self.prices = {name: t.price for name, t in table.targets.items() if t.price is not None}
+        self._routes = routes if routes is not None else table.routes
+        self._default = table.default
+        for name, route in table.routes.items():
+            names = list(route.targets)
+            if route.handoff is not None:
+                names.append(route.handoff.source)
+            if route.short_prompts is not None:
+                names.append(route.short_prompts.target)
+            prices = [self.prices.get(n, FREE) for n in names]
+            self._worst[name] = (
+                max(p.most_per_prompt_token() for p in prices),
+                max(p.most_per_answer_token() for p in prices),
+            )
+            self.route_cost.setdefault(name, 0)
+            self.route_tokens.setdefault(name, 0)
+
+    @property
+    def priced(self) -> bool:
+        return bool(self.prices)
+
+    def unpriced(self, table: RouteTable) -> list[str]:
+        """The targets without a price (their tokens cost 0), when any target has one."""
+        return [n for n, t in table.targets.items() if t.price is None] if self.prices else []
+
+    def route_of(self, model: str) -> str:
+        route = self._routes.get(model) or self._default
+        return route.name if route is not None else model
+
+    def worst_cost(self, model: str, prompt_tokens: int, answer_tokens: int) -> int:
+        """In picos: the prompt and the whole answer at the route's dearest prices."""
+        prompt, answer = self._worst.get(self.route_of(model), (0, 0))
+        return prompt_tokens * prompt + answer_tokens * answer
+
+    def account(
+        self,
+        *,
+        request_id: str,
+        at: float,
+        key: str,
+        model: str,
+        legs: Sequence[Leg],
+        usage: TokenCounts,
+        outcome: str,
+        ttft_ms: float | None,
+        duration_ms: float,
+        trace_id: str,
+    ) -> int:
+        """Price an ended request, count it, queue its record; its cost in picos."""
+        route = self.route_of(model)
+        costs = answer_cost(legs, usage, self.prices)
+        record = UsageRecord(
+            request_id=request_id,
+            at=at,
+            key=key,
+            route=route,
+            currency=self.currency,
+            outcome=outcome,
+            ttft_ms=ttft_ms,
+            duration_ms=duration_ms,
+            trace_id=trace_id,
+            legs=tuple(costs),
+        )
+        cost = record.cost
+        self.spend[key] = self.spend.get(key, 0) + cost
+        self.route_cost[route] = self.route_cost.get(route, 0) + cost
+        self.route_tokens[route] = self.route_tokens.get(route, 0) + usage.prompt + usage.completion
+        self.writer.submit(record)
+        return cost
+
+    async def run(self) -> None:
+        """Open the store (create or migrate its schema), then write what is queued until
+        cancelled. A database away at start is tried again; records queue meanwhile."""
+        delay = 0.1
+        while True:
+            try:
+                await self.store.open()
+                break
+            except Exception as exc:  # away, or refusing us: said once, tried again
+                if delay == 0.1:
+                    log_event(
+                        "ledger.open_failed", logging.ERROR, store=self.store.shown, error=repr(exc)
+                    )
+                await anyio.sleep(delay)
+                delay = min(2.0, delay * 2)
+        self.ready.set()
+        await self.writer.run()
+
+    def collect(self) -> Iterator[Metric]:
+        spend = CounterMetricFamily(
+            "firsttoken_key_spend",
+            f"What each API key spent since the start, in the routes file's currency "
+            f"({self.currency}), priced per target.",
+            labels=["key"],
+        )
+        for key, picos in self.spend.items():
+            spend.add_metric([key], float(Decimal(picos) / PICOS))
+        yield spend
+        per_million = GaugeMetricFamily(
+            "firsttoken_cost_per_million_tokens",
+            "What a million tokens (prompt and answer) cost on each route since the start.",
+            labels=["route"],
+        )
+        for route, picos in self.route_cost.items():
+            tokens = self.route_tokens.get(route, 0)
+            per_million.add_metric(
+                [route], float(Decimal(picos) * 10**6 / PICOS / tokens) if tokens else 0.0
+            )
+        yield per_million
+        dropped = CounterMetricFamily(
+            "firsttoken_usage_records_dropped",
+            "Ledger records dropped: the queue to the usage database was full.",
+        )
+        dropped.add_metric([], self.writer.dropped)
+        yield dropped
+        queued = GaugeMetricFamily(
+            "firsttoken_usage_records_queued",
+            "Ledger records waiting to be written to the usage database.",
+        )
+        queued.add_metric([], len(self.writer.queue))
+        yield queued

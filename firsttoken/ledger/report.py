@@ -1,0 +1,162 @@
+"""Reading the ledger: totals grouped by key, route, target or day, as JSON, CSV or a table.
+
+The JSON form (`firsttoken usage --format json`, `GET /v1/usage`):
+
+    {"currency": "USD", "by": "key", "since": 1764633600.0,
+     "rows": [{"key": "alice", "requests": 3, "cost": "0.000123", "prompt_tokens": N,
+               "completion_tokens": N, "reasoning_tokens": N, "cached_tokens": N,
+               "cache_write_tokens": N}],
+     "total": {"requests": 3, "cost": "0.000123", "prompt_tokens": N, ...}}
+
+Costs are decimal strings (exact); `--by target` counts each leg at its own target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import re
+import sys
+import time
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from typing import Any
+
+import anyio
+
+from firsttoken.ledger.record import TOKEN_COLUMNS
+from firsttoken.ledger.schema import GROUPS
+from firsttoken.ledger.stores import Store, open_store
+from firsttoken.pricing import money_text
+
+__all__ = ["main", "parse_since", "usage_report"]
+
+_SPAN = re.compile(r"^(\d+(?:\.\d+)?)([smhd])$")
+_UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_COUNTS = ("requests", *TOKEN_COLUMNS)
+
+
+def parse_since(value: str | None, now: float | None = None) -> float | None:
+    """`24h`, `7d`, `30m`, `90s` (that long ago), a date `2026-12-01` or an ISO time (UTC
+    unless it says otherwise), or `all`/None (no bound): Unix seconds; ValueError if none."""
+    if value is None or value == "all":
+        return None
+    now = time.time() if now is None else now
+    span = _SPAN.match(value.strip())
+    if span:
+        return now - float(span.group(1)) * _UNIT_S[span.group(2)]
+    try:
+        when = datetime.fromisoformat(value.strip())
+    except ValueError:
+        raise ValueError(
+            f"--since {value!r}: give a span (24h, 7d, 30m), a date or an ISO time, or 'all'"
+        ) from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=UTC)
+    return when.timestamp()
+
+
+async def usage_report(
+    store: Store, by: str, since: float | None, currency: str = "USD"
+) -> dict[str, Any]:
+    rows = await store.summary(by, since)
+    out_rows: list[dict[str, Any]] = []
+    total = dict.fromkeys(_COUNTS, 0)
+    total_cost = 0
+    for group, *values in rows:
+        counts = dict(zip(_COUNTS, (int(v) for v in values[:-1]), strict=True))
+        cost = int(values[-1])
+        out_rows.append({by: group, "cost": money_text(cost), **counts})
+        for name, n in counts.items():
+            total[name] += n
+        total_cost += cost
+    if by == "target":  # a request of two legs is one request, not two
+        total["requests"] = sum(int(r[1]) for r in await store.summary("route", since))
+    return {
+        "currency": currency,
+        "by": by,
+        "since": since,
+        "rows": out_rows,
+        "total": {"cost": money_text(total_cost), **total},
+    }
+
+
+def render(report: dict[str, Any], fmt: str) -> str:
+    by = report["by"]
+    columns = [by, "requests", "cost", *TOKEN_COLUMNS]
+    rows = [*report["rows"], {by: "total", **report["total"]}]
+    if fmt == "json":
+        import orjson
+
+        return orjson.dumps(report, option=orjson.OPT_INDENT_2).decode() + "\n"
+    if fmt == "csv":
+        buffer = io.StringIO()
+        writer = csv.writer(buffer, lineterminator="\n")
+        writer.writerow([*columns, "currency"])
+        for row in report["rows"]:
+            writer.writerow([*(row[c] for c in columns), report["currency"]])
+        return buffer.getvalue()
+    shown = [[str(r[c]) for c in columns] for r in rows]
+    header = [c if c != "cost" else f"cost ({report['currency']})" for c in columns]
+    widths = [max(len(h), *(len(r[i]) for r in shown)) for i, h in enumerate(header)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    for r in shown:
+        cells = [r[0].ljust(widths[0])] + [
+            v.rjust(w) for v, w in zip(r[1:], widths[1:], strict=True)
+        ]
+        lines.append("  ".join(cells))
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="firsttoken usage", description="What the ledger holds: usage and cost, grouped."
+    )
+    parser.add_argument("--usage-db", required=True, help="sqlite:///PATH or postgresql://...")
+    parser.add_argument("--by", choices=GROUPS, default="key")
+    parser.add_argument("--since", default="all", help="24h, 7d, a date, an ISO time or all")
+    parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
+    parser.add_argument(
+        "--currency", default="USD", help="shown for an empty ledger (else the records' own)"
+    )
+    args = parser.parse_args(list(argv))
+    url = args.usage_db
+    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
+        print(
+            f"firsttoken usage: --usage-db {url!r}: must be sqlite:///PATH or postgresql://...",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        since = parse_since(args.since)
+    except ValueError as exc:
+        print(f"firsttoken usage: {exc}", file=sys.stderr)
+        return 2
+    if url.startswith("sqlite:///") and not _exists(url[len("sqlite:///") :]):
+        print(f"firsttoken usage: --usage-db {url}: no such file", file=sys.stderr)
+        return 1
+
+    async def read() -> dict[str, Any]:
+        store = open_store(url)
+        try:
+            await store.open()
+            currency = await store.currency() or args.currency  # the records' own
+            return await usage_report(store, args.by, since, currency)
+        finally:
+            await store.close()
+
+    try:
+        report = anyio.run(read)
+    except Exception as exc:  # the database away or not a ledger: one line, no traceback
+        said = " ".join(str(exc).split()) or type(exc).__name__  # one line
+        print(f"firsttoken usage: {open_store(url).shown}: {said}", file=sys.stderr)
+        return 1
+    sys.stdout.write(render(report, args.format))
+    return 0
+
+
+def _exists(path: str) -> bool:
+    import os
+
+    return os.path.isfile(path)

@@ -1,0 +1,93 @@
+"""The ledger as the gateway holds it: the worst case a budget reserves, what an ended
+request costs and counts, and the targets said to cost nothing."""
+
+from __future__ import annotations
+
+from firsttoken.ledger.book import Ledger
+from firsttoken.pricing import Leg, TokenCounts
+from firsttoken.routes.config import parse_routes
+
+ROUTES = {
+    "currency": "EUR",
+    "targets": {
+        "edge": {"kind": "synthetic", "price": {"prompt": 0.1, "completion": 0.2}},
+        "center": {
+            "kind": "synthetic",
+            "price": {"prompt": 0.5, "completion": 1.5, "cache_write": 0.625, "reasoning": 3},
+        },
+        "free": {"kind": "synthetic"},
+    },
+    "models": {
+        "chat": {"targets": ["center"], "handoff": {"from": "edge", "after_tokens": 5}},
+        "cheap": {"targets": ["edge", "free"]},
+    },
+}
+
+
+def ledger() -> Ledger:
+    book = Ledger()
+    book.price(parse_routes(ROUTES))
+    return book
+
+
+def test_the_worst_case_is_the_routes_dearest_prices() -> None:
+    book = ledger()
+    # prompt at the dearest prompt-side price (cache_write 0.625), answer at reasoning's 3
+    assert book.worst_cost("chat", 100, 1000) == 100 * 625_000 + 1000 * 3_000_000
+    assert book.worst_cost("cheap", 100, 1000) == 100 * 100_000 + 1000 * 200_000
+    assert book.worst_cost("unknown", 1, 1) == book.worst_cost("chat", 1, 1)  # the default
+
+
+def test_an_ended_request_is_priced_counted_and_queued() -> None:
+    book = ledger()
+    cost = book.account(
+        request_id="r1",
+        at=0.0,
+        key="alice",
+        model="chat",
+        legs=[Leg("edge"), Leg("center", 5)],
+        usage=TokenCounts(prompt=10, completion=15),
+        outcome="completed",
+        ttft_ms=3.0,
+        duration_ms=9.0,
+        trace_id="t",
+    )
+    assert cost == 10 * 100_000 + 5 * 200_000 + 10 * 1_500_000
+    assert book.spend == {"alice": cost}
+    assert book.route_cost["chat"] == cost and book.route_tokens["chat"] == 25
+    (record,) = book.writer.queue
+    assert record.currency == "EUR" and [leg.target for leg in record.legs] == ["edge", "center"]
+
+
+def test_the_targets_without_a_price_are_named() -> None:
+    book = ledger()
+    assert book.unpriced(parse_routes(ROUTES)) == ["free"]
+    unpriced = {"targets": {"a": {"kind": "synthetic"}}, "models": {"m": {"targets": ["a"]}}}
+    nothing = Ledger()
+    nothing.price(parse_routes(unpriced))
+    assert nothing.unpriced(parse_routes(unpriced)) == []  # no prices at all: nothing to say
+
+
+def test_metrics_say_spend_and_cost_per_million() -> None:
+    book = ledger()
+    book.account(
+        request_id="r1",
+        at=0.0,
+        key="open",
+        model="cheap",
+        legs=[Leg("edge")],
+        usage=TokenCounts(prompt=500_000, completion=500_000),
+        outcome="completed",
+        ttft_ms=None,
+        duration_ms=1.0,
+        trace_id="",
+    )
+    families = {f.name: f for f in book.collect()}
+    assert families["firsttoken_key_spend"].samples[0].labels == {"key": "open"}
+    assert families["firsttoken_key_spend"].samples[0].value == 0.15
+    cheap = [
+        s
+        for s in families["firsttoken_cost_per_million_tokens"].samples
+        if s.labels["route"] == "cheap"
+    ]
+    assert cheap[0].value == 0.15

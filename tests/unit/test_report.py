@@ -1,0 +1,88 @@
+"""Reading the ledger: --since spans and dates, the JSON shape, the table and CSV."""
+
+from __future__ import annotations
+
+import csv
+import io
+
+import orjson
+import pytest
+
+from firsttoken.ledger.report import main, parse_since, render, usage_report
+from firsttoken.ledger.stores import MemoryStore
+from tests.unit.test_stores import DAY, RECORDS
+
+
+def test_since_takes_spans_dates_and_all() -> None:
+    assert parse_since("24h", now=DAY) == DAY - 86400
+    assert parse_since("30m", now=DAY) == DAY - 1800
+    assert parse_since("7d", now=DAY) == DAY - 7 * 86400
+    assert parse_since("2026-12-02") == DAY
+    assert parse_since("2026-12-02T01:00:00+01:00") == DAY
+    assert parse_since("all") is None
+    with pytest.raises(ValueError, match="--since 'yesterday'"):
+        parse_since("yesterday")
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@pytest.mark.anyio
+async def test_the_json_shape_has_costs_as_exact_decimal_strings() -> None:
+    store = MemoryStore()
+    await store.write(RECORDS)
+    report = await usage_report(store, "key", None, "EUR")
+    assert report["currency"] == "EUR"
+    assert report["rows"][0] == {
+        "key": "alice",
+        "cost": "1.000000000011",
+        "requests": 2,
+        "prompt_tokens": 14,
+        "completion_tokens": 40,
+        "reasoning_tokens": 0,
+        "cached_tokens": 0,
+        "cache_write_tokens": 0,
+    }
+    assert report["total"]["cost"] == "1.000000000016"
+    assert report["total"]["requests"] == 3
+    by_target = await usage_report(store, "target", None)
+    assert by_target["total"]["requests"] == 3  # a two-leg request is one request
+    assert orjson.loads(render(report, "json")) == report
+
+
+@pytest.mark.anyio
+async def test_table_and_csv_list_every_group() -> None:
+    store = MemoryStore()
+    await store.write(RECORDS)
+    report = await usage_report(store, "target", None)
+    table = render(report, "table")
+    assert table.splitlines()[0].split()[:3] == ["target", "requests", "cost"]
+    assert [line.split()[0] for line in table.splitlines()[1:]] == ["center", "edge", "total"]
+    rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert [(r["target"], r["cost"], r["currency"]) for r in rows] == [
+        ("center", "1.000000000009", "USD"),
+        ("edge", "0.000000000007", "USD"),
+    ]
+
+
+def test_the_command_refuses_a_bad_url_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--usage-db", "mysql://x"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "must be sqlite:///PATH" in err
+
+
+def test_the_command_says_a_missing_file_is_missing(
+    capsys: pytest.CaptureFixture[str], tmp_path: object
+) -> None:
+    assert main(["--usage-db", f"sqlite:///{tmp_path}/none.db"]) == 1
+    assert "no such file" in capsys.readouterr().err
+
+
+def test_a_database_that_is_away_is_one_line_without_the_password(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["--usage-db", "postgresql://u:secret@127.0.0.1:1/x"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "secret" not in err and "u:***@127.0.0.1:1" in err

@@ -1,0 +1,120 @@
+"""Money budgets on a fake clock: calendar periods in UTC, holds, settling, and how far
+requests racing for the last cents can go over."""
+
+from __future__ import annotations
+
+import calendar
+
+import pytest
+
+from firsttoken.admission.spend import (
+    Budget,
+    MemorySpend,
+    parse_budget,
+    period_of,
+    period_start,
+)
+from tests.unit.clock import FakeClock
+
+CENT = 10**10  # picos
+DAY_START = float(calendar.timegm((2026, 12, 2, 0, 0, 0)))
+
+
+def spend(at: float = DAY_START + 3600) -> tuple[MemorySpend, FakeClock]:
+    clock = FakeClock(at)
+    return MemorySpend(clock), clock
+
+
+def test_periods_are_calendar_periods_in_utc() -> None:
+    noon = DAY_START + 12 * 3600
+    assert period_of("day", noon) == ("2026-12-02", 12 * 3600)
+    name, left = period_of("month", noon)
+    assert name == "2026-12"
+    assert left == 30 * 86400 - 12 * 3600  # to 2027-01-01 00:00
+    assert period_of("total", noon)[0] == "total"
+    assert period_start("day", noon) == DAY_START
+    assert period_start("month", noon) == calendar.timegm((2026, 12, 1, 0, 0, 0))
+    assert period_start("total", noon) == 0
+
+
+def test_february_ends_on_its_own_last_day() -> None:
+    feb = float(calendar.timegm((2027, 2, 28, 23, 0, 0)))
+    assert period_of("month", feb) == ("2027-02", 3600)
+
+
+def test_a_hold_counts_until_settled_to_what_was_delivered() -> None:
+    s, _ = spend()
+    budget = Budget(100 * CENT, "day")
+    hold = s.reserve("alice", budget, 30 * CENT)
+    assert hold is not None
+    assert s.spent("alice", "day") == 30 * CENT
+    s.settle(hold, 7 * CENT)
+    assert s.spent("alice", "day") == 7 * CENT
+    assert s.spent("bob", "day") == 0
+
+
+def test_racing_requests_go_over_by_at_most_one_reservation() -> None:
+    s, _ = spend()
+    budget = Budget(100 * CENT, "day")
+    s.add("alice", "day", 99 * CENT)  # 1 cent left
+    holds = [s.reserve("alice", budget, 5 * CENT) for _ in range(50)]
+    admitted = [h for h in holds if h is not None]
+    assert len(admitted) == 1
+    assert s.spent("alice", "day") - budget.amount == 4 * CENT  # < one reservation
+
+
+def test_a_new_day_starts_from_nothing() -> None:
+    s, clock = spend()
+    budget = Budget(10 * CENT, "day")
+    assert s.reserve("alice", budget, 10 * CENT) is not None
+    assert s.reserve("alice", budget, CENT) is None
+    clock.advance(23 * 3600)  # past midnight UTC
+    assert s.spent("alice", "day") == 0
+    assert s.reserve("alice", budget, CENT) is not None
+
+
+def test_a_hold_settled_after_its_period_adds_only_what_went_over() -> None:
+    s, clock = spend(DAY_START + 86400 - 10)
+    budget = Budget(100 * CENT, "day")
+    under = s.reserve("alice", budget, 10 * CENT)
+    over = s.reserve("alice", budget, 10 * CENT)
+    assert under is not None and over is not None
+    clock.advance(20)  # the next day
+    s.settle(under, 4 * CENT)  # cost less than held: frees nothing in a day gone
+    assert s.spent("alice", "day") == 0
+    s.settle(over, 13 * CENT)  # cost more: the excess counts today
+    assert s.spent("alice", "day") == 3 * CENT
+
+
+def test_a_total_budget_never_resets() -> None:
+    s, clock = spend()
+    budget = Budget(5 * CENT, "total")
+    assert s.reserve("alice", budget, 5 * CENT) is not None
+    clock.advance(400 * 86400)
+    assert s.reserve("alice", budget, CENT) is None
+
+
+def test_the_ledger_seeds_the_current_period() -> None:
+    s, _ = spend()
+    s.seed("alice", "month", 42)
+    assert s.spent("alice", "month") == 42
+
+
+def test_a_budget_reads_exactly_from_the_keys_file() -> None:
+    assert parse_budget({"amount": 25.0, "per": "month"}, "b") == Budget(25 * 10**12, "month")
+    assert parse_budget({"amount": "0.01"}, "b") == Budget(CENT, "day")
+
+
+@pytest.mark.parametrize(
+    ("raw", "says"),
+    [
+        (5, "must be an inline table"),
+        ({"per": "day"}, "amount is required"),
+        ({"amount": 1, "per": "week"}, "must be one of day, month, total"),
+        ({"amount": 1, "every": "day"}, "unknown field"),
+        ({"amount": -1}, ">= 0"),
+    ],
+)
+def test_a_bad_budget_is_refused_saying_why(raw: object, says: str) -> None:
+    with pytest.raises(ValueError, match=says):
+        parse_budget(raw, "keys[0].budget")
