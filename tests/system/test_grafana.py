@@ -1,8 +1,9 @@
 """The Grafana dashboards (deploy/grafana/): every panel's PromQL returns data from a real
 Prometheus scraping a real gateway under load (two workers, Redis, routes with a failing, a
 queueing, a cutting and a handing-off target and prices, two keys, a SQLite usage ledger, an
-OpenTelemetry collector that is away), each service-level threshold is the one its alert rule uses, and the JSON decodes into
-Grafana's own dashboard models (the official Foundation SDK) without losing a field.
+OpenTelemetry collector that is away), each service-level threshold is the one its alert rule
+uses, and the JSON decodes into Grafana's own dashboard models (the official Foundation SDK)
+without losing a field.
 
 Needs the Debian packages `prometheus` and `redis-server` (scripts/test installs them).
 """

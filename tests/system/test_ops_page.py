@@ -9,6 +9,7 @@ Screenshots land in test-artifacts/ (docs/ops-page.png is one of them).
 from __future__ import annotations
 
 import json
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -401,3 +402,29 @@ def _fresh_snapshot(server: Server) -> dict[str, Any]:
                 if seen == 2:
                     return dict(json.loads(line[6:]))
     raise AssertionError("no snapshot")
+
+
+def test_a_reload_is_told_and_the_new_keys_shown(tmp_path: Path) -> None:
+    keys = keys_file(tmp_path)
+    args = ("--api-keys", str(keys), "--admin-key-env", "OPS_TEST_ADMIN")
+    with run_server(*args, env=ADMIN_ENV) as server:
+        assert set(_fresh_snapshot(server)["keys"]) == {"alice", "bob"}
+        keys.write_text(keys.read_text() + '[[keys]]\nname = "carol"\nkey = "sk-carol"\n')
+        seen: list[tuple[str, Any]] = []
+        with httpx.stream(
+            "GET", server.url + "/v1/admin/events", headers=BEARER, timeout=10
+        ) as resp:
+            event, sent = "", False
+            for line in resp.iter_lines():
+                if line.startswith("event: "):
+                    event = line[7:]
+                elif line.startswith("data: "):
+                    seen.append((event, json.loads(line[6:])))
+                    if event == "snapshot" and not sent:
+                        server.proc.send_signal(signal.SIGHUP)  # reload, now that we listen
+                        sent = True
+                    if event == "snapshot" and "carol" in seen[-1][1]["keys"]:
+                        break
+        changes = [data for event, data in seen if event == "change"]
+        assert {"kind": "reload", "result": "ok"}.items() <= changes[-1].items()
+        assert seen[-1][1]["keys"]["carol"]["max_streams"] == 5  # the server's default
