@@ -81,6 +81,10 @@ class Gateway:
     metrics: Metrics
     admission: Admission
     admin: AdminKey = field(default_factory=lambda: AdminKey(None))
+    # The engine's models by name, built once per model list (not two scans a request).
+    _served: tuple[tuple[str, ...], dict[str, str]] | None = field(
+        default=None, init=False, repr=False
+    )
 
     async def accept(self, request: Request, kind: type[B]) -> tuple[B, str, ApiKey]:
         """Authenticate, read and validate the body, resolve the model."""
@@ -338,17 +342,20 @@ class Gateway:
         """The served model `requested` names (None: the first `key` may use), or 404
         `model_not_found`: also for a route the key may not use, which it is not told
         exists (OpenAI's answer for a model you cannot see)."""
-        served = self.engine.models
-        if requested is not None and requested in served:
-            if key is None or key.may_use(requested):  # the usual case: one match, no list
-                # The engine's own string, shared: the body's copy would stay with every stream.
-                return served[served.index(requested)]
-        models = self.models_for(key)
-        if requested is None and models:
-            return models[0]
-        shown = ", ".join(models[:20]) or "none to this key"
-        if len(models) > 20:
-            shown += f" and {len(models) - 20} more"
+        models = self.engine.models
+        served = self._served
+        if served is None or served[0] is not models:  # a reload swapped the routes
+            served = self._served = (models, {m: m for m in models})
+        # The engine's own string, shared: the body's copy would stay with every stream.
+        found = served[1].get(requested) if requested is not None else None
+        if found is not None and (key is None or key.may_use(found)):
+            return found
+        allowed = self.models_for(key)
+        if requested is None and allowed:
+            return allowed[0]
+        shown = ", ".join(allowed[:20]) or "none to this key"
+        if len(allowed) > 20:
+            shown += f" and {len(allowed) - 20} more"
         raise APIError(
             404,
             "model_not_found",

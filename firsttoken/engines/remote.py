@@ -24,7 +24,9 @@ from firsttoken.engines.upstream import (
 from firsttoken.engines.upstream_errors import generic
 from firsttoken.observability import log_event
 
-__all__ = ["RemoteEngine", "upstream_base"]
+__all__ = ["WARM_CONNECTIONS", "RemoteEngine", "upstream_base"]
+
+WARM_CONNECTIONS = 1  # kept open to each upstream ahead of its next request
 
 
 def upstream_base(url: str) -> str:
@@ -78,6 +80,8 @@ class RemoteEngine(BaseEngine):
                 "accept": "text/event-stream",
             },
         )
+        # A connection open ahead of each request: the first one's too.
+        self._pool.warm(self.base, WARM_CONNECTIONS)
         await self.fetch_models()
 
     async def fetch_models(self) -> tuple[str, ...] | None:

@@ -22,6 +22,12 @@ client does the least a streaming POST needs, and no more:
 A reused connection that the upstream closed before answering (an idle-timeout race: the
 upstream closed as the request went out) is retried once on a fresh connection; nothing was
 answered, so nothing is sent twice to the client.
+
+A warm origin (`warm(url, spare)`) keeps `spare` connections open ahead of the requests: one
+opened at start, and another in the background each time a request takes one or the upstream
+closes an idle one (its keep-alive timeout; at most once a second per origin), so a request
+rarely waits for a connect (a loopback connect is a round trip and a socket's set-up; a
+remote one, a TLS handshake too).
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ MAX_HEAD_BYTES = 64 * 1024  # status line + headers of one response
 HIGH_WATER = 256 * 1024  # body bytes buffered before the transport stops reading
 MAX_IDLE_PER_ORIGIN = 256
 MAX_ERROR_BODY = 64 * 1024  # what is read of an error answer
+REFILL_MIN_S = 1.0  # an idle connection the upstream closed is replaced at most this often
 
 
 class UpstreamError(Exception):
@@ -250,6 +257,7 @@ class _Connection(asyncio.Protocol):
         self._headers: list[tuple[bytes, bytes]] = []
         self._last = 0.0
         self._timer: asyncio.TimerHandle | None = None
+        self.idle = False  # in the pool's idle list
 
     # -- asyncio.Protocol ------------------------------------------------------------------
 
@@ -454,6 +462,17 @@ class UpstreamPool:
         self._busy: set[_Connection] = set()
         self._targets: dict[str, tuple[Origin, bytes, bytes]] = {}
         self._closed = False
+        self._spare: dict[Origin, int] = {}  # warm origins: connections kept open ahead
+        self._opening: dict[Origin, int] = {}  # background connects in flight, per origin
+        self._refilled_at: dict[Origin, float] = {}  # the last refill after an idle close
+        self._refills: set[asyncio.Task[None]] = set()
+
+    def warm(self, url: str, spare: int = 1) -> None:
+        """Keep `spare` connections to `url`'s origin open ahead of the requests (call from
+        the event loop); the first are opened now, in the background."""
+        origin = self._target(url)[0]
+        self._spare[origin] = spare
+        self._refill(origin)
 
     async def request(
         self,
@@ -489,6 +508,8 @@ class UpstreamPool:
         for attempt in range(2):
             conn = self._idle_connection(origin)
             reused = conn is not None
+            if origin in self._spare:
+                self._refill(origin)  # the next request's, opened while this one runs
             if conn is None:
                 conn = await self._connect(origin)
             self._busy.add(conn)
@@ -508,6 +529,9 @@ class UpstreamPool:
 
     async def aclose(self) -> None:
         self._closed = True
+        for task in self._refills:
+            task.cancel()
+        self._refills.clear()
         conns = [c for idle in self._idle.values() for c in idle] + list(self._busy)
         self._idle.clear()
         self._busy.clear()
@@ -540,9 +564,30 @@ class UpstreamPool:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()
+            conn.idle = False
             if not conn.closed:
                 return conn
         return None
+
+    def _refill(self, origin: Origin) -> None:
+        """Open connections in the background until the origin has its spare ones."""
+        if self._closed:
+            return
+        have = len(self._idle.get(origin, ())) + self._opening.get(origin, 0)
+        for _ in range(self._spare[origin] - have):
+            self._opening[origin] = self._opening.get(origin, 0) + 1
+            task = asyncio.get_running_loop().create_task(self._open_spare(origin))
+            self._refills.add(task)
+            task.add_done_callback(self._refills.discard)
+
+    async def _open_spare(self, origin: Origin) -> None:
+        try:
+            conn = await self._connect(origin)
+        except UpstreamError:
+            return  # down: the next request connects (and fails) on its own
+        finally:
+            self._opening[origin] -= 1
+        self._release(conn)
 
     async def _connect(self, origin: Origin) -> _Connection:
         scheme, host, port = origin
@@ -582,13 +627,25 @@ class UpstreamPool:
         if self._closed or len(idle) >= self.max_idle:
             conn.close()
         else:
+            conn.idle = True
             idle.append(conn)
 
     def _forget(self, conn: _Connection) -> None:
         self._busy.discard(conn)
+        if not conn.idle:
+            return
+        conn.idle = False
         idle = self._idle.get(conn.origin)
         if idle and conn in idle:
             idle.remove(conn)
+        origin = conn.origin
+        if origin in self._spare and not self._closed:
+            # The upstream closed an idle one (its keep-alive timeout): open its successor,
+            # but not in a loop with an upstream that closes each at once.
+            now = conn.loop.time()
+            if now - self._refilled_at.get(origin, -REFILL_MIN_S) >= REFILL_MIN_S:
+                self._refilled_at[origin] = now
+                self._refill(origin)
 
 
 def _header_lines(headers: Mapping[str, str]) -> bytes:

@@ -171,6 +171,50 @@ return out
 _HEAD = struct.Struct("<10I")
 _META_COMMANDS = 4  # per stream (`_meta_commands`)
 
+# New streams' metas, one call for every stream opened in a turn of the loop (four commands a
+# stream before: Redis parsed and ran 4N, the client packed 4N and read 4N replies). KEYS:
+# each stream's meta. ARGV[1]: the owner (this instance); ARGV[2]: per stream, nine
+# little-endian uint32s (the TTL; the fence; takeover 0/1; the byte lengths of kind, digest,
+# trace, model, the stored request and the outcome, 0 for none), then those six fields'
+# bytes. The owner and fence are set only where missing, as `_meta_commands` does. Returns
+# the streams whose write failed, as (position, error) pairs.
+_WRITE_METAS = """
+local blob = ARGV[2]
+local pos = 1
+local i = 0
+local out = {}
+local function take(n)
+  local s = string.sub(blob, pos, pos + n - 1)
+  pos = pos + n
+  return s
+end
+local function failed(r)
+  if type(r) == 'table' and r.err then return r.err end
+end
+while pos <= #blob do
+  i = i + 1
+  local meta = KEYS[i]
+  local ttl, fence, takeover, kl, dl, tl, ml, rl, ol
+  ttl, fence, takeover, kl, dl, tl, ml, rl, ol, pos =
+    struct.unpack('<I4I4I4I4I4I4I4I4I4', blob, pos)
+  local kind, digest, trace, model = take(kl), take(dl), take(tl), take(ml)
+  local req, outcome = take(rl), take(ol)
+  local err = failed(redis.pcall('HSET', meta, 'kind', kind, 'digest', digest, 'trace', trace,
+                                 'model', model, 'takeover', takeover))
+  if not err and rl > 0 then err = failed(redis.pcall('HSET', meta, 'req', req)) end
+  if not err and ol > 0 then err = failed(redis.pcall('HSET', meta, 'outcome', outcome)) end
+  err = err or failed(redis.pcall('HSETNX', meta, 'owner', ARGV[1]))
+    or failed(redis.pcall('HSETNX', meta, 'fence', fence))
+    or failed(redis.pcall('EXPIRE', meta, ttl))
+  if err then
+    table.insert(out, i)
+    table.insert(out, err)
+  end
+end
+return out
+"""
+_META_HEAD = struct.Struct("<9I")
+
 FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as one run
 FENCED = "fenced"
 
@@ -329,6 +373,7 @@ class RedisStore:
         self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
         self._wake = anyio.Event()
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
+        self._write_meta_script = self.redis.register_script(_WRITE_METAS)
         self._claim = self.redis.register_script(_CLAIM)
         self._script_missing = True  # loaded before the first flush, and after a restart
         self._metas: _MetaBatch | None = None  # streams opened since the last meta write
@@ -411,6 +456,8 @@ class RedisStore:
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
         await self.redis.ping()  # fail at start, not at the first stream
+        if not self.cluster:
+            await self.redis.script_load(_WRITE_METAS)  # the first burst's call finds it
         self._run_id = await self._server_run_id()
         await self._heartbeat_once()
         self._liveness.start()
@@ -536,10 +583,13 @@ class RedisStore:
             batch, self._metas = self._metas, None
             if batch is None:
                 continue
-            commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
             try:
                 with anyio.fail_after(_OP_TIMEOUT_S):
-                    replies = await self._send(commands)
+                    if self.cluster:  # a script's keys must share a slot: commands there
+                        commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
+                        replies = await self._send(commands)
+                    else:
+                        replies = await self._meta_call(batch.reps)
             except REDIS_DOWN as exc:
                 batch.error = exc
             else:  # an error reply (e.g. OOM) fails the batch as an outage would
@@ -549,6 +599,53 @@ class RedisStore:
                         rep.written_meta()
             finally:
                 batch.done.set()
+
+    async def _meta_call(self, reps: list[_Replica]) -> list[Any]:
+        """New streams' metas in one Lua call (`_WRITE_METAS`), packed here; the script is
+        loaded when Redis does not have it (first use, or after a restart). Returns the
+        call's errors as exceptions (none when all went in)."""
+        blob: list[bytes] = []
+        for rep in reps:
+            r = rep.record
+            fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model)]
+            fields.append(r.handover or b"")
+            fields.append(rep.end[0].encode() if rep.end is not None else b"")
+            blob.append(
+                _META_HEAD.pack(
+                    int(rep.ttl_s + _LIVE_EXTRA_S),
+                    rep.fence,
+                    0 if r.handover is None else 1,
+                    *(len(f) for f in fields),
+                )
+            )
+            blob += fields
+        packed = b"".join(blob)
+        sha = self._write_meta_script.sha
+        head = b"*%d\r\n$7\r\nEVALSHA\r\n%b%b" % (
+            len(reps) + 5,
+            resp_arg(sha.encode()),
+            resp_arg(b"%d" % len(reps)),
+        )
+        command = b"".join(
+            (
+                head,
+                *(rep.meta_arg for rep in reps),
+                resp_arg(self.instance.encode()),
+                resp_arg(packed),
+            )
+        )
+        single = cast(Redis, self.redis)  # never a cluster here (`_write_metas`)
+        for attempt in range(2):
+            (reply,) = await roundtrip(single, [command], 1)
+            if isinstance(reply, NoScriptError) and not attempt:
+                await single.script_load(_WRITE_METAS)
+                continue
+            if isinstance(reply, BaseException):
+                return [reply]
+            return [
+                ResponseError(f"stream {reply[i]}: {reply[i + 1]}") for i in range(0, len(reply), 2)
+            ]
+        raise AssertionError("unreachable")
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
         rep = self._replicas.get(stream_id)

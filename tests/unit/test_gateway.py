@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import retry_headers
 from firsttoken.app import create_app
 from firsttoken.config import Settings
@@ -88,3 +89,19 @@ def test_a_503_or_429_says_when_to_retry_and_nothing_else_does() -> None:
     assert retry_headers(EngineError("upstream_429", "x", status=429)) == {"retry-after": "1"}
     assert retry_headers(EngineError("upstream_rejected", "x", status=400)) == {}
     assert retry_headers(EngineError("internal_error", "x")) == {}
+
+
+def test_a_model_is_found_by_name_as_the_engines_own_string_and_follows_a_new_list() -> None:
+    gw = create_app(Settings()).state.gateway
+    asked = "".join(["synth", "etic"])  # equal, not the same object
+    found = gw.model(asked)
+    assert found == "synthetic" and found is gw.engine.models[0] and found is not asked
+    assert gw.model(None) is gw.engine.models[0]
+    gw.engine.models = ("a", "b")  # a reload swaps the engine's list
+    assert gw.model("b") == "b"
+    try:
+        gw.model("synthetic")
+    except APIError as exc:
+        assert exc.status == 404 and exc.code == "model_not_found"
+    else:
+        raise AssertionError("a model no longer served was found")

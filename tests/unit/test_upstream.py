@@ -474,6 +474,74 @@ def test_a_connection_closed_while_idle_is_not_used(run: Callable[[Awaitable[Non
     run(body())
 
 
+async def until(ok: Callable[[], bool]) -> None:
+    for _ in range(200):
+        if ok():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("not within 2 s")
+
+
+def test_a_warm_origin_has_a_connection_open_before_its_first_request(
+    run: Callable[[Awaitable[None]], None],
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        while await up.read_request(r):
+            w.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await w.drain()
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            client.warm(up.url + "/v1", 1)
+            await until(lambda: up.connections == 1)
+            assert not up.requests  # open, nothing asked yet
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"ok"
+            # The request took the warm one; its successor is opened meanwhile.
+            await until(lambda: up.connections == 2)
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert await body_of(resp) == b"ok"
+            await asyncio.sleep(0.05)
+            assert up.connections == 2  # one spare kept: the used one came back idle
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_warm_connection_the_upstream_closes_idle_is_replaced_once(
+    run: Callable[[Awaitable[None]], None],
+) -> None:
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        if up.connections <= 3:
+            return  # closed at once, idle: as an upstream's keep-alive timeout does
+        await up.wait_client_eof(r)
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            client.warm(up.url, 1)
+            await asyncio.sleep(0.3)
+            # The first close is followed by one successor; that one's close, within
+            # REFILL_MIN_S, is not: no connect loop with an upstream that closes at once.
+            assert up.connections == 2
+            await client.aclose()
+
+    run(body())
+
+
+def test_a_warm_origin_that_is_down_costs_no_error(run: Callable[[Awaitable[None]], None]) -> None:
+    async def body() -> None:
+        client = pool(connect_timeout=0.5)
+        client.warm("http://127.0.0.1:9/v1", 1)  # the discard port: refused
+        await asyncio.sleep(0.05)
+        with pytest.raises(ConnectError):
+            await client.request("POST", "http://127.0.0.1:9/v1/x", b"{}")
+        await client.aclose()
+
+    run(body())
+
+
 def test_a_header_with_a_line_break_is_refused(run: Callable[[Awaitable[None]], None]) -> None:
     async def body() -> None:
         client = pool()
