@@ -48,6 +48,8 @@ class SyntheticKnobs(_Body):
     reasoning_tokens: Annotated[int, Field(ge=0, le=MAX_KNOB_TOKENS)] | None = None
     tool_call: SyntheticToolCall | None = None
     style: Literal["prose", "markdown", "hostile"] | None = None
+    continue_any: bool | None = None  # continue any text, not only its own answer's start
+    prefix_cache: bool | None = None  # a continuation of a conversation prefilled is fast
 
 
 class CoalesceOptions(_Body):

@@ -83,6 +83,14 @@ class SyntheticOptions:
     reasoning_tokens: int | None = None  # tokens of reasoning before the answer
     tool_call: Mapping[str, Any] | None = None  # {"name", "arguments"}: the answer is a call
     style: str | None = None  # "prose" | "markdown" | "hostile" (None: the server's)
+    # A continuation of a text that is not its answer's start: the rest of its answer after
+    # as many tokens as the text holds (counted as prompts are), instead of a 400. Lets a
+    # synthetic center take over from another model.
+    continue_any: bool | None = None
+    # A prefix cache: a request for a conversation whose prefill (any request with its
+    # prompt) began here in the last PREFIX_CACHE_S waits for that prefill to be done, then
+    # one ITL, instead of the whole TTFT (the TTFT standing for the prompt's prefill).
+    prefix_cache: bool | None = None
 
     @classmethod
     def from_mapping(cls, raw: Mapping[str, Any] | None) -> SyntheticOptions:
@@ -97,6 +105,8 @@ class SyntheticOptions:
             reasoning_tokens=raw.get("reasoning_tokens"),
             tool_call=raw.get("tool_call"),
             style=raw.get("style"),
+            continue_any=raw.get("continue_any"),
+            prefix_cache=raw.get("prefix_cache"),
         )
 
 
@@ -213,7 +223,14 @@ class Plan:
         else:
             if not isinstance(prefix, str):
                 raise _bad_continuation("the final assistant message must be text")
-            k = _prefix_tokens(answer, prefix)
+            try:
+                k = _prefix_tokens(answer, prefix)
+            except EngineError:
+                if not opts.continue_any or answer is None:
+                    raise
+                # Another model's text: the rest of this answer after as many tokens.
+                own = list(_text(answer, count_words(prefix)))
+                prefix, k = "".join(own), len(own)  # what this answer holds there: skipped
             body_limit = None if limit is None else k + limit
             plan.prompt_tokens = count_words(request.prompt) + k
         if answer is not None:
@@ -555,6 +572,8 @@ class Faults:
         return Failure(own, opts.error_code or "engine_error", client_fault=True)
 
 
+PREFIX_CACHE_S = 60.0  # how long a prefilled conversation stays cached (prefix_cache)
+PREFIX_CACHE_ENTRIES = 10_000
 _FAR_S = 0.1  # deadlines further than this wait in a bucket of their _FAR_S slot
 
 
@@ -588,6 +607,8 @@ class SyntheticEngine(BaseEngine):
         self._far: dict[int, list[_Run]] = {}  # long waits, by _FAR_S slot
         self._running: dict[str, _Run] = {}
         self._loop: asyncio.AbstractEventLoop | None = None  # the loop of the last open()
+        # prefix_cache: (prompt, seed) -> when its prefill is (or was) done, oldest first
+        self._prefixes: dict[tuple[str, int], float] = {}
 
     async def start(self) -> None:
         return None
@@ -622,6 +643,8 @@ class SyntheticEngine(BaseEngine):
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         loop = self._loop
+        if opts.prefix_cache:
+            ttft = self._prefill(request, ttft, itl, loop.time())
         failure = self.faults.draw(opts)
         run = _Run(self, request.request_id, plan, itl, failure, sink, loop.time() + ttft)
         self._running[run.request_id] = run
@@ -633,6 +656,27 @@ class SyntheticEngine(BaseEngine):
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return pull(self, request)
+
+    def _prefill(self, request: GenerationRequest, ttft: float, itl: float, now: float) -> float:
+        """The time to a first token with the prefix cache (`prefix_cache`): the TTFT stands
+        for the prompt's prefill, so a request for a conversation whose prefill began in the
+        last PREFIX_CACHE_S (a continuation of it, or the same prompt again) waits for that
+        prefill to be done, then one ITL (its few new tokens); any other request is a
+        prefill, whose end the cache notes."""
+        key = (request.prompt, request.seed or 0)
+        cache = self._prefixes
+        ready = cache.get(key)
+        if ready is not None and now - ready > PREFIX_CACHE_S:
+            del cache[key]
+            ready = None
+        if ready is not None:
+            return max(0.0, ready - now) + itl
+        if ready is None or now + ttft < ready:
+            cache.pop(key, None)
+            cache[key] = now + ttft
+            if len(cache) > PREFIX_CACHE_ENTRIES:
+                del cache[next(iter(cache))]  # the oldest
+        return ttft
 
     def _at(self, run: _Run) -> None:
         """Queue `run` for its next step, at `run.due`."""

@@ -101,6 +101,12 @@ class Handoff:
     after_tokens: int
     at: str = "tokens"  # "tokens": right after N; "sentence": at the first sentence end after N
     fallback: bool = True  # the center cannot take it: the `from` target finishes the answer
+    # The center asked for the conversation at the start (one token, thrown away): its prefix
+    # cache warmed, and its answer says when it is ready (routes/seam.py).
+    prefill: bool = True
+    # The edge's text leaves at most one token every pace_ms until the center's text comes;
+    # what it holds back covers the center's delay at the seam (0: off).
+    pace_ms: float = 50.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,6 +195,8 @@ _HANDOFF_FIELDS: dict[str, tuple[Any, Any]] = {
     "after_tokens": (int, _at_least_1),
     "at": (str, _one_of("tokens", "sentence")),
     "fallback": (bool, None),
+    "prefill": (bool, None),
+    "pace_ms": (_NUMBER, _non_negative),
 }
 _SHORT_FIELDS: dict[str, tuple[Any, Any]] = {
     "target": (str, None),
@@ -299,6 +307,8 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
                 after_tokens=raw_handoff["after_tokens"],
                 at=raw_handoff.get("at", "tokens"),
                 fallback=raw_handoff.get("fallback", True),
+                prefill=raw_handoff.get("prefill", True),
+                pace_ms=raw_handoff.get("pace_ms", 50.0),
             )
         if "short_prompts" in values:
             raw_short = _fields(

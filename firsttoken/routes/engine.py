@@ -34,8 +34,9 @@ from firsttoken.engines.base import (
     GenerationRequest,
 )
 from firsttoken.observability import log_event
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, TargetConfig
 from firsttoken.routes.deadline import Deadline
+from firsttoken.routes.seam import Pacer, Seam, prefill_request
 from firsttoken.routes.splice import Transcript, continuation, spliced_usage
 from firsttoken.routes.target import Target
 
@@ -43,6 +44,7 @@ __all__ = [
     "KNOWN_FIELDS",
     "MAX_CHARS_PER_TOKEN",
     "PHASES",
+    "Course",
     "LegWatch",
     "RouteObserver",
     "RoutedEngine",
@@ -84,6 +86,75 @@ class RouteObserver(Protocol):
     def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
+class Course:
+    """One answer's way through its route: what was sent, which targets were tried, and
+    where the answer stands between legs (a failover, a splice, a hand-off under way)."""
+
+    __slots__ = (
+        "asked_at",
+        "cut",
+        "edge",
+        "failed",
+        "fell_back",
+        "handed",
+        "handing",
+        "handoffs",
+        "last",
+        "leg_began_at",
+        "leg_request",
+        "order",
+        "owner",
+        "pacer",
+        "prefill",
+        "request",
+        "route",
+        "seam",
+        "session",
+        "splices",
+        "splicing",
+        "started",
+        "target",
+        "transcript",
+        "tried",
+    )
+
+    def __init__(
+        self, route: ModelRoute, request: GenerationRequest, order: tuple[str, ...]
+    ) -> None:
+        self.route = route
+        self.request = request
+        self.order = order  # the route's targets, in the order they are tried
+        self.session: bytes | None = None  # balance = "session": the conversation's key
+        self.owner: str | None = None  # whose failure a failure is (a key's, or the target's)
+        self.transcript = Transcript()
+        self.tried: set[str] = set()
+        self.leg_request = request  # what the current leg asks (a continuation once spliced)
+        self.splices = 0
+        self.handoffs = 0
+        self.cut: EngineError | None = None  # what broke the answer off, once it had begun
+        self.last: EngineError | None = None  # the last refusal before any token
+        self.failed: tuple[Target, str] | None = None  # the leg that failed, and its phase
+        self.edge: Target | None = None  # the hand-off's first target, until its leg starts
+        self.handing: Target | None = None  # set while the answer goes from the edge on
+        self.fell_back = False  # the edge was asked to finish what the center could not take
+        self.seam: Seam | None = None  # a hand-off's timing
+        self.pacer: Pacer | None = None  # a hand-off's pace: the edge's text held back
+        self.prefill: asyncio.Task[None] | None = None  # the center's prefill, under way
+        self.asked_at: float | None = None  # when the center was asked to take over
+        # this turn's
+        self.splicing = False  # text was sent before this leg: it continues the answer
+        self.target: Target  # set by begin_leg
+        self.started = False  # the leg gave a delta
+        self.leg_began_at: float | None = None  # when it did
+        self.handed = False  # the leg was the edge's, and its part is done
+
+    def begin_leg(self, target: Target) -> None:
+        self.target = target
+        self.started = False
+        self.leg_began_at = None
+        self.handed = False
+
+
 class RoutedEngine(BaseEngine):
     """`--routes FILE` (or the `--upstream` shorthand): model names → ordered targets."""
 
@@ -100,6 +171,7 @@ class RoutedEngine(BaseEngine):
         self._current: dict[str, Target] = {}
         self._turn = 0
         self._checks: dict[str, asyncio.Task[None]] = {}  # active health, by target
+        self._prefills: set[asyncio.Task[None]] = set()  # running on past their answers
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -170,9 +242,9 @@ class RoutedEngine(BaseEngine):
             raise RuntimeError(f"target {target.name!r}: {exc}") from exc
 
     async def close(self) -> None:
-        for task in self._checks.values():
+        for task in (*self._checks.values(), *self._prefills):
             task.cancel()
-        for task in self._checks.values():
+        for task in self._checks:
             with suppress(asyncio.CancelledError):
                 await task
         self._checks.clear()
@@ -213,6 +285,66 @@ class RoutedEngine(BaseEngine):
             await target.engine.abort(request_id)
 
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        course = self._course(request)
+        complete = False
+        try:
+            async with aclosing(self._answer(course)) as answer:
+                if course.pacer is None:
+                    async for delta in answer:
+                        yield delta
+                else:
+                    # Closed first: its read of `answer` ends before `answer` is closed.
+                    async with aclosing(_paced(course.pacer, answer)) as paced:
+                        async for delta in paced:
+                            yield delta
+            complete = True
+        finally:
+            self._end_prefill(course, complete)
+
+    def _end_prefill(self, course: Course, complete: bool) -> None:
+        """A prefill still under way when the answer is complete runs to its answer (the
+        center's time to be ready is learned from it); otherwise it is cancelled."""
+        task = course.prefill
+        if task is None or task.done():
+            return
+        if not complete:
+            task.cancel()  # its leg closes as the task ends
+            return
+        self._prefills.add(task)
+        task.add_done_callback(self._prefills.discard)
+
+    async def _answer(self, course: Course) -> AsyncGenerator[Delta, None]:
+        """The answer over as many legs as it takes: each turn asks the next target (the
+        hand-off's edge first, where one applies) and streams its deltas; a leg that breaks
+        off is reported, and the next turn fails over or splices."""
+        while True:
+            course.splicing = course.transcript.tokens > 0
+            leg_request = self._next_request(course)
+            if leg_request is None:  # cut exactly at max_tokens: it is complete
+                yield Delta("", "length")
+                return
+            target, limit = self._next_target(course)
+            course.begin_leg(target)
+            try:
+                # Closed here, not by the collector: a client that leaves frees the leg now.
+                async with aclosing(self._run_leg(course, target, leg_request, limit)) as leg:
+                    async for delta in leg:
+                        yield delta
+            except EngineError as exc:
+                self._leg_failed(course, exc)
+                continue
+            except BaseException:
+                if not course.started:  # the client left (or a bug): a half-open probe goes back
+                    course.target.health.release()
+                raise
+            if not course.handed:
+                return
+            course.handing = course.target
+            self._handing_over(course)
+
+    def _course(self, request: GenerationRequest) -> Course:
+        """The plan for one answer: its route, the order of its targets, and the edge that
+        starts it when the route hands off."""
         route = self.routes.get(request.model) or self.table.default
         short = self._short(route, request)
         order = (
@@ -223,156 +355,282 @@ class RoutedEngine(BaseEngine):
             if short and route.short_prompts is not None
             else route.targets
         )
-        session = _session_key(request) if route.balance == "session" else None
+        course = Course(route, request, order)
+        course.session = _session_key(request) if route.balance == "session" else None
         # Whose a failure is: the key's, when its request hands the upstream fields the
         # gateway does not read (TargetHealth counts those per key first); else the target's.
-        owner = request.tenant if _passes_through(request) else None
-        transcript = Transcript()
-        tried: set[str] = set()
-        splices = 0
-        handoffs = 0
-        cut: EngineError | None = None  # what broke the answer off, once it had begun
-        last: EngineError | None = None
-        failed: tuple[Target, str] | None = None  # the leg that failed, and in which phase
-        leg_request = request
-        handoff = route.handoff
+        course.owner = request.tenant if _passes_through(request) else None
         # The hand-off's first target, when it applies: not for a short prompt, which the
         # small target answers whole.
-        edge = None if short else self._edge(route, request)
-        handing: Target | None = None  # set while the answer goes from `edge` to the center
-        fell_back = False  # the edge was asked to finish what the center could not take
-        target: Target | None
-        while True:
-            splicing = transcript.tokens > 0
-            if splicing:
-                why = transcript.why_not()
-                if why is None and handing is None and splices >= route.max_splices:
-                    why = f"the route allows {route.max_splices} splice(s)"
-                if why is not None:
-                    self._said(
-                        "route.no_splice",
-                        logging.WARNING,
-                        stream=request.request_id,
-                        route=route.name,
-                        reason=why,
+        course.edge = None if short else self._edge(route, request)
+        if course.edge is not None and route.handoff is not None:
+            self._plan_seam(course, route.handoff)
+        return course
+
+    def _plan_seam(self, course: Course, handoff: Handoff) -> None:
+        """The hand-off's timing: the center that will likely take over is asked for the
+        prefill now, and the edge's text is paced (routes/seam.py)."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        center = self._likely_center(course)
+        seam = Seam(handoff.after_tokens, sentence=handoff.at == "sentence", prefill=False)
+        if center is not None:
+            # Without a prefill a continuation costs the center's usual first-token time.
+            seam.warm_s = center.first_token_s
+            if handoff.prefill:
+                seam.prefill = True
+                seam.warm_s = center.handoff_s
+                if center.prefill_s is not None:
+                    seam.expect_ready_at = now + center.prefill_s
+                course.prefill = loop.create_task(self._prefill(course, center, seam))
+        course.seam = seam
+        if handoff.pace_ms > 0:
+            course.pacer = Pacer(handoff.pace_ms / 1000)
+
+    def _likely_center(self, course: Course) -> Target | None:
+        """The target a hand-off would go to now, as `_pick` would rank them (without
+        taking it: the continuation takes its own turn)."""
+        now = asyncio.get_running_loop().time()
+        names = list(course.order)
+        if course.session is not None:
+            names.sort(key=lambda n: _rendezvous(course.session or b"", n), reverse=True)
+        for name in names:
+            target = self.targets[name]
+            if target.continues and target.has_room() and target.health.available(now):
+                return target
+        return None
+
+    async def _prefill(self, course: Course, center: Target, seam: Seam) -> None:
+        """Ask `center` for the conversation alone, one token, thrown away: its prefix cache
+        warms while the edge writes, and its answer says the center is ready."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        request = course.request
+        if center.config.continuation == "completions":
+            # The gateway renders this center's chat itself: the prefill is rendered the same
+            # way (the continuation of nothing), or its cache would hold another prompt.
+            request = continuation(request, Transcript()) or request
+        request = prefill_request(request)
+        try:
+            async with aclosing(self._leg(center, request, course.route)) as deltas:
+                async for _ in deltas:
+                    break
+        except EngineError as exc:
+            self._said(
+                "route.prefill_failed",
+                logging.WARNING,
+                stream=course.request.request_id,
+                route=course.route.name,
+                target=center.name,
+                code=exc.code,
+                error=exc.message[:200],
+            )
+            return
+        now = loop.time()
+        seam.ready(now)
+        center.prefilled(now - began)
+
+    def _next_request(self, course: Course) -> GenerationRequest | None:
+        """What the next leg is asked: the request itself, or once text was sent, its
+        continuation (None: nothing is left of max_tokens). Raises the cut when the answer
+        may not be continued."""
+        transcript, route, request = course.transcript, course.route, course.request
+        if not course.splicing:
+            return course.leg_request
+        why = transcript.why_not()
+        if why is None and course.handing is None and course.splices >= route.max_splices:
+            why = f"the route allows {route.max_splices} splice(s)"
+        if why is not None:
+            self._said(
+                "route.no_splice",
+                logging.WARNING,
+                stream=request.request_id,
+                route=route.name,
+                reason=why,
+            )
+            assert course.cut is not None
+            raise course.cut
+        next_request = continuation(request, transcript)
+        if next_request is not None:
+            course.leg_request = next_request
+        return next_request
+
+    def _next_target(self, course: Course) -> tuple[Target, int | None]:
+        """The next leg's target, and the tokens after which it hands off (None: it does
+        not); raises when no target is left."""
+        route, handoff, handing = course.route, course.route.handoff, course.handing
+        if course.edge is not None:
+            target, course.edge = course.edge, None
+            assert handoff is not None
+            return target, handoff.after_tokens
+        picked = self._pick(
+            route, course.order, course.tried, course.splicing, course.session, course.owner
+        )
+        if picked is None and handing is not None and handoff is not None:
+            # The center cannot take it: the edge finishes the answer, where allowed.
+            if handoff.fallback and handing.continues and not course.fell_back:
+                course.fell_back = True
+                return handing, None
+            raise EngineError(
+                "upstream_unavailable",
+                f"no target of the route {route.name!r} could take the hand-off",
+                retryable=True,
+                status=503,
+            )
+        if picked is None and course.cut is not None and course.handoffs and handoff is not None:
+            # The center broke off after it took over, and no other can continue: the edge
+            # finishes the answer, where allowed (a splice onto it).
+            edge = self.targets[handoff.source]
+            if handoff.fallback and edge.continues and not course.fell_back:
+                course.fell_back = True
+                return edge, None
+        if picked is None:
+            if course.cut is not None:
+                raise course.cut
+            if course.last is not None:
+                raise _for_client(course.last)
+            raise self._unavailable(route)
+        return picked, None
+
+    async def _run_leg(
+        self,
+        course: Course,
+        target: Target,
+        leg_request: GenerationRequest,
+        limit: int | None,
+    ) -> AsyncGenerator[Delta, None]:
+        """One leg's deltas, the seam's meta event first; sets `course.handed` when the
+        edge's part is done (its leg closed). A failure is raised with `course.target` the
+        target that failed (the last of a hedged pair)."""
+        route, request, transcript = course.route, course.request, course.transcript
+        course.tried.add(target.name)
+        if course.failed is not None and not course.splicing:
+            self._count_failover(route, request, course.failed, target, transcript)
+            course.failed = None
+        before_tokens, before_text = transcript.tokens, transcript.text_tokens
+        async with AsyncExitStack() as legs:
+            deltas: AsyncIterator[Delta] = await legs.enter_async_context(
+                aclosing(self._leg(target, leg_request, route))
+            )
+            if course.splicing and route.hedge:
+                # A slow continuation is also asked of the next target; the first to answer
+                # carries on (the seam is what the user waits through).
+                try:
+                    target, deltas = await self._hedged(
+                        route,
+                        request,
+                        course.order,
+                        course.tried,
+                        course.session,
+                        target,
+                        deltas,
+                        leg_request,
+                        legs,
                     )
-                    assert cut is not None
-                    raise cut
-                next_request = continuation(request, transcript)
-                if next_request is None:  # cut exactly at max_tokens: it is complete
-                    yield Delta("", "length")
-                    return
-                leg_request = next_request
-            limit: int | None = None  # tokens after which this leg hands off
-            if edge is not None:
-                target, edge = edge, None
-                assert handoff is not None
-                limit = handoff.after_tokens
-            else:
-                target = self._pick(route, order, tried, splicing, session, owner)
-            if target is None and handing is not None and handoff is not None:
-                # The center cannot take it: the edge finishes the answer, where allowed.
-                if handoff.fallback and handing.continues and not fell_back:
-                    target, fell_back = handing, True
-                else:
-                    raise EngineError(
-                        "upstream_unavailable",
-                        f"no target of the route {route.name!r} could take the hand-off",
-                        retryable=True,
-                        status=503,
-                    )
-            if target is None:
-                if cut is not None:
-                    raise cut
-                raise _for_client(last) if last is not None else self._unavailable(route)
-            tried.add(target.name)
-            if failed is not None and not splicing:
-                self._count_failover(route, request, failed, target, transcript)
-                failed = None
-            before_tokens, before_text = transcript.tokens, transcript.text_tokens
-            started = False
-            handed = False
-            try:
-                async with AsyncExitStack() as legs:
-                    deltas: AsyncIterator[Delta] = await legs.enter_async_context(
-                        aclosing(self._leg(target, leg_request, route))
-                    )
-                    if splicing and route.hedge:
-                        # A slow continuation is also asked of the next target; the first to
-                        # answer carries on (the seam is what the user waits through).
-                        target, deltas = await self._hedged(
-                            route,
-                            request,
-                            order,
-                            tried,
-                            session,
-                            target,
-                            deltas,
-                            leg_request,
-                            legs,
-                        )
-                    async for delta in deltas:
-                        if not started:
-                            started = True
-                            target.health.success()
-                            if handing is not None:
-                                handoffs += 1
-                                yield self._handed_off(
-                                    route, request, handing, target, before_tokens
-                                )
-                                handing = None
-                            elif splicing:
-                                # A splice is counted when it takes: a continuation that
-                                # a target refused is no seam.
-                                splices += 1
-                                if failed is not None:
-                                    self._count_failover(route, request, failed, target, transcript)
-                                    failed = None
-                                yield _failover_meta(failed_from(cut), target, before_tokens)
-                        transcript.add(delta)
-                        if delta.finish_reason is not None and (splices or handoffs):
-                            delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
-                        yield delta
-                        if (
-                            limit is not None
-                            and delta.finish_reason is None
-                            and transcript.text_tokens >= limit
-                            and (
-                                handoff is None
-                                or handoff.at == "tokens"
-                                or _sentence_end(delta.text)
-                            )
-                            and transcript.why_not() is None
-                        ):
-                            handed = True
-                            break  # the edge's part is done: closing the leg stops it
-                if not handed:
-                    return
-                handing = target
-                continue
-            except EngineError as exc:
-                error = exc
-                failed_target = exc.target
-                if failed_target is not None and failed_target in self.targets:
-                    target = self.targets[failed_target]  # the last of a hedged pair
-            except BaseException:
-                if not started:  # the client left (or a bug): a half-open probe goes back
-                    target.health.release()
-                raise
-            self._target_failed(route, request, target, error, transcript.tokens, owner)
-            if error.client_fault and not splicing:
-                raise error  # another target would refuse the same request
-            if not (error.retryable or error.client_fault):
-                raise error
-            if started:
-                cut = _named(error, target)
-                failed = (target, "mid_stream")
-                handing = None  # a leg that began and broke is a cut, whatever it followed
-            elif splicing:
-                pass  # a continuation refused or failed: the seam is still the first cut
-            else:
-                failed = (target, "connect" if error.status is not None else "first_token")
-                last = error
+                except EngineError as exc:
+                    failed_target = exc.target
+                    if failed_target is not None and failed_target in self.targets:
+                        course.target = self.targets[failed_target]
+                    raise
+                course.target = target
+            async for delta in deltas:
+                if not course.started:
+                    course.started = True
+                    course.leg_began_at = asyncio.get_running_loop().time()
+                    target.health.success()
+                    seam = self._seam(course, target, before_tokens)
+                    if seam is not None:
+                        yield seam
+                transcript.add(delta)
+                if delta.finish_reason is not None and (course.splices or course.handoffs):
+                    delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
+                yield delta
+                if limit is not None and self._hands_off(course, delta, limit):
+                    course.handed = True
+                    return  # the edge's part is done: closing the leg stops it
+
+    def _seam(self, course: Course, target: Target, before_tokens: int) -> Delta | None:
+        """The meta event of a leg's first delta: a hand-off taken, or a splice (counted
+        when it takes: a continuation that a target refused is no seam)."""
+        route, request = course.route, course.request
+        if course.pacer is not None and (course.handing is not None or course.splicing):
+            course.pacer.release()  # the next leg's text flows: what is held leaves now
+        if course.handing is not None:
+            if course.handing is not target and course.asked_at is not None:
+                self._learn_handoff(course, target)
+            course.handoffs += 1
+            meta = self._handed_off(route, request, course.handing, target, before_tokens)
+            course.handing = None
+            return meta
+        if not course.splicing:
+            return None
+        course.splices += 1
+        if course.failed is not None:
+            self._count_failover(route, request, course.failed, target, course.transcript)
+            course.failed = None
+        return _failover_meta(failed_from(course.cut), target, before_tokens)
+
+    def _learn_handoff(self, course: Course, target: Target) -> None:
+        """The center's delay on this hand-off, from the later of its asking and its
+        readiness (a prefill's answer) to its first token."""
+        now = asyncio.get_running_loop().time()
+        since = course.asked_at or now
+        seam = course.seam
+        if seam is None or not seam.prefill or seam.ready_at is None:
+            return  # no prefill (or none answered): this delay says nothing about a warm one
+        target.took_over(max(0.0, now - max(since, seam.ready_at)))
+
+    def _hands_off(self, course: Course, delta: Delta, limit: int) -> bool:
+        """Whether the edge's part ends after `delta`: by time (routes/seam.py), bounded by
+        the route's `after_tokens`."""
+        transcript, seam = course.transcript, course.seam
+        if delta.finish_reason is not None or not delta.text or transcript.why_not() is not None:
+            return False
+        if seam is None:
+            return transcript.text_tokens >= limit
+        now = asyncio.get_running_loop().time()
+        pacer, tokens = course.pacer, transcript.text_tokens
+        in_hand = pacer.in_hand(now) if pacer is not None else 0.0
+        began = course.leg_began_at
+        edge_itl = (now - began) / (tokens - 1) if began is not None and tokens > 1 else None
+        return seam.hands_off(
+            now,
+            tokens,
+            in_hand,
+            _sentence_end(delta.text),
+            edge_itl=edge_itl,
+            pace_s=pacer.pace_s if pacer is not None else 0.0,
+        )
+
+    def _handing_over(self, course: Course) -> None:
+        """The edge's leg is closed: the center is asked now, and the held text is spread
+        over its expected delay."""
+        now = asyncio.get_running_loop().time()
+        course.asked_at = now
+        if course.pacer is not None and course.seam is not None:
+            course.pacer.handed_off(course.seam.expected_first(now))
+
+    def _leg_failed(self, course: Course, error: EngineError) -> None:
+        """A leg failed: tell its target's health, then raise what the client gets, or
+        note how the next turn goes on (failover before the first token, else a splice)."""
+        target = course.target
+        self._target_failed(
+            course.route, course.request, target, error, course.transcript.tokens, course.owner
+        )
+        splicing = course.splicing
+        if error.client_fault and not splicing:
+            raise error  # another target would refuse the same request
+        if not (error.retryable or error.client_fault):
+            raise error
+        if course.started:
+            course.cut = _named(error, target)
+            course.failed = (target, "mid_stream")
+            course.handing = None  # a leg that began and broke is a cut, whatever it followed
+        elif splicing:
+            pass  # a continuation refused or failed: the seam is still the first cut
+        else:
+            course.failed = (target, "connect" if error.status is not None else "first_token")
+            course.last = error
 
     async def _hedged(
         self,
@@ -394,7 +652,7 @@ class RoutedEngine(BaseEngine):
         owner = request.tenant if _passes_through(request) else None
         racers: dict[asyncio.Future[Delta], tuple[Target, AsyncIterator[Delta]]] = {}
         racers[asyncio.ensure_future(anext(deltas))] = (target, deltas)
-        spare_at: float | None = asyncio.get_running_loop().time() + target.hedge_after()
+        spare_at = asyncio.get_running_loop().time() + target.hedge_after()
         error: BaseException | None = None
         try:
             while racers:
@@ -586,7 +844,7 @@ class RoutedEngine(BaseEngine):
 
     async def _leg(
         self, target: Target, request: GenerationRequest, route: ModelRoute
-    ) -> AsyncGenerator[Delta, None]:
+    ) -> AsyncIterator[Delta]:
         cfg = target.config
         await target.take_slot(request)
         rid = request.request_id
@@ -832,3 +1090,61 @@ async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterat
         yield first
     async for delta in rest:
         yield delta
+
+
+async def _paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:
+    """`answer`'s deltas, in order, the edge's text let out by `pacer` while the answer is
+    read as fast as it comes (the edge's leg is never slowed by the pace); once the next
+    leg's text comes, straight through."""
+    loop = asyncio.get_running_loop()
+    pending: asyncio.Future[Delta] | None = None
+    failure: BaseException | None = None
+    done = False
+    try:
+        while True:
+            if pacer.released and not len(pacer) and not done:
+                if pending is not None:
+                    try:
+                        delta = await pending
+                    except StopAsyncIteration:
+                        return
+                    finally:
+                        pending = None
+                    yield delta
+                async for delta in answer:
+                    yield delta
+                return
+            now = loop.time()
+            at = pacer.next_at(now)
+            if at is not None and at <= now:
+                yield pacer.take(now)
+                continue
+            if done:
+                if at is None:
+                    if failure is not None:
+                        raise failure
+                    return
+                await asyncio.sleep(at - now)
+                continue
+            if pending is None:
+                pending = asyncio.ensure_future(anext(answer))
+            timeout = None if at is None else at - now
+            finished, _ = await asyncio.wait((pending,), timeout=timeout)
+            if not finished:
+                continue
+            future, pending = pending, None
+            try:
+                pacer.hold(future.result())
+            except StopAsyncIteration:
+                done = True
+                pacer.release()
+            except Exception as exc:
+                # What the edge said is the client's before the error is.
+                failure, done = exc, True
+                pacer.release()
+    finally:
+        failure = None
+        if pending is not None:
+            pending.cancel()
+            with suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+                await pending

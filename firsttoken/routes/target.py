@@ -36,10 +36,12 @@ class Target:
         "config",
         "engine",
         "first_token_s",
+        "handoff_s",
         "health",
         "last_chunk_at",
         "name",
         "outstanding",
+        "prefill_s",
         "queue",
         "queue_wait",
         "steps",
@@ -53,6 +55,8 @@ class Target:
         self.outstanding = 0  # streams there now
         self.last_chunk_at = 0.0  # loop time of the last chunk from any of them
         self.first_token_s: float | None = None  # its usual wait for a first token (EWMA)
+        self.prefill_s: float | None = None  # its usual time to answer a hand-off's prefill
+        self.handoff_s: float | None = None  # its usual delay on a hand-off once it is ready
         self.steps = engine.as_step_engine()  # pulled by a task of ours when it steps
         self.queue = FairQueue()
         self.queue_wait = Histogram(QUEUE_WAIT_BUCKETS)
@@ -68,6 +72,14 @@ class Target:
     def first_token(self, seconds: float) -> None:
         usual = self.first_token_s
         self.first_token_s = seconds if usual is None else usual + 0.2 * (seconds - usual)
+
+    def prefilled(self, seconds: float) -> None:
+        self.prefill_s = _ewma(self.prefill_s, seconds)
+
+    def took_over(self, seconds: float) -> None:
+        """A hand-off's first token came `seconds` after the later of its asking and the
+        center's readiness (its prefill's answer)."""
+        self.handoff_s = _ewma(self.handoff_s, seconds)
 
     def hedge_after(self) -> float:
         """How long a continuation may take to its first token before the next target is
@@ -167,3 +179,7 @@ class Target:
 
     def describe(self) -> Mapping[str, object]:
         return {"target": self.name, "kind": self.config.kind, "url": self.config.url}
+
+
+def _ewma(usual: float | None, seconds: float) -> float:
+    return seconds if usual is None else usual + 0.2 * (seconds - usual)

@@ -5,6 +5,7 @@ synthetic model here), and resume, cancel and an unreachable center must stay ho
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,10 +21,12 @@ from tests.upstreams import free_port
 CENTER = ("--synthetic-ttft-ms", "300", "--synthetic-itl-ms", "5", "--ttft-slo-ms", "0")
 BODY = {"messages": [{"role": "user", "content": "Tell me about tides."}], "max_tokens": 40}
 GENERATED = "firsttoken_tokens_generated_total"
+# The hand-off by count alone (no prefill, no pace): the tests below that place the seam.
+BY_COUNT = ", prefill = false, pace_ms = 0"
 
 
-def _routes(tmp: Path, center_url: str, *, fallback: bool = True) -> str:
-    path = tmp / f"routes-{fallback}.toml"
+def _routes(tmp: Path, center_url: str, *, fallback: bool = True, seam: str = BY_COUNT) -> str:
+    path = tmp / f"routes-{fallback}-{len(seam)}.toml"
     path.write_text(
         f"""
 [targets.small]
@@ -40,7 +43,7 @@ first_token_timeout_s = 5
 
 [models.chat]
 targets = ["center"]
-handoff = {{ from = "small", after_tokens = 8, fallback = {str(fallback).lower()} }}
+handoff = {{ from = "small", after_tokens = 8, fallback = {str(fallback).lower()}{seam} }}
 """
     )
     return str(path)
@@ -173,3 +176,101 @@ def test_a_dead_center_during_the_edges_part(tmp_path: Path, fallback: bool) -> 
             assert [e["code"] for e in errors] == ["upstream_unavailable"]
             assert events[-1][2] != "[DONE]" and handoff == []
             assert _text(events)  # what the edge said is kept
+
+
+SLOW_CENTER = ("--synthetic-ttft-ms", "900", "--synthetic-itl-ms", "20", "--ttft-slo-ms", "0")
+# The center continues the edge's text whatever it is, and its TTFT is its prefill's.
+KNOBS = {"continue_any": True, "prefix_cache": True}
+
+
+def _timed_chat(server: Server, model: str) -> tuple[list[float], str]:
+    """The arrival times of the content chunks of one streamed chat answer, and its text."""
+    import time
+
+    body = {**BODY, "max_tokens": 60, "model": model, "stream": True, "synthetic": KNOBS}
+    times: list[float] = []
+    text = ""
+    start = time.monotonic()
+    with httpx.stream("POST", server.v1 + "/chat/completions", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        decoder = EventDecoder()
+        for raw in resp.iter_raw():
+            for e in decoder.feed(raw):
+                if e.data is None or e.data == "[DONE]":
+                    continue
+                chunk = json.loads(e.data)
+                piece = chunk["choices"][0]["delta"].get("content") if chunk["choices"] else None
+                if piece:
+                    times.append(time.monotonic() - start)
+                    text += piece
+    return times, text
+
+
+def test_a_slow_center_takes_over_without_the_pause_of_a_hand_off_by_count(
+    tmp_path: Path,
+) -> None:
+    with run_server(*SLOW_CENTER, "--rate-limit-per-s", "0") as slow:
+        path = tmp_path / "seam.toml"
+        path.write_text(
+            f"""
+[targets.small]
+kind = "synthetic"
+ttft_ms = 20
+itl_ms = 10
+
+[targets.center]
+kind = "openai"
+url = "{slow.v1}"
+model = "synthetic"
+continuation = "vllm"
+
+[models.seamless]
+targets = ["center"]
+handoff = {{ from = "small", after_tokens = 40 }}
+
+[models.counted]
+targets = ["center"]
+handoff = {{ from = "small", after_tokens = 8{BY_COUNT} }}
+"""
+        )
+        with run_server("--routes", str(path)) as gw:
+            counted, counted_text = _timed_chat(gw, "counted")  # first: nothing cached yet
+            expected = httpx.post(
+                slow.v1 + "/chat/completions",
+                json={**BODY, "max_tokens": 60, "model": "synthetic", "synthetic": KNOBS},
+                timeout=30,
+            ).json()["choices"][0]["message"]["content"]
+            seamless = [_timed_chat(gw, "seamless") for _ in range(3)]
+            handoffs = [r for r in gw.log_records() if r["event"] == "route.handoff"]
+    assert counted_text == expected
+    assert all(text == expected for _, text in seamless)
+
+    def longest(times: list[float]) -> float:
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    assert longest(counted) > 0.8  # by count: the center's whole TTFT at the seam
+    for times, _ in seamless:
+        assert times[0] < 0.5  # the edge's first token
+        assert longest(times) < 0.3, longest(times)  # prefilled and paced: no freeze
+    assert handoffs[0]["at_token"] == 8
+    # The first answer finds the center's prefill time unknown (after_tokens bounds it); later
+    # ones know it, and hand off by time.
+    assert all(h["at_token"] < 40 for h in handoffs[2:]), [h["at_token"] for h in handoffs]
+
+
+def test_a_dead_center_with_the_seams_prefill_leaves_the_edge_to_finish(tmp_path: Path) -> None:
+    # The prefill fails at once (nothing listens): the hand-off goes by after_tokens, the
+    # center cannot take it, and the edge finishes, its text paced but whole.
+    dead = f"http://127.0.0.1:{free_port()}/v1"
+    with run_server("--routes", _routes(tmp_path, dead, seam="")) as gw:
+        body = {"prompt": "Tell me about tides.", "model": "chat", "max_tokens": 40}
+        events, _ = _native(gw, body)
+        records = gw.log_records()
+    assert events[-1][2] == "[DONE]"
+    tokens = [d for n, _, d in events if n is None and d != "[DONE]"]
+    assert len(tokens) == 40
+    metas = [json.loads(d) for n, _, d in events if n == "meta"]
+    assert [m["handoff"] for m in metas if "handoff" in m] == [
+        {"from": "small", "to": "small", "at_token": 8, "fallback": True}
+    ]
+    assert any(r["event"] == "route.prefill_failed" for r in records)

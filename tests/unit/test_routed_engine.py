@@ -5,6 +5,7 @@ it must not splice, health as the router feeds it, balance and the slot queue.""
 from __future__ import annotations
 
 import asyncio
+import itertools
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -14,6 +15,7 @@ from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolC
 from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
 from firsttoken.routes.engine import MAX_CHARS_PER_TOKEN, RoutedEngine
 from firsttoken.routes.health import TargetHealth
+from firsttoken.routes.seam import prefill_id
 from firsttoken.routes.target import Target
 from tests.unit import virtual_loop
 from tests.unit.scripted import ANSWER, PROMPT_TOKENS, Fail, Scripted, answer, cut, tokens
@@ -837,6 +839,10 @@ def test_a_splice_prefers_a_target_that_is_not_failing_right_now() -> None:
 # -- edge and center: the hand-off, short prompts, sessions ----------------------------------
 
 
+# The hand-off by count alone: no prefill, no pace (the seam's timing has its own tests).
+BY_COUNT: dict[str, Any] = {"prefill": False, "pace_ms": 0}
+
+
 def tiers(
     edge: Scripted, center: Scripted, *, handoff: Handoff | None = None, **route: Any
 ) -> RoutedEngine:
@@ -854,7 +860,7 @@ def tiers(
 
 def test_the_edge_starts_and_the_center_continues_after_n_tokens() -> None:
     edge, center = Scripted(answer), Scripted(answer)
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3))
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3, **BY_COUNT))
     out = go(engine)
     assert out.error is None and out.text == WHOLE
     assert out.metas == [{"handoff": {"from": "edge", "to": "center", "at_token": 3}}]
@@ -871,7 +877,8 @@ def test_the_edge_starts_and_the_center_continues_after_n_tokens() -> None:
 
 def test_a_hand_off_at_a_sentence_end_waits_for_one() -> None:
     edge, center = Scripted(answer), Scripted(answer)
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=2, at="sentence"))
+    handoff = Handoff("edge", after_tokens=2, at="sentence", **BY_COUNT)
+    engine = tiers(edge, center, handoff=handoff)
     out = go(engine)
     assert out.text == WHOLE
     # "Once upon a time," ends no sentence: the edge goes on past its 2 tokens to the first
@@ -882,7 +889,7 @@ def test_a_hand_off_at_a_sentence_end_waits_for_one() -> None:
 def test_a_center_that_cannot_take_it_leaves_the_edge_to_finish() -> None:
     edge = Scripted(answer)
     center = Scripted([Fail("upstream_unavailable", status=503)])
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3))
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3, **BY_COUNT))
     out = go(engine)
     assert out.error is None and out.text == WHOLE
     assert out.metas == [
@@ -894,7 +901,8 @@ def test_a_center_that_cannot_take_it_leaves_the_edge_to_finish() -> None:
 def test_without_fallback_a_center_that_cannot_take_it_is_an_honest_error() -> None:
     edge = Scripted(answer)
     center = Scripted([Fail("upstream_unavailable", status=503)])
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3, fallback=False))
+    handoff = Handoff("edge", after_tokens=3, fallback=False, **BY_COUNT)
+    engine = tiers(edge, center, handoff=handoff)
     out = go(engine)
     assert out.text == "Once upon a"
     no_splice_left(out, "upstream_unavailable")
@@ -902,7 +910,7 @@ def test_without_fallback_a_center_that_cannot_take_it_is_an_honest_error() -> N
 
 def test_a_short_answer_at_the_edge_is_never_handed_off() -> None:
     edge, center = Scripted(answer), Scripted(answer)
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=50))
+    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=50, **BY_COUNT))
     out = go(engine)
     assert out.text == WHOLE and out.metas == [] and center.requests == []
 
@@ -971,7 +979,8 @@ def test_a_splice_passes_over_a_target_silent_on_all_its_streams() -> None:
 def test_a_short_prompt_is_answered_whole_by_the_small_target_even_with_a_handoff() -> None:
     edge, center = Scripted(answer), Scripted(answer)
     rule = ShortPrompts("edge", max_prompt_tokens=PROMPT_TOKENS)
-    engine = tiers(edge, center, handoff=Handoff("edge", after_tokens=3), short_prompts=rule)
+    handoff = Handoff("edge", after_tokens=3, **BY_COUNT)
+    engine = tiers(edge, center, handoff=handoff, short_prompts=rule)
     out = go(engine)
     assert out.text == WHOLE and out.metas == [] and center.requests == []
 
@@ -988,3 +997,247 @@ def test_a_conversation_keeps_its_session_from_the_first_turn_on() -> None:
     assert _session_key(turn1) == _session_key(turn2)
     system = {"role": "system", "content": "Be brief."}
     assert _session_key(replace(turn1, messages=(system, q))) != _session_key(turn1)
+
+
+# -- the seam: a prefill at the start, the edge's text paced, the hand-off by time -------------
+
+
+class Words:
+    """A model that answers " w0 w1 …" (`n` words): `ttft_s` to its first token (a prefill
+    included), then one every `itl_s`; a continuation of the first k words, once a prefill
+    of the conversation was asked, `warm_s` after that prefill is done (its prefix is
+    cached), else `ttft_s`."""
+
+    def __init__(self, n: int, *, ttft_s: float, itl_s: float, warm_s: float = 0.0) -> None:
+        self.words = [f" w{i}" for i in range(n)]
+        self.ttft_s, self.itl_s, self.warm_s = ttft_s, itl_s, warm_s
+        self.ready_at: float | None = None  # when the prefill of the conversation is done
+
+    def __call__(self, request: GenerationRequest) -> list[Any]:
+        prefix = request.options.get("continuation", "")
+        starts = ["".join(self.words[:k]) for k in range(len(self.words) + 1)]
+        if prefix not in starts:
+            return [Fail("invalid_continuation", retryable=False, status=400, client_fault=True)]
+        k = starts.index(prefix)
+        now = asyncio.get_running_loop().time()
+        first = self.ttft_s
+        if k and self.ready_at is not None:
+            first = max(self.ready_at, now) - now + self.warm_s
+        if not k and request.max_tokens == 1:  # a prefill (the tests' answers ask no limit)
+            self.ready_at = now + self.ttft_s
+        rest = self.words[k:]
+        if request.max_tokens is not None:
+            rest = rest[: request.max_tokens]
+        steps: list[Any] = []
+        for i, word in enumerate(rest):
+            steps += [first if i == 0 else self.itl_s, Delta(word)]
+        return [*steps, Delta("", finish_reason="stop")]
+
+
+@dataclass
+class Timed:
+    deltas: list[tuple[float, Delta]] = field(default_factory=list)
+    error: EngineError | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(d.text for _, d in self.deltas)
+
+    @property
+    def texts(self) -> list[float]:
+        return [t for t, d in self.deltas if d.text]
+
+    def longest_gap(self) -> float:
+        times = self.texts
+        return max(b - a for a, b in itertools.pairwise(times))
+
+    @property
+    def metas(self) -> list[Any]:
+        return [d.meta for _, d in self.deltas if d.meta is not None]
+
+
+def timed(engine: RoutedEngine, request: GenerationRequest | None = None) -> Timed:
+    async def body() -> Timed:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        out = Timed()
+        try:
+            async for delta in engine.generate(request or chat()):
+                out.deltas.append((loop.time() - start, delta))
+        except EngineError as exc:
+            out.error = exc
+        return out
+
+    return virtual_loop.run(body())
+
+
+def seam_tiers(*centers: Scripted, edge: Scripted, **handoff: Any) -> RoutedEngine:
+    names = [f"center{i}" for i in range(len(centers))]
+    table = RouteTable(
+        targets={
+            n: TargetConfig(name=n, kind="synthetic", continuation="native")
+            for n in ("edge", *names)
+        },
+        routes={
+            "chat": ModelRoute(
+                name="chat",
+                targets=tuple(names),
+                handoff=Handoff("edge", **{"after_tokens": 40, **handoff}),
+            )
+        },
+    )
+    engines = {"edge": edge, **dict(zip(names, centers, strict=True))}
+    return RoutedEngine(table, {n: Target(table.targets[n], e) for n, e in engines.items()})
+
+
+def whole_words(n: int) -> str:
+    return "".join(f" w{i}" for i in range(n))
+
+
+def test_a_slow_center_takes_over_without_a_pause_when_prefilled_and_paced() -> None:
+    # The edge: 0.1 s to its first token, then 15 ms a token. The center: 0.9 s to a first
+    # token (its prefill), 0.1 s on a warm continuation, then 20 ms a token.
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    center = Scripted(Words(60, ttft_s=0.9, itl_s=0.02, warm_s=0.1))
+    engine = seam_tiers(center, edge=edge, pace_ms=50)
+    engine.targets["center0"].prefill_s = 0.9  # learned from earlier answers
+    engine.targets["center0"].handoff_s = 0.1
+    out = timed(engine)
+    assert out.error is None and out.text == whole_words(60)
+    assert out.texts[0] == pytest.approx(0.1)  # the first token is the edge's
+    assert out.longest_gap() <= 0.05 + 1e-9  # never a pause longer than the pace
+    [meta] = out.metas
+    at = meta["handoff"]["at_token"]
+    assert 1 < at < 40  # by time, before the bound
+    # The center's continuation is of exactly the text the client read before the seam.
+    continued = [r for r in center.requests if "continuation" in r.options]
+    assert [r.options["continuation"] for r in continued] == [whole_words(at)]
+    assert center.requests[0].request_id == prefill_id("s1")
+    # Not much later than the center alone (0.9 + 59 x 20 ms = 2.08 s).
+    assert out.texts[-1] < 2.08 * 1.1
+
+
+def test_a_center_faster_than_the_edge_takes_over_at_the_first_boundary_once_ready() -> None:
+    edge = Scripted(Words(30, ttft_s=0.3, itl_s=0.05))
+    center = Scripted(Words(30, ttft_s=0.05, itl_s=0.01, warm_s=0.01))
+    out = timed(seam_tiers(center, edge=edge, pace_ms=50))
+    assert out.text == whole_words(30)
+    # Ready at 0.05 s, before the edge's first token (0.3 s): the edge says one token.
+    assert out.metas == [{"handoff": {"from": "edge", "to": "center0", "at_token": 1}}]
+
+
+def test_without_prefill_and_pace_the_hand_off_is_after_exactly_n_tokens() -> None:
+    edge = Scripted(Words(30, ttft_s=0.1, itl_s=0.015))
+    center = Scripted(Words(30, ttft_s=0.9, itl_s=0.02, warm_s=0.1))
+    out = timed(seam_tiers(center, edge=edge, after_tokens=8, prefill=False, pace_ms=0))
+    assert out.text == whole_words(30)
+    assert out.metas == [{"handoff": {"from": "edge", "to": "center0", "at_token": 8}}]
+    assert out.longest_gap() == pytest.approx(0.9)  # the seam: the center's whole delay
+    assert [r.request_id for r in center.requests] == ["s1"]
+
+
+def test_the_center_learns_its_delay_and_the_next_answer_hands_off_by_it() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    center = Scripted(Words(60, ttft_s=0.6, itl_s=0.02, warm_s=0.2))
+    engine = seam_tiers(center, edge=edge, pace_ms=50)
+    first = timed(engine, chat("s1"))
+    target = engine.targets["center0"]
+    assert target.prefill_s == pytest.approx(0.6) and target.handoff_s is not None
+    center.scripts = (Words(60, ttft_s=0.6, itl_s=0.02, warm_s=0.2),)  # a fresh cache
+    second = timed(engine, chat("s2"))
+    assert first.text == second.text == whole_words(60)
+    assert second.longest_gap() <= 0.05 + 1e-9
+
+
+def test_a_center_that_breaks_after_the_hand_off_is_spliced_onto_the_next() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    words = Words(60, ttft_s=0.3, itl_s=0.02, warm_s=0.05)
+
+    def breaks(request: GenerationRequest) -> list[Any]:
+        steps = words(request)
+        if "continuation" in request.options:
+            return [*steps[:10], cut()]  # five tokens, then the connection drops
+        return steps
+
+    broken = Scripted(breaks)
+    spare = Scripted(Words(60, ttft_s=0.3, itl_s=0.02, warm_s=0.05))
+    out = timed(seam_tiers(broken, spare, edge=edge, pace_ms=50))
+    assert out.error is None and out.text == whole_words(60)
+    handoff, failover = out.metas
+    assert handoff["handoff"]["to"] == "center0"
+    assert failover["failover"]["from"] == "center0"
+    assert failover["failover"]["to"] == "center1"
+    # The seam of the splice is the spare's whole first-token time, well inside the route's
+    # idle deadline (30 s): no pause above twice it.
+    assert out.longest_gap() <= 0.3 + 0.05
+
+
+def test_a_center_that_refuses_the_hand_off_leaves_the_edge_to_finish_it_paced() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+
+    def refuses(request: GenerationRequest) -> list[Any]:
+        if "continuation" in request.options:
+            return [0.05, Fail("upstream_unavailable", status=503)]
+        return Words(60, ttft_s=0.2, itl_s=0.02)(request)
+
+    out = timed(seam_tiers(Scripted(refuses), edge=edge, pace_ms=50))
+    assert out.error is None and out.text == whole_words(60)
+    assert [m["handoff"]["to"] for m in out.metas] == ["edge"]
+    assert out.longest_gap() <= 0.05 + 0.1  # the held text covers the refusal's time
+
+
+def test_a_client_leaving_mid_hand_off_closes_the_prefill_and_every_leg() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    center = Scripted(Words(60, ttft_s=5.0, itl_s=0.02))
+    engine = seam_tiers(center, edge=edge, pace_ms=50)
+
+    async def body() -> None:
+        stream = engine.generate(chat())
+        for _ in range(3):
+            await anext(stream)
+        await stream.aclose()
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+
+    virtual_loop.run(body())
+    assert edge.ended_early and center.ended_early  # the edge's leg and the prefill
+    assert all(t.outstanding == 0 for t in engine.targets.values())
+
+
+def test_a_center_that_breaks_after_the_hand_off_alone_leaves_the_edge_to_finish() -> None:
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.015))
+    words = Words(60, ttft_s=0.3, itl_s=0.02, warm_s=0.05)
+
+    def breaks(request: GenerationRequest) -> list[Any]:
+        steps = words(request)
+        return [*steps[:10], cut()] if "continuation" in request.options else steps
+
+    out = timed(seam_tiers(Scripted(breaks), edge=edge, pace_ms=50))
+    assert out.error is None and out.text == whole_words(60)
+    handoff, failover = out.metas
+    assert handoff["handoff"]["to"] == "center0"
+    assert failover["failover"] == {
+        "from": "center0",
+        "to": "edge",
+        "at_token": handoff["handoff"]["at_token"] + 5,
+    }
+    # The edge's own first token after the cut (0.1 s): no pause of a deadline's size.
+    assert out.longest_gap() <= 0.1 + 0.02
+    without = timed(seam_tiers(Scripted(breaks), edge=edge, pace_ms=50, fallback=False))
+    assert without.error is not None and without.error.code == "upstream_truncated"
+    assert all(d.finish_reason is None for _, d in without.deltas)  # never passed off whole
+
+
+def test_an_edge_slower_than_the_pace_hands_off_once_the_center_is_ready() -> None:
+    # Nothing can be held back (80 ms a token against a 50 ms pace): waiting for the bound
+    # would only make the center read more of the edge's text.
+    edge = Scripted(Words(60, ttft_s=0.1, itl_s=0.08))
+    center = Scripted(Words(60, ttft_s=0.5, itl_s=0.02, warm_s=0.2))
+    engine = seam_tiers(center, edge=edge, pace_ms=50)
+    engine.targets["center0"].handoff_s = 0.2  # its warm delay is known
+    out = timed(engine)
+    assert out.text == whole_words(60)
+    [meta] = out.metas
+    # Ready at 0.5 s; the edge's tokens come at 0.1, 0.18, ... 0.42, 0.5: the boundary at
+    # 0.5 s, its 6th token (not the bound, 40).
+    assert meta["handoff"]["at_token"] == 6

@@ -349,3 +349,36 @@ def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> N
 
 def test_a_bad_currency_is_refused() -> None:
     assert "currency: must be a currency code" in refused({**table(), "currency": ""})
+def two_tiers(**handoff: Any) -> dict[str, Any]:
+    data = table()
+    data["targets"]["small"] = {"kind": "synthetic"}
+    data["models"]["chat"]["handoff"] = {"from": "small", "after_tokens": 24, **handoff}
+    return data
+
+
+def test_a_handoff_is_timed_by_default_and_by_count_when_asked() -> None:
+    handoff = parse_routes(two_tiers()).routes["chat"].handoff
+    assert handoff is not None
+    assert (handoff.source, handoff.after_tokens, handoff.at, handoff.fallback) == (
+        "small",
+        24,
+        "tokens",
+        True,
+    )
+    assert handoff.prefill is True and handoff.pace_ms == 50.0
+    counted = parse_routes(two_tiers(prefill=False, pace_ms=0)).routes["chat"].handoff
+    assert counted is not None and counted.prefill is False and counted.pace_ms == 0.0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "says"),
+    [
+        ("prefill", "yes", "must be true or false"),
+        ("pace_ms", -1, "must be >= 0"),
+        ("pace_ms", "fast", "must be a number"),
+        ("pace", 50, "unknown field"),
+    ],
+)
+def test_the_handoffs_timing_fields_are_checked(field: str, value: Any, says: str) -> None:
+    line = refused(two_tiers(**{field: value}))
+    assert f"[models.chat] handoff {field}" in line and says in line

@@ -17,6 +17,7 @@ from firsttoken.engines.synthetic import (
     _Answers,
     answer_parts,
 )
+from firsttoken.engines.text import count_words
 from tests.unit.clock import FakeClock
 
 
@@ -480,3 +481,53 @@ def test_answer_tokens_is_the_answers_length_in_tokens(style: str, n: int) -> No
         if style == "prose":  # the default answer's start, as before
             default, _ = synthetic_tokens(f"user: question {i}", style=style)
             assert tokens[: len(default)] == default[:n]
+
+
+def test_with_continue_any_another_models_text_gets_the_rest_after_as_many_tokens() -> None:
+    full, finish = whole("user: any", answer_tokens=60)
+    texts = [t for t in full if isinstance(t, str)]
+    foreign = "Tides rise and fall twice a day."  # 8 words and a mark, counted as prompts are
+    k = count_words(foreign)
+    assert k == 8 or k == 9
+    rest, rest_finish = continued("user: any", foreign, answer_tokens=60, continue_any=True)
+    assert rest == texts[k:] and rest_finish == finish
+    # Its own prefix still continues exactly where it ends; max_tokens counts what remains.
+    own = "".join(texts[:12])
+    assert continued("user: any", own, continue_any=True, answer_tokens=60)[0] == texts[12:]
+    short, short_finish = continued(
+        "user: any", foreign, max_tokens=5, answer_tokens=60, continue_any=True
+    )
+    assert short == texts[k : k + 5] and short_finish == "length"
+    # Longer than the whole answer: nothing is left.
+    assert continued("user: any", "word " * 100, answer_tokens=60, continue_any=True)[0] == []
+    with pytest.raises(EngineError):  # and without the knob, a refusal as before
+        continued("user: any", foreign, answer_tokens=60)
+
+
+def test_with_prefix_cache_a_continuation_waits_only_for_its_conversations_prefill() -> None:
+    clock = FakeClock()
+    engine = SyntheticEngine(ttft_ms=900, itl_ms=20)
+    engine._loop = clock  # type: ignore[assignment]
+    knobs = {"prefix_cache": True, "continue_any": True}
+
+    def ask(prompt: str, prefix: str | None) -> Sink:
+        sink = Sink()
+        sink.clock = clock
+        options: dict[str, Any] = {"synthetic": knobs}
+        if prefix is not None:
+            options["continuation"] = prefix
+        request = GenerationRequest("r", prompt, "synthetic", max_tokens=3, options=options)
+        engine.open(request, sink)
+        return sink
+
+    start = clock.now
+    ask("user: tides", None)  # the prefill: done at +0.9 s
+    clock.advance(0.3)
+    early = ask("user: tides", "Some words here")  # asked before the prefill is done
+    clock.advance(2.0)
+    assert early.tokens[0][0] == pytest.approx(start + 0.9 + 0.02)
+    warm = ask("user: tides", "Some words here")
+    cold = ask("user: other", "Some words here")  # a conversation never prefilled
+    clock.advance(2.0)
+    assert warm.tokens[0][0] == pytest.approx(start + 2.3 + 0.02)
+    assert cold.tokens[0][0] == pytest.approx(start + 2.3 + 0.9)
