@@ -28,6 +28,7 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
 from firsttoken.observability import Metrics, log_event
+from firsttoken.ops import OpsView
 from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
@@ -97,6 +98,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
     reloader = Reloader(files, gw, watch=settings.watch_config)
     metrics.registry.register(reloader)
+    ops = OpsView(gw, PAGE_HEADERS)  # GET /ops and its feed, /v1/admin/events (docs/ops.md)
 
     @asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -105,13 +107,17 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
             await tg.start(registry.run)
             tg.start_soon(admission.run, registry)
             tg.start_soon(reloader.run)
+            tg.start_soon(ops.run)
             yield
             tg.cancel_scope.cancel()
         await engine.close()
         if telemetry is not None:
             await telemetry.close()  # after the drain ended every stream: their spans go too
 
-    api = [Route(r.path, r.endpoint, methods=[r.method]) for r in ROUTES]
+    api = [
+        *(Route(r.path, r.endpoint, methods=[r.method]) for r in ROUTES),
+        *ops.api_routes(),
+    ]
     routes = [
         # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
         Mount("/v1", routes=api),
@@ -119,6 +125,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),
         Route("/favicon.ico", _favicon, methods=["GET", "HEAD"]),
+        *ops.page_routes(),
         Mount("/", WebFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
     app = Starlette(

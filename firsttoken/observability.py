@@ -49,10 +49,13 @@ __all__ = [
     "log_enabled",
     "log_event",
     "share_across_workers",
+    "tap_log_events",
 ]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
 KEY_TOKEN_KINDS = ("prompt", "completion", "reasoning", "cached", "cache_write")
+MAX_ROUTE_LABELS = 64
+OTHER_ROUTE = "other"
 OPEN_KEY = "open"  # the caller of a server without a keys file, in metrics and logs
 
 
@@ -136,6 +139,10 @@ class Metrics:
         self.streams_moved = 0  # streams this instance let another continue
         # Tokens by (key name, kind): bounded, since names come from the keys file only.
         self.key_tokens: dict[tuple[str, str], int] = {}
+        # Streams by route (the model asked for) and key: started, and running now.
+        self.route_streams: dict[str, int] = {}
+        self.route_active: dict[str, int] = {}
+        self.key_active: dict[str, int] = {}
         self.tokens_generated = tokens_generated
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
@@ -241,6 +248,42 @@ class Metrics:
         for (key, kind), tokens in self.key_tokens.items():
             per_key.add_metric([key, kind], tokens)
         yield per_key
+        yield _labelled(
+            CounterMetricFamily,
+            "firsttoken_route_streams",
+            f"Streams started, by route (the model asked for; past {MAX_ROUTE_LABELS} names: "
+            f"{OTHER_ROUTE!r}).",
+            "route",
+            self.route_streams,
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "firsttoken_route_active_streams",
+            "Streams generating now, by route.",
+            "route",
+            self.route_active,
+        )
+        yield _labelled(
+            GaugeMetricFamily,
+            "firsttoken_key_active_streams",
+            "Streams generating now, by API key.",
+            "key",
+            self.key_active,
+        )
+
+    def stream_started(self, route: str, key: str) -> None:
+        """A stream began generating: its route's and key's counts (a few dict updates)."""
+        if route not in self.route_streams and len(self.route_streams) >= MAX_ROUTE_LABELS:
+            route = OTHER_ROUTE  # without a routes file the model name is the client's word
+        self.route_streams[route] = self.route_streams.get(route, 0) + 1
+        self.route_active[route] = self.route_active.get(route, 0) + 1
+        self.key_active[key] = self.key_active.get(key, 0) + 1
+
+    def stream_ended(self, route: str, key: str) -> None:
+        if route not in self.route_active:
+            route = OTHER_ROUTE
+        self.route_active[route] = self.route_active.get(route, 0) - 1
+        self.key_active[key] = self.key_active.get(key, 0) - 1
 
     def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
         """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
@@ -503,8 +546,22 @@ def log_enabled(level: int) -> bool:
     return _logger.isEnabledFor(level)
 
 
+LogTap = Callable[[str, int, dict[str, Any]], None]
+_tap: LogTap | None = None
+
+
+def tap_log_events(tap: LogTap | None) -> None:
+    """Hand every `log_event` (at any level, logged or not) to `tap` too: the operator's
+    feed (firsttoken/ops) sees errors, ejections and reloads as they are said. One slot: the
+    last app built in a process holds it."""
+    global _tap
+    _tap = tap
+
+
 def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
     """One JSON line: {"ts", "level", "event", ...fields}."""
+    if _tap is not None:
+        _tap(event, level, fields)
     if _logger.isEnabledFor(level):
         record = {
             "ts": round(time.time(), 6),

@@ -389,6 +389,7 @@ class StreamRegistry:
     def _register(self, stream: Stream) -> None:
         self._streams[stream.id] = stream
         self.metrics.active_streams += 1
+        self.metrics.stream_started(stream.request.model, key_label(stream.request.tenant))
         stream.on_end = self._on_end
         stream.on_first_token = self._on_first_token
         if self.tracer is not None:
@@ -521,6 +522,7 @@ class StreamRegistry:
         outcome = stream.outcome
         assert outcome is not None
         self.metrics.active_streams -= 1
+        self.metrics.stream_ended(stream.request.model, key_label(stream.request.tenant))
         if outcome is Outcome.MOVED:
             self._moved(stream)
             return

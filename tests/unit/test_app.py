@@ -100,9 +100,10 @@ def test_the_route_table_builds_both_the_asgi_routes_and_the_direct_dispatch() -
     ones are served straight from the connection, with their path parameters."""
     starlette = create_app(Settings())
     (v1,) = [r for r in starlette.routes if isinstance(r, Mount) and r.path == "/v1"]
+    # The API's table, then the admin feed of the operator page (firsttoken/ops/).
     assert [(r.path, sorted(r.methods or ())) for r in v1.routes] == [  # type: ignore[attr-defined]
         (r.path, sorted({r.method} | ({"HEAD"} if r.method == "GET" else set()))) for r in ROUTES
-    ]
+    ] + [("/admin/events", ["GET", "HEAD"])]
     app = RawSendApp(starlette)
     for route in ROUTES:
         path = "/v1" + route.path.replace("{stream_id}", "abc").replace("{model_id:path}", "m")
