@@ -18,7 +18,7 @@ from pathlib import Path
 from firsttoken.admission import Admission
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome
-from firsttoken.observability import Metrics
+from firsttoken.telemetry.metrics import Metrics
 
 N = 2000
 

@@ -81,7 +81,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
 LLAMA_MODEL = "smollm2-135m-instruct"
 LCPP_ALIAS = "smollm2"  # the llama-cpp-python center's name for the same model
-# The router's own test of a sentence end (firsttoken/routes/engine.py), applied to the text
+# The router's own test of a sentence end (firsttoken/routing/engine.py), applied to the text
 # before the seam: a seam right after it is a pause between sentences.
 SENTENCE_END = re.compile(r"""[.!?。！？…]["'”’)\]]*\s*$|\n\s*$""")
 # Today's hand-off: after exactly after_tokens, no prefill, no pace.

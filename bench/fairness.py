@@ -11,7 +11,7 @@ Each scenario runs against its own `firsttoken serve` on 127.0.0.1 (the syntheti
 - **flood**: one target with `max_concurrency = 4` (routes file). Key `flood` opens 24 streams
   of 150 tokens; 0.3 s later key `steady` opens 4 and key `vip` (priority 1) opens 1. Each
   key's TTFT p50/p95 and how many of its streams completed. It measures the gateway's queue
-  in front of the target (routes/queue.py). **flood-fifo** sends the same streams to the
+  in front of the target (routing/queue.py). **flood-fifo** sends the same streams to the
   synthetic engine's batching simulation with `--batch-max 4` and no routes: the engine's own
   first come, first served line, as issue 29 measured it.
 

@@ -182,9 +182,9 @@ def measure(args: argparse.Namespace) -> dict[str, object]:
 
 def build_ms() -> float:
     """One snapshot (collect + build + encode) of a server with 20 routes and keys, in process."""
-    from firsttoken.observability import Metrics
     from firsttoken.ops.feed import frame
     from firsttoken.ops.snapshot import Snapshots
+    from firsttoken.telemetry.metrics import Metrics
 
     metrics, snaps = Metrics(), Snapshots()
     for i in range(20):

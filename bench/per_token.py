@@ -38,8 +38,8 @@ from firsttoken.core.stream import Stream
 from firsttoken.core.writer import EventWriter
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import Plan, SyntheticEngine, _Run
-from firsttoken.observability import Metrics
 from firsttoken.resume import EventLog
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.transport import ChunkedBody
 

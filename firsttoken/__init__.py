@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from firsttoken.version import __version__ as __version__
+
 __all__ = [
     "Delta",
     "Engine",
@@ -19,7 +21,6 @@ __all__ = [
     "SyntheticEngine",
     "create_app",
 ]
-__version__ = "0.1.0"
 
 _WHERE = {
     "create_app": "firsttoken.app",

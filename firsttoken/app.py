@@ -27,23 +27,23 @@ from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
-from firsttoken.observability import Metrics, log_event
 from firsttoken.ops import OpsView
 from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
 from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
-from firsttoken.routes import RoutedEngine, build_engine, routes_in
-from firsttoken.routes.live import LiveRoutes
-from firsttoken.runtime_metrics import RuntimeCollector
+from firsttoken.routing import RoutedEngine, build_engine, routes_in
+from firsttoken.routing.live import LiveRoutes
+from firsttoken.telemetry.metrics import Metrics, log_event
+from firsttoken.telemetry.runtime import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
 from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
-    from firsttoken.telemetry import Telemetry
+    from firsttoken.telemetry.otel import Telemetry
 
-__all__ = ["RawSendApp", "asgi_app", "create_app", "direct_routes"]
+__all__ = ["HotRouteApp", "asgi_app", "create_app", "direct_routes"]
 
 WEB_DIR = Path(__file__).parent / "web"
 
@@ -168,7 +168,7 @@ def _telemetry(
     """--otlp-endpoint: spans and GenAI metrics, fed by the registry and the routes."""
     if not settings.otlp_endpoint:
         return None
-    from firsttoken.telemetry import Telemetry  # the SDK is imported only when asked for
+    from firsttoken.telemetry.otel import Telemetry  # the SDK is imported only when asked for
 
     telemetry = Telemetry(settings.otlp_endpoint)
     registry.tracer = telemetry
@@ -214,7 +214,7 @@ def asgi_app(starlette: Starlette) -> ASGIApp:
 
     CORS acts on the preflight and on each response's start message only: the event-stream
     body is written past it, so it costs nothing per token."""
-    app: ASGIApp = RawSendApp(starlette)
+    app: ASGIApp = HotRouteApp(starlette)
     settings: Settings = starlette.state.gateway.settings
     if settings.cors_allow_origins:
         origins = [o.strip() for o in settings.cors_allow_origins.split(",") if o.strip()]
@@ -229,13 +229,13 @@ def asgi_app(starlette: Starlette) -> ASGIApp:
     return app
 
 
-def direct_routes(app: ASGIApp) -> RawSendApp | None:
+def direct_routes(app: ASGIApp) -> HotRouteApp | None:
     """What our protocol may serve past the ASGI layers: the hot routes, unless a layer
     must see them (CORS wraps the app when it is on)."""
-    return app if isinstance(app, RawSendApp) else None
+    return app if isinstance(app, HotRouteApp) else None
 
 
-class RawSendApp:
+class HotRouteApp:
     """The outermost ASGI layer.
 
     - It leaves the server's own `send` in the scope, so a streaming response can end its body

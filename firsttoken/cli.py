@@ -9,8 +9,8 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from firsttoken import __version__
 from firsttoken.config import usage_error
+from firsttoken.version import __version__
 
 __all__ = ["main"]
 

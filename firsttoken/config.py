@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, NoReturn
 from urllib.parse import urlsplit
 
-from firsttoken import __version__
+from firsttoken.version import __version__
 
 __all__ = [
     "Needs",

@@ -2,7 +2,7 @@
 
 A floor of its own, below the wire: the engines make deltas, the core passes them on, and the
 wire's renderers turn them into bytes, so none of those rooms imports another for them.
-`firsttoken.engines.base` names them too, beside the rest of the engine interface.
+`firsttoken.generation` names them too, beside the rest of the engine interface.
 """
 
 from __future__ import annotations

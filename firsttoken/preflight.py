@@ -79,7 +79,7 @@ def _canned(path: str) -> None:
 
 
 def _routes(settings: Settings, path: str) -> None:
-    from firsttoken.routes.config import RoutesError, load_routes
+    from firsttoken.routing.config import RoutesError, load_routes
 
     try:
         table = load_routes(path)

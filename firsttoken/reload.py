@@ -32,9 +32,9 @@ from firsttoken.api.gateway import Gateway
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines import EngineError
 from firsttoken.engines.cache import CachedEngine, load_canned
-from firsttoken.observability import key_label, log_event
-from firsttoken.routes import RouteTable, load_routes
-from firsttoken.routes.live import LiveRoutes
+from firsttoken.routing import RouteTable, load_routes
+from firsttoken.routing.live import LiveRoutes
+from firsttoken.telemetry.metrics import key_label, log_event
 
 __all__ = [
     "ConfigFiles",

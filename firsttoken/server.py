@@ -23,9 +23,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from firsttoken.api.gateway import Gateway
 from firsttoken.app import asgi_app, create_app, direct_routes
 from firsttoken.config import Settings, unknown_variables
-from firsttoken.observability import configure_logging, flush_logs, log_event
 from firsttoken.preflight import StartupError, describe, preflight
 from firsttoken.reload import Reloader
+from firsttoken.telemetry.metrics import configure_logging, flush_logs, log_event
 from firsttoken.wire.connection import StreamingProtocol
 from firsttoken.workers import Supervisor
 

@@ -10,7 +10,7 @@ dependencies, its own socket binding and logging. Fork keeps the socket, the set
 copy-on-write memory; the rest is this module.
 
 Each worker gets a name (`w0`, `w1`, ... never reused) under which it shares its metrics in a
-temporary directory (`observability.share_across_workers`); when it dies, its counters are
+temporary directory (`telemetry.metrics.share_across_workers`); when it dies, its counters are
 folded into the directory's retired total, so `/metrics` keeps counting them.
 """
 
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from firsttoken.observability import flush_logs, fold_worker, log_event, share_across_workers
+from firsttoken.telemetry.metrics import flush_logs, fold_worker, log_event, share_across_workers
 
 __all__ = ["Supervisor"]
 

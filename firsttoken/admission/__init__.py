@@ -41,10 +41,10 @@ from firsttoken.admission.spend import MemorySpend, SpendHold, period_of, period
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Usage
-from firsttoken.engines.base import DEFAULT_ANSWER_TOKENS
+from firsttoken.generation import DEFAULT_ANSWER_TOKENS
 from firsttoken.ledger import Ledger
-from firsttoken.observability import OPEN_KEY, Metrics, key_label, log_event
 from firsttoken.pricing import Leg, TokenCounts, money_text
+from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label, log_event
 from firsttoken.wire.errors import APIError
 
 __all__ = [

@@ -123,7 +123,7 @@ def _sha256(value: Any) -> str:
     return value.lower()
 
 
-# Route names are 1-128 of these (routes/config.py); a pattern adds fnmatch's * ? [ ] !.
+# Route names are 1-128 of these (routing/config.py); a pattern adds fnmatch's * ? [ ] !.
 _ROUTE_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:/-")
 _GLOB = re.compile(r"^(?:[^\[\]]|\[!?[^\[\]]+\])+$")  # brackets only as whole [...] sets
 

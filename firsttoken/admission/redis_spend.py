@@ -16,8 +16,8 @@ from typing import Any
 import anyio
 
 from firsttoken.admission.spend import Budget, MemorySpend, SpendHold, period_of
-from firsttoken.observability import log_event
 from firsttoken.redisclient import REDIS_DOWN
+from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["RedisSpend"]
 

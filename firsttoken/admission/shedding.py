@@ -18,7 +18,7 @@ from pathlib import Path
 import anyio
 
 from firsttoken.config import Settings
-from firsttoken.observability import Metrics, log_event
+from firsttoken.telemetry.metrics import Metrics, log_event
 
 __all__ = ["BreakerState", "LoadShedder", "memory_limit_bytes", "rss_bytes"]
 

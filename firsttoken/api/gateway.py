@@ -27,9 +27,9 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.observability import Metrics, key_label, log_event
 from firsttoken.resume import Claim
-from firsttoken.routes.splice import Transcript, continuation
+from firsttoken.routing.splice import Transcript, continuation
+from firsttoken.telemetry.metrics import Metrics, key_label, log_event
 from firsttoken.wire.anthropic import MessagesRenderer
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY

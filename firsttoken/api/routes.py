@@ -1,5 +1,5 @@
 """The API's routes, in one table: the app builds both its Starlette routes (under `/v1`) and
-the direct dispatch of the hot ones (`app.RawSendApp`, served past uvicorn's ASGI layers and
+the direct dispatch of the hot ones (`app.HotRouteApp`, served past uvicorn's ASGI layers and
 Starlette's router) from it. Adding a format is its folder and one line here."""
 
 from __future__ import annotations

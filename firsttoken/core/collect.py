@@ -16,7 +16,7 @@ import orjson
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines.base import EngineError
+from firsttoken.generation import EngineError
 from firsttoken.wire.assemble import ChatAnswer, ChatFold
 from firsttoken.wire.sse import event_payload
 

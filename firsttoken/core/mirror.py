@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines.base import EngineError, GenerationRequest
+from firsttoken.generation import EngineError, GenerationRequest
 from firsttoken.resume import EventStore, Orphan, StreamRecord, token_digest
 from firsttoken.resume.tailer import fail
 

@@ -7,7 +7,7 @@ With a shared store (Redis) a stream outlives the instance that generates it. A 
 of a stream whose owner is gone takes it over (`_take_over`): the store's claim makes this
 instance the owner (one wins), the stream is rebuilt from the request stored with it
 (`reopen`, the API's) and the events the store holds, and generation goes on from exactly the
-text sent: a splice (`routes/splice.py`) onto this instance's engine. The other side: a
+text sent: a splice (`routing/splice.py`) onto this instance's engine. The other side: a
 stream this instance generates is `move`d, not ended, when it hands its streams over at
 shutdown or learns another instance took it over (`_on_fenced`).
 """
@@ -28,17 +28,17 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
-from firsttoken.engines.base import Delta, Engine, EngineError, GenerationRequest
-from firsttoken.observability import (
+from firsttoken.generation import Delta, Engine, EngineError, GenerationRequest
+from firsttoken.resume import Claim, EventStore, MemoryStore, Orphan
+from firsttoken.resume.budget import ResumeBudget
+from firsttoken.resume.tailer import fail
+from firsttoken.telemetry.metrics import (
     LOOP_LAG_SAMPLE_S,
     Metrics,
     key_label,
     log_enabled,
     log_event,
 )
-from firsttoken.resume import Claim, EventStore, MemoryStore, Orphan
-from firsttoken.resume.budget import ResumeBudget
-from firsttoken.resume.tailer import fail
 
 __all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
 

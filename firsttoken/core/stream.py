@@ -24,8 +24,8 @@ from typing import Any, NamedTuple, Protocol
 import orjson
 
 from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
-from firsttoken.engines.base import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.eventlog import EventLog
+from firsttoken.generation import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.resume import StreamRecord, token_digest
 from firsttoken.wire.sse import DATA_FRAME, encode_event, token_frame
 

@@ -40,7 +40,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
-from firsttoken.observability import Metrics, key_label, log_event
+from firsttoken.telemetry.metrics import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.sse import PING, encode_event, response_headers, stamp

@@ -20,13 +20,6 @@ from typing import Any, ClassVar
 
 import orjson
 
-from firsttoken.engines.base import (
-    TARGET_FAULTS,
-    Delta,
-    EngineError,
-    GenerationRequest,
-    ToolCallDelta,
-)
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     UpstreamResponse,
@@ -35,6 +28,13 @@ from firsttoken.engines.upstream import (
     retry_after,
 )
 from firsttoken.engines.upstream_errors import generic, shaped_message
+from firsttoken.generation import (
+    TARGET_FAULTS,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.wire.sse import EventDecoder
 
 __all__ = [

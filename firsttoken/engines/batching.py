@@ -27,15 +27,6 @@ import anyio
 from anyio.abc import TaskGroup
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import (
-    BaseEngine,
-    Delta,
-    EngineError,
-    Generation,
-    GenerationRequest,
-    Sink,
-    StepEngine,
-)
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
@@ -47,6 +38,15 @@ from firsttoken.engines.synthetic import (
     finish_empty,
     options,
     push_part,
+)
+from firsttoken.generation import (
+    BaseEngine,
+    Delta,
+    EngineError,
+    Generation,
+    GenerationRequest,
+    Sink,
+    StepEngine,
 )
 
 __all__ = ["BatchingEngine"]

@@ -38,8 +38,8 @@ import anyio.lowlevel
 import orjson
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import BaseEngine, Delta, Engine, GenerationRequest
 from firsttoken.engines.text import apply_stop, split_words
+from firsttoken.generation import BaseEngine, Delta, Engine, GenerationRequest
 
 __all__ = ["CachedEngine", "load_canned"]
 

@@ -36,8 +36,8 @@ import anyio.to_thread
 from anyio.from_thread import BlockingPortal
 
 from firsttoken.config import Settings
-from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import estimate
+from firsttoken.generation import BaseEngine, Delta, EngineError, GenerationRequest
 
 if TYPE_CHECKING:
     from llama_cpp import Llama

@@ -3,7 +3,7 @@ llama.cpp server, OpenAI), one delta per upstream chunk, with errors normalised 
 `EngineError`.
 
 Choosing among upstreams, failing over and splicing a cut answer onto another are the routes'
-(`firsttoken/routes/`): this engine is one target.
+(`firsttoken/routing/`): this engine is one target.
 """
 
 from __future__ import annotations
@@ -14,13 +14,6 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import (
-    TARGET_FAULTS,
-    Delta,
-    EngineError,
-    GenerationRequest,
-    ToolCallDelta,
-)
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
     UpstreamResponse,
@@ -29,6 +22,13 @@ from firsttoken.engines.upstream import (
     retry_after,
 )
 from firsttoken.engines.upstream_errors import generic, shaped_message
+from firsttoken.generation import (
+    TARGET_FAULTS,
+    Delta,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]

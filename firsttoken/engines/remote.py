@@ -11,7 +11,6 @@ from urllib.parse import urlsplit
 
 import httpx
 
-from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
 from firsttoken.engines.text import count_words
 from firsttoken.engines.upstream import (
     ConnectError,
@@ -22,7 +21,8 @@ from firsttoken.engines.upstream import (
     UpstreamResponse,
 )
 from firsttoken.engines.upstream_errors import generic
-from firsttoken.observability import log_event
+from firsttoken.generation import BaseEngine, Delta, EngineError, GenerationRequest
+from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["WARM_CONNECTIONS", "RemoteEngine", "upstream_base"]
 

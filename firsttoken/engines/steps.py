@@ -8,10 +8,10 @@ from collections import deque
 from collections.abc import AsyncGenerator
 from typing import TYPE_CHECKING
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.generation import Delta, EngineError, GenerationRequest
 
 if TYPE_CHECKING:
-    from firsttoken.engines.base import StepEngine
+    from firsttoken.generation import StepEngine
 
 __all__ = ["pull"]
 

@@ -19,7 +19,10 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.base import (
+from firsttoken.engines.steps import pull
+from firsttoken.engines.styles import styled_pieces
+from firsttoken.engines.text import StopCut, count_words
+from firsttoken.generation import (
     BaseEngine,
     Delta,
     EngineError,
@@ -29,9 +32,6 @@ from firsttoken.engines.base import (
     StepEngine,
     ToolCallDelta,
 )
-from firsttoken.engines.steps import pull
-from firsttoken.engines.styles import styled_pieces
-from firsttoken.engines.text import StopCut, count_words
 
 __all__ = [
     "CACHE_BYTES",

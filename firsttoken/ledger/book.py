@@ -20,9 +20,9 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import Store, open_store
 from firsttoken.ledger.writer import LedgerWriter
-from firsttoken.observability import log_event
 from firsttoken.pricing import FREE, PICOS, Leg, Price, TokenCounts, answer_cost
-from firsttoken.routes.config import ModelRoute, RouteTable
+from firsttoken.routing.config import ModelRoute, RouteTable
+from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["Ledger"]
 

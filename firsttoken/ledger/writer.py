@@ -19,7 +19,7 @@ import anyio
 
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import Store
-from firsttoken.observability import log_event
+from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["LedgerWriter"]
 

@@ -23,7 +23,7 @@ from typing import Any
 
 __all__ = ["SLO", "Family", "Snapshots", "quantile"]
 
-# [name, type, help, [[sample name, labels, value], ...]], as observability.WorkerShare has it.
+# [name, type, help, [[sample name, labels, value], ...]], as telemetry.metrics.WorkerShare has it.
 Family = list[Any]
 
 # The service levels and the thresholds of deploy/prometheus/firsttoken.rules.yml.

@@ -1,6 +1,6 @@
 """The log lines the operator's feed forwards as they happen, and the last errors.
 
-`observability.log_event` hands every line to `LogTap.heard` (`tap_log_events`): a few dict
+`telemetry.metrics.log_event` hands every line to `LogTap.heard` (`tap_log_events`): a few dict
 lookups for the lines nobody watches (most of them: `stream.finished` of a completed stream),
 and for the others a small dict kept or queued. Nothing here is per token.
 
@@ -75,7 +75,7 @@ class LogTap:
         self._lock = threading.Lock()  # lines come from export threads too (otel)
 
     def heard(self, event: str, level: int, fields: dict[str, Any]) -> None:
-        """One log line (`observability.LogTap`)."""
+        """One log line (`telemetry.metrics.LogTap`)."""
         if event == "stream.finished":
             if fields.get("outcome") != "error":
                 self._failed_at.pop(str(fields.get("stream")), None)

@@ -60,7 +60,6 @@ from redis.asyncio.cluster import RedisCluster
 from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from firsttoken.eventlog import EventLog
-from firsttoken.observability import log_event
 from firsttoken.redisclient import (
     REDIS_DOWN,
     Liveness,
@@ -74,6 +73,7 @@ from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
 from firsttoken.resume.runs import decode_run, pack_counts, pack_lengths, run_first
 from firsttoken.resume.store import Claim, Orphan, StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
+from firsttoken.telemetry.metrics import log_event
 from firsttoken.wire.errors import APIError
 
 __all__ = ["RedisStore"]

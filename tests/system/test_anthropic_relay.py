@@ -12,7 +12,7 @@ import orjson
 import pytest
 
 from firsttoken.engines.anthropic_relay import AnthropicRelay
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
+from firsttoken.generation import Delta, EngineError, GenerationRequest
 from tests.servers import Server, run_server, wait_for
 from tests.upstreams import free_port
 

@@ -6,7 +6,7 @@ import re
 
 import httpx
 
-from firsttoken.observability import INTER_CHUNK_BUCKETS, TTFT_BUCKETS
+from firsttoken.telemetry.metrics import INTER_CHUNK_BUCKETS, TTFT_BUCKETS
 from tests.servers import Server, run_server, wait_for
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from firsttoken.observability import Metrics, WorkerShare, fold_worker
+from firsttoken.telemetry.metrics import Metrics, WorkerShare, fold_worker
 from firsttoken.workers import Supervisor
 from tests.servers import Server, parse_metrics, run_server, wait_for
 
@@ -184,6 +184,6 @@ def test_crash_loop_gives_up() -> None:
 @pytest.fixture(autouse=True)
 def _no_shared_state() -> None:
     """Metrics made here must not pick up a worker's sharing (set only in forked children)."""
-    import firsttoken.observability as obs
+    import firsttoken.telemetry.metrics as obs
 
     assert obs._share_as is None

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from firsttoken.engines.base import BaseEngine, Delta, EngineError, GenerationRequest
+from firsttoken.generation import BaseEngine, Delta, EngineError, GenerationRequest
 
 __all__ = ["ANSWER", "PROMPT_TOKENS", "Fail", "Scripted", "answer", "cut", "tokens"]
 

@@ -13,7 +13,7 @@ from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
-from firsttoken.observability import Metrics
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
 from tests.unit.clock import FakeClock
 

@@ -16,7 +16,7 @@ from firsttoken.api.bodies import APIError
 from firsttoken.api.pipeline import Ending
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.generation import Delta, ToolCallDelta
 from firsttoken.wire.anthropic import MessagesRenderer, message_object, stop_reason
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
 from firsttoken.wire.render import ChatRenderer

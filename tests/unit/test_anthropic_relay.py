@@ -18,8 +18,8 @@ from firsttoken.engines.anthropic_relay import (
     messages_body,
     read_stream,
 )
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
 from firsttoken.engines.upstream import retry_after
+from firsttoken.generation import Delta, EngineError, GenerationRequest, ToolCallDelta
 
 
 def body_of(chat: dict[str, Any], model: str | None = None, **fields: Any) -> dict[str, Any]:

@@ -10,12 +10,12 @@ from starlette.requests import Request
 from starlette.routing import Mount
 
 from firsttoken.api.routes import ROUTES
-from firsttoken.app import RawSendApp, create_app
+from firsttoken.app import HotRouteApp, create_app
 from firsttoken.config import Settings
 
 
 def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
-    app = RawSendApp(create_app(Settings()))
+    app = HotRouteApp(create_app(Settings()))
 
     async def crash(request: Request) -> Any:
         raise RuntimeError("a bug")
@@ -44,7 +44,7 @@ def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
 
 
 def test_the_hot_routes_are_found_by_method_and_path() -> None:
-    app = RawSendApp(create_app(Settings()))
+    app = HotRouteApp(create_app(Settings()))
     for path in ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages"):
         route = app.route("POST", path)
         assert route is not None and route[1] is None
@@ -104,7 +104,7 @@ def test_the_route_table_builds_both_the_asgi_routes_and_the_direct_dispatch() -
     assert [(r.path, sorted(r.methods or ())) for r in v1.routes] == [  # type: ignore[attr-defined]
         (r.path, sorted({r.method} | ({"HEAD"} if r.method == "GET" else set()))) for r in ROUTES
     ] + [("/admin/events", ["GET", "HEAD"])]
-    app = RawSendApp(starlette)
+    app = HotRouteApp(starlette)
     for route in ROUTES:
         path = "/v1" + route.path.replace("{stream_id}", "abc").replace("{model_id:path}", "m")
         found = app.route(route.method, path)

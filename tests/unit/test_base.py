@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from firsttoken.engines.base import GenerationRequest
+from firsttoken.generation import GenerationRequest
 
 CLEARED = {"prompt": "", "messages": None, "body": None, "options": {}}
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from firsttoken.ledger.book import Ledger
 from firsttoken.pricing import Leg, TokenCounts
-from firsttoken.routes.config import parse_routes
+from firsttoken.routing.config import parse_routes
 
 ROUTES = {
     "currency": "EUR",

@@ -9,7 +9,7 @@ import pytest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.generation import Delta, ToolCallDelta
 from firsttoken.wire.render import ChatRenderer
 
 

@@ -3,7 +3,7 @@ that grows with each ejection in a row (capped), one half-open probe, and Retry-
 
 from __future__ import annotations
 
-from firsttoken.routes.health import MAX_EJECT_S, MAX_RETRY_AFTER_S, TargetHealth
+from firsttoken.routing.health import MAX_EJECT_S, MAX_RETRY_AFTER_S, TargetHealth
 from tests.unit.clock import FakeClock
 
 

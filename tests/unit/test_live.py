@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import asyncio
 
-from firsttoken.engines.base import GenerationRequest
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
-from firsttoken.routes.engine import RoutedEngine
-from firsttoken.routes.live import LiveRoutes
-from firsttoken.routes.target import Target
+from firsttoken.generation import GenerationRequest
+from firsttoken.routing.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routing.engine import RoutedEngine
+from firsttoken.routing.live import LiveRoutes
+from firsttoken.routing.target import Target
 from tests.unit import virtual_loop
 from tests.unit.scripted import ANSWER, Scripted, answer, tokens
 

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from firsttoken.logsink import LineSink
+from firsttoken.telemetry.logsink import LineSink
 
 
 @pytest.fixture

@@ -7,8 +7,8 @@ from typing import Any
 
 import orjson
 
-from firsttoken.observability import Metrics
 from firsttoken.ops.feed import QUEUE_FRAMES, OpsFeed, changes
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.sse import EventDecoder
 from tests.unit.clock import FakeClock
 

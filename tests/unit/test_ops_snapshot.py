@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from firsttoken.observability import Metrics
 from firsttoken.ops.snapshot import HISTORY, SLO, WINDOW_S, Snapshots, quantile
+from firsttoken.telemetry.metrics import Metrics
 from tests.unit.clock import FakeClock
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from firsttoken.routes.queue import FairQueue, Waiter
+from firsttoken.routing.queue import FairQueue, Waiter
 
 LOOP = asyncio.new_event_loop()
 

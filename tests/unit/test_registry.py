@@ -15,11 +15,11 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.engines.base import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
 from firsttoken.engines.cache import CachedEngine
-from firsttoken.observability import Metrics
+from firsttoken.generation import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
 from firsttoken.resume import Claim, EventLog, MemoryStore, Orphan, ResumeExpired, StreamRecord
 from firsttoken.resume.budget import ResumeBudget
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
 

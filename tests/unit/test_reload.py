@@ -23,7 +23,7 @@ from firsttoken.reload import (
     unmatched_routes,
     unpriced_targets,
 )
-from firsttoken.routes.live import LiveRoutes
+from firsttoken.routing.live import LiveRoutes
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
 

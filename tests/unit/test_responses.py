@@ -23,7 +23,7 @@ from firsttoken.api.responses.adapter import (
     transcript,
 )
 from firsttoken.api.responses.protocol import ResponsesRequest
-from firsttoken.engines.base import Delta, ToolCallDelta
+from firsttoken.generation import Delta, ToolCallDelta
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage

@@ -11,12 +11,12 @@ from typing import Any
 
 import pytest
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest, ToolCallDelta
-from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
-from firsttoken.routes.engine import MAX_CHARS_PER_TOKEN, RoutedEngine
-from firsttoken.routes.health import TargetHealth
-from firsttoken.routes.seam import prefill_id
-from firsttoken.routes.target import Target
+from firsttoken.generation import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.routing.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
+from firsttoken.routing.engine import MAX_CHARS_PER_TOKEN, RoutedEngine
+from firsttoken.routing.health import TargetHealth
+from firsttoken.routing.seam import prefill_id
+from firsttoken.routing.target import Target
 from tests.unit import virtual_loop
 from tests.unit.scripted import ANSWER, PROMPT_TOKENS, Fail, Scripted, answer, cut, tokens
 
@@ -986,7 +986,7 @@ def test_a_short_prompt_is_answered_whole_by_the_small_target_even_with_a_handof
 
 
 def test_a_conversation_keeps_its_session_from_the_first_turn_on() -> None:
-    from firsttoken.routes.engine import _session_key
+    from firsttoken.routing.engine import _session_key
 
     q = {"role": "user", "content": "What are tides?"}
     turn1 = replace(chat(), messages=(q,))

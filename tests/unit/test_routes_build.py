@@ -11,9 +11,9 @@ from firsttoken.engines.batching import BatchingEngine
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.engines.relay import RelayEngine
 from firsttoken.engines.synthetic import SyntheticEngine
-from firsttoken.routes.build import build_engine, build_routes, engine_of, routes_in, shorthand
-from firsttoken.routes.config import parse_routes
-from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routing.build import build_engine, build_routes, engine_of, routes_in, shorthand
+from firsttoken.routing.config import parse_routes
+from firsttoken.routing.engine import RoutedEngine
 
 
 def test_the_upstream_shorthand_is_one_balanced_route_without_splices() -> None:

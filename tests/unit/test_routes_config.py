@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from firsttoken.routes.config import (
+from firsttoken.routing.config import (
     ModelRoute,
     RoutesError,
     TargetConfig,

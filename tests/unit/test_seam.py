@@ -3,8 +3,8 @@ hand, and the hand-off decision by time, bounded by `after_tokens` and sentence 
 
 from __future__ import annotations
 
-from firsttoken.engines.base import Delta, GenerationRequest
-from firsttoken.routes.seam import Pacer, Seam, prefill_id, prefill_request
+from firsttoken.generation import Delta, GenerationRequest
+from firsttoken.routing.seam import Pacer, Seam, prefill_id, prefill_request
 from tests.unit.clock import FakeClock
 
 

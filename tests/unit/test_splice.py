@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from firsttoken.engines.base import Delta, GenerationRequest, ToolCallDelta
-from firsttoken.routes.splice import Transcript, continuation, spliced_usage
+from firsttoken.generation import Delta, GenerationRequest, ToolCallDelta
+from firsttoken.routing.splice import Transcript, continuation, spliced_usage
 
 USER = {"role": "user", "content": "Say hello."}
 

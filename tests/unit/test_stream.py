@@ -17,8 +17,8 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
-from firsttoken.engines.base import BaseEngine, Delta, Generation, Sink, ToolCallDelta
-from firsttoken.observability import Metrics
+from firsttoken.generation import BaseEngine, Delta, Generation, Sink, ToolCallDelta
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
 

@@ -7,7 +7,6 @@ from typing import Any
 import pytest
 
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine, synthetic_tokens
-from firsttoken.engines.base import Delta
 from firsttoken.engines.synthetic import (
     _ANSWERS,
     CACHE_BYTES,
@@ -18,6 +17,7 @@ from firsttoken.engines.synthetic import (
     answer_parts,
 )
 from firsttoken.engines.text import count_words
+from firsttoken.generation import Delta
 from tests.unit.clock import FakeClock
 
 

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from firsttoken.engines.base import Delta, EngineError, GenerationRequest
-from firsttoken.routes.config import TargetConfig
-from firsttoken.routes.target import Target
+from firsttoken.generation import Delta, EngineError, GenerationRequest
+from firsttoken.routing.config import TargetConfig
+from firsttoken.routing.target import Target
 from tests.unit import virtual_loop
 from tests.unit.scripted import Scripted
 

@@ -14,7 +14,7 @@ from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
-from firsttoken.observability import Metrics
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import NativeRenderer
 from firsttoken.wire.transport import ChunkedBody
 from tests.unit.clock import FakeClock
@@ -278,7 +278,7 @@ def test_a_started_stream_lets_its_engine_run_before_its_first_write(
 
     from firsttoken.core.writer import EventStreamResponse
     from firsttoken.delta import Delta
-    from firsttoken.engines.base import BaseEngine
+    from firsttoken.generation import BaseEngine
 
     order: list[str] = []
 

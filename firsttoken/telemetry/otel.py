@@ -53,11 +53,11 @@ from opentelemetry.trace import (
 )
 from prometheus_client.core import CounterMetricFamily, Metric
 
-from firsttoken import __version__
 from firsttoken.core.stream import Outcome, Stream
-from firsttoken.engines.base import EngineError, GenerationRequest
-from firsttoken.observability import log_event
-from firsttoken.routes.config import TargetConfig
+from firsttoken.generation import EngineError, GenerationRequest
+from firsttoken.routing.config import TargetConfig
+from firsttoken.telemetry.metrics import log_event
+from firsttoken.version import __version__
 
 __all__ = ["ERROR_TYPES", "FLUSH_TIMEOUT_S", "Telemetry", "error_type"]
 

@@ -20,10 +20,10 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 
 from prometheus_client.core import Metric
 
-from firsttoken.engines.base import BaseEngine, Delta, GenerationRequest
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig
-from firsttoken.routes.engine import PHASES, RoutedEngine, RouteObserver
-from firsttoken.routes.target import Target
+from firsttoken.generation import BaseEngine, Delta, GenerationRequest
+from firsttoken.routing.config import ModelRoute, RouteTable, TargetConfig
+from firsttoken.routing.engine import PHASES, RoutedEngine, RouteObserver
+from firsttoken.routing.target import Target
 
 __all__ = ["LiveRoutes"]
 

@@ -7,18 +7,18 @@ import logging
 from collections.abc import AsyncGenerator, Mapping
 from dataclasses import replace
 
-from firsttoken.engines.base import (
+from firsttoken.engines.steps import pull
+from firsttoken.generation import (
     DEFAULT_ANSWER_TOKENS,
     Delta,
     Engine,
     EngineError,
     GenerationRequest,
 )
-from firsttoken.engines.steps import pull
-from firsttoken.observability import TTFT_BUCKETS, Histogram, log_event
-from firsttoken.routes.config import TargetConfig
-from firsttoken.routes.health import TargetHealth
-from firsttoken.routes.queue import FairQueue, Waiter
+from firsttoken.routing.config import TargetConfig
+from firsttoken.routing.health import TargetHealth
+from firsttoken.routing.queue import FairQueue, Waiter
+from firsttoken.telemetry.metrics import TTFT_BUCKETS, Histogram, log_event
 
 __all__ = ["HEDGE_MIN_S", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from firsttoken.engines.base import Delta, GenerationRequest
+from firsttoken.generation import Delta, GenerationRequest
 
 __all__ = ["Transcript", "continuation", "spliced_usage"]
 

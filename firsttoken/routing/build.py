@@ -8,10 +8,10 @@ from collections.abc import Mapping
 
 from firsttoken.config import Settings
 from firsttoken.engines import Engine
-from firsttoken.routes.config import ModelRoute, RouteTable, TargetConfig, load_routes
-from firsttoken.routes.engine import RoutedEngine
-from firsttoken.routes.live import LiveRoutes
-from firsttoken.routes.target import Target
+from firsttoken.routing.config import ModelRoute, RouteTable, TargetConfig, load_routes
+from firsttoken.routing.engine import RoutedEngine
+from firsttoken.routing.live import LiveRoutes
+from firsttoken.routing.target import Target
 
 __all__ = ["build_engine", "build_routes", "engine_of", "live_routes", "routes_in", "shorthand"]
 

@@ -34,7 +34,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.logsink import LineSink
+from firsttoken.telemetry.logsink import LineSink
 
 __all__ = [
     "KEY_TOKEN_KINDS",

@@ -26,19 +26,19 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.engines.base import (
+from firsttoken.generation import (
     TARGET_FAULTS,
     BaseEngine,
     Delta,
     EngineError,
     GenerationRequest,
 )
-from firsttoken.observability import log_event
-from firsttoken.routes.config import Handoff, ModelRoute, RouteTable, TargetConfig
-from firsttoken.routes.deadline import Deadline
-from firsttoken.routes.seam import Pacer, Seam, prefill_request
-from firsttoken.routes.splice import Transcript, continuation, spliced_usage
-from firsttoken.routes.target import Target
+from firsttoken.routing.config import Handoff, ModelRoute, RouteTable, TargetConfig
+from firsttoken.routing.deadline import Deadline
+from firsttoken.routing.seam import Pacer, Seam, prefill_request
+from firsttoken.routing.splice import Transcript, continuation, spliced_usage
+from firsttoken.routing.target import Target
+from firsttoken.telemetry.metrics import log_event
 
 __all__ = [
     "KNOWN_FIELDS",

@@ -1,8 +1,8 @@
 """Routes: many engines behind one gateway, with health, phase deadlines and the splice."""
 
-from firsttoken.routes.build import build_engine, build_routes, routes_in, shorthand
-from firsttoken.routes.config import ModelRoute, RoutesError, RouteTable, TargetConfig, load_routes
-from firsttoken.routes.engine import RoutedEngine
+from firsttoken.routing.build import build_engine, build_routes, routes_in, shorthand
+from firsttoken.routing.config import ModelRoute, RoutesError, RouteTable, TargetConfig, load_routes
+from firsttoken.routing.engine import RoutedEngine
 
 __all__ = [
     "ModelRoute",

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
-from firsttoken.engines.base import Delta, GenerationRequest
+from firsttoken.generation import Delta, GenerationRequest
 
 __all__ = ["Pacer", "Seam", "prefill_id", "prefill_request"]
 
