@@ -55,11 +55,12 @@ def open_store(url: str | None) -> Store:
 
 
 class MemoryStore:
-    """The records of this process's life, the newest `limit` of them."""
+    """The newest `limit` records of this process's life: a server without `--usage-db` runs
+    for months, and a record is ~0.5 KiB (a million would be ~0.5 GiB)."""
 
     shown = "memory"
 
-    def __init__(self, limit: int = 1_000_000) -> None:
+    def __init__(self, limit: int = 10_000) -> None:
         self.records: deque[UsageRecord] = deque(maxlen=limit)
 
     async def open(self) -> None:

@@ -152,3 +152,11 @@ async def test_the_records_say_their_currency(store: Store) -> None:
     assert await store.currency() is None
     await store.write(RECORDS)
     assert await store.currency() == "USD"
+
+
+@pytest.mark.anyio
+async def test_memory_keeps_only_the_newest_records() -> None:
+    store = MemoryStore(limit=2)
+    await store.write(RECORDS)
+    assert [r.request_id for r in store.records] == ["b", "c"]
+    assert MemoryStore().records.maxlen == 10_000  # a server without --usage-db runs for months
