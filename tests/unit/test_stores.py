@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 
 import anyio
@@ -42,7 +43,10 @@ RECORDS = [
 ]
 
 
-async def _opened(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> Store:
+@asynccontextmanager
+async def _opened(
+    kind: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> AsyncIterator[Store]:
     if kind == "memory":
         s: Store = MemoryStore()
     elif kind == "sqlite":
@@ -51,26 +55,23 @@ async def _opened(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> 
         pg: PostgresServer = request.getfixturevalue("postgres")
         s = PostgresStore(pg.new_database())
     await s.open()
-    return s
-
-
-@pytest.fixture(params=["memory", "sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
-    s = await _opened(request.param, request, tmp_path)
     try:
         yield s
     finally:
         await s.close()
+
+
+@pytest.fixture(params=["memory", "sqlite", "postgres"])
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+    async with _opened(request.param, request, tmp_path) as s:
+        yield s
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
 async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
     """A store that writes to a database (memory keeps what it is given: nothing retries)."""
-    s = await _opened(request.param, request, tmp_path)
-    try:
+    async with _opened(request.param, request, tmp_path) as s:
         yield s
-    finally:
-        await s.close()
 
 
 @pytest.fixture
