@@ -23,7 +23,7 @@ from bench.procs import RedisProcess, ServerProcess, check_out, raise_fd_limit
 from bench.report import compute_ratios, compute_targets, kept_pace, render, within_itl
 from bench.servers import BASELINE, BASELINE_REV, DURABLE, SERVERS, SUBJECT, ServerSpec
 from bench.sizes import Sizes
-from bench.stats import Samples
+from bench.stats import Samples, loadavg
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 WORKLOADS = ("overhead", "burst", "setup", "saturation", "idle", "abandonment")
@@ -47,7 +47,7 @@ class Bench:
                 "cpus": os.cpu_count(),
                 "python": platform.python_version(),
                 "mode": mode,
-                "loadavg_start": _loadavg(),
+                "loadavg_start": loadavg(),
                 "sizes": asdict(sizes),
                 "servers": [s.name for s in specs],
                 "baseline_rev": next((s.rev for s in specs if s.rev), None),
@@ -112,7 +112,7 @@ class Bench:
                 p.stop()
         # In this process, once the servers are gone: µs per token, stage by stage.
         self.res["per_token"] = await per_token.stages(*self.sizes.per_token)
-        self.res["meta"]["loadavg_end"] = _loadavg()
+        self.res["meta"]["loadavg_end"] = loadavg()
 
     async def _overhead(self, procs: Sequence[ServerProcess]) -> None:
         top = max(self.sizes.levels)
@@ -236,7 +236,7 @@ class Bench:
     def finish(self) -> str:
         res = self.res
         res["meta"].setdefault("idle_nominal", self.sizes.idle_streams)
-        res["meta"].setdefault("loadavg_end", _loadavg())
+        res["meta"].setdefault("loadavg_end", loadavg())
         res["ratios"] = compute_ratios(res)
         res["targets"] = compute_targets(res)
         res["notes"] = self.notes + _honesty_notes(res)
@@ -279,13 +279,6 @@ def _honesty_notes(res: dict[str, Any]) -> list[str]:
             f"{r['exact']}/{r['streams']} streams token-exact; problems {r['problems']}"
         )
     return notes
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 def main(argv: Sequence[str] | None = None) -> int:

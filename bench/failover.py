@@ -57,6 +57,7 @@ from bench.expected import chat_prompt
 from bench.procs import ROOT, ServerProcess, raise_fd_limit
 from bench.proxies import LITELLM_ENV, LITELLM_START_S, find_litellm, litellm_version
 from bench.servers import ServerSpec
+from bench.stats import loadavg
 from firsttoken.engines.synthetic import synthetic_tokens
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -980,13 +981,6 @@ def _commit() -> str:
         return "unknown"
 
 
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.failover", description=__doc__)
     parser.add_argument("--quick", action="store_true", help="100 streams, kill every 3 s")
@@ -1020,7 +1014,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "mode": "quick" if args.quick else "full",
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
             "sizes": asdict(sizes),
             "reference": {"requests": 0, "identical": 0},
             "litellm": {"status": "not tried"},
@@ -1030,7 +1024,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         asyncio.run(bench(args, sizes, res))
     finally:
-        res["meta"]["loadavg_end"] = _loadavg()
+        res["meta"]["loadavg_end"] = loadavg()
         res["targets"] = targets(res["runs"], sizes)
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "failover.json").write_text(json.dumps(res, indent=2, default=str))

@@ -73,6 +73,7 @@ from bench.procs import ROOT, ServerProcess, check_out, cpu_sample, raise_fd_lim
 from bench.proxies import _drive as drive
 from bench.proxies import find_litellm, launch_litellm, litellm_version
 from bench.servers import ServerSpec
+from bench.stats import loadavg
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
@@ -719,7 +720,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "mode": "quick" if args.quick else "full",
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
             "sizes": asdict(sizes),
             "vcpu_hour_usd": args.vcpu_hour_usd,
             "litellm": {"status": "not tried"},
@@ -734,7 +735,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvloop.run(bench(args, sizes, res))
     finally:
-        res["meta"]["loadavg_end"] = _loadavg()
+        res["meta"]["loadavg_end"] = loadavg()
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gateways.json").write_text(json.dumps(res, indent=2, default=str))
         text = render(res)
@@ -742,13 +743,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "gateways.txt").write_text(text + "\n")
     print(f"\nwrote {args.out / 'gateways.json'}", flush=True)
     return 0
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":

@@ -54,6 +54,7 @@ from bench.expected import PROMPT_VARIANTS, RequestSpec
 from bench.load import Capture, Plan, Run
 from bench.procs import ROOT, ServerProcess, check_out, cpu_sample, raise_fd_limit
 from bench.servers import ServerSpec
+from bench.stats import loadavg
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0", "--breaker-error-rate", "1")
@@ -724,7 +725,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
             "mode": "quick" if args.quick else "full",
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
             "sizes": {**asdict(sizes), "rounds": {lv: sizes.rounds_at(lv) for lv in sizes.levels}},
             "upstream": "python -m firsttoken serve " + " ".join(OPEN),
             "litellm": {"status": "not tried"},
@@ -737,7 +738,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         uvloop.run(bench(args, sizes, res))
     finally:
-        res["meta"]["loadavg_end"] = _loadavg()
+        res["meta"]["loadavg_end"] = loadavg()
         res["comparison"] = compare(res["runs"], sizes.levels)
         res["notes"] = notes(res)
         args.out.mkdir(parents=True, exist_ok=True)
@@ -747,13 +748,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "proxies.txt").write_text(text + "\n")
     print(f"\nwrote {args.out / 'proxies.json'}", flush=True)
     return 0
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
@@ -130,3 +131,11 @@ def summarize(
 def _kind(problem: str) -> str:
     """Group similar problems (drop the variable tail) so the JSON stays short."""
     return problem.split(":", 1)[0][:80]
+
+
+def loadavg() -> list[float]:
+    """The machine's load averages (1, 5, 15 min), for a run's header; [] where unknown."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return []

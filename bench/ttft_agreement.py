@@ -59,6 +59,7 @@ import numpy as np
 
 from bench.procs import ROOT, ServerProcess
 from bench.servers import SERVERS, SUBJECT
+from bench.stats import loadavg
 
 AIPERF_VERSION = "0.13.0"
 AIPERF_VENV = ROOT / ".venv" / "aiperf"
@@ -570,7 +571,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "mode": "quick" if args.quick else "full",
             "aiperf": str(binary),
             "aiperf_version": aiperf_version(binary),
-            "loadavg_start": _loadavg(),
+            "loadavg_start": loadavg(),
             "sizes": {
                 **asdict(sizes),
                 "requests": {lv: sizes.requests_at(lv) for lv in sizes.levels},
@@ -582,20 +583,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         bench(binary, sizes, out, res)
     finally:
-        res["meta"]["loadavg_end"] = _loadavg()
+        res["meta"]["loadavg_end"] = loadavg()
         (args.out / "ttft_agreement.json").write_text(json.dumps(res, indent=2, default=str))
     text = render(res)
     print(text, flush=True)
     (args.out / "ttft_agreement.txt").write_text(text + "\n")
     print(f"\nwrote {args.out / 'ttft_agreement.json'}", flush=True)
     return 0 if res["levels"] and all(r.get("ok") for r in res["levels"]) else 1
-
-
-def _loadavg() -> list[float]:
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return []
 
 
 if __name__ == "__main__":
