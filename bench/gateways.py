@@ -687,8 +687,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--targets",
         help=f"comma list of {','.join(TARGETS + OPTIONAL)} (default all but {','.join(OPTIONAL)})",
     )
-    parser.add_argument("--levels", help="comma list of streams at once (default 64,256,1024)")
-    parser.add_argument("--ladder", help="comma list for 'holds' (default 64,...,1024)")
+    parser.add_argument(
+        "--levels", type=_counts, help="comma list of streams at once (default 64,256,1024; none)"
+    )
+    parser.add_argument(
+        "--ladder", type=_counts, help="comma list for 'holds' (default 64,...,1024; none)"
+    )
     parser.add_argument("--rounds", type=int, help="c=1 rounds (default 20; 0: none)")
     parser.add_argument("--vcpu-hour-usd", type=float, default=0.05, help="price of CPU")
     parser.add_argument("--litellm", help="path to the `litellm` command")
@@ -704,13 +708,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results folder")
     args = parser.parse_args(argv)
     sizes = Sizes.quick() if args.quick else Sizes()
-    if args.levels:
-        levels = () if args.levels == "none" else tuple(int(x) for x in args.levels.split(","))
-        sizes = replace(
-            sizes, levels=levels, ladder=levels if args.levels == "none" else sizes.ladder
-        )
-    if args.ladder:
-        sizes = replace(sizes, ladder=tuple(int(x) for x in args.ladder.split(",")))
+    if args.levels is not None:
+        # `--levels none` is c=1 only: no ladder either, unless one is named.
+        sizes = replace(sizes, levels=args.levels, ladder=sizes.ladder if args.levels else ())
+    if args.ladder is not None:
+        sizes = replace(sizes, ladder=args.ladder)
     if args.rounds is not None:
         sizes = replace(sizes, rounds=args.rounds)
     raise_fd_limit(max((*sizes.levels, *sizes.ladder, 1)) * 4 + 1024)
@@ -743,6 +745,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         (args.out / "gateways.txt").write_text(text + "\n")
     print(f"\nwrote {args.out / 'gateways.json'}", flush=True)
     return 0
+
+
+def _counts(value: str) -> tuple[int, ...]:
+    """`--levels`/`--ladder`: stream counts, comma-separated, or `none`."""
+    if value == "none":
+        return ()
+    try:
+        counts = tuple(int(x) for x in value.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r}: stream counts like 64,256, or none") from None
+    if any(n < 1 for n in counts):
+        raise argparse.ArgumentTypeError(f"{value!r}: stream counts must be 1 or more")
+    return counts
 
 
 if __name__ == "__main__":
