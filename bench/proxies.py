@@ -177,7 +177,10 @@ def launch_litellm(binary: Path, upstream_url: str, out: Path) -> tuple[ServerPr
     cmd = [str(binary), "--config", str(config), "--port", str(port), "--host", "127.0.0.1"]
     t0 = time.monotonic()
     with log.open("wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=logs, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        try:
+            proc = subprocess.Popen(cmd, cwd=logs, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        except OSError as exc:  # a venv moved or half-installed: its interpreter is gone
+            raise RuntimeError(f"cannot run {binary}: {exc}") from None
     server = ServerProcess(ServerSpec("litellm", "LiteLLM proxy", "litellm", False), proc, log)
     url = f"http://127.0.0.1:{port}"
     while time.monotonic() - t0 < LITELLM_START_S:
