@@ -11,7 +11,7 @@ __all__ = ["listening_socket", "parse_serve_args"]
 
 def parse_serve_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespace:
     """`serve --host --port --synthetic-ttft-ms --synthetic-itl-ms --heartbeat-s`, as the
-    bench launches firsttoken and every baseline alike."""
+    bench launches firsttoken and every baseline alike; `--log-ttft` where a baseline has it."""
     parser = argparse.ArgumentParser(prog=prog)
     parser.add_argument("command", choices=["serve"])
     parser.add_argument("--host", default="127.0.0.1")
@@ -19,6 +19,9 @@ def parse_serve_args(prog: str, argv: Sequence[str] | None) -> argparse.Namespac
     parser.add_argument("--synthetic-ttft-ms", type=float, default=200.0)
     parser.add_argument("--synthetic-itl-ms", type=float, default=20.0)
     parser.add_argument("--heartbeat-s", type=float, default=15.0)
+    # A baseline's own TTFT, logged as firsttoken logs it (`stream.first_token`), for an
+    # outside client's TTFT to be held against (bench.ttft_agreement --floor).
+    parser.add_argument("--log-ttft", action="store_true")
     return parser.parse_args(argv)
 
 

@@ -18,7 +18,7 @@ import asyncio
 import json
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import orjson
@@ -69,8 +69,10 @@ class Connection(HttpToolsProtocol):
     """uvicorn's protocol, in the scope, telling its stream when the client has gone."""
 
     on_lost: Stream | None = None
+    began = 0.0  # the request's first byte (perf_counter), where firsttoken's TTFT starts
 
     def on_message_begin(self) -> None:
+        self.began = time.perf_counter()
         super().on_message_begin()
         self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
 
@@ -83,7 +85,18 @@ class Connection(HttpToolsProtocol):
 class Stream:
     """One response on the shared schedule: when its next token and ping are due (loop ms)."""
 
-    __slots__ = ("done", "finish", "hb_ms", "i", "itl_ms", "ping_at", "token_at", "tokens", "tr")
+    __slots__ = (
+        "done",
+        "finish",
+        "hb_ms",
+        "i",
+        "itl_ms",
+        "on_first",
+        "ping_at",
+        "token_at",
+        "tokens",
+        "tr",
+    )
 
     def __init__(
         self, tr: Any, tokens: list[str], finish: str, itl_ms: float, hb_ms: float
@@ -92,6 +105,7 @@ class Stream:
         self.itl_ms, self.hb_ms = itl_ms, hb_ms
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.i, self.token_at, self.ping_at = 0, 0.0, 0.0
+        self.on_first: Callable[[], None] | None = None  # --log-ttft: told once it is written
 
     def step(self, tick: int, now_ms: float) -> float | None:
         """Write what is due at `tick`; when this stream is next due, or None: it has ended."""
@@ -105,6 +119,8 @@ class Stream:
             if i < len(tokens):
                 self.i = i = i + 1
                 self.tr.write(_event(i, _PREFIX + orjson.dumps(tokens[i - 1]) + _SUFFIX))
+                if i == 1 and self.on_first is not None:
+                    self.on_first()
             if i >= len(tokens):
                 finish = _DELTA + b'{},"finish_reason":%b}]}' % orjson.dumps(self.finish)
                 self.tr.write(_event(i + 1, finish) + _chunk(_DONE))
@@ -147,7 +163,21 @@ class Ticker:
                 self._add(stream, at)
 
 
-def build_app(ttft_s: float, itl_s: float, heartbeat_s: float) -> Any:
+def _ttft_logger(connection: Connection, scope: dict[str, Any]) -> Callable[[], None]:
+    """The `stream.first_token` line firsttoken logs, for this request: its X-Request-ID as
+    the trace id, TTFT from its first byte to the first token's write."""
+    began = connection.began
+    rid = dict(scope["headers"]).get(b"x-request-id", b"").decode("latin-1")
+
+    def log() -> None:
+        ttft_ms = (time.perf_counter() - began) * 1000
+        line = {"event": "stream.first_token", "trace_id": rid, "ttft_ms": ttft_ms}
+        print(json.dumps({**line, "ts": time.time()}), flush=True)
+
+    return log
+
+
+def build_app(ttft_s: float, itl_s: float, heartbeat_s: float, log_ttft: bool = False) -> Any:
     ticker = Ticker()
 
     async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
@@ -167,6 +197,8 @@ def build_app(ttft_s: float, itl_s: float, heartbeat_s: float) -> Any:
         connection: Connection = scope[CONNECTION_KEY]
         stream = Stream(connection.transport, tokens, finish, itl * 1000, heartbeat_s * 1000)
         connection.on_lost = stream
+        if log_ttft:
+            stream.on_first = _ttft_logger(connection, scope)
         ticker.start(stream, ttft * 1000)
         await stream.done
         connection.on_lost = None
@@ -179,7 +211,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parse_serve_args("python -m bench.servers.uvicorn_floor", argv)
     sock = listening_socket(args.host, args.port)
     host, port = sock.getsockname()[:2]
-    app = build_app(args.synthetic_ttft_ms / 1000, args.synthetic_itl_ms / 1000, args.heartbeat_s)
+    app = build_app(
+        args.synthetic_ttft_ms / 1000, args.synthetic_itl_ms / 1000, args.heartbeat_s, args.log_ttft
+    )
     config = uvicorn.Config(
         app,
         loop="uvloop",

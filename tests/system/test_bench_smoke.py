@@ -7,10 +7,13 @@ writes its table, JSON and chart.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
 from pathlib import Path
+
+import httpx
 
 from bench.decode import decode
 from bench.expected import RequestSpec
@@ -158,3 +161,49 @@ def test_profile_top_frames() -> None:
     assert by_self[0] == ("g (a.py)", 3)
     assert inclusive == [("g (a.py)", 3)]  # frames on every stack are dropped
     assert top_frames(raw, 5, lines=True)[1][0] == ("g (a.py:3)", 3)
+
+
+def test_floor_logs_its_own_ttft_as_firsttoken_does(tmp_path: Path) -> None:
+    """bench.ttft_agreement --floor holds AIPerf's TTFT against the floor's own log line."""
+    from bench.procs import ServerProcess
+    from bench.servers import SERVERS
+    from bench.ttft_agreement import FLOOR, read_server
+
+    log = tmp_path / "floor.log"
+    spec = dataclasses.replace(SERVERS[FLOOR], extra=("--log-ttft",))
+    server = ServerProcess.launch(spec, log, ttft_ms=30, itl_ms=1, heartbeat_s=15.0)
+    try:
+        server.wait_ready()
+        body = {
+            "model": "synthetic",
+            "messages": [{"role": "user", "content": "hi"}],
+            "stream": True,
+        }
+        with httpx.Client(timeout=10) as client:
+            resp = client.post(
+                server.url + "/v1/chat/completions", json=body, headers={"x-request-id": "probe-1"}
+            )
+        assert resp.status_code == 200 and b'"content":' in resp.content
+    finally:
+        server.stop()
+    seen = read_server(log)
+    assert list(seen) == ["probe-1"]
+    assert 30 <= seen["probe-1"]["server_ms"] < 5_000
+
+
+def test_over_floor_is_the_difference_of_median_gaps() -> None:
+    from bench.servers import SUBJECT
+    from bench.ttft_agreement import FLOOR, over_floor
+
+    rows = [
+        {"concurrency": 10, "server": SUBJECT, "diff_ms": 5.0},
+        {"concurrency": 10, "server": SUBJECT, "diff_ms": 3.0},
+        {"concurrency": 10, "server": FLOOR, "diff_ms": 2.0},
+        {"concurrency": 10, "server": FLOOR, "diff_ms": 1.0},
+        {"concurrency": 1, "server": SUBJECT, "diff_ms": 9.0},  # no floor at 1: no verdict
+    ]
+    (row,) = over_floor(rows)
+    assert row["concurrency"] == 10 and row["rounds"] == 2
+    assert row["extra_ms"] == 4.0 - 1.5 and not row["ok"]
+    rows[0]["diff_ms"] = 1.0
+    assert over_floor(rows)[0]["ok"]  # 2.0 - 1.5 <= 2 ms
