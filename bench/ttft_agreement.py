@@ -77,6 +77,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 HIST = "firsttoken_ttft_seconds_bucket"
 QUANTILES = (50, 90, 99)
 REL_TOL, ABS_TOL_MS = 0.02, 1.0
+OWN_FLAGS = ("--log-level", "debug", "--trust-trace-headers")
 OVER_FLOOR_MS = 2.0  # firsttoken's client-server gap may exceed the floor's by this much
 
 # Run inside .venv/aiperf: train a byte-level BPE on the text AIPerf ships (offline, ~2 s).
@@ -505,14 +506,15 @@ def render(res: dict[str, Any]) -> str:
         "Verdict: |client p50 - server p50| <= max(2% of client p50, 1 ms).",
         "",
         f"{'conc':>4}  per-request gap client-server p50/p90/p99 (ms)   pre p50   post p50   "
-        "cold (n, gap p50, connect p50)   role chunk p50",
+        "cold (n, gap p50, connect p50)   role chunk p50   server, round",
     ]
     for r in res["levels"]:
         lines.append(
             f"{r['concurrency']:>4}  {_f(r['gap_p50_ms'], 3):>8} / {_f(r['gap_p90_ms'], 3)} / "
             f"{_f(r['gap_p99_ms'], 3):<22} {_f(r['pre_p50_ms'], 3):>7}  "
             f"{_f(r['post_p50_ms'], 3):>8}   {r['cold']:>3}, {_f(r['cold_gap_p50_ms'], 3)}, "
-            f"{_f(r['cold_connecting_p50_ms'], 3):<18} {_f(r['role_chunk_p50_ms'], 3)}"
+            f"{_f(r['cold_connecting_p50_ms'], 3):<18} {_f(r['role_chunk_p50_ms'], 3):<16} "
+            f"{r.get('server', SUBJECT)}, {r.get('round', 0)}"
         )
     lines += [
         "pre: AIPerf's start -> server's first byte; post: server's first token -> AIPerf parsed "
@@ -574,10 +576,9 @@ def bench(
         "aiperf": sorted(client_cpus) if client_cpus else None,
         "servers": sorted(server_cpus) if server_cpus else None,
     }
-    # At debug: the `stream.first_token` lines give each token's wall time as the server saw it.
-    specs = {
-        SUBJECT: replace(SERVERS[SUBJECT], extra=(*SERVERS[SUBJECT].extra, "--log-level", "debug"))
-    }
+    # At debug: the `stream.first_token` lines give each token's wall time as the server saw
+    # it; trusting trace headers makes AIPerf's X-Request-ID their trace id.
+    specs = {SUBJECT: replace(SERVERS[SUBJECT], extra=(*SERVERS[SUBJECT].extra, *OWN_FLAGS))}
     if floor:
         specs[FLOOR] = replace(SERVERS[FLOOR], extra=("--log-ttft",))
     servers: dict[str, ServerProcess] = {}
@@ -698,7 +699,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 **asdict(sizes),
                 "requests": {lv: sizes.requests_at(lv) for lv in sizes.levels},
             },
-            "server": " ".join(SERVERS[SUBJECT].command(sizes.ttft_ms, sizes.itl_ms, 15.0)[1:]),
+            "server": " ".join(
+                [*SERVERS[SUBJECT].command(sizes.ttft_ms, sizes.itl_ms, 15.0)[1:], *OWN_FLAGS]
+            ),
         },
         "levels": [],
     }

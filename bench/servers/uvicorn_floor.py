@@ -192,7 +192,8 @@ def build_app(ttft_s: float, itl_s: float, heartbeat_s: float, log_ttft: bool = 
         ttft = ttft_s if knobs.get("ttft_ms") is None else knobs["ttft_ms"] / 1000
         itl = itl_s if knobs.get("itl_ms") is None else knobs["itl_ms"] / 1000
         prompt = chat_prompt(request["messages"])
-        tokens, finish = synthetic_tokens(prompt, request.get("seed"), request.get("max_tokens"))
+        limit = request.get("max_tokens") or request.get("max_completion_tokens")
+        tokens, finish = synthetic_tokens(prompt, request.get("seed"), limit)
         await send(_START)
         connection: Connection = scope[CONNECTION_KEY]
         stream = Stream(connection.transport, tokens, finish, itl * 1000, heartbeat_s * 1000)
