@@ -3,17 +3,20 @@ process, so the figure is not lost in the noise of separate processes.
 
 The server's real objects, on uvloop: the engine `--engine openai --upstream URL` builds (a
 one-route `RoutedEngine` over a `RelayEngine`), the registry's `_Pulled` task pushing its
-deltas into a `Stream`, and an `EventWriter` writing to a loopback TCP socket. The upstream
-is a loopback server in the same loop that answers with an event stream and writes one SSE
-chunk when told; the client is a protocol in the same loop that notes when a frame arrives.
+deltas into a `Stream`, and an `EventWriter` writing its frames. The upstream is a loopback
+server in the same loop; once it has answered the head, each timed chunk is handed to the
+upstream connection's protocol (`data_received`, as the loop would on a read), and the
+writer's transport notes when the client's frame is written. No syscall is timed, only the
+gateway's Python and the one loop wake between the protocol and the stream's task.
 
-- per chunk: the upstream writes one chunk, the client's socket gets its frame; the time
-  between, in µs (median over the chunks of each stream). Two loopback hops and three loop
-  wake-ups are in it too, the same for every tree: compare trees, not to zero.
+- per chunk: an upstream chunk's bytes in → the client's frame written, in µs (median over
+  the chunks of each stream, then over the streams);
 - first chunk: the same, for the stream's first content chunk (its route leg's first-token
-  bookkeeping, the stream's first frame).
+  bookkeeping, the stream's first frame);
 - request out: from the `_Pulled` task's start to the upstream's reading the request's last
-  byte (the request's own path: its body, the route's choice, the connection).
+  byte, over loopback (the request's own path: its body, the route's choice, the write);
+- floor: bytes handed to a protocol that wakes a task, which writes: the one loop wake that
+  any design with a task per stream pays.
 
 `--rev REV` runs the same measurement on another commit's `firsttoken/` (a `git archive` in
 a temporary folder), in turns with this tree's, and prints both: the before and after of a
@@ -118,14 +121,20 @@ class _Upstream(asyncio.Protocol):
         self.bench.asked(self)
 
 
-class _Client(asyncio.Protocol):
-    """The client's socket: each arrival's time, for the bench to wait on."""
+class _Client:
+    """The writer's transport: each frame's time, for the bench to wait on."""
 
     def __init__(self, bench: _Bench) -> None:
         self.bench = bench
 
-    def data_received(self, data: bytes) -> None:
+    def write(self, data: bytes) -> None:
         self.bench.arrived(data)
+
+    def get_write_buffer_size(self) -> int:
+        return 0
+
+    def is_closing(self) -> bool:
+        return False
 
 
 class _Bench:
@@ -134,7 +143,6 @@ class _Bench:
         self.asked_at = 0.0
         self.upstream: asyncio.Future[_Upstream] | None = None
         self.frame: asyncio.Future[float] | None = None
-        self.received = b""
 
     def asked(self, conn: _Upstream) -> None:
         self.asked_at = time.perf_counter()
@@ -143,7 +151,6 @@ class _Bench:
 
     def arrived(self, data: bytes) -> None:
         now = time.perf_counter()
-        self.received += data
         if self.frame is not None and not self.frame.done() and b"tok" in data:
             self.frame.set_result(now)
 
@@ -153,7 +160,7 @@ async def _one_stream(
     engine: Any,
     registry: Any,
     metrics: Any,
-    client: asyncio.Transport,
+    client: _Client,
     n: int,
     chunks: int,
 ) -> tuple[float, float, list[float]]:
@@ -206,13 +213,20 @@ async def _one_stream(
     transport = up.transport
     assert transport is not None
     transport.write(_HEAD + _ROLE)
+    for _ in range(2000):  # until the head and the role chunk have come through
+        conn = _relaying(engine)
+        if conn is not None:
+            break
+        await asyncio.sleep(0.0005)
+    assert conn is not None
     times: list[float] = []
     for i in range(chunks):
         bench.frame = bench.loop.create_future()
+        data = _chunk(i)
         sent = time.perf_counter()
-        transport.write(_chunk(i))
+        conn.data_received(data)
         times.append(await bench.frame - sent)
-    transport.write(_END)
+    conn.data_received(_END)
     await task
     stream.log.detach(writer)
     assert stream.outcome is not None
@@ -229,10 +243,7 @@ async def _measure(streams: int, chunks: int) -> dict[str, float]:
     bench = _Bench()
     server = await loop.create_server(lambda: _Upstream(bench), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
-    sink = await loop.create_server(lambda: _Client(bench), "127.0.0.1", 0)
-    client, _ = await loop.create_connection(
-        asyncio.Protocol, "127.0.0.1", sink.sockets[0].getsockname()[1]
-    )
+    client = _Client(bench)
     settings = Settings(engine="openai", upstream=f"http://127.0.0.1:{port}")
     engine = build_engine(settings)
     await engine.start()
@@ -253,15 +264,55 @@ async def _measure(streams: int, chunks: int) -> dict[str, float]:
             per_chunk.append(statistics.median(rest))
     finally:
         await engine.close()
-        client.close()
         server.close()
-        sink.close()
     us = 1e6
     return {
         "per chunk": statistics.median(per_chunk) * us,
         "first chunk": statistics.median(firsts) * us,
         "request out": statistics.median(outs) * us,
+        "floor": await _floor(chunks) * us,
     }
+
+
+def _relaying(engine: Any) -> Any:
+    """The upstream connection carrying the stream now (the relay's pool's busy one)."""
+    for target in engine.targets.values():
+        for conn in target.engine._pool._busy:
+            if conn.response is not None and conn.response.status_code:
+                return conn
+    return None
+
+
+async def _floor(chunks: int) -> float:
+    """Median s from bytes handed to a protocol to a task's write of them: one loop wake."""
+    loop = asyncio.get_running_loop()
+    box: list[bytes] = []
+    waiter: list[asyncio.Future[None]] = []
+    written: list[asyncio.Future[float]] = []
+
+    def received(data: bytes) -> None:
+        box.append(data)
+        if waiter and not waiter[0].done():
+            waiter[0].set_result(None)
+
+    async def relay() -> None:
+        for _ in range(chunks):
+            if not box:
+                waiter[:] = [loop.create_future()]
+                await waiter[0]
+            box.clear()
+            written[0].set_result(time.perf_counter())
+
+    task = loop.create_task(relay())
+    await asyncio.sleep(0)
+    times = []
+    for i in range(chunks):
+        written[:] = [loop.create_future()]
+        sent = time.perf_counter()
+        received(_chunk(i))
+        times.append(await written[0] - sent)
+    await task
+    return statistics.median(times)
 
 
 def measure(streams: int = 30, chunks: int = 200) -> dict[str, float]:
@@ -310,7 +361,7 @@ def _table(results: dict[str, list[dict[str, float]]]) -> str:
         "RELAYED CHUNK — µs, median of runs (in process, uvloop, loopback upstream and client)"
     ]
     lines.append(f"{'':14}" + "".join(f"{n:>14}" for n in names))
-    for figure in ("per chunk", "first chunk", "request out"):
+    for figure in ("per chunk", "first chunk", "request out", "floor"):
         row = [statistics.median(r[figure] for r in results[n]) for n in names]
         lines.append(f"{figure:14}" + "".join(f"{v:>14.1f}" for v in row))
     return "\n".join(lines)
