@@ -13,8 +13,9 @@ gateway's Python and the one loop wake between the protocol and the stream's tas
   the chunks of each stream, then over the streams);
 - first chunk: the same, for the stream's first content chunk (its route leg's first-token
   bookkeeping, the stream's first frame);
-- request out: from the `_Pulled` task's start to the upstream's reading the request's last
-  byte, over loopback (the request's own path: its body, the route's choice, the write);
+- request out: from the `_Pulled` task's start to the upstream request's write (the
+  request's own path: the route's choice, the leg, its body, the request's bytes), and
+  request in: to the upstream's reading its last byte, over loopback;
 - floor: bytes handed to a protocol that wakes a task, which writes: the one loop wake that
   any design with a task per stream pays.
 
@@ -141,6 +142,7 @@ class _Bench:
     def __init__(self) -> None:
         self.loop = asyncio.get_running_loop()
         self.asked_at = 0.0
+        self.written_at = 0.0
         self.upstream: asyncio.Future[_Upstream] | None = None
         self.frame: asyncio.Future[float] | None = None
 
@@ -163,8 +165,8 @@ async def _one_stream(
     client: _Client,
     n: int,
     chunks: int,
-) -> tuple[float, float, list[float]]:
-    """(request out s, first chunk s, later chunks s) of one relayed stream."""
+) -> tuple[float, float, float, list[float]]:
+    """(request out s, request in s, first chunk s, later chunks s) of one relayed stream."""
     from firsttoken.core.registry import _Pulled
     from firsttoken.core.stream import Stream
     from firsttoken.core.writer import EventWriter
@@ -209,7 +211,8 @@ async def _one_stream(
     started = time.perf_counter()
     task = bench.loop.create_task(pulled.run())
     up = await bench.upstream
-    request_out = bench.asked_at - started
+    request_out = bench.written_at - started
+    request_in = bench.asked_at - started
     transport = up.transport
     assert transport is not None
     transport.write(_HEAD + _ROLE)
@@ -230,7 +233,7 @@ async def _one_stream(
     await task
     stream.log.detach(writer)
     assert stream.outcome is not None
-    return request_out, times[0], times[1:]
+    return request_out, request_in, times[0], times[1:]
 
 
 async def _measure(streams: int, chunks: int) -> dict[str, float]:
@@ -244,22 +247,33 @@ async def _measure(streams: int, chunks: int) -> dict[str, float]:
     server = await loop.create_server(lambda: _Upstream(bench), "127.0.0.1", 0)
     port = server.sockets[0].getsockname()[1]
     client = _Client(bench)
+    from firsttoken.engines.upstream import _Connection
+
+    send = _Connection.send
+
+    def sent(conn: Any, data: bytes) -> Any:
+        bench.written_at = time.perf_counter()  # the request's bytes, about to be written
+        return send(conn, data)
+
+    _Connection.send = sent  # type: ignore[method-assign,assignment]
     settings = Settings(engine="openai", upstream=f"http://127.0.0.1:{port}")
     engine = build_engine(settings)
     await engine.start()
     metrics = Metrics()
     registry = StreamRegistry(engine, metrics, ttl_s=1.0)
     outs: list[float] = []
+    ins: list[float] = []
     firsts: list[float] = []
     per_chunk: list[float] = []
     try:
         for n in range(streams + 2):
-            out, first, rest = await _one_stream(
+            out, in_, first, rest = await _one_stream(
                 bench, engine, registry, metrics, client, n, chunks
             )
             if n < 2:
                 continue  # warm-up: the first connections, the first calls
             outs.append(out)
+            ins.append(in_)
             firsts.append(first)
             per_chunk.append(statistics.median(rest))
     finally:
@@ -270,6 +284,7 @@ async def _measure(streams: int, chunks: int) -> dict[str, float]:
         "per chunk": statistics.median(per_chunk) * us,
         "first chunk": statistics.median(firsts) * us,
         "request out": statistics.median(outs) * us,
+        "request in": statistics.median(ins) * us,
         "floor": await _floor(chunks) * us,
     }
 
@@ -361,7 +376,7 @@ def _table(results: dict[str, list[dict[str, float]]]) -> str:
         "RELAYED CHUNK — µs, median of runs (in process, uvloop, loopback upstream and client)"
     ]
     lines.append(f"{'':14}" + "".join(f"{n:>14}" for n in names))
-    for figure in ("per chunk", "first chunk", "request out", "floor"):
+    for figure in ("per chunk", "first chunk", "request out", "request in", "floor"):
         row = [statistics.median(r[figure] for r in results[n]) for n in names]
         lines.append(f"{figure:14}" + "".join(f"{v:>14.1f}" for v in row))
     return "\n".join(lines)

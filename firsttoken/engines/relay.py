@@ -208,7 +208,10 @@ class RelayEngine(RemoteEngine):
                 if reader.failure is not None:
                     raise reader.failure
                 if reader.ended:
-                    await drain(resp.aiter_raw() if decoded is None else decoded)
+                    if decoded is not None:
+                        await drain(decoded)
+                    elif not resp.ended:  # the body's end usually came with [DONE]
+                        await drain(resp.aiter_raw())
                     break
             last = reader.last(ctype)
             if rid not in self._aborted:
