@@ -337,6 +337,7 @@ class _ChunkReader(EventDecoder):
                 raise normalise_error(text.encode(), bare=True)
             if self._one(text, out):
                 return
+        self.comments.clear()  # heartbeats: nothing to keep for a whole answer
         if self.pending_bytes() > _MAX_EVENT_BYTES:
             raise _bad_response(f"an event over {_MAX_EVENT_BYTES} bytes (malformed SSE)")
 

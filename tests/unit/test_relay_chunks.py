@@ -85,3 +85,10 @@ def test_data_that_is_not_json_is_a_bad_response() -> None:
     reader = _ChunkReader(chat=True)
     assert reader.feed_deltas(b"data: {nope\n\n") == []
     assert reader.failure is not None and reader.failure.code == "upstream_bad_response"
+
+
+def test_heartbeat_comments_are_not_kept() -> None:
+    reader = _ChunkReader(chat=True)
+    for _ in range(100):
+        assert reader.feed_deltas(b": keep-alive\n\n") == []
+    assert reader.comments == []
