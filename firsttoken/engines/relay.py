@@ -16,6 +16,7 @@ import orjson
 
 from firsttoken.engines.remote import RemoteEngine
 from firsttoken.engines.upstream import (
+    UpstreamError,
     UpstreamResponse,
     drain,
     plain_text,
@@ -168,71 +169,66 @@ class RelayEngine(RemoteEngine):
             if knobs:
                 body["synthetic"] = knobs
 
-    def _stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+    async def _stream(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        """One request's deltas, in one loop: the POST, the body's bytes as they come
+        (`UpstreamResponse.take`), SSE decoded and each chunk parsed (`_ChunkReader`), each
+        delta yielded. No generator of the upstream client's or the remote engine's in
+        between: per upstream read, one wake of this generator and plain calls."""
         path, body = self._body(request)
-        chat = path == "/chat/completions"
-        return self.post(
-            request,
-            path,
-            body,
-            lambda resp, raw: normalise_error(
-                raw, resp.status_code, resp.headers.get("retry-after")
-            ),
-            lambda resp: self._deltas(resp, chat),
-        )
-
-    async def _deltas(self, resp: UpstreamResponse, chat: bool) -> AsyncGenerator[Delta, None]:
-        ctype = resp.headers.get("content-type", "")
-        if "json" in ctype and "event-stream" not in ctype:
-            # A server that answers an error (or ignores `stream`) with one JSON body.
-            raise normalise_error(await resp.read_bounded(), resp.status_code)
-        # Raw bytes unless the upstream compressed anyway (we ask for identity).
-        identity = resp.headers.get("content-encoding", "identity") == "identity"
-        chunks = resp.aiter_raw() if identity else resp.aiter_bytes()
-        decoder = _UpstreamDecoder()
-        finish: str | None = None  # held until the usage chunk or [DONE]: it carries usage
-        usage: dict[str, Any] | None = None
-        received = 0
-        async for chunk in chunks:
-            received += len(chunk)
-            for event in decoder.feed(chunk):
-                data = event.data or ""
-                if event.event == "error":
-                    raise normalise_error(data.encode(), bare=True)
-                if data == "[DONE]":
-                    await drain(chunks)
-                    yield Delta("", finish or "stop", usage=usage)
-                    return
-                try:
-                    obj = orjson.loads(data)
-                except orjson.JSONDecodeError:
-                    raise _bad_response(f"non-JSON data: {data[:200]!r}") from None
-                if not isinstance(obj, dict):
-                    raise _bad_response(f"a JSON {type(obj).__name__} where a chunk belongs")
-                if "error" in obj or obj.get("object") == "error":
-                    raise normalise_error(data.encode())
-                if isinstance(obj.get("usage"), dict):
-                    usage = obj["usage"]
-                delta, finished = _chunk_delta(obj, chat)
-                if delta is not None:
+        rid = request.request_id
+        resp: UpstreamResponse | None = None
+        try:
+            resp = await self.send(request, path, body, _refused)
+            ctype = resp.headers.get("content-type", "")
+            if "json" in ctype and "event-stream" not in ctype:
+                # A server that answers an error (or ignores `stream`) with one JSON body.
+                raise normalise_error(await resp.read_bounded(), resp.status_code)
+            reader = _ChunkReader(path == "/chat/completions")
+            # Raw bytes unless the upstream compressed anyway (we ask for identity).
+            decoded = None
+            if resp.headers.get("content-encoding", "identity") != "identity":
+                decoded = resp.aiter_bytes()
+            while True:
+                if decoded is None:
+                    data = resp.take()
+                    if not data:
+                        if resp.ended:
+                            break
+                        await resp.wait()
+                        continue
+                else:
+                    data = await anext(decoded, b"")
+                    if not data:
+                        break
+                for delta in reader.feed_deltas(data):
+                    if rid in self._aborted:
+                        return  # not even what had already arrived
                     self.tokens_generated += 1
                     yield delta
-                if finished:
-                    finish = _FINISH.get(finished, finished)
-            if decoder.pending_bytes() > _MAX_EVENT_BYTES:
-                raise _bad_response(f"an event over {_MAX_EVENT_BYTES} bytes (malformed SSE)")
-        if finish is not None:
-            # Older TGI ends after the finish chunk without [DONE]: that is complete.
-            yield Delta("", finish, usage=usage)
-            return
-        if received and not decoder.saw_event:
-            # 200 and a body, but not a single event: a proxy's page, not an event stream.
-            raise _bad_response(f"no events in a {ctype or 'untyped'!r} body")
-        raise EngineError(
-            "upstream_truncated",
-            "the upstream ended the stream before it finished",
-            retryable=True,
-        )
+                if reader.failure is not None:
+                    raise reader.failure
+                if reader.ended:
+                    if decoded is not None:
+                        await drain(decoded)
+                    elif not resp.ended:  # the body's end usually came with [DONE]
+                        await drain(resp.aiter_raw())
+                    break
+            last = reader.last(ctype)
+            if rid not in self._aborted:
+                yield last
+        except (EngineError, UpstreamError) as exc:
+            error = self.settled(exc, request)
+            if error is None:
+                return  # our own abort: the stream ends quietly
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self.done(rid, resp)
+
+
+def _refused(resp: UpstreamResponse, raw: bytes) -> EngineError:
+    return normalise_error(raw, resp.status_code, resp.headers.get("retry-after"))
 
 
 def _bad_response(what: str) -> EngineError:
@@ -244,6 +240,8 @@ def _bad_response(what: str) -> EngineError:
 # Delta fields with a place in `Delta`; any other field is passed through as it came.
 _KNOWN = frozenset(("role", "content", "reasoning_content", "reasoning", "tool_calls", "refusal"))
 _OWN_STREAM_OPTIONS = ("coalesce", "meta", "timestamps")
+_PLAIN = frozenset(("content", "role"))  # a chunk of answer text alone
+_BOM = "\ufeff".encode()
 
 
 def _chunk_delta(obj: dict[str, Any], chat: bool) -> tuple[Delta | None, str | None]:
@@ -262,6 +260,13 @@ def _chunk_delta(obj: dict[str, Any], chat: bool) -> tuple[Delta | None, str | N
             return (Delta(text, logprobs=logprobs) if text else None), finish
         fields = choice.get("delta") or {}
         text = fields.get("content")
+        if (
+            type(text) is str
+            and not logprobs
+            and fields.keys() <= _PLAIN
+            and (finish is None or type(finish) is str)
+        ):
+            return (Delta(text) if text else None), finish  # the usual chunk, checked at once
         reasoning = fields.get("reasoning_content") or fields.get("reasoning")
         refusal = fields.get("refusal")
         _check(
@@ -291,10 +296,117 @@ def _check(obj: dict[str, Any], ok: bool) -> None:
         raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}")
 
 
-class _UpstreamDecoder(EventDecoder):
-    """SSE, plus llama.cpp server's `error: {json}` line (not an SSE field: it would be lost)."""
+class _ChunkReader(EventDecoder):
+    """An OpenAI-style event stream's bytes → deltas: SSE (plus llama.cpp server's
+    `error: {json}` line, not an SSE field: it would be lost), each event's JSON parsed once
+    and made a delta. `feed_deltas` is a plain call per upstream read; then `failure`, what
+    the upstream broke off with after those deltas, or `ended`, once `[DONE]` came."""
 
     saw_event = False
+
+    def __init__(self, chat: bool) -> None:
+        super().__init__()
+        self.chat = chat
+        self.ended = False
+        self.failure: EngineError | None = None
+        self.received = 0
+        self.finish: str | None = None  # held until the usage chunk or [DONE]: it has usage
+        self.usage: dict[str, Any] | None = None
+
+    def feed_deltas(self, chunk: bytes) -> list[Delta]:
+        """The deltas of what arrived, up to the upstream's error (`failure`: its own, or
+        `upstream_bad_response` for what is not a chunk) or `[DONE]`."""
+        out: list[Delta] = []
+        try:
+            self._deltas(chunk, out)
+        except EngineError as exc:
+            self.failure = exc
+        return out
+
+    def _deltas(self, chunk: bytes, out: list[Delta]) -> None:
+        self.received += len(chunk)
+        plain = self._plain(chunk)
+        if plain is not None:
+            for data in plain:
+                if self._one(data, out):
+                    return
+            return
+        for event in EventDecoder.feed(self, chunk):
+            text = event.data or ""
+            if event.event == "error":
+                raise normalise_error(text.encode(), bare=True)
+            if self._one(text, out):
+                return
+        self.comments.clear()  # heartbeats: nothing to keep for a whole answer
+        if self.pending_bytes() > _MAX_EVENT_BYTES:
+            raise _bad_response(f"an event over {_MAX_EVENT_BYTES} bytes (malformed SSE)")
+
+    def _plain(self, chunk: bytes) -> list[bytes] | None:
+        """Each event's data, when `chunk` is whole events of one `data:` line each with LF
+        line ends and nothing is held from before: what an upstream read almost always is,
+        split without decoding it to text first. None: the full decoder reads it."""
+        if (
+            not chunk.endswith(b"\n\n")
+            or b"\r" in chunk
+            or self._buffer
+            or self._has_fields
+            or self._event
+            or self._decoder_tail
+            or self._pending_cr
+            or (not self._started and chunk.startswith(_BOM))
+        ):
+            return None
+        out = []
+        for block in chunk[:-2].split(b"\n\n"):
+            if not block.startswith(b"data:") or b"\n" in block:
+                return None
+            out.append(block[6:] if block[5:6] == b" " else block[5:])
+        self._started = self.saw_event = True
+        return out
+
+    def _one(self, data: str | bytes, out: list[Delta]) -> bool:
+        """One event's data: its delta into `out`; True at `[DONE]`."""
+        if data == "[DONE]" or data == b"[DONE]":
+            self.ended = True
+            return True
+        try:
+            obj = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            text = data if isinstance(data, str) else data.decode("utf-8", "replace")
+            try:
+                obj = orjson.loads(text)  # the full decoder's text: bad UTF-8 replaced
+            except orjson.JSONDecodeError:
+                raise _bad_response(f"non-JSON data: {text[:200]!r}") from None
+        if not isinstance(obj, dict):
+            raise _bad_response(f"a JSON {type(obj).__name__} where a chunk belongs")
+        if "error" in obj or obj.get("object") == "error":
+            raise normalise_error(data if isinstance(data, bytes) else data.encode())
+        usage = obj.get("usage")
+        if isinstance(usage, dict):
+            self.usage = usage
+        delta, finished = _chunk_delta(obj, self.chat)
+        if delta is not None:
+            out.append(delta)
+        if finished:
+            self.finish = _FINISH.get(finished, finished)
+        return False
+
+    def last(self, ctype: str = "") -> Delta:
+        """The delta that ends the answer, with its usage: at `[DONE]`, or at the body's
+        end without one (raises what is wrong then)."""
+        if self.ended:
+            return Delta("", self.finish or "stop", usage=self.usage)
+        if self.finish is not None:
+            # Older TGI ends after the finish chunk without [DONE]: that is complete.
+            return Delta("", self.finish, usage=self.usage)
+        if self.received and not self.saw_event:
+            # 200 and a body, but not a single event: a proxy's page, not an event stream.
+            raise _bad_response(f"no events in a {ctype or 'untyped'!r} body")
+        raise EngineError(
+            "upstream_truncated",
+            "the upstream ended the stream before it finished",
+            retryable=True,
+        )
 
     def _line(self, line: str) -> ServerSentEvent | None:
         if line.startswith("error:"):

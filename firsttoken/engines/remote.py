@@ -126,41 +126,69 @@ class RemoteEngine(BaseEngine):
         refused: Callable[[UpstreamResponse, bytes], EngineError],
         read: Callable[[UpstreamResponse], AsyncGenerator[Delta, None]],
     ) -> AsyncGenerator[Delta, None]:
-        """Stream one request: POST `body` to `path` (the request id and the client's trace
-        go along), `refused(resp, body)` for an HTTP error answer, `read(resp)` for the
-        deltas. The response is closed at the end, early or not, so the upstream sees us
-        leave at once; a failure is mapped once, here (`_failed`)."""
+        """Stream one request: POST `body` to `path` (`send`), `read(resp)` for the deltas.
+        The response is closed at the end, early or not, so the upstream sees us leave at
+        once; a failure is mapped once (`settled`)."""
+        rid = request.request_id
+        resp: UpstreamResponse | None = None
+        try:
+            resp = await self.send(request, path, body, refused)
+            async with aclosing(read(resp)) as deltas:
+                async for delta in deltas:
+                    if rid in self._aborted:
+                        return  # not even what had already arrived
+                    yield delta
+        except (EngineError, UpstreamError) as exc:
+            error = self.settled(exc, request)
+            if error is None:
+                return  # our own abort: the stream ends quietly
+            if error is exc:
+                raise
+            raise error from exc
+        finally:
+            self.done(rid, resp)
+
+    async def send(
+        self,
+        request: GenerationRequest,
+        path: str,
+        body: bytes,
+        refused: Callable[[UpstreamResponse, bytes], EngineError],
+    ) -> UpstreamResponse:
+        """POST `body` to `path` (the request id and the client's trace go along): the
+        response once its head arrived, `refused(resp, body)` raised for an HTTP error
+        answer. The caller ends it with `done` (a `finally`), whatever happened."""
         if self._pool is None:
             raise EngineError("engine_unavailable", f"the {self.log_name} engine is not started")
         rid = request.request_id
         headers = {"x-request-id": rid}
         if request.traceparent is not None:  # the trace goes on upstream
             headers["traceparent"] = request.traceparent
-        resp: UpstreamResponse | None = None
-        try:
-            resp = await self._pool.request("POST", self.base + path, body, headers)
-            self._inflight[rid] = resp
-            if resp.status_code >= 400:
-                raise refused(resp, await resp.read_bounded())
-            async with aclosing(read(resp)) as deltas:
-                async for delta in deltas:
-                    if rid in self._aborted:
-                        return  # not even what had already arrived
-                    yield delta
-        except EngineError as exc:
+        resp = await self._pool.request("POST", self.base + path, body, headers)
+        self._inflight[rid] = resp
+        if resp.status_code >= 400:
+            raise refused(resp, await resp.read_bounded())
+        return resp
+
+    def settled(
+        self, exc: EngineError | UpstreamError, request: GenerationRequest
+    ) -> EngineError | None:
+        """What a failed request raises: an engine error as it is (the upstream's own text
+        logged), an upstream client's mapped (`_failed`); None for our own abort."""
+        if isinstance(exc, EngineError):
             if exc.upstream_said is not None:
                 self._said(exc, request)
-            raise
-        except UpstreamError as exc:
-            error = self._failed(exc, rid)
-            if error is None:
-                return  # our own abort: the stream ends quietly
-            raise error from exc
-        finally:
-            if resp is not None:
-                resp.close()
-            self._inflight.pop(rid, None)
-            self._aborted.discard(rid)
+            return exc
+        return self._failed(exc, request.request_id)
+
+    def done(self, request_id: str, resp: UpstreamResponse | None) -> None:
+        """The request is over: its response closed (before its end, the connection too)."""
+        inflight = self._inflight.pop(request_id, None)
+        if resp is None:
+            resp = inflight  # `send` failed after the head came: an error answer's
+        if resp is not None:
+            resp.close()
+        self._aborted.discard(request_id)
 
     def _said(self, error: EngineError, request: GenerationRequest) -> None:
         """An upstream's own error text goes to the log, with the stream's trace id; with

@@ -134,28 +134,48 @@ class UpstreamResponse:
 
     # -- reading ---------------------------------------------------------------------------
 
+    def take(self) -> bytes:
+        """What arrived since the last look, joined (b"" when nothing has); raises the
+        response's failure once nothing is left before it. With `ended` and `wait()`, a
+        reader that decodes in its own loop reads the body with no generator between."""
+        chunks = self._chunks
+        if chunks:
+            data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            chunks.clear()
+            self._buffered = 0
+            conn = self._conn
+            if conn is not None and conn.paused:
+                conn.resume()
+            return data
+        if self._error is not None:
+            raise self._error
+        return b""
+
+    @property
+    def ended(self) -> bool:
+        """The body ended cleanly and every byte of it was taken."""
+        return self._done and not self._chunks
+
+    async def wait(self) -> None:
+        """Until bytes, the body's end or a failure arrive (at once if one has)."""
+        if self._chunks or self._done or self._error is not None:
+            return
+        waiter = self._waiter = self._head.get_loop().create_future()
+        try:
+            await waiter
+        finally:
+            self._waiter = None
+
     async def aiter_raw(self) -> AsyncIterator[bytes]:
         """The body as it arrives, undecoded; raises an `UpstreamError` if it breaks off."""
         while True:
-            if self._chunks:
-                chunks = self._chunks
-                data = chunks[0] if len(chunks) == 1 else b"".join(chunks)
-                chunks.clear()
-                self._buffered = 0
-                conn = self._conn
-                if conn is not None and conn.paused:
-                    conn.resume()
+            data = self.take()
+            if data:
                 yield data
-                continue
-            if self._error is not None:
-                raise self._error
-            if self._done:
+            elif self._done:
                 return
-            waiter = self._waiter = self._head.get_loop().create_future()
-            try:
-                await waiter
-            finally:
-                self._waiter = None
+            else:
+                await self.wait()
 
     async def aiter_bytes(self) -> AsyncIterator[bytes]:
         """The body decoded per Content-Encoding (gzip, deflate; others come as they are)."""

@@ -15,9 +15,10 @@ import hashlib
 import logging
 import re
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Iterator, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
-from typing import Any, Protocol
+from types import TracebackType
+from typing import Any
 
 from prometheus_client.core import (
     CounterMetricFamily,
@@ -33,8 +34,8 @@ from firsttoken.generation import (
     EngineError,
     GenerationRequest,
 )
-from firsttoken.routing.config import Handoff, ModelRoute, RouteTable, TargetConfig
-from firsttoken.routing.deadline import Deadline
+from firsttoken.routing.config import Handoff, ModelRoute, RouteTable
+from firsttoken.routing.leg import Leg, LegWatch, RouteObserver
 from firsttoken.routing.seam import Pacer, Seam, prefill_request
 from firsttoken.routing.splice import Transcript, continuation, spliced_usage
 from firsttoken.routing.target import Target
@@ -64,26 +65,6 @@ KNOWN_FIELDS = frozenset(
 # More characters per token than any tokenizer averages over a prompt (BPE vocabularies run
 # 3-5 for prose; runs of spaces or repeated words can merge further, hence the margin).
 MAX_CHARS_PER_TOKEN = 16
-
-
-class LegWatch(Protocol):
-    """One upstream leg, watched: told of each chunk (at the loop's time) and of its end
-    (None: the upstream finished; else what ended it, a close by the router included)."""
-
-    def chunk(self, now: float) -> None: ...
-
-    def end(self, failure: BaseException | None) -> None: ...
-
-
-class RouteObserver(Protocol):
-    """What a tracer (`--otlp-endpoint`) hears of the routes: each leg (it may hand the leg
-    a request with its own trace context for the upstream) and each route event."""
-
-    def leg(
-        self, request: GenerationRequest, target: TargetConfig, model: str, now: float
-    ) -> tuple[GenerationRequest, LegWatch | None]: ...
-
-    def event(self, event: str, fields: Mapping[str, Any]) -> None: ...
 
 
 class Course:
@@ -284,7 +265,16 @@ class RoutedEngine(BaseEngine):
         if target is not None:
             await target.engine.abort(request_id)
 
-    async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+    def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        route = self.routes.get(request.model) or self.table.default
+        if route.handoff is None:
+            # Nothing to pace and no prefill to end: the answer's own generator, not a
+            # wrapper (nothing more per delta).
+            return self._answer(self._course(request))
+        return self._handed(request)
+
+    async def _handed(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
+        """The answer of a route that hands off: paced, and its prefill ended with it."""
         course = self._course(request)
         complete = False
         try:
@@ -316,20 +306,37 @@ class RoutedEngine(BaseEngine):
     async def _answer(self, course: Course) -> AsyncGenerator[Delta, None]:
         """The answer over as many legs as it takes: each turn asks the next target (the
         hand-off's edge first, where one applies) and streams its deltas; a leg that breaks
-        off is reported, and the next turn fails over or splices."""
+        off is reported, and the next turn fails over or splices. Per delta the leg's work
+        is plain calls (`Leg.next`, the transcript, the hand-off check): no generator of
+        its own between the target's deltas and the stream."""
+        transcript = course.transcript
         while True:
-            course.splicing = course.transcript.tokens > 0
+            course.splicing = transcript.tokens > 0
             leg_request = self._next_request(course)
             if leg_request is None:  # cut exactly at max_tokens: it is complete
                 yield Delta("", "length")
                 return
             target, limit = self._next_target(course)
             course.begin_leg(target)
+            before_tokens, before_text = transcript.tokens, transcript.text_tokens
+            spliced = False
             try:
                 # Closed here, not by the collector: a client that leaves frees the leg now.
-                async with aclosing(self._run_leg(course, target, leg_request, limit)) as leg:
-                    async for delta in leg:
+                async with AsyncExitStack() as legs:
+                    read = await self._begin_leg(course, target, leg_request, legs)
+                    while (delta := await read()) is not None:
+                        if not course.started:
+                            seam = self._leg_began(course, before_tokens)
+                            spliced = bool(course.splices or course.handoffs)
+                            if seam is not None:
+                                yield seam
+                        transcript.add(delta)
+                        if spliced and delta.finish_reason is not None:
+                            delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
                         yield delta
+                        if limit is not None and self._hands_off(course, delta, limit):
+                            course.handed = True
+                            break  # the edge's part is done: closing the leg stops it
             except EngineError as exc:
                 self._leg_failed(course, exc)
                 continue
@@ -492,62 +499,57 @@ class RoutedEngine(BaseEngine):
             raise self._unavailable(route)
         return picked, None
 
-    async def _run_leg(
+    async def _begin_leg(
         self,
         course: Course,
         target: Target,
         leg_request: GenerationRequest,
-        limit: int | None,
-    ) -> AsyncGenerator[Delta, None]:
-        """One leg's deltas, the seam's meta event first; sets `course.handed` when the
-        edge's part is done (its leg closed). A failure is raised with `course.target` the
-        target that failed (the last of a hedged pair)."""
-        route, request, transcript = course.route, course.request, course.transcript
+        legs: AsyncExitStack,
+    ) -> Callable[[], Awaitable[Delta | None]]:
+        """Open one leg (closed with `legs`): its reader, a call per delta (None at its
+        end). A failure is raised with `course.target` the target that failed (the last of
+        a hedged pair)."""
+        route, request = course.route, course.request
         course.tried.add(target.name)
         if course.failed is not None and not course.splicing:
-            self._count_failover(route, request, course.failed, target, transcript)
+            self._count_failover(route, request, course.failed, target, course.transcript)
             course.failed = None
-        before_tokens, before_text = transcript.tokens, transcript.text_tokens
-        async with AsyncExitStack() as legs:
-            deltas: AsyncIterator[Delta] = await legs.enter_async_context(
-                aclosing(self._leg(target, leg_request, route))
+        if not (course.splicing and route.hedge):
+            leg = await self._open_leg(target, leg_request, route)
+            legs.push_async_exit(_closing(leg))
+            return leg.next
+        # A slow continuation is also asked of the next target; the first to answer carries
+        # on (the seam is what the user waits through).
+        deltas: AsyncIterator[Delta] = await legs.enter_async_context(
+            aclosing(self._leg(target, leg_request, route))
+        )
+        try:
+            target, deltas = await self._hedged(
+                route,
+                request,
+                course.order,
+                course.tried,
+                course.session,
+                target,
+                deltas,
+                leg_request,
+                legs,
             )
-            if course.splicing and route.hedge:
-                # A slow continuation is also asked of the next target; the first to answer
-                # carries on (the seam is what the user waits through).
-                try:
-                    target, deltas = await self._hedged(
-                        route,
-                        request,
-                        course.order,
-                        course.tried,
-                        course.session,
-                        target,
-                        deltas,
-                        leg_request,
-                        legs,
-                    )
-                except EngineError as exc:
-                    failed_target = exc.target
-                    if failed_target is not None and failed_target in self.targets:
-                        course.target = self.targets[failed_target]
-                    raise
-                course.target = target
-            async for delta in deltas:
-                if not course.started:
-                    course.started = True
-                    course.leg_began_at = asyncio.get_running_loop().time()
-                    target.health.success()
-                    seam = self._seam(course, target, before_tokens)
-                    if seam is not None:
-                        yield seam
-                transcript.add(delta)
-                if delta.finish_reason is not None and (course.splices or course.handoffs):
-                    delta.usage = spliced_usage(delta.usage, before_tokens, before_text)
-                yield delta
-                if limit is not None and self._hands_off(course, delta, limit):
-                    course.handed = True
-                    return  # the edge's part is done: closing the leg stops it
+        except EngineError as exc:
+            failed_target = exc.target
+            if failed_target is not None and failed_target in self.targets:
+                course.target = self.targets[failed_target]
+            raise
+        course.target = target
+        return _Reader(deltas).next
+
+    def _leg_began(self, course: Course, before_tokens: int) -> Delta | None:
+        """The leg's first delta came: its target is well, and the seam's meta event, if
+        any, goes first."""
+        course.started = True
+        course.leg_began_at = asyncio.get_running_loop().time()
+        course.target.health.success()
+        return self._seam(course, course.target, before_tokens)
 
     def _seam(self, course: Course, target: Target, before_tokens: int) -> Delta | None:
         """The meta event of a leg's first delta: a hand-off taken, or a splice (counted
@@ -845,59 +847,24 @@ class RoutedEngine(BaseEngine):
     async def _leg(
         self, target: Target, request: GenerationRequest, route: ModelRoute
     ) -> AsyncGenerator[Delta, None]:
-        cfg = target.config
-        await target.take_slot(request)
-        rid = request.request_id
-        self._current[rid] = target
-        loop = asyncio.get_running_loop()
-        # The total counts time spent waiting on the target, not time its client took to
-        # read (a slow reader slows the upstream through backpressure; that is no fault).
-        left = cfg.total_timeout_s
-        limit = min(cfg.first_token_timeout_s, left)
-        deadline = Deadline()
-        first = True
-        watch: LegWatch | None = None
+        """One leg as a generator: for the hand-off's prefill and a hedged pair's race, which
+        read it from tasks of their own (the answer's leg is read by plain calls)."""
+        leg = await self._open_leg(target, request, route)
         failure: BaseException | None = None
         try:
-            model = self._model(route, target, request)
-            if self.observer is not None:
-                request, watch = self.observer.leg(request, cfg, model, loop.time())
-            deltas = target.generate(request, model)
-            async with aclosing(deltas) as it:
-                while True:
-                    began = loop.time()
-                    deadline.wait_until(began + limit)
-                    try:
-                        delta = await anext(it)
-                    except StopAsyncIteration:
-                        return
-                    except asyncio.CancelledError as exc:
-                        if not deadline.owns(exc):
-                            raise
-                        raise _silence(target, first, limit >= left) from None
-                    finally:
-                        deadline.done_waiting()
-                    now = loop.time()
-                    if first:
-                        target.first_token(now - began)
-                    target.last_chunk_at = now
-                    left -= now - began
-                    limit = min(cfg.idle_timeout_s, left)
-                    first = False
-                    if watch is not None:
-                        watch.chunk(now)
-                    yield delta
+            while (delta := await leg.next()) is not None:
+                yield delta
         except BaseException as exc:
             failure = exc
             raise
         finally:
-            if watch is not None:
-                watch.end(failure)
+            await leg.close(failure)
             failure = None  # this frame is in its traceback: no cycle left for the collector
-            deadline.close()
-            target.give_slot()
-            if self._current.get(rid) is target:
-                del self._current[rid]
+
+    async def _open_leg(self, target: Target, request: GenerationRequest, route: ModelRoute) -> Leg:
+        leg = Leg(target, request, self._current)
+        await leg.open(self._model(route, target, request), self.observer)
+        return leg
 
     def _model(self, route: ModelRoute, target: Target, request: GenerationRequest) -> str:
         if route.passthrough:
@@ -999,21 +966,6 @@ class RoutedEngine(BaseEngine):
         yield wait
 
 
-def _silence(target: Target, first: bool, total: bool) -> EngineError:
-    cfg = target.config
-    if total:
-        what = f"end within {cfg.total_timeout_s:g} s"
-    elif first:
-        what = f"first token within {cfg.first_token_timeout_s:g} s"
-    else:
-        what = f"chunk within {cfg.idle_timeout_s:g} s"
-    return EngineError(
-        "upstream_timeout",
-        f"the upstream sent nothing for too long (target {target.name!r}: no {what})",
-        retryable=True,
-    )
-
-
 def _serves(listed: tuple[str, ...], model: str) -> bool:
     """Whether an upstream listing `listed` knows `model`: by its id, or as the alias of a
     dated id (Anthropic lists `claude-sonnet-4-5-20250929` and answers `claude-sonnet-4-5`)."""
@@ -1026,9 +978,7 @@ def _for_client(error: EngineError) -> EngineError:
     502, not the client's 4xx; the message keeps the upstream's status."""
     if error.client_fault or error.status not in TARGET_FAULTS:
         return error
-    return EngineError(
-        error.code, error.message, retryable=True, type_="server_error", status=502
-    )
+    return EngineError(error.code, error.message, retryable=True, type_="server_error", status=502)
 
 
 def _from(source: Target) -> dict[str, Any]:
@@ -1083,6 +1033,37 @@ def _session_key(request: GenerationRequest) -> bytes:
 
 def _rendezvous(session: bytes, target: str) -> bytes:
     return hashlib.blake2b(session + target.encode(), digest_size=8).digest()
+
+
+def _closing(
+    leg: Leg,
+) -> Callable[
+    [type[BaseException] | None, BaseException | None, TracebackType | None], Awaitable[bool]
+]:
+    """`leg.close` as an exit callback: it hears what ended the leg."""
+
+    async def close(
+        kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> bool:
+        await leg.close(exc)
+        return False
+
+    return close
+
+
+class _Reader:
+    """A hedged pair's winner, read as a leg is: a call per delta, None at the end."""
+
+    __slots__ = ("deltas",)
+
+    def __init__(self, deltas: AsyncIterator[Delta]) -> None:
+        self.deltas = deltas
+
+    async def next(self) -> Delta | None:
+        try:
+            return await anext(self.deltas)
+        except StopAsyncIteration:
+            return None
 
 
 async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterator[Delta]:

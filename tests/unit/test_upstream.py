@@ -250,6 +250,52 @@ def test_a_compressed_body_is_decoded_by_aiter_bytes(
 # -- breaks ------------------------------------------------------------------------------------
 
 
+def test_take_and_wait_read_the_body_without_an_iterator(
+    run: Callable[[Awaitable[None]], None],
+) -> None:
+    parts = [b"data: one\n\n", b"data: two\n\n"]
+    frames = [b"%x\r\n%s\r\n" % (len(p), p) for p in parts]
+
+    async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
+        await up.read_request(r)
+        for data in (SSE_HEAD + frames[0], frames[1], b"0\r\n\r\n"):
+            w.write(data)
+            await w.drain()
+            await asyncio.sleep(0.02)
+        await up.read_request(r)  # kept alive: a second request, cut after its first chunk
+        w.write(SSE_HEAD + frames[0])
+        await w.drain()
+        await asyncio.sleep(0.02)
+        w.transport.abort()
+
+    async def body() -> None:
+        async with Upstream(handler) as up:
+            client = pool()
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            got: list[bytes] = []
+            while not resp.ended:
+                data = resp.take()
+                if data:
+                    got.append(data)
+                else:
+                    await resp.wait()
+            assert b"".join(got) == b"".join(parts) and resp.take() == b""
+            resp.close()
+            # The connection went back to the pool: the next request reuses it.
+            resp = await client.request("POST", up.url + "/v1/x", b"{}")
+            assert up.connections == 1
+            await resp.wait()
+            assert resp.take() == parts[0]
+            await resp.wait()
+            with pytest.raises(ReadError):
+                resp.take()  # a cut: raised once nothing is left before it
+            assert not resp.ended
+            resp.close()
+            await client.aclose()
+
+    run(body())
+
+
 def test_a_cut_mid_body_is_a_read_error(run: Callable[[Awaitable[None]], None]) -> None:
     async def handler(r: asyncio.StreamReader, w: asyncio.StreamWriter, up: Upstream) -> None:
         await up.read_request(r)
