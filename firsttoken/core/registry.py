@@ -148,13 +148,18 @@ class StreamRegistry:
         # Bound once, shared by every stream: a bound method per stream would cost 64 bytes.
         self._on_end = self._ended
         self._on_first_token = self._first_token
+        self._wake_lag: Callable[[], None] = lambda: None  # armed by run()
 
     async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the registry's task group until cancelled (the app's lifespan)."""
         try:
             async with anyio.create_task_group() as tg:
                 self._tg = tg
-                self.schedule.sample_lag(LOOP_LAG_SAMPLE_S, self.metrics.loop_lag.observe)
+                self._wake_lag = self.schedule.sample_lag(
+                    LOOP_LAG_SAMPLE_S,
+                    self.metrics.loop_lag.observe,
+                    busy=lambda: self.metrics.active_streams > 0,
+                )
                 tg.start_soon(self._sweep)
                 tg.start_soon(self._spawner)
                 self.store.on_fenced = self._on_fenced
@@ -388,6 +393,8 @@ class StreamRegistry:
 
     def _register(self, stream: Stream) -> None:
         self._streams[stream.id] = stream
+        if not self.metrics.active_streams:
+            self._wake_lag()  # the loop may be late from here on: sample it closely again
         self.metrics.active_streams += 1
         self.metrics.stream_started(stream.request.model, key_label(stream.request.tenant))
         stream.on_end = self._on_end

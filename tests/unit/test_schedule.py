@@ -66,3 +66,40 @@ def test_lag_samples_say_how_late_the_loop_ran_scheduled_work() -> None:
     # Due at 50 ms, run at 70: 20 ms late; then every 50 ms from when it ran, on time.
     assert [round(lag, 6) for lag in lags] == [0.02, 0.0, 0.0]
     assert len(schedule) == 1  # one entry: the next sample
+
+
+def test_an_idle_loop_is_sampled_once_a_second_and_a_burst_wakes_the_sampler() -> None:
+    schedule, clock = make()
+    lags: list[float] = []
+    busy = [False]
+    start = clock.now
+    wake = schedule.sample_lag(0.05, lags.append, busy=lambda: busy[0], idle_interval=1.0)
+    clock.advance(2.06)
+    # At 50 ms nothing was running: from then on, one sample a second.
+    assert len(lags) == 3  # 0.05, 1.05, 2.05
+    busy[0] = True
+    wake()  # a stream began at 2.06: the next sample is 50 ms away, not at 3.05
+    clock.advance(0.05)
+    assert len(lags) == 4
+    clock.advance(0.1)
+    assert len(lags) == 6  # every 50 ms while busy
+    busy[0] = False
+    clock.advance(1.1)
+    # The sample already due 50 ms on finds it idle; the one after comes a second later.
+    assert len(lags) == 8
+    assert len(schedule) == 1  # the cancelled idle sample was dropped, never run
+    wake()
+    wake()  # twice: still one pending sample (and one cancelled)
+    assert len([e for e in schedule._heap if not e[2].cancelled]) == 1
+    assert all(lag == 0.0 for lag in lags)
+    assert clock.now - start > 3
+
+
+def test_a_busy_sampler_is_not_moved_by_wake() -> None:
+    schedule, clock = make()
+    lags: list[float] = []
+    wake = schedule.sample_lag(0.05, lags.append, busy=lambda: True)
+    clock.advance(0.04)
+    wake()  # not idle: the sample stays due at 50 ms
+    clock.advance(0.01)
+    assert len(lags) == 1
