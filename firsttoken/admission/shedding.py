@@ -144,8 +144,14 @@ class LoadShedder:
         self._update_ttft(time.monotonic())
         return bool(self.reasons) or self.breaker != self.CLOSED or self.draining
 
-    async def watch_memory(self, end_oldest: Callable[[], bool], interval_s: float = 0.25) -> None:
-        """Refuse new streams and end the oldest ones while RSS is over the threshold."""
+    async def watch_memory(
+        self, end_oldest: Callable[[], bool], interval_s: float = 0.25, calm_s: float = 1.0
+    ) -> None:
+        """Refuse new streams and end the oldest ones while RSS is over the threshold.
+
+        Read every `interval_s` once RSS is past half the threshold, every `calm_s` below it:
+        an idle server wakes once a second for it, and crossing the other half takes far
+        longer than a second (admission adds streams of ~12 KiB each)."""
         threshold = self.memory_limit * self.s.memory_shed_fraction
         while True:
             try:
@@ -157,7 +163,7 @@ class LoadShedder:
             self._set_reason("memory", over, rss_bytes=rss, threshold_bytes=int(threshold))
             if over:
                 end_oldest()
-            await anyio.sleep(interval_s)
+            await anyio.sleep(interval_s if rss > threshold / 2 else calm_s)
 
     # Internals.
 

@@ -335,3 +335,34 @@ def test_an_expired_or_disabled_key_is_refused_with_401_on_the_admissions_clock(
     wall.advance(10)
     assert refused("sk-t") == (401, "key_expired")
     assert refused("sk-x") == (401, "invalid_api_key")
+
+
+def test_memory_is_read_once_a_second_while_far_below_the_threshold(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from tests.unit import virtual_loop
+
+    shedder = LoadShedder(Settings(memory_limit="1000", memory_shed_fraction=0.8), Metrics())
+    rss = [100]
+    reads: list[float] = []
+
+    def read() -> int:
+        reads.append(asyncio.get_running_loop().time())
+        return rss[0]
+
+    monkeypatch.setattr(shedding, "rss_bytes", read)
+    ended: list[bool] = []
+
+    async def body() -> None:
+        task = asyncio.create_task(shedder.watch_memory(lambda: ended.append(True) or True))
+        await asyncio.sleep(3.1)
+        assert len(reads) == 4  # 0, 1, 2, 3 s: below half of 800 bytes
+        rss[0] = 500  # past half: seen at 4 s, then read four times a second
+        await asyncio.sleep(1.8)
+        assert len(reads) == 8  # 4, 4.25, 4.5, 4.75
+        rss[0] = 900  # over the threshold: shed at the next read
+        await asyncio.sleep(0.3)
+        assert ended and "memory" in shedder.reasons
+        task.cancel()
+
+    virtual_loop.run(body())
