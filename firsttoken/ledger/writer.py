@@ -2,14 +2,17 @@
 
 A request's end costs an append to a deque (`submit`). One task writes what is queued, at
 most once every `interval_s` (100 ms): a fleet of instances costs the database ten writes a
-second each, whatever the load. When a write fails (the database is away) the batch stays at
-the head of the queue and is tried again, every `interval_s` at first and up to every 2 s;
-streams never wait for it. Only when the queue holds `max_records` is a new record dropped
-(`firsttoken_usage_records_dropped_total`): memory stays bounded through a long outage.
+second each, whatever the load; with nothing queued the task sleeps until a record comes
+(an idle server does not wake ten times a second for an empty queue). When a write fails
+(the database is away) the batch stays at the head of the queue and is tried again, every
+`interval_s` at first and up to every 2 s; streams never wait for it. Only when the queue
+holds `max_records` is a new record dropped (`firsttoken_usage_records_dropped_total`):
+memory stays bounded through a long outage.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections import deque
@@ -47,19 +50,25 @@ class LedgerWriter:
         self.written = 0
         self.writes = 0  # batches written
         self.up = True
+        self._queued = asyncio.Event()  # set by `submit`, cleared by the task once it is idle
 
     def submit(self, record: UsageRecord) -> None:
         if len(self.queue) >= self.max_records:
             self.dropped += 1
             return
         self.queue.append(record)
+        if not self._queued.is_set():
+            self._queued.set()
 
     async def run(self) -> None:
         """Write what is queued until cancelled; then what is left, for a few seconds."""
         backoff = self.interval_s
         try:
             while True:
-                await anyio.sleep(backoff)
+                if not self.queue:
+                    self._queued.clear()
+                    await self._queued.wait()
+                await anyio.sleep(backoff)  # what else comes meanwhile goes in the same batch
                 backoff = (
                     self.interval_s if await self.flush_once() else min(_MAX_BACKOFF_S, backoff * 2)
                 )

@@ -3,6 +3,8 @@ drops only past its bound (counted)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import anyio
@@ -90,3 +92,40 @@ async def test_what_is_queued_at_shutdown_is_written() -> None:
         writer.submit(record(1))
         tg.cancel_scope.cancel()
     assert [r.request_id for r in store.records] == ["1"]
+
+
+def test_an_idle_writer_does_not_wake_until_a_record_comes() -> None:
+    from tests.unit import virtual_loop
+
+    store = FlakyStore()
+    writer = LedgerWriter(store, interval_s=0.1)
+    flushes = 0
+    flush_once = writer.flush_once
+
+    async def counted() -> bool:
+        nonlocal flushes
+        flushes += 1
+        return await flush_once()
+
+    writer.flush_once = counted  # type: ignore[method-assign]
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(writer.run())
+        await asyncio.sleep(10.0)
+        assert flushes == 0  # ten idle seconds: not one turn (it took 100 before)
+        sent = loop.time()
+        writer.submit(record(1))
+        writer.submit(record(2))
+        await asyncio.sleep(0.099)
+        assert not store.records  # the batch gathers for one interval...
+        await asyncio.sleep(0.002)
+        assert loop.time() - sent <= 0.11  # ...then goes
+        assert [r.request_id for r in store.records] == ["1", "2"] and store.calls == 1
+        await asyncio.sleep(5.0)
+        assert flushes == 1  # idle again
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    virtual_loop.run(body())
