@@ -207,3 +207,28 @@ def test_over_floor_is_the_difference_of_median_gaps() -> None:
     assert row["extra_ms"] == 4.0 - 1.5 and not row["ok"]
     rows[0]["diff_ms"] = 1.0
     assert over_floor(rows)[0]["ok"]  # 2.0 - 1.5 <= 2 ms
+
+
+def test_idle_bench_reads_each_server_over_its_window() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.idle", "--seconds", "0.5"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in proc.stdout.splitlines()[2:]}
+    assert {"firsttoken", "relay", "uvicorn_floor", "byte_pipe"} <= set(rows)
+    assert all(float(cpu) >= 0 and float(wakes) >= 0 for cpu, wakes in rows.values())
+
+
+def test_idle_bench_refuses_a_window_of_no_time() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "bench.idle", "--seconds", "0"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
+    assert proc.returncode == 2 and "--seconds must be more than 0" in proc.stderr
