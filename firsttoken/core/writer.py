@@ -187,8 +187,13 @@ class EventWriter:
                 self.catch_up()
             return  # behind: catch_up() writes it when the socket takes bytes again
         if self.plain:
+            body = self.body
+            chunk = body.chunk
             try:
-                self.body.write(wire)
+                if chunk is not None:  # `body.write(wire)`, inline: once per token
+                    body.transport.write(chunk % (len(wire), wire))
+                else:
+                    body.write(wire)
             except RuntimeError:  # the transport closed under us; connection_lost follows
                 self.close(End.DISCONNECTED)
                 return
@@ -453,8 +458,9 @@ class EventStreamResponse:
                     # be on its way out).
                     writer.body.close()
                     return
-                schedule, cut = self.registry.schedule, self._stalled_after(exchange)
-                _cut_if_unread(writer.body, schedule, self.send_timeout_s, cut)
+                if writer.body.unsent():  # else no closure to build: most streams
+                    cut = self._stalled_after(exchange)
+                    _cut_if_unread(writer.body, self.registry.schedule, self.send_timeout_s, cut)
                 return
         elif end is not End.STALLED:
             return

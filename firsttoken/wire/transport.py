@@ -52,6 +52,7 @@ __all__ = [
 
 # The uvicorn release whose internals `connection.py` and `cycle.py` copy (pyproject pins it).
 UVICORN_MINOR = (0, 54)
+_CHUNK = b"%x\r\n%b\r\n"  # one HTTP/1.1 chunk: its size in hex, its bytes
 
 
 class Body(Protocol):
@@ -59,6 +60,10 @@ class Body(Protocol):
     connection closed under it (its loss callback follows)."""
 
     ends_body: bool  # `write_last` ends the body itself (the last message then writes nothing)
+    # The per-token path's shortcut: `transport.write(chunk % (len(data), data))` is `write`
+    # with one Python call less (~7% of a token's in-process CPU); None: call `write`.
+    chunk: bytes | None
+    transport: Any
 
     def write(self, data: bytes) -> None: ...
 
@@ -90,6 +95,7 @@ class _TransportBody:
 
     __slots__ = ("real", "transport")
     ends_body = False
+    chunk: bytes | None = None
 
     def __init__(self, transport: Any) -> None:
         self.transport = transport
@@ -139,9 +145,10 @@ class ChunkedBody(_TransportBody):
 
     __slots__ = ()
     ends_body = True
+    chunk: bytes | None = _CHUNK
 
     def write(self, data: bytes) -> None:
-        self.transport.write(b"%x\r\n%b\r\n" % (len(data), data))
+        self.transport.write(_CHUNK % (len(data), data))
 
     def write_last(self, data: bytes) -> None:
         self.transport.write(b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data))
@@ -152,6 +159,8 @@ class AsgiBody:
     and never paused."""
 
     ends_body = False
+    chunk: bytes | None = None
+    transport: Any = None  # none to reach
 
     def __init__(self) -> None:
         self._parts: list[bytes] = []
