@@ -425,8 +425,12 @@ class EventStreamResponse:
         exchange = await open_exchange(scope, receive, send, self.headers)
         self.headers = _SENT  # sent: a waiting stream need not keep them (nor a list of its own)
         writer = self._writer(exchange.body)
+        # `async with`, spelled out: it would keep a bound `__aexit__` (64 bytes) in every
+        # waiting stream's frame.
+        attached = exchange.attached(writer)
         try:
-            async with exchange.attached(writer):
+            await attached.__aenter__()
+            try:
                 try:
                     if exchange.body.is_closing():
                         writer.close(End.DISCONNECTED)
@@ -438,6 +442,11 @@ class EventStreamResponse:
                     end = await writer.done
                 finally:
                     writer.close(End.DISCONNECTED)  # no-op unless cancelled (server shutdown)
+            except BaseException as exc:
+                if not await attached.__aexit__(type(exc), exc, exc.__traceback__):
+                    raise
+            else:
+                await attached.__aexit__(None, None, None)
         finally:
             if self.start:
                 self.registry.discard(self.stream)  # never started: give back its ticket

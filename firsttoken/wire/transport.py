@@ -232,19 +232,33 @@ class Exchange(Protocol):
 
 class DirectExchange:
     """Over our uvicorn protocol (`connection.StreamingProtocol`): the body is written to the
-    transport in the engine's step, and the connection's callbacks drive the writer."""
+    transport in the engine's step, and the connection's callbacks drive the writer.
 
-    __slots__ = ("body", "connection", "scope", "send")
+    The exchange is its own body (`open`: a `ChunkedBody` or a `RawBody` with these methods
+    too), so a waiting stream keeps one object here, not two."""
 
-    def __init__(self, scope: Scope, send: Send, connection: Any, head: bytes) -> None:
-        self.scope = scope
-        self.send = send
-        self.connection = connection
-        transport = connection.transport
+    __slots__ = ()
+    scope: Scope
+    send: Send
+    connection: Any
+    real: Any
+    transport: Any
+
+    @staticmethod
+    def open(scope: Scope, send: Send, connection: Any, head: bytes) -> DirectExchange:
         chunked = bool(connection.cycle.chunked_encoding)
-        self.body: Body = ChunkedBody(transport) if chunked else RawBody(transport)
+        exchange = (_ChunkedExchange if chunked else _RawExchange)()
+        exchange.scope = scope
+        exchange.send = send
+        exchange.connection = connection
+        exchange.transport = exchange.real = transport = connection.transport
         if not transport.is_closing():
-            self.body.hold(head)  # the head leaves with the first events (`release`)
+            exchange.body.hold(head)  # the head leaves with the first events (`release`)
+        return exchange
+
+    @property
+    def body(self) -> Body:
+        return self  # type: ignore[return-value]  # `open` makes it a body too
 
     def attached(self, listener: ConnectionListener) -> DirectExchange:
         # Its own context manager: `asynccontextmanager` costs every stream a generator and
@@ -282,6 +296,20 @@ class DirectExchange:
         abort = self.scope.get(ABORT_KEY)
         if abort is not None:
             abort()
+
+
+class _ChunkedExchange(DirectExchange, ChunkedBody):
+    __slots__ = ("connection", "scope", "send")
+
+    def __init__(self) -> None:  # `DirectExchange.open` sets the fields
+        pass
+
+
+class _RawExchange(DirectExchange, RawBody):
+    __slots__ = ("connection", "scope", "send")
+
+    def __init__(self) -> None:
+        pass
 
 
 class AsgiExchange:
@@ -332,7 +360,7 @@ async def open_exchange(
     connection = _connection(scope)
     if connection is None:
         return AsgiExchange(receive, body_send)
-    return DirectExchange(scope, body_send, connection, head)
+    return DirectExchange.open(scope, body_send, connection, head)
 
 
 def _connection(scope: Scope) -> Any:
