@@ -160,6 +160,9 @@ class Leg:
     at_token: int = 0
 
 
+_NO_LEG = Leg("")
+
+
 @dataclass(frozen=True, slots=True)
 class LegCost:
     target: str
@@ -175,8 +178,15 @@ def answer_cost(
     Reasoning comes before the answer, so the first `usage.reasoning` tokens are reasoning,
     whichever leg made them. No legs (nothing was generated, or no routes): one leg of
     target "" that costs nothing."""
+    if len(legs) <= 1 and 0 <= usage.reasoning <= usage.completion:
+        # One target (or none) from the first token: the whole usage is its leg's, the
+        # loop's numbers without its arithmetic (every request's end takes this path).
+        leg = legs[0] if legs else _NO_LEG
+        if leg.at_token <= 0:
+            price = prices.get(leg.target)
+            return [LegCost(leg.target, usage, usage.cost(price) if price is not None else 0)]
     if not legs:
-        legs = (Leg(""),)
+        legs = (_NO_LEG,)
     out: list[LegCost] = []
     total = usage.completion
     for i, leg in enumerate(legs):

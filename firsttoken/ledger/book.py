@@ -108,7 +108,7 @@ class Ledger:
             trace_id=trace_id,
             legs=tuple(costs),
         )
-        cost = record.cost
+        cost = costs[0].cost if len(costs) == 1 else record.cost
         self.spend[key] = self.spend.get(key, 0) + cost
         self.route_cost[route] = self.route_cost.get(route, 0) + cost
         self.route_tokens[route] = self.route_tokens.get(route, 0) + usage.prompt + usage.completion

@@ -17,6 +17,7 @@ import logging
 import time
 from collections import deque
 from collections.abc import Callable
+from itertools import islice
 
 import anyio
 
@@ -82,7 +83,7 @@ class LedgerWriter:
         """One batch to the store; False when the store refused it (it stays queued)."""
         if not self.queue:
             return True
-        batch = [self.queue[i] for i in range(min(_BATCH, len(self.queue)))]
+        batch = list(islice(self.queue, _BATCH))  # a deque's `[i]` walks from an end
         try:
             with anyio.fail_after(_WRITE_TIMEOUT_S):
                 await self.store.write(batch)
@@ -97,8 +98,11 @@ class LedgerWriter:
                     error=repr(exc),
                 )
             return False
-        for _ in batch:
-            self.queue.popleft()
+        if len(self.queue) == len(batch):
+            self.queue.clear()  # nothing came in during the write: the common case
+        else:
+            for _ in batch:
+                self.queue.popleft()
         self.written += len(batch)
         self.writes += 1
         if not self.up:

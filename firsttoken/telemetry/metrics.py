@@ -288,8 +288,11 @@ class Metrics:
     def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
         """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
         cache_write), added to its key's counters."""
+        counts = self.key_tokens
         for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
-            self.key_tokens[key, kind] = self.key_tokens.get((key, kind), 0) + tokens
+            # Most kinds are 0 for most answers: those need no update once their series is.
+            if tokens or (key, kind) not in counts:
+                counts[key, kind] = counts.get((key, kind), 0) + tokens
 
     def render(self) -> bytes:
         if self.share is not None:
