@@ -217,12 +217,7 @@ class RelayEngine(RemoteEngine):
             if rid not in self._aborted:
                 yield last
         except (EngineError, UpstreamError) as exc:
-            error = self.settled(exc, request)
-            if error is None:
-                return  # our own abort: the stream ends quietly
-            if error is exc:
-                raise
-            raise error from exc
+            self.settle(exc, request)
         finally:
             self.done(rid, resp)
 

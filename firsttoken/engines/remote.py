@@ -128,7 +128,7 @@ class RemoteEngine(BaseEngine):
     ) -> AsyncGenerator[Delta, None]:
         """Stream one request: POST `body` to `path` (`send`), `read(resp)` for the deltas.
         The response is closed at the end, early or not, so the upstream sees us leave at
-        once; a failure is mapped once (`settled`)."""
+        once; a failure is mapped once (`settle`)."""
         rid = request.request_id
         resp: UpstreamResponse | None = None
         try:
@@ -139,12 +139,7 @@ class RemoteEngine(BaseEngine):
                         return  # not even what had already arrived
                     yield delta
         except (EngineError, UpstreamError) as exc:
-            error = self.settled(exc, request)
-            if error is None:
-                return  # our own abort: the stream ends quietly
-            if error is exc:
-                raise
-            raise error from exc
+            self.settle(exc, request)
         finally:
             self.done(rid, resp)
 
@@ -170,16 +165,17 @@ class RemoteEngine(BaseEngine):
             raise refused(resp, await resp.read_bounded())
         return resp
 
-    def settled(
-        self, exc: EngineError | UpstreamError, request: GenerationRequest
-    ) -> EngineError | None:
-        """What a failed request raises: an engine error as it is (the upstream's own text
-        logged), an upstream client's mapped (`_failed`); None for our own abort."""
+    def settle(self, exc: EngineError | UpstreamError, request: GenerationRequest) -> None:
+        """Raise what a failed request means for its stream: an engine error as it is (the
+        upstream's own text logged), an upstream client's mapped (`_failed`); return for
+        our own abort (the stream ends quietly)."""
         if isinstance(exc, EngineError):
             if exc.upstream_said is not None:
                 self._said(exc, request)
-            return exc
-        return self._failed(exc, request.request_id)
+            raise exc
+        error = self._failed(exc, request.request_id)
+        if error is not None:
+            raise error from exc
 
     def done(self, request_id: str, resp: UpstreamResponse | None) -> None:
         """The request is over: its response closed (before its end, the connection too)."""
