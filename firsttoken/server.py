@@ -150,7 +150,7 @@ class _Server(uvicorn.Server):
         if deadline is not None and self.gateway is not None:
             if self._hand_over:
                 self._hand_over = False
-                log_event("drain.hand_over", streams=self.gateway.registry.move_all())
+                log_event("drain.hand_over", streams=await self.gateway.registry.hand_over())
             if self._ending:
                 self.should_exit = True  # the ended streams had a tick to write their end
             elif self.gateway.metrics.active_streams == 0 or time.monotonic() >= deadline:

@@ -24,7 +24,7 @@ from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Renderer, Stream, Usage
+from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.resume import Claim
@@ -177,7 +177,9 @@ class Gateway:
             stream.meta_interval_s = s.meta_interval_ms / 1000
         if takeover and self.registry.store.replicates:
             stream.handover = self._handover(stream, generation)
-            stream.movable = stream.handover is not None
+            # A drain hands over only what its readers resume by themselves (SELF_RESUMING);
+            # the handover still lets a reader elsewhere take over any stream of a dead owner.
+            stream.movable = stream.handover is not None and kind in SELF_RESUMING
         return stream
 
     def _handover(self, stream: Stream, generation: GenerationRequest) -> bytes | None:
@@ -263,7 +265,7 @@ class Gateway:
         if spec["coalesce"] is not None:
             stream.coalesce = CoalescePolicy(**spec["coalesce"])
         stream.meta_interval_s = spec["meta_interval_s"]
-        stream.movable = True
+        stream.movable = mirror.kind in SELF_RESUMING
         transcript = _replay(stream, claim.events, spec["renderer"]["format"])
         why = transcript.why_not() if transcript.tokens else None
         if why is not None:

@@ -315,15 +315,20 @@ class StreamRegistry:
             log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id)
             stream.move()
 
-    def move_all(self) -> int:
-        """Hand every live stream that another instance can continue over to it (a shutdown
-        with a shared store): their engines stop, their readers get what was generated and
-        come back elsewhere. Returns how many were moved."""
+    async def hand_over(self) -> int:
+        """A drain with a shared store: hand every live stream whose readers resume by
+        themselves (`movable`: native ones) over to the instance they come back to; their
+        engines stop here, their readers get what was generated and reconnect. The others
+        (an SDK's: one connection, one answer) go on here until they end. Returns how many
+        were moved."""
         moving = [s for s in self._streams.values() if s.outcome is None and s.movable]
         for stream in moving:
             stream.move()
-        for mirror in list(self._mirrors):  # their readers go on elsewhere too
+        mirrors = list(self._mirrors)
+        for mirror in mirrors:  # their readers go on elsewhere too
             mirror.move()
+        if moving or mirrors:
+            await self.store.hand_over([s.id for s in moving])
         return len(moving)
 
     async def cancel(self, stream: Stream) -> str:

@@ -44,6 +44,13 @@ class Outcome(StrEnum):
     MOVED = "moved"
 
 
+# Formats whose readers resume by themselves (`Last-Event-ID`: an EventSource, the native
+# client): their streams may move to another instance under them. Any other format's reader
+# holds one connection for one answer (the OpenAI and Anthropic SDKs): a drain finishes its
+# stream on that connection, and it is never let go without the format's error event.
+SELF_RESUMING = frozenset({"native"})
+
+
 class Renderer(Protocol):
     """Turns engine output into the data payloads of one API's events.
 

@@ -38,12 +38,13 @@ from starlette.types import Receive, Scope, Send
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import SELF_RESUMING, Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.telemetry.metrics import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
-from firsttoken.wire.sse import PING, encode_event, response_headers, stamp
+from firsttoken.wire.rebuild import error_events
+from firsttoken.wire.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
 from firsttoken.wire.transport import Body, Exchange, open_exchange
 
 __all__ = ["End", "EventStreamResponse", "EventWriter"]
@@ -56,6 +57,12 @@ _REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
 # many bytes of them: past it a long replay goes to the transport, whose high-water mark
 # pauses the writer, so a reader that never reads holds that mark plus the kernel's buffer.
 _HOLD_MAX_BYTES = 65536
+# What a reader that does not resume by itself is told when its stream moves on (`write_moved`).
+MOVED_CODE = "stream_moved"
+MOVED_MESSAGE = (
+    "this server instance let the stream go before its end (it is shutting down, or another "
+    "instance took the stream over); retry the request"
+)
 _MIN_TICK_S = 0.005  # the shortest heartbeat / timeout check interval
 
 
@@ -227,6 +234,18 @@ class EventWriter:
         except RuntimeError:  # the transport closed under us; connection_lost is on its way
             self.close(End.DISCONNECTED)
 
+    def write_moved(self) -> None:
+        """The stream moved to another instance under a reader that does not resume by itself
+        (an SDK's): the format's error event, so that it raises rather than take what it got
+        for the whole answer. No `id:`, so a client that does resume still can."""
+        stream = self.stream
+        code, message = MOVED_CODE, MOVED_MESSAGE
+        if stream.renderer is not None:
+            events = stream.renderer.error(code, message)
+        else:  # a mirror: the owner has the renderer
+            events = error_events(stream.kind, code, message)
+        self._write(b"".join(ServerSentEvent(d.decode(), name).encode() for name, d in events))
+
     def _write_last(self, data: bytes) -> None:
         """The closing events with the end of the body, in one write."""
         try:
@@ -275,7 +294,13 @@ class EventWriter:
                 data = b"".join(e.wire for e in events)
             if not self._paced(len(data)):
                 return
-            if log.closed and self.plain and self.body.ends_body and events[-1].seq == log.last_seq:
+            if (
+                log.closed
+                and self.plain
+                and self.body.ends_body
+                and events[-1].seq == log.last_seq
+                and self.stream.outcome is not Outcome.MOVED  # its end is not the answer's
+            ):
                 self._write_last(data)
             else:
                 self._write(data)
@@ -477,6 +502,9 @@ class EventStreamResponse:
 
     async def _finish(self, end: End, writer: EventWriter, exchange: Exchange) -> None:
         if end is End.FINISHED:
+            stream = writer.stream
+            if stream.outcome is Outcome.MOVED and stream.kind not in SELF_RESUMING:
+                writer.write_moved()
             tail = self.compressor.finish() if self.compressor is not None else b""
             if await exchange.end(tail, self.send_timeout_s, writer.terminated):
                 if writer.stream.outcome is Outcome.MOVED:

@@ -47,7 +47,7 @@ import logging
 import struct
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any, cast
@@ -353,6 +353,7 @@ class RedisStore:
         self.flush_interval_s = flush_interval_s
         self.durable = durable  # readers see an event only once Redis confirmed it
         self.instance = uuid.uuid4().hex
+        self.handed_over = False  # a drain let its liveness key go (`hand_over`)
         self._liveness = Liveness(
             url,
             f"ft:instance:{self.instance}",
@@ -529,6 +530,22 @@ class RedisStore:
         if log.last_seq:
             rep.ttl_done = True
         self._mark(rep)
+
+    async def hand_over(self, stream_ids: Collection[str]) -> None:
+        """A drain handed `stream_ids` over (`let_go(flush=True)`): once Redis holds what
+        they wrote (at most 2 s), delete this instance's liveness key, so that readers
+        elsewhere take them over now, not when this process exits. The streams it goes on
+        generating (an SDK's, finished on their connection) are still written; a reader
+        elsewhere of one of them would take that one over too, and its reader here gets the
+        format's error (`on_fenced`)."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and self.up:
+            owed = (self._replicas.get(sid) for sid in stream_ids)
+            if not any(rep is not None and rep.dirty() for rep in owed):
+                break
+            await anyio.sleep(0.01)
+        self.handed_over = True
+        await anyio.to_thread.run_sync(self._liveness.stop)
 
     def let_go(self, stream_id: str, *, flush: bool) -> None:
         """Stop replicating a stream this instance no longer generates. A hand-over writes
@@ -1084,6 +1101,8 @@ class RedisStore:
         return str(run_id) if run_id is not None else None
 
     async def _heartbeat_once(self) -> None:
+        if self.handed_over:
+            return
         await self.redis.set(f"ft:instance:{self.instance}", 1, px=_INSTANCE_MS)
 
     async def _heartbeat(self) -> None:

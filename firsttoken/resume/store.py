@@ -8,7 +8,7 @@ reader is attached there, and ask the owner to cancel it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -117,6 +117,11 @@ class EventStore(Protocol):
         the store lacks (`flush`: a hand-over), or at once (another instance took it)."""
         ...
 
+    async def hand_over(self, stream_ids: Collection[str]) -> None:
+        """A drain let `stream_ids` go to other instances: once the store holds what they
+        wrote, let readers elsewhere take them over at once (not when this process exits)."""
+        ...
+
     def release(self, stream_id: str) -> None:
         """The stream's log is about to drop its events (the resume budget): what another
         instance reads from the shared store stays."""
@@ -166,6 +171,9 @@ class MemoryStore:
         return None
 
     def let_go(self, stream_id: str, *, flush: bool) -> None:
+        return None
+
+    async def hand_over(self, stream_ids: Collection[str]) -> None:
         return None
 
     async def cancel(self, stream_id: str) -> str | None:

@@ -18,11 +18,19 @@ from typing import Any
 import orjson
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.anthropic import MessagesRenderer
-from firsttoken.wire.render import DONE, ChatRenderer, CompletionRenderer, NativeRenderer
+from firsttoken.wire.anthropic import MessagesRenderer, error_type
+from firsttoken.wire.anthropic import error_body as anthropic_error_body
+from firsttoken.wire.errors import error_body
+from firsttoken.wire.render import (
+    DONE,
+    ChatRenderer,
+    CompletionRenderer,
+    Events,
+    NativeRenderer,
+)
 from firsttoken.wire.responses import ResponsesRenderer
 
-__all__ = ["Rebuilt", "decode", "rebuild", "replay"]
+__all__ = ["Rebuilt", "decode", "error_events", "rebuild", "replay"]
 
 Rebuilt = NativeRenderer | ChatRenderer | CompletionRenderer | ResponsesRenderer | MessagesRenderer
 
@@ -42,6 +50,22 @@ def rebuild(spec: dict[str, Any]) -> Rebuilt:
         case "messages":
             return MessagesRenderer(spec["message_id"], spec["model"], spec["input_tokens"])
     raise ValueError(f"no renderer for {spec.get('format')!r}")
+
+
+def error_events(kind: str, code: str, message: str) -> Events:
+    """The events that end a stream of `kind` (a `Stream.kind`) with an error, without its
+    renderer: what a reader here of another instance's stream (a mirror) is told when this
+    instance lets it go. Responses' `error` event carries no `sequence_number` then (the
+    renderer that counts them is the owner's)."""
+    type_ = "server_error"
+    match kind:
+        case "anthropic":
+            return [("error", anthropic_error_body(code, message, error_type(code, type_)))]
+        case "responses":
+            error = {"code": code, "message": message, "type": type_, "param": None}
+            body = {"type": "error", "code": code, "message": message, "param": None}
+            return [("error", orjson.dumps({**body, "error": error}))]
+    return [("error", error_body(code, message, type_))]
 
 
 def replay(renderer: Rebuilt, deltas: list[Delta]) -> None:

@@ -4,7 +4,7 @@ whose owner is gone is taken over, and one taken from this instance is let go.""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Collection
 
 import anyio
 import anyio.lowlevel
@@ -363,6 +363,7 @@ class _Claims(_Store):
         self.answer = answer
         self.adopted: list[tuple[str, int, int]] = []
         self.let_go_of: list[tuple[str, bool]] = []
+        self.handed_over: list[str] = []
 
     async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
         return self.answer
@@ -372,6 +373,9 @@ class _Claims(_Store):
 
     def let_go(self, stream_id: str, *, flush: bool) -> None:
         self.let_go_of.append((stream_id, flush))
+
+    async def hand_over(self, stream_ids: Collection[str]) -> None:
+        self.handed_over += stream_ids
 
 
 def _mirror(after: int) -> Mirror:
@@ -470,8 +474,9 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             plain = _stream("s3")
             plain.ticket = _Ticket()
             await registry.start(plain)
-            assert registry.move_all() == 1 and kept.outcome is Outcome.MOVED
+            assert await registry.hand_over() == 1 and kept.outcome is Outcome.MOVED
             assert plain.outcome is None
+            assert store.handed_over == ["s2"]  # its liveness goes once Redis has them
             tg.cancel_scope.cancel()
 
     asyncio.run(body())

@@ -11,11 +11,12 @@ import pytest
 from firsttoken.core import writer as writer_module
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import Outcome, Renderer, Stream
 from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.render import NativeRenderer
+from firsttoken.wire.render import ChatRenderer, NativeRenderer
+from firsttoken.wire.sse import EventDecoder
 from firsttoken.wire.transport import ChunkedBody
 from tests.unit.clock import FakeClock
 
@@ -36,7 +37,12 @@ def run(body: Callable[[], Coroutine[Any, Any, None]]) -> None:
 
 
 def setup(
-    monkeypatch: pytest.MonkeyPatch, *, grace_s: float = 0.0, window: int = 4
+    monkeypatch: pytest.MonkeyPatch,
+    *,
+    grace_s: float = 0.0,
+    window: int = 4,
+    renderer: Renderer | None = None,
+    kind: str = "native",
 ) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventWriter]:
     clock = FakeClock()
     monkeypatch.setattr(writer_module, "_clock", clock)
@@ -44,8 +50,8 @@ def setup(
     registry.schedule = Schedule(clock=clock, call_at=clock.call_at)
     stream = Stream(
         GenerationRequest("s1", "hi", "synthetic"),
-        NativeRenderer(),
-        kind="native",
+        renderer or NativeRenderer(),
+        kind=kind,
         trace_id="t",
         grace_s=grace_s,
         prompt_tokens=1,
@@ -341,5 +347,49 @@ def test_a_durable_stream_reaches_its_reader_as_the_store_confirms_it_to_the_end
         assert body_of(transport.writes).endswith(b"data: [DONE]\n\n")
         assert b'"token":"c"' in body_of(transport.writes)
         assert writer.done.result() is End.FINISHED
+
+    run(body)
+
+
+def test_a_moved_stream_ends_an_sdk_reader_with_its_formats_error_never_clean(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An SDK takes a clean end for the whole answer: a chat stream that moves to another
+    instance under its reader leaves it the format's error event, without an `id:` (a client
+    that resumes still can), and never the body's end before it."""
+
+    async def body() -> None:
+        chat = ChatRenderer("chatcmpl-s1", "synthetic", 0, False)
+        _, stream, _, transport, writer = setup(monkeypatch, renderer=chat, kind="openai")
+        writer.open(b"")
+        stream.begin()
+        writer.pause_writing()  # behind when the stream moves: catch_up writes its end
+        stream.push("Hello")
+        stream.move()
+        writer.resume_writing()
+        assert writer.done.result() is End.FINISHED and not writer.terminated
+        writer.write_moved()
+        events = EventDecoder().feed(body_of(transport.writes))
+        assert [e.event for e in events] == [None, None, "error"]
+        assert "stream_moved" in (events[-1].data or "") and events[-1].id == events[-2].id
+        assert b"[DONE]" not in body_of(transport.writes)
+
+    run(body)
+
+
+def test_a_moved_native_stream_ends_without_an_event_for_its_reader_to_resume(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def body() -> None:
+        _, stream, _, transport, writer = setup(monkeypatch)
+        writer.open(b"")
+        stream.begin()
+        writer.pause_writing()
+        stream.push("Hello")
+        stream.move()
+        writer.resume_writing()
+        assert writer.done.result() is End.FINISHED and not writer.terminated
+        events = EventDecoder().feed(body_of(transport.writes))
+        assert [e.data for e in events] == ['{"token":"Hello"}']
 
     run(body)
