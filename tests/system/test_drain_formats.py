@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import anthropic
@@ -18,6 +19,7 @@ import openai
 import pytest
 
 from firsttoken.engines.synthetic import synthetic_tokens
+from tests.nginx import MULTI_CONF, run_nginx
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for
@@ -267,6 +269,31 @@ def test_a_sigkilled_instance_makes_every_sdk_raise_never_end_clean(redis_url: s
             sdk_error = isinstance(r.raised, openai.APIError | anthropic.APIError)
             cut = type(r.raised).__name__ == "RemoteProtocolError"
             assert sdk_error or cut, (name, r.raised)
+
+
+class Front:
+    """nginx, as the SDKs see it: a base URL."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.v1 = url + "/v1"
+
+
+def test_through_nginx_a_sigkilled_instance_makes_every_sdk_raise(
+    redis_url: str, tmp_path: Path
+) -> None:
+    """nginx (deploy/nginx-multi.conf) does not end a body its upstream left mid-way: the
+    client's connection ends mid-chunk too, and the SDKs raise."""
+    stack, a, _ = instances(redis_url)
+    with stack, run_nginx([a.port], tmp_path, base=MULTI_CONF) as nginx:
+        readings = start_all(Front(nginx.url), 1000)  # type: ignore[arg-type]
+        a.kill()
+        for r in readings.values():
+            r.join()
+        for name, r in readings.items():
+            assert not r.ended_clean_short, name
+            sdk_error = isinstance(r.raised, openai.APIError | anthropic.APIError)
+            assert sdk_error or type(r.raised).__name__ == "RemoteProtocolError", (name, r.raised)
 
 
 @pytest.mark.parametrize("durable", [False, True], ids=["not_durable", "durable"])
