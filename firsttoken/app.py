@@ -38,7 +38,7 @@ from firsttoken.telemetry.metrics import Metrics, log_event
 from firsttoken.telemetry.runtime import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
-from firsttoken.wire.errors import APIError
+from firsttoken.wire.errors import APIError, echo
 
 if TYPE_CHECKING:
     from firsttoken.telemetry.otel import Telemetry
@@ -409,9 +409,19 @@ async def _crashed(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal_error", "internal error").response(trace)
 
 
+# What a 404 under /v1 names, so that a client of an endpoint this gateway does not serve
+# (embeddings, files, ...) reads why, not "Not Found" as if its object were missing.
+_SERVED = (
+    "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
+    "/v1/messages/count_tokens, /v1/models and /v1/streams (README, \"HTTP API\")"
+)
+
+
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     headers = dict(exc.headers) if exc.headers is not None else None
-    return APIError(exc.status_code, code, str(exc.detail), headers=headers).response(
-        trace_id(request)
-    )
+    message = str(exc.detail)
+    path = request.url.path
+    if exc.status_code == 404 and path.startswith("/v1/"):
+        message = f"{request.method} {echo(path)} is not an endpoint of this gateway: {_SERVED}"
+    return APIError(exc.status_code, code, message, headers=headers).response(trace_id(request))
