@@ -30,6 +30,8 @@ BASE = "localhost/firsttoken-debian-base:bookworm"
 IMAGE = "localhost/firsttoken:test"
 RUN = ["podman", "--runtime", "runc", "run", "--network", "host"]
 LIMITS = ["--ulimit", "nofile=4096:4096", "--ulimit", "nproc=4096:4096"]
+# The first build on a new machine makes the base (debootstrap) and the image: minutes.
+pytestmark = pytest.mark.timeout(900)
 
 
 def sh(*cmd: str, timeout: float = 600, env: dict[str, str] | None = None) -> Any:
