@@ -26,6 +26,9 @@ class ChatAnswer:
     tool_calls: list[ToolCall] = field(default_factory=list)
     finish_reason: str = "stop"
     usage: dict[str, Any] = field(default_factory=dict)
+    # The chunks' `logprobs`, their lists joined in order (`content`, `refusal`; a
+    # completion's `tokens`, `token_logprobs`, ...); None when no chunk had any.
+    logprobs: dict[str, list[Any]] | None = None
 
     def message(self) -> dict[str, Any]:
         """The Chat Completions `choices[0].message`."""
@@ -52,7 +55,16 @@ class ChatFold:
     """Chunks folded into one answer as they arrive: nothing of a chunk is kept but its
     pieces of text, and `size` counts them (UTF-8 bytes) for a whole answer's byte cap."""
 
-    __slots__ = ("_arguments", "_calls", "_content", "_reasoning", "_refusal", "answer", "size")
+    __slots__ = (
+        "_arguments",
+        "_calls",
+        "_content",
+        "_logprobs",
+        "_reasoning",
+        "_refusal",
+        "answer",
+        "size",
+    )
 
     def __init__(self) -> None:
         self.answer = ChatAnswer()
@@ -62,6 +74,7 @@ class ChatFold:
         self._refusal: list[str] = []
         self._calls: dict[int, ToolCall] = {}
         self._arguments: dict[int, list[str]] = {}
+        self._logprobs: dict[str, list[Any]] | None = None
 
     def add(self, chunk: Mapping[str, Any]) -> None:
         answer = self.answer
@@ -84,7 +97,18 @@ class ChatFold:
                 call.id = fragment.get("id") or call.id
                 call.name = function.get("name") or call.name
                 self._keep(self._arguments.setdefault(index, []), function.get("arguments") or "")
+            logprobs = choice.get("logprobs")
+            if logprobs:
+                self._keep_logprobs(logprobs)
             answer.finish_reason = choice.get("finish_reason") or answer.finish_reason
+
+    def _keep_logprobs(self, logprobs: Mapping[str, Any]) -> None:
+        kept = self._logprobs
+        if kept is None:
+            kept = self._logprobs = {}
+        for name, values in logprobs.items():
+            if isinstance(values, list):
+                kept.setdefault(name, []).extend(values)
 
     def _keep(self, pieces: list[str], piece: str) -> None:
         pieces.append(piece)
@@ -96,6 +120,7 @@ class ChatFold:
         answer.content = "".join(self._content)
         answer.reasoning = "".join(self._reasoning)
         answer.refusal = "".join(self._refusal)
+        answer.logprobs = self._logprobs
         answer.tool_calls = [
             ToolCall(call.id, call.name, "".join(self._arguments.get(index, ())))
             for index, call in sorted(self._calls.items())

@@ -189,6 +189,19 @@ def test_logprobs_and_unknown_delta_fields_pass_through(
     assert (world.delta.model_extra or {}).get("annotations") == []
 
 
+def test_a_whole_answer_keeps_the_upstreams_logprobs(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    _, relay = scripted
+    answer = client(relay).chat.completions.create(
+        model="vllm-reasoning", messages=MESSAGES, logprobs=True
+    )
+    assert answer.choices[0].message.content == "Hello world"
+    logprobs = answer.choices[0].logprobs
+    assert logprobs is not None and logprobs.content is not None
+    assert [(t.token, t.logprob) for t in logprobs.content] == [("Hello", -0.1)]
+
+
 def test_whole_answer_through_the_relay_keeps_tool_calls(
     scripted: tuple[ScriptedUpstream, Server],
 ) -> None:

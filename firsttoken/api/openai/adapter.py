@@ -72,7 +72,7 @@ class _OpenAIFormat(Format[R], Generic[R]):
     def fold(self, answer: ChatAnswer, answer_id: str, model: str, created: int) -> dict[str, Any]:
         choice: dict[str, object] = {"index": 0}
         choice.update(self.choice(answer))
-        choice.update(logprobs=None, finish_reason=answer.finish_reason)
+        choice.update(logprobs=answer.logprobs, finish_reason=answer.finish_reason)
         return {
             "id": answer_id,
             "object": self.answer_object,
