@@ -413,7 +413,8 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 # (embeddings, files, ...) reads why, not "Not Found" as if its object were missing.
 _SERVED = (
     "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/models and /v1/streams (README, \"HTTP API\")"
+    "/v1/messages/count_tokens, /v1/embeddings, /v1/models and /v1/streams "
+    "(README, \"HTTP API\")"
 )
 
 

@@ -16,6 +16,8 @@ __all__ = [
     "TARGET_FAULTS",
     "BaseEngine",
     "Delta",
+    "EmbeddingRequest",
+    "Embeddings",
     "Engine",
     "EngineError",
     "Generation",
@@ -23,6 +25,7 @@ __all__ = [
     "Sink",
     "StepEngine",
     "ToolCallDelta",
+    "not_embedding",
 ]
 
 
@@ -163,6 +166,30 @@ class EngineError(Exception):
         self.target: str | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class EmbeddingRequest:
+    """`POST /v1/embeddings`, as the engine gets it: the inputs (each a text, or token ids),
+    and the client's body as sent (what a relay forwards: `dimensions`, `encoding_format`,
+    `user`...), with `model` the name the engine knows."""
+
+    request_id: str
+    model: str
+    inputs: tuple[str | tuple[int, ...], ...]
+    body: Mapping[str, Any]
+    tenant: str = ""
+    trace_id: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Embeddings:
+    """The answer: the OpenAI `list` object as the client gets it (its `model` the one the
+    client asked for), what its inputs counted, and the route's target that answered."""
+
+    body: dict[str, Any]
+    prompt_tokens: int
+    target: str | None = None
+
+
 class Engine(Protocol):
     """An async iterator of deltas per request, abort by id, and a count of tokens made.
 
@@ -211,6 +238,11 @@ class Engine(Protocol):
         None: it offers `generate()` only, and a task per request pulls it."""
         ...
 
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """The inputs' embeddings; EngineError `embeddings_not_served` (404) from an engine
+        that has none."""
+        ...
+
 
 class BaseEngine:
     """The defaults of `Engine`'s capabilities that only some engines have: an engine
@@ -226,6 +258,19 @@ class BaseEngine:
 
     def as_step_engine(self) -> StepEngine | None:
         return None
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        raise not_embedding(request.model)
+
+
+def not_embedding(model: str) -> EngineError:
+    return EngineError(
+        "embeddings_not_served",
+        f"model {model!r} is served here for text, not for embeddings",
+        type_="invalid_request_error",
+        status=404,
+        client_fault=True,
+    )
 
 
 class Sink(Protocol):

@@ -10,7 +10,7 @@ from typing import Any, NamedTuple
 
 from starlette.requests import Request
 
-from firsttoken.api import anthropic, native, openai, responses, usage
+from firsttoken.api import anthropic, embeddings, native, openai, responses, usage
 from firsttoken.api.pipeline import Answer, Format, serve
 
 __all__ = ["ROUTES", "ApiRoute", "Endpoint", "endpoint"]
@@ -36,6 +36,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute("POST", "/responses", endpoint(responses.RESPONSES), hot=True),
     ApiRoute("POST", "/messages", endpoint(anthropic.MESSAGES), hot=True),
     ApiRoute("POST", "/messages/count_tokens", anthropic.count_tokens),
+    ApiRoute("POST", "/embeddings", embeddings.embeddings),
     ApiRoute("GET", "/models", openai.models),
     ApiRoute("GET", "/models/{model_id:path}", openai.model),
     ApiRoute("POST", "/streams", endpoint(native.STREAMS), hot=True),

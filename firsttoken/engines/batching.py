@@ -27,6 +27,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from firsttoken.config import Settings
+from firsttoken.engines.embeddings import synthetic_embeddings
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
@@ -42,6 +43,8 @@ from firsttoken.engines.synthetic import (
 from firsttoken.generation import (
     BaseEngine,
     Delta,
+    EmbeddingRequest,
+    Embeddings,
     EngineError,
     Generation,
     GenerationRequest,
@@ -93,6 +96,9 @@ class BatchingEngine(BaseEngine):
         self._exit: AsyncExitStack | None = None
         self._words = SyntheticEngine(style=settings.synthetic_style)  # words and style
         self.faults = Faults(settings.synthetic_fail_rate)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        return synthetic_embeddings(request, self._words.prompt_tokens)
 
     # -- lifecycle -------------------------------------------------------------------------
 

@@ -39,7 +39,14 @@ import orjson
 
 from firsttoken.config import Settings
 from firsttoken.engines.text import apply_stop, split_words
-from firsttoken.generation import BaseEngine, Delta, Engine, GenerationRequest
+from firsttoken.generation import (
+    BaseEngine,
+    Delta,
+    EmbeddingRequest,
+    Embeddings,
+    Engine,
+    GenerationRequest,
+)
 
 __all__ = ["CachedEngine", "load_canned"]
 
@@ -127,6 +134,9 @@ class CachedEngine(BaseEngine):
 
     async def fetch_models(self) -> tuple[str, ...] | None:
         return await self.inner.fetch_models()
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        return await self.inner.embed(request)  # not cached: an answer is one call anyway
 
     # Not `as_step_engine`: every request comes through `generate`, where the cache answers.
 

@@ -26,6 +26,8 @@ from firsttoken.engines.upstream_errors import generic, shaped_message
 from firsttoken.generation import (
     TARGET_FAULTS,
     Delta,
+    EmbeddingRequest,
+    Embeddings,
     EngineError,
     GenerationRequest,
     ToolCallDelta,
@@ -34,6 +36,9 @@ from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]
 
+# An embeddings answer is read whole, up to this: 2,048 inputs of 1,536 floats as JSON text,
+# or of 3,072 as base64.
+MAX_EMBEDDINGS_BYTES = 64 << 20
 # Older TGI finish reasons, mapped to OpenAI's.
 _FINISH = {"eos_token": "stop", "stop_sequence": "stop"}
 _CODE = re.compile(r"^[A-Za-z0-9_.:-]{1,64}$")
@@ -95,6 +100,33 @@ class RelayEngine(RemoteEngine):
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return self._stream(request)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """`POST /embeddings` with the client's body under the name the upstream knows: its
+        answer as it came, counted by its own `usage`."""
+        model = self.model or request.model
+        call = GenerationRequest(
+            request.request_id, "", model, tenant=request.tenant, trace_id=request.trace_id
+        )
+        resp: UpstreamResponse | None = None
+        try:
+            body = orjson.dumps({**request.body, "model": model})
+            resp = await self.send(call, "/embeddings", body, _refused)
+            raw = await resp.read_bounded(MAX_EMBEDDINGS_BYTES)
+        except (EngineError, UpstreamError) as exc:
+            self.settle(exc, call)
+            raise EngineError("upstream_error", "the embeddings request was cut") from exc
+        finally:
+            self.done(call.request_id, resp)
+        try:
+            answer = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise _bad_response("embeddings that are not JSON (or over 64 MiB)") from None
+        if not isinstance(answer, dict) or not isinstance(answer.get("data"), list):
+            raise _bad_response("embeddings without a `data` list")
+        usage = answer.get("usage")
+        tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        return Embeddings(answer, tokens if isinstance(tokens, int) and tokens >= 0 else 0)
 
     # -- internals -------------------------------------------------------------------------
 

@@ -19,12 +19,15 @@ from typing import Any
 
 import orjson
 
+from firsttoken.engines.embeddings import synthetic_embeddings
 from firsttoken.engines.steps import pull
 from firsttoken.engines.styles import styled_pieces
 from firsttoken.engines.text import StopCut, count_words
 from firsttoken.generation import (
     BaseEngine,
     Delta,
+    EmbeddingRequest,
+    Embeddings,
     EngineError,
     Generation,
     GenerationRequest,
@@ -656,6 +659,9 @@ class SyntheticEngine(BaseEngine):
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         return pull(self, request)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        return synthetic_embeddings(request, count_words)
 
     def _prefill(self, request: GenerationRequest, ttft: float, itl: float, now: float) -> float:
         """The time to a first token with the prefix cache (`prefix_cache`): the TTFT stands

@@ -17,6 +17,7 @@ import re
 import time
 from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterator, Mapping
 from contextlib import AsyncExitStack, aclosing, suppress
+from dataclasses import replace
 from types import TracebackType
 from typing import Any
 
@@ -31,6 +32,8 @@ from firsttoken.generation import (
     TARGET_FAULTS,
     BaseEngine,
     Delta,
+    EmbeddingRequest,
+    Embeddings,
     EngineError,
     GenerationRequest,
 )
@@ -264,6 +267,31 @@ class RoutedEngine(BaseEngine):
         target = self._current.pop(request_id, None)
         if target is not None:
             await target.engine.abort(request_id)
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        """The route's targets in order, as a stream's before its first token: the first
+        that answers; one that fails in a way another might not (down, 5xx, timed out) gives
+        its turn to the next, and counts against its health. A refusal of the request itself
+        (a 4xx) is the client's answer."""
+        route = self.routes.get(request.model) or self.table.default
+        loop = asyncio.get_running_loop()
+        tried: set[str] = set()
+        failure: EngineError | None = None
+        while (target := self._pick(route, route.targets, tried, splicing=False)) is not None:
+            tried.add(target.name)
+            model = self._model(route, target, request.model)
+            try:
+                answer = await target.engine.embed(replace(request, model=model))
+            except EngineError as exc:
+                if not exc.retryable:
+                    target.health.release()
+                    raise _named(exc, target) from None
+                target.health.failure(loop.time())
+                failure = _named(exc, target)
+                continue
+            target.health.success()
+            return replace(answer, target=target.name)
+        raise failure if failure is not None else self._unavailable(route)
 
     def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         route = self.routes.get(request.model) or self.table.default
@@ -863,13 +891,14 @@ class RoutedEngine(BaseEngine):
 
     async def _open_leg(self, target: Target, request: GenerationRequest, route: ModelRoute) -> Leg:
         leg = Leg(target, request, self._current)
-        await leg.open(self._model(route, target, request), self.observer)
+        await leg.open(self._model(route, target, request.model), self.observer)
         return leg
 
-    def _model(self, route: ModelRoute, target: Target, request: GenerationRequest) -> str:
+    def _model(self, route: ModelRoute, target: Target, asked: str) -> str:
+        """The name `target` knows the model the client `asked` for by."""
         if route.passthrough:
-            if request.model != route.name:
-                return request.model
+            if asked != route.name:
+                return asked
             models = target.engine.models
             return models[0] if models else route.name
         return target.config.model or route.name

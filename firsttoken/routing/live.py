@@ -20,7 +20,13 @@ from collections.abc import AsyncGenerator, Callable, Iterator
 
 from prometheus_client.core import Metric
 
-from firsttoken.generation import BaseEngine, Delta, GenerationRequest
+from firsttoken.generation import (
+    BaseEngine,
+    Delta,
+    EmbeddingRequest,
+    Embeddings,
+    GenerationRequest,
+)
 from firsttoken.routing.config import ModelRoute, RouteTable, TargetConfig
 from firsttoken.routing.engine import PHASES, RoutedEngine, RouteObserver
 from firsttoken.routing.target import Target
@@ -169,6 +175,9 @@ class LiveRoutes(BaseEngine):
 
     async def fetch_models(self) -> tuple[str, ...] | None:
         return await self.current.fetch_models()
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        return await self.current.embed(request)
 
     def serving(self, request_id: str) -> str | None:
         # Every generation shares one map of the legs in flight (`prepare`).

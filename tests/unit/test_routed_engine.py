@@ -11,7 +11,14 @@ from typing import Any
 
 import pytest
 
-from firsttoken.generation import Delta, EngineError, GenerationRequest, ToolCallDelta
+from firsttoken.generation import (
+    Delta,
+    EmbeddingRequest,
+    Embeddings,
+    EngineError,
+    GenerationRequest,
+    ToolCallDelta,
+)
 from firsttoken.routing.config import Handoff, ModelRoute, RouteTable, ShortPrompts, TargetConfig
 from firsttoken.routing.engine import MAX_CHARS_PER_TOKEN, RoutedEngine
 from firsttoken.routing.health import TargetHealth
@@ -1241,3 +1248,74 @@ def test_an_edge_slower_than_the_pace_hands_off_once_the_center_is_ready() -> No
     # Ready at 0.5 s; the edge's tokens come at 0.1, 0.18, ... 0.42, 0.5: the boundary at
     # 0.5 s, its 6th token (not the bound, 40).
     assert meta["handoff"]["at_token"] == 6
+
+
+# -- embeddings: the route's targets in order, before the answer ---------------------------------
+
+
+class Embedder(Scripted):
+    """A target whose n-th embeddings request fails with the n-th error (None: answers)."""
+
+    def __init__(self, *failures: EngineError | None) -> None:
+        super().__init__()
+        self.failures = list(failures)
+        self.embedded: list[EmbeddingRequest] = []
+
+    async def embed(self, request: EmbeddingRequest) -> Embeddings:
+        self.embedded.append(request)
+        failure = self.failures.pop(0) if self.failures else None
+        if failure is not None:
+            raise failure
+        return Embeddings({"object": "list", "data": [], "model": request.model}, 3)
+
+
+def embedding(model: str = "chat") -> EmbeddingRequest:
+    return EmbeddingRequest("e1", model, ("hello",), {"model": model, "input": "hello"})
+
+
+def test_embeddings_come_from_the_first_target_under_its_own_model_name() -> None:
+    a, b = Embedder(None), Embedder(None)
+    engine = router({"a": a, "b": b}, a={"model": "BAAI/bge-m3"})
+    answer = virtual_loop.run(engine.embed(embedding()))
+    assert answer.target == "a" and answer.prompt_tokens == 3
+    assert [r.model for r in a.embedded] == ["BAAI/bge-m3"] and b.embedded == []
+
+
+def test_a_target_down_for_embeddings_hands_them_to_the_next() -> None:
+    a = Embedder(EngineError("upstream_unavailable", "refused", retryable=True, status=503))
+    b = Embedder(None)
+    engine = router({"a": a, "b": b})
+    answer = virtual_loop.run(engine.embed(embedding()))
+    assert answer.target == "b" and len(a.embedded) == len(b.embedded) == 1
+    assert health(engine, "a")._failures == 1
+
+
+def test_a_refused_embeddings_request_is_the_clients_answer_not_a_failover() -> None:
+    refused = EngineError("upstream_rejected", "bad input", status=400, client_fault=True)
+    a, b = Embedder(refused), Embedder(None)
+    engine = router({"a": a, "b": b})
+
+    async def ask() -> EngineError | None:
+        try:
+            await engine.embed(embedding())
+        except EngineError as exc:
+            return exc
+        return None
+
+    error = virtual_loop.run(ask())
+    assert error is not None and error.code == "upstream_rejected" and error.target == "a"
+    assert b.embedded == [] and health(engine, "a")._failures == 0
+
+
+def test_a_target_without_embeddings_says_so_as_a_404() -> None:
+    engine = router({"a": Scripted(answer)})
+
+    async def ask() -> EngineError | None:
+        try:
+            await engine.embed(embedding())
+        except EngineError as exc:
+            return exc
+        return None
+
+    error = virtual_loop.run(ask())
+    assert error is not None and error.code == "embeddings_not_served" and error.status == 404
