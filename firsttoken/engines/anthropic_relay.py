@@ -201,6 +201,8 @@ def _blocks(content: Any, *, images: bool) -> list[dict[str, Any]]:
                 out.append(block)
         elif kind == "image_url" and images:
             out.append(_image(part.get("image_url")))
+        elif kind == "document" and images and isinstance(part.get("document"), Mapping):
+            out.append(dict(part["document"]))  # a Messages client's block, as it came
         else:
             raise _unsupported(f"a content part of type {kind!r}")
     return out

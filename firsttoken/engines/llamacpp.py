@@ -271,6 +271,16 @@ class LlamaCppEngine(BaseEngine):
         with anyio.move_on_after(5):
             await job.done.wait()
 
+    def check(self, request: GenerationRequest) -> None:
+        if request.options.get("documents"):
+            raise EngineError(
+                "unsupported_content",
+                "the llama.cpp engine reads text only: it cannot take a document",
+                type_="invalid_request_error",
+                status=400,
+                client_fault=True,
+            )
+
     async def generate(self, request: GenerationRequest) -> AsyncGenerator[Delta, None]:
         if self._exit is None or self._portal is None:
             raise EngineError("engine_unavailable", "the llama.cpp engine is not running")

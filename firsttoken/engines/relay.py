@@ -148,6 +148,8 @@ class RelayEngine(RemoteEngine):
                 options.pop(own, None)
             options["include_usage"] = True
             body.update(model=model, stream=True, stream_options=options)
+            if request.options.get("documents") and isinstance(body.get("messages"), list):
+                body["messages"] = [_with_files(m) for m in body["messages"]]
             limit = request.max_tokens
             if limit is not None:
                 # What admission held, in every field the client named: servers differ on
@@ -252,6 +254,38 @@ class RelayEngine(RemoteEngine):
             self.settle(exc, request)
         finally:
             self.done(rid, resp)
+
+
+def _with_files(message: Any) -> Any:
+    """A message whose Messages `document` parts are said as Chat Completions says them: a
+    base64 one as a `file` part (its data URL), a text one as text. One by URL has no such
+    shape: refused before anything is sent."""
+    content = message.get("content") if isinstance(message, Mapping) else None
+    if not isinstance(content, list):
+        return message
+    parts = []
+    for part in content:
+        document = part.get("document") if isinstance(part, Mapping) else None
+        if not isinstance(document, Mapping) or part.get("type") != "document":
+            parts.append(part)
+            continue
+        source = document.get("source") or {}
+        if source.get("type") == "text":
+            parts.append({"type": "text", "text": source.get("data", "")})
+        elif source.get("type") == "base64":
+            data = f"data:{source.get('media_type')};base64,{source.get('data')}"
+            name = document.get("title") or "document"
+            parts.append({"type": "file", "file": {"file_data": data, "filename": name}})
+        else:
+            raise EngineError(
+                "unsupported_content",
+                "a document by URL cannot go to an OpenAI-compatible target: send its "
+                "content as base64 or text",
+                type_="invalid_request_error",
+                status=400,
+                client_fault=True,
+            )
+    return {**message, "content": parts}
 
 
 def _refused(resp: UpstreamResponse, raw: bytes) -> EngineError:

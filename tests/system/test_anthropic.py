@@ -110,6 +110,19 @@ def test_non_streaming_text(server: Server) -> None:
     assert natural.stop_reason == "end_turn"
 
 
+def test_a_document_block_is_taken_not_refused_as_a_string(server: Server) -> None:
+    """The synthetic engine reads the text beside it (a document is not text it reads)."""
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}
+    content: list[Any] = [
+        {"type": "document", "source": pdf, "title": "report", "citations": {"enabled": True}},
+        {"type": "text", "text": "Sum it up."},
+    ]
+    message = client(server).messages.create(
+        model="synthetic", max_tokens=5, messages=[{"role": "user", "content": content}]
+    )
+    assert message.stop_reason == "max_tokens" and message.content[0].type == "text"
+
+
 def test_count_tokens_is_the_input_a_message_would_use(server: Server) -> None:
     """The SDK's `messages.count_tokens` (it got a 404, issue 26): `input_tokens` is what the
     same request's answer reports, system prompt and tools' conversation included."""

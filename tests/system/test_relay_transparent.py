@@ -14,6 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -351,3 +352,35 @@ def test_a_request_never_takes_more_than_its_keys_minute_has_left(
     )
     assert refused.status_code == 429
     assert refused.json()["error"]["code"] == "token_budget_exceeded"
+
+
+def test_a_messages_document_reaches_an_openai_target_as_a_file_part(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    up, relay = scripted
+    pdf = {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"}
+    content: list[Any] = [
+        {"type": "document", "source": pdf, "title": "report.pdf"},
+        {"type": "document", "source": {"type": "text", "data": "Plain notes."}},
+        {"type": "text", "text": "Sum them up."},
+    ]
+    messages = anthropic.Anthropic(base_url=relay.url, api_key="unused", max_retries=0)
+    answer = messages.messages.create(
+        model="ok", max_tokens=20, messages=[{"role": "user", "content": content}]
+    )
+    assert answer.stop_reason == "end_turn"
+    sent = up.posts[-1]["messages"][-1]["content"]
+    assert sent == [
+        {
+            "type": "file",
+            "file": {"file_data": "data:application/pdf;base64,JVBERi0x", "filename": "report.pdf"},
+        },
+        {"type": "text", "text": "Plain notes."},
+        {"type": "text", "text": "Sum them up."},
+    ]
+    by_url = {"type": "document", "source": {"type": "url", "url": "https://x.test/a.pdf"}}
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        messages.messages.create(
+            model="ok", max_tokens=20, messages=[{"role": "user", "content": [by_url]}]
+        )
+    assert "by URL" in str(refused.value)

@@ -11,6 +11,8 @@ from typing import Any
 import orjson
 import pytest
 
+from firsttoken.api.anthropic.adapter import chat_body
+from firsttoken.api.anthropic.protocol import MessagesRequest
 from firsttoken.engines.anthropic_relay import (
     DEFAULT_MAX_TOKENS,
     MessagesReader,
@@ -628,3 +630,29 @@ def test_a_plain_error_body_is_its_status_and_a_message_is_bounded() -> None:
 )
 def test_retry_after(value: str | None, seconds: float | None) -> None:
     assert retry_after(value, NOW) == seconds
+
+
+def test_a_messages_document_reaches_an_anthropic_target_as_it_was_sent() -> None:
+    """A Messages client's `document` block rides through the Chat Completions body whole:
+    title, context, citations and its cache marker reach the Anthropic target."""
+    document = {
+        "type": "document",
+        "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0x"},
+        "title": "Q3 report",
+        "context": "the board's copy",
+        "citations": {"enabled": True},
+        "cache_control": {"type": "ephemeral"},
+    }
+    asked = MessagesRequest.model_validate(
+        {
+            "model": "claude",
+            "max_tokens": 10,
+            "messages": [
+                {"role": "user", "content": [document, {"type": "text", "text": "Sum it up."}]}
+            ],
+        }
+    )
+    body = body_of(chat_body(asked))
+    assert body["messages"] == [
+        {"role": "user", "content": [document, {"type": "text", "text": "Sum it up."}]}
+    ]

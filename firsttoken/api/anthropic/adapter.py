@@ -19,6 +19,7 @@ from starlette.responses import Response
 from firsttoken.api.anthropic.protocol import (
     Base64Source,
     CountTokensRequest,
+    DocumentBlock,
     ImageBlock,
     MessageParam,
     MessagesRequest,
@@ -86,6 +87,8 @@ class MessagesFormat(Format[MessagesRequest]):
         prefill = _prefill(body)
         if prefill is not None:  # the answer continues it; the prompt is the rest
             options["continuation"] = prefill
+        if _has_documents(body):
+            options["documents"] = True  # what a relay turns into its own shape
         return Inputs(
             prompt_text(messages[:-1] if prefill is not None else messages),
             body.max_tokens,
@@ -214,6 +217,15 @@ def _prefill(body: MessagesRequest) -> str | None:
     return "".join(b.text for b in last.content if isinstance(b, TextBlock))
 
 
+def _has_documents(body: MessagesRequest) -> bool:
+    return any(
+        isinstance(block, DocumentBlock)
+        for message in body.messages
+        if not isinstance(message.content, str)
+        for block in message.content
+    )
+
+
 def chat_tool_choice(choice: ToolChoice) -> str | dict[str, Any]:
     if choice.type == "any":
         return "required"
@@ -261,7 +273,11 @@ def _chat_message(message: MessageParam) -> list[dict[str, Any]]:
         for b in message.content
         if isinstance(b, ToolResultBlock)
     ]
-    parts = [_chat_part(b) for b in message.content if isinstance(b, TextBlock | ImageBlock)]
+    parts = [
+        _chat_part(b)
+        for b in message.content
+        if isinstance(b, TextBlock | ImageBlock | DocumentBlock)
+    ]
     if len(parts) == 1 and parts[0]["type"] == "text" and "cache_control" not in parts[0]:
         out.append({"role": "user", "content": parts[0]["text"]})
     elif parts or not out:
@@ -269,7 +285,12 @@ def _chat_message(message: MessageParam) -> list[dict[str, Any]]:
     return out
 
 
-def _chat_part(block: TextBlock | ImageBlock) -> dict[str, Any]:
+def _chat_part(block: TextBlock | ImageBlock | DocumentBlock) -> dict[str, Any]:
+    if isinstance(block, DocumentBlock):
+        # No Chat Completions shape holds all of it: the block rides whole, for an Anthropic
+        # target to send on as it came and an OpenAI-compatible one to turn into a `file`
+        # part (`engines/relay.py`).
+        return {"type": "document", "document": block.model_dump(exclude_none=True)}
     if isinstance(block, TextBlock):
         if block.cache_control is not None:  # reaches an Anthropic target as it was sent
             return {"type": "text", "text": block.text, "cache_control": block.cache_control}

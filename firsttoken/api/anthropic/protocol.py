@@ -13,10 +13,12 @@ from firsttoken.api.protocol import SyntheticKnobs
 __all__ = [
     "Base64Source",
     "CountTokensRequest",
+    "DocumentBlock",
     "ImageBlock",
     "MessageParam",
     "MessagesRequest",
     "TextBlock",
+    "TextSource",
     "ThinkingBlock",
     "ToolChoice",
     "ToolResultBlock",
@@ -51,6 +53,22 @@ class UrlSource(_Body):
 class ImageBlock(_Body):
     type: Literal["image"]
     source: Annotated[Base64Source | UrlSource, Field(discriminator="type")]
+
+
+class TextSource(_Body):
+    type: Literal["text"]
+    media_type: str = "text/plain"
+    data: str
+
+
+class DocumentBlock(_Body):
+    """A PDF (base64 or by URL) or a plain-text document. Kept whole on its way to an
+    Anthropic target (citations, title, context, cache_control as sent)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["document"]
+    source: Annotated[Base64Source | UrlSource | TextSource, Field(discriminator="type")]
+    title: str | None = None
 
 
 class ToolUseBlock(_Body):
@@ -88,7 +106,13 @@ class RedactedThinkingBlock(_Body):
 
 
 ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    TextBlock
+    | ImageBlock
+    | DocumentBlock
+    | ToolUseBlock
+    | ToolResultBlock
+    | ThinkingBlock
+    | RedactedThinkingBlock,
     Field(discriminator="type"),
 ]
 
