@@ -1,0 +1,120 @@
+"""A rolling deploy behind the shipped front door, measured from the clients' side.
+
+Three instances on one Redis behind `deploy/nginx-multi.conf`; clients keep creating chat
+streams through nginx with the official openai SDK, its own retries off (`max_retries=0`), so
+a 503 would reach them. Each instance in turn is SIGTERMed while a whole answer keeps it
+draining for a while (as a long stream would), then started again on its port. A draining
+instance refuses new streams with 503 `server_draining` before its first byte, having started
+nothing: nginx sends each such request to another instance, so no client sees the 503 and none
+waits out its `Retry-After` (5 s).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+from contextlib import ExitStack
+from pathlib import Path
+
+import httpx
+import openai
+
+from tests.nginx import MULTI_CONF, free_port, run_nginx
+from tests.redis_server import run_redis
+from tests.servers import Server, run_server, wait_for
+
+# No skip when nginx or redis-server is missing: ./scripts/test installs them.
+
+CLIENTS = 6
+ITL_MS = 5
+HOLD_TOKENS = 300  # the whole answer that keeps a draining instance up: ~1.5 s at ITL_MS
+
+
+def create_streams(url: str, stop: threading.Event, ttfts: list[float], refused: list[str]) -> None:
+    """Create short chat streams one after another until `stop`; each one's time to its first
+    token goes to `ttfts`, each create that fails to `refused`."""
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=10)
+    while not stop.is_set():
+        started = time.monotonic()
+        try:
+            stream = client.chat.completions.create(
+                model="synthetic",
+                messages=[{"role": "user", "content": "deploy"}],
+                max_tokens=10,
+                stream=True,
+            )
+            first = None
+            for chunk in stream:
+                if first is None and chunk.choices and chunk.choices[0].delta.content:
+                    first = time.monotonic() - started
+            if first is not None:
+                ttfts.append(first)
+        except openai.APIStatusError as exc:
+            refused.append(f"{exc.status_code} {exc.body}")
+        except openai.APIError as exc:
+            refused.append(repr(exc))
+
+
+def drain_slowly(server: Server) -> threading.Thread:
+    """A whole answer on `server` (never handed over), so its drain lasts until it ends."""
+    body = {
+        "messages": [{"role": "user", "content": "hold"}],
+        "max_tokens": HOLD_TOKENS,
+    }
+    hold = threading.Thread(
+        target=lambda: httpx.post(server.v1 + "/chat/completions", json=body, timeout=30)
+    )
+    hold.start()
+    wait_for(lambda: server.metric("firsttoken_active_streams") >= 1)
+    return hold
+
+
+def test_a_rolling_deploy_through_nginx_refuses_no_client_and_keeps_none_waiting(
+    tmp_path: Path,
+) -> None:
+    with run_redis() as redis_url, ExitStack() as stack:
+        args = (
+            "--redis",
+            redis_url,
+            "--synthetic-ttft-ms",
+            "5",
+            "--synthetic-itl-ms",
+            str(ITL_MS),
+            "--drain-timeout-s",
+            "30",
+        )
+        ports = [free_port() for _ in range(3)]
+        servers = [stack.enter_context(run_server(*args, "--port", str(p))) for p in ports]
+        ng = stack.enter_context(run_nginx(ports, tmp_path, base=MULTI_CONF))
+        stop = threading.Event()
+        ttfts: list[float] = []
+        refused: list[str] = []
+        clients = [
+            threading.Thread(target=create_streams, args=(ng.url, stop, ttfts, refused))
+            for _ in range(CLIENTS)
+        ]
+        for c in clients:
+            c.start()
+        try:
+            wait_for(lambda: len(ttfts) >= 20, timeout=20)
+            for i, port in enumerate(ports):
+                old = servers[i]
+                hold = drain_slowly(old)
+                old.proc.send_signal(signal.SIGTERM)
+                assert old.proc.wait(timeout=30) == 0
+                hold.join(timeout=30)
+                servers[i] = stack.enter_context(run_server(*args, "--port", str(port)))
+                created = len(ttfts)
+                wait_for(lambda created=created: len(ttfts) >= created + 10, timeout=20)
+        finally:
+            stop.set()
+            for c in clients:
+                c.join(timeout=30)
+    assert refused == [], refused[:5]
+    assert len(ttfts) >= 50
+    assert max(ttfts) < 1.0, sorted(ttfts)[-5:]  # nobody waited out a Retry-After
+    # Sent again: the draining instances did refuse creates, and nginx took each elsewhere.
+    retried = [line for line in ng.access_log() if "statuses=503, " in line]
+    assert retried, "no create reached a draining instance: the test proved nothing"
+    assert all(line.split()[2] == "200" for line in retried), retried
