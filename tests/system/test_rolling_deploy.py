@@ -6,7 +6,9 @@ a 503 would reach them. Each instance in turn is SIGTERMed while a whole answer 
 draining for a while (as a long stream would), then started again on its port. A draining
 instance refuses new streams with 503 `server_draining` before its first byte, having started
 nothing: nginx sends each such request to another instance, so no client sees the 503 and none
-waits out its `Retry-After` (5 s).
+waits out its `Retry-After` (5 s). A native reader of a stream another instance generates, cut
+by the drain of the instance it read through, resumes elsewhere and gets the exact rest: the
+draining instance never answers it 204 "all delivered".
 """
 
 from __future__ import annotations
@@ -20,6 +22,9 @@ from pathlib import Path
 import httpx
 import openai
 
+from firsttoken.client import Client
+from firsttoken.engines.synthetic import synthetic_tokens
+from tests.events import tokens_of
 from tests.nginx import MULTI_CONF, free_port, run_nginx
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for
@@ -118,3 +123,45 @@ def test_a_rolling_deploy_through_nginx_refuses_no_client_and_keeps_none_waiting
     retried = [line for line in ng.access_log() if "statuses=503, " in line]
     assert retried, "no create reached a draining instance: the test proved nothing"
     assert all(line.split()[2] == "200" for line in retried), retried
+
+
+def test_a_native_reader_cut_by_a_draining_instance_resumes_elsewhere_exact(
+    tmp_path: Path,
+) -> None:
+    """A stream generated on A, read on B; B is SIGTERMed (and stays draining a while): its
+    reader is cut, and coming back to B is told 503 `server_draining`, never 204. Through
+    nginx, `firsttoken.client` resumes it on A: the exact rest, then `[DONE]`."""
+    with run_redis() as redis_url:
+        args = ("--redis", redis_url, "--synthetic-ttft-ms", "5", "--synthetic-itl-ms", "20")
+        with (
+            run_server(*args) as a,
+            run_server(*args, "--drain-timeout-s", "30") as b,
+            run_nginx([a.port, b.port], tmp_path, base=MULTI_CONF) as ng,
+        ):
+            created = httpx.post(
+                a.v1 + "/streams", json={"prompt": "handed", "max_tokens": 150}, timeout=10
+            ).json()
+            token = {"authorization": f"Bearer {created['resume_token']}"}
+            on_b = b.url + created["events_url"]
+            body = b""
+            with httpx.stream("GET", on_b, headers=token, timeout=30) as r:
+                assert r.status_code == 200
+                for chunk in r.iter_raw():
+                    body += chunk
+                    if len(tokens_of(body)[0]) == 10:
+                        hold = drain_slowly(b)
+                        b.proc.send_signal(signal.SIGTERM)
+            first, last_id, done, error = tokens_of(body)
+            assert not done and error is None and len(first) >= 10  # cut: handed over
+
+            again = httpx.get(on_b, headers={**token, "last-event-id": last_id}, timeout=10)
+            assert again.status_code == 503, again.text[:200]
+            assert again.json()["error"]["code"] == "server_draining"
+            assert again.headers["retry-after"] == "1"
+
+            with Client(ng.url) as client:
+                rest = client.resume(created["id"], created["resume_token"], last_id)
+                text = "".join(rest)
+                assert rest.done and not rest.interrupted
+            assert "".join(first) + text == "".join(synthetic_tokens("handed", None, 150)[0])
+            hold.join(timeout=30)
