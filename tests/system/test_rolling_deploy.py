@@ -24,6 +24,7 @@ import openai
 
 from firsttoken.client import Client
 from firsttoken.engines.synthetic import synthetic_tokens
+from tests.caddy import run_caddy
 from tests.events import tokens_of
 from tests.nginx import MULTI_CONF, free_port, run_nginx
 from tests.redis_server import run_redis
@@ -61,12 +62,15 @@ def create_streams(url: str, stop: threading.Event, ttfts: list[float], refused:
             refused.append(repr(exc))
 
 
-def drain_slowly(server: Server) -> threading.Thread:
-    """A whole answer on `server` (never handed over), so its drain lasts until it ends."""
-    body = {
+def drain_slowly(server: Server, itl_ms: float | None = None) -> threading.Thread:
+    """A whole answer on `server` (never handed over), so its drain lasts until it ends:
+    HOLD_TOKENS tokens, `itl_ms` apart (None: the server's)."""
+    body: dict[str, object] = {
         "messages": [{"role": "user", "content": "hold"}],
         "max_tokens": HOLD_TOKENS,
     }
+    if itl_ms is not None:
+        body["synthetic"] = {"itl_ms": itl_ms}
     hold = threading.Thread(
         target=lambda: httpx.post(server.v1 + "/chat/completions", json=body, timeout=30)
     )
@@ -165,3 +169,40 @@ def test_a_native_reader_cut_by_a_draining_instance_resumes_elsewhere_exact(
                 assert rest.done and not rest.interrupted
             assert "".join(first) + text == "".join(synthetic_tokens("handed", None, 150)[0])
             hold.join(timeout=30)
+
+
+def test_caddy_sends_no_new_stream_to_an_instance_whose_readyz_says_draining(
+    tmp_path: Path,
+) -> None:
+    """deploy/Caddyfile with two instances: once one is SIGTERMed, its /readyz answers 503 and
+    Caddy's health check (every 0.5 s) leaves it out, so the creates that follow all reach the
+    other (Caddy 2.6 cannot send a refused request again: the first half second is nginx's
+    job, `deploy/nginx-multi.conf`)."""
+    args = ("--synthetic-ttft-ms", "5", "--synthetic-itl-ms", str(ITL_MS))
+    with (
+        run_server(*args) as a,
+        run_server(*args, "--drain-timeout-s", "30") as b,
+        run_caddy(f"127.0.0.1:{a.port} 127.0.0.1:{b.port}", tmp_path / "caddy") as caddy,
+    ):
+        hold = drain_slowly(b, itl_ms=20)  # ~6 s of drain
+        b.proc.send_signal(signal.SIGTERM)
+        time.sleep(1.2)  # two health checks
+        http = httpx.Client(verify=caddy.tls(), timeout=10)
+        client = openai.OpenAI(
+            base_url=caddy.url + "/v1", api_key="unused", max_retries=0, http_client=http
+        )
+        refused = []
+        for _ in range(20):
+            try:
+                for _chunk in client.chat.completions.create(
+                    model="synthetic",
+                    messages=[{"role": "user", "content": "ready"}],
+                    max_tokens=5,
+                    stream=True,
+                ):
+                    pass
+            except openai.APIStatusError as exc:
+                refused.append(f"{exc.status_code} {exc.body}")
+        assert b.proc.poll() is None, "b had ended its drain: the test proved nothing"
+        assert refused == [], refused[:3]
+        hold.join(timeout=30)
