@@ -120,9 +120,12 @@ def test_a_rolling_deploy_through_nginx_refuses_no_client_and_keeps_none_waiting
             stop.set()
             for c in clients:
                 c.join(timeout=30)
+    ms = sorted(round(t * 1000) for t in ttfts)
+    p50, p99 = ms[len(ms) // 2], ms[len(ms) * 99 // 100]
+    print(f"{len(ms)} streams, TTFT ms p50 {p50}, p99 {p99}, top {ms[-5:]}")
     assert refused == [], refused[:5]
-    assert len(ttfts) >= 50
-    assert max(ttfts) < 1.0, sorted(ttfts)[-5:]  # nobody waited out a Retry-After
+    assert len(ms) >= 50
+    assert ms[-1] < 2500, ms[-5:]  # nobody waited out a Retry-After (5 s)
     # Sent again: the draining instances did refuse creates, and nginx took each elsewhere.
     retried = [line for line in ng.access_log() if "statuses=503, " in line]
     assert retried, "no create reached a draining instance: the test proved nothing"
