@@ -209,3 +209,28 @@ def test_caddy_sends_no_new_stream_to_an_instance_whose_readyz_says_draining(
         assert b.proc.poll() is None, "b had ended its drain: the test proved nothing"
         assert refused == [], refused[:3]
         hold.join(timeout=30)
+
+
+def test_a_native_reader_waiting_for_the_first_token_when_its_instance_drains_is_not_done(
+    tmp_path: Path,
+) -> None:
+    """A reader opens a stream of A's on B while A has sent nothing yet (a slow first token),
+    and B is SIGTERMed meanwhile: B hands the mirror over with nothing in its log. That was
+    answered 204 "all delivered" (the client's answer: empty, done). Now B cuts the reader (or,
+    once draining, sends it elsewhere with 503), and the resume on A gets the whole answer."""
+    with run_redis() as redis_url:
+        slow = ("--redis", redis_url, "--synthetic-ttft-ms", "1500", "--synthetic-itl-ms", "5")
+        with run_server(*slow) as a, run_server("--redis", redis_url) as b:
+            created = httpx.post(
+                a.v1 + "/streams", json={"prompt": "patience", "max_tokens": 20}, timeout=10
+            ).json()
+            token = {"authorization": f"Bearer {created['resume_token']}"}
+            threading.Timer(0.15, b.proc.send_signal, (signal.SIGTERM,)).start()
+            r = httpx.get(b.url + created["events_url"], headers=token, timeout=10)
+            assert r.status_code in (200, 503), r.status_code  # never 204
+            tokens, last_id, done, error = tokens_of(r.content)
+            assert not done and error is None and tokens == []
+            with Client(a.url) as client:
+                answer = client.resume(created["id"], created["resume_token"], last_id)
+                text = "".join(answer)
+            assert answer.done and text == "".join(synthetic_tokens("patience", None, 20)[0])
