@@ -8,7 +8,9 @@
 
 A dropped connection is resumed from the last event id with backoff; a stream that ends
 without `[DONE]` and cannot be resumed raises `StreamInterrupted`; an `event: error` raises
-`StreamError`. Both carry the text received so far.
+`StreamError`. Both carry the text received so far. A create refused with 503 before its
+first byte (`server_draining`, `overloaded`: nothing was started) is sent again after the
+server's `Retry-After`, at most `create_retries` times; nothing is sent again after a 200.
 
 `AsyncClient` has the shape of the openai SDK's async client: every call is awaited, and what
 it returns is iterated with `async for`:
@@ -26,6 +28,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import AsyncIterator, Generator, Iterator, Mapping, Sequence
+from email.utils import parsedate_to_datetime
 from typing import Any, TypeVar
 
 import anyio
@@ -39,19 +42,37 @@ _DROPS = (httpx.TransportError,)  # connect, read and protocol errors alike
 
 
 class StreamError(Exception):
-    """The server ended the stream with `event: error`."""
+    """The server ended the stream with `event: error`, or refused it before its first byte
+    (`status` is then the HTTP status, and `retry_after_s` its `Retry-After`, if any)."""
 
-    def __init__(self, code: str, message: str, text: str) -> None:
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        text: str,
+        status: int | None = None,
+        retry_after_s: float | None = None,
+    ) -> None:
         super().__init__(f"{code}: {message}")
         self.code = code
         self.message = message
         self.text = text
+        self.status = status
+        self.retry_after_s = retry_after_s
 
 
 # Refusals of a resume that pass: the stream's instance was replaced meanwhile (a deploy, a
-# crash: another instance takes it over), or a proxy in front found none of them for a moment.
+# crash: another instance takes it over), the instance reached is on its way out and sends
+# its readers elsewhere, or a proxy in front found none of them for a moment.
 _PASSING = frozenset(
-    ("stream_not_found", "store_unavailable", "http_502", "http_503", "http_504")
+    (
+        "stream_not_found",
+        "store_unavailable",
+        "server_draining",
+        "http_502",
+        "http_503",
+        "http_504",
+    )
 )
 
 
@@ -179,12 +200,16 @@ class _Base:
         backoff_s: float = 0.25,
         max_backoff_s: float = 4.0,
         timeout_s: float = 60.0,
+        create_retries: int = 2,
+        max_retry_after_s: float = 60.0,
     ) -> None:
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
         self.max_retries = max_retries
         self.backoff_s = backoff_s
         self.max_backoff_s = max_backoff_s
+        self.create_retries = create_retries
+        self.max_retry_after_s = max_retry_after_s
         self.timeout = httpx.Timeout(timeout_s, connect=min(5.0, timeout_s))
 
     def _headers(self) -> dict[str, str]:
@@ -192,6 +217,19 @@ class _Base:
 
     def _delay(self, attempt: int) -> float:
         return min(self.max_backoff_s, self.backoff_s * 2**attempt)
+
+    def _create_again(self, refusal: StreamError, attempt: int) -> float | None:
+        """The wait before sending a refused create again (`attempt` retries so far), or None
+        to give up. Only a 503 answered before the first byte: the instance started nothing
+        (draining, shedding, its breaker open), and another instance, or this one after its
+        `Retry-After`, may take it. A 429 is the key's own limit, never retried here; a wait
+        beyond `max_retry_after_s` is given up at once rather than slept."""
+        if refusal.status != 503 or attempt >= self.create_retries:
+            return None
+        wait = refusal.retry_after_s
+        if wait is None:
+            return self._delay(attempt)
+        return wait if wait <= self.max_retry_after_s else None
 
     def _resume_request(self, stream: TextStream) -> tuple[str, dict[str, str]]:
         url = f"{self.base_url}/v1/streams/{stream.stream_id}/events"
@@ -216,7 +254,13 @@ class _Base:
                 err = response.json()["error"]
             except (ValueError, KeyError, TypeError):
                 err = {"code": f"http_{response.status_code}", "message": response.text}
-            raise StreamError(err.get("code") or "error", err.get("message", ""), "")
+            raise StreamError(
+                err.get("code") or "error",
+                err.get("message", ""),
+                "",
+                status=response.status_code,
+                retry_after_s=_retry_after(response.headers.get("retry-after")),
+            )
 
 
 class Client(_Base):
@@ -242,8 +286,18 @@ class Client(_Base):
 
     def stream(self, prompt: str, **params: Any) -> Answer:
         """Create a native stream (`POST /v1/streams`) and read it."""
-        r = self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
-        self._check(r)
+        attempt = 0
+        while True:
+            r = self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
+            try:
+                self._check(r)
+                break
+            except StreamError as refusal:
+                wait = self._create_again(refusal, attempt)
+                if wait is None:
+                    raise
+            attempt += 1
+            time.sleep(wait)
         info = r.json()
         return self.resume(info["id"], info["resume_token"])
 
@@ -260,6 +314,8 @@ class _Answer:
         self.state = TextStream()
         self._first = first
         self._attempt = 0
+        self._refused = 0  # creates refused before their first byte, sent again
+        self._opened_once = False  # a 200 came: the create is never sent again
 
     @property
     def text(self) -> str:
@@ -282,15 +338,23 @@ class _Answer:
             return False
         self.client._check(response)
         self.state._connected(response)
+        self._opened_once = True
         self._attempt = 0
         return True
 
     def _broken(self, exc: Exception | None) -> float:
         """After a break: the delay before resuming, or raise with the text kept."""
         state, client = self.state, self.client
+        if isinstance(exc, StreamError) and self._first is not None and not self._opened_once:
+            wait = client._create_again(exc, self._refused)
+            if wait is not None:  # refused before its first byte: nothing was started
+                self._refused += 1
+                return wait
         if isinstance(exc, StreamError):
             if not state.stream_id or exc.code not in _PASSING:
-                raise StreamError(exc.code, exc.message, state.text) from None
+                raise StreamError(
+                    exc.code, exc.message, state.text, exc.status, exc.retry_after_s
+                ) from None
             reason = exc.message
         elif exc is not None:
             reason = f"{type(exc).__name__}: {exc}"
@@ -362,8 +426,20 @@ class AsyncClient(_Base):
 
     async def stream(self, prompt: str, **params: Any) -> AsyncAnswer:
         """Create a native stream (`POST /v1/streams`: errors raise here) and read it."""
-        r = await self._http.post(f"{self.base_url}/v1/streams", json={"prompt": prompt, **params})
-        self._check(r)
+        attempt = 0
+        while True:
+            r = await self._http.post(
+                f"{self.base_url}/v1/streams", json={"prompt": prompt, **params}
+            )
+            try:
+                self._check(r)
+                break
+            except StreamError as refusal:
+                wait = self._create_again(refusal, attempt)
+                if wait is None:
+                    raise
+            attempt += 1
+            await anyio.sleep(wait)
         info = r.json()
         return self.resume(info["id"], info["resume_token"])
 
@@ -405,6 +481,20 @@ class AsyncAnswer(_Answer):
 
 
 A = TypeVar("A", bound=_Answer)
+
+
+def _retry_after(value: str | None) -> float | None:
+    """A `Retry-After` header's wait in seconds (delay-seconds or an HTTP date), or None."""
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        pass
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 def _resumed(answer: A, stream_id: str, resume_token: str, last_event_id: str) -> A:

@@ -68,7 +68,14 @@ def render_config(
         f"    {name}_temp_path {prefix}/{name}_temp;\n"
         for name in ("client_body", "proxy", "fastcgi", "uwsgi", "scgi")
     )
-    text = text.replace("http {", f"http {{\n    access_log {prefix}/access.log;\n{temp}", 1)
+    # Each request with every instance it went to and what each answered ("503, 200": sent to
+    # a second one after a refusal), for tests that check where nginx sent a request again.
+    log = (
+        "    log_format upstreams '$request_method $uri $status "
+        "upstreams=$upstream_addr statuses=$upstream_status';\n"
+        f"    access_log {prefix}/access.log upstreams;\n"
+    )
+    text = text.replace("http {", f"http {{\n{log}{temp}", 1)
     return top + text
 
 
@@ -81,6 +88,11 @@ class Nginx:
     def error_log(self) -> str:
         path = self.prefix / "error.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def access_log(self) -> list[str]:
+        """One line a request: `METHOD URI STATUS upstreams=... statuses=...`."""
+        path = self.prefix / "access.log"
+        return path.read_text(errors="replace").splitlines() if path.exists() else []
 
 
 def check_config(conf_text: str, prefix: Path) -> subprocess.CompletedProcess[str]:

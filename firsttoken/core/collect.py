@@ -42,11 +42,17 @@ class Collector:
         if name == "error":
             if self.failure is None:
                 error = orjson.loads(data)["error"]
+                status = self.stream.error_status
+                if status == 503 and self.stream.tokens_generated:
+                    # A 503 before the first byte says nothing was started, and a front door
+                    # sends it to another instance (deploy/nginx-multi.conf); this answer had
+                    # begun: the same request there would be generated twice.
+                    status = 502
                 self.failure = EngineError(
                     error.get("code") or "engine_error",
                     error.get("message") or "",
                     type_=error.get("type") or "server_error",
-                    status=self.stream.error_status,
+                    status=status,
                 )
             return
         if not data or data == b"[DONE]" or self.failure is not None:

@@ -28,7 +28,9 @@ _FOLLOW_AGAIN_S = 5.0  # how long a takeover may find the stream nowhere before 
 
 
 class Mirror(Stream):
-    __slots__ = ()
+    # True once the store said the stream ended (its end marker, or an error event): a log
+    # closed otherwise (handed over, its tail stopped) is cut here, not the stream's end.
+    __slots__ = ("ended_there",)
 
     def __init__(self, record: StreamRecord, *, max_events: int) -> None:
         request = GenerationRequest(request_id=record.id, prompt="", model=record.model)
@@ -43,6 +45,7 @@ class Mirror(Stream):
             accepted_at=time.perf_counter(),
         )
         self.token_digest = record.token_digest
+        self.ended_there = False
 
     @property
     def ended(self) -> bool:
@@ -91,7 +94,10 @@ class _Tail:
             since: float | None = None
             while True:
                 orphan = await self.store.tail(self.mirror.id, self.after, log)
-                if orphan is None or self.take_over is None or log.closed:
+                if log.closed:  # by the store: the stream's end, or its error event
+                    self.mirror.ended_there = self.mirror.outcome is None
+                    break
+                if orphan is None or self.take_over is None:
                     break
                 if await self.take_over(self.mirror, orphan):
                     return  # its readers read the stream continued here (or were told)
@@ -100,6 +106,7 @@ class _Tail:
                 since = since or now
                 if now - since > _FOLLOW_AGAIN_S:
                     fail(log, "stream_lost", "the instance generating this stream is gone")
+                    self.mirror.ended_there = True
                     break
                 await anyio.sleep(0.05)
         if not log.closed:

@@ -4,10 +4,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
+import httpx
 import pytest
 
-from firsttoken.client import AsyncAnswer, AsyncClient, StreamError, TextStream
+from firsttoken.client import (
+    AsyncAnswer,
+    AsyncClient,
+    Client,
+    StreamError,
+    StreamInterrupted,
+    TextStream,
+)
+from tests.unit import virtual_loop
 
 
 def sse(*events: tuple[int, str | None, object]) -> bytes:
@@ -78,7 +88,9 @@ def test_async_calls_all_await_to_an_answer_without_a_request() -> None:
     asyncio.run(run())
 
 
-@pytest.mark.parametrize("code", ["http_502", "http_503", "stream_not_found", "store_unavailable"])
+@pytest.mark.parametrize(
+    "code", ["http_502", "http_503", "stream_not_found", "store_unavailable", "server_draining"]
+)
 def test_a_resume_refused_while_instances_are_replaced_is_tried_again(code: str) -> None:
     """A deploy or a crash: the proxy in front finds no instance for a moment, or the one it
     finds does not know the stream yet. The answer's text is kept and the resume goes again."""
@@ -88,3 +100,198 @@ def test_a_resume_refused_while_instances_are_replaced_is_tried_again(code: str)
     assert answer._broken(StreamError(code, "", "")) > 0
     with pytest.raises(StreamError):
         answer._broken(StreamError("invalid_api_key", "", ""))  # the client's own problem
+
+
+# -- a create refused before its first byte (fake clock: `virtual_loop`) --------------------
+
+CHAT_URL = "http://gw/v1/chat/completions"
+
+
+def refused(code: str = "server_draining", retry_after: str | None = "5", status: int = 503):
+    headers = {"retry-after": retry_after} if retry_after is not None else {}
+    body = {"error": {"code": code, "message": "refused", "type": "server_error"}}
+    return httpx.Response(status, json=body, headers=headers)
+
+
+def chat_stream(*words: str, done: bool = True, stream_id: str | None = "s1") -> httpx.Response:
+    chunks = [
+        (i + 1, None, {"choices": [{"index": 0, "delta": {"content": w}}]})
+        for i, w in enumerate(words)
+    ]
+    if done:
+        chunks.append((len(chunks) + 1, None, "[DONE]"))
+    headers = {"content-type": "text/event-stream"}
+    if stream_id is not None:
+        headers |= {"x-stream-id": stream_id, "x-resume-token": "tok"}
+    return events(sse(*chunks), headers)
+
+
+def events(body: bytes, headers: dict[str, str] | None = None) -> httpx.Response:
+    """A 200 event stream, read as it arrives (not a body read whole beforehand)."""
+    headers = {"content-type": "text/event-stream", **(headers or {})}
+    return httpx.Response(200, stream=httpx.ByteStream(body), headers=headers)
+
+
+class Scripted:
+    """The server's answers, in order, for an httpx transport; every request it was sent."""
+
+    def __init__(self, *answers: httpx.Response) -> None:
+        self.answers = list(answers)
+        self.seen: list[httpx.Request] = []
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        self.seen.append(request)
+        return self.answers.pop(0)
+
+    def sent(self) -> list[str]:
+        return [f"{r.method} {r.url.path}" for r in self.seen]
+
+
+def async_client(script: Scripted, **options: object) -> AsyncClient:
+    client = AsyncClient("http://gw", **options)  # type: ignore[arg-type]
+    client._http = httpx.AsyncClient(transport=httpx.MockTransport(script))
+    return client
+
+
+async def read_chat(client: AsyncClient) -> tuple[str, float]:
+    """The answer's text and the (virtual) seconds it took."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    answer = await client.chat([{"role": "user", "content": "hi"}])
+    text = "".join([d async for d in answer])
+    return text, loop.time() - started
+
+
+def test_a_create_refused_with_503_is_sent_again_after_its_retry_after() -> None:
+    script = Scripted(
+        refused("server_draining", "5"), refused("overloaded", "3"), chat_stream("Hi", " there")
+    )
+
+    async def body() -> None:
+        text, took = await read_chat(async_client(script))
+        assert text == "Hi there"
+        assert took == 8.0  # 5 s, then 3 s: each refusal's own Retry-After
+
+    virtual_loop.run(body())
+    assert script.sent() == ["POST /v1/chat/completions"] * 3
+
+
+def test_a_refused_create_without_retry_after_waits_the_client_s_backoff() -> None:
+    script = Scripted(refused(retry_after=None), refused(retry_after=None), chat_stream("ok"))
+
+    async def body() -> None:
+        text, took = await read_chat(async_client(script, backoff_s=0.25))
+        assert (text, took) == ("ok", 0.75)  # 0.25 s, then 0.5 s
+
+    virtual_loop.run(body())
+
+
+def test_refused_creates_are_sent_again_at_most_create_retries_times() -> None:
+    script = Scripted(*(refused("overloaded", "2") for _ in range(4)))
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(StreamError) as info:
+            await read_chat(async_client(script, create_retries=2))
+        assert (info.value.code, info.value.status, info.value.retry_after_s) == (
+            "overloaded",
+            503,
+            2.0,
+        )
+        assert loop.time() - started == 4.0
+
+    virtual_loop.run(body())
+    assert len(script.seen) == 3  # the first and two more; the fourth answer is never asked
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        refused("rate_limited", "1", status=429),  # the key's own limit: not another instance's
+        refused("server_draining", "120"),  # past max_retry_after_s (60): given up, not slept
+        refused("invalid_request_error", None, status=400),
+    ],
+    ids=["429", "retry_after_too_long", "400"],
+)
+def test_other_refusals_are_not_sent_again(answer: httpx.Response) -> None:
+    script = Scripted(answer, chat_stream("never"))
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        with pytest.raises(StreamError):
+            await read_chat(async_client(script))
+        assert loop.time() == virtual_loop.START  # no wait at all
+
+    virtual_loop.run(body())
+    assert len(script.seen) == 1
+
+
+def test_nothing_is_created_again_after_the_200() -> None:
+    """Once the stream answered 200, an error event or a cut never sends the create again:
+    the stream exists, and a break resumes it (GET with Last-Event-ID) or ends the answer."""
+    overloaded = sse(
+        (1, None, {"choices": [{"index": 0, "delta": {"content": "a"}}]}),
+        (2, "error", {"error": {"code": "overloaded", "message": "shed"}}),
+    )
+    script = Scripted(
+        events(overloaded, {"x-stream-id": "s1"}),
+        chat_stream("b", stream_id=None, done=False),  # cut, and no id to resume with
+        chat_stream("c", done=False),  # cut: resumed by id, never created again
+        refused("server_draining", "1"),  # the resume refused by a draining instance
+        chat_stream("d"),
+    )
+
+    async def body() -> None:
+        client = async_client(script)
+        with pytest.raises(StreamError) as info:
+            await read_chat(client)
+        assert info.value.code == "overloaded" and info.value.text == "a"
+        with pytest.raises(StreamInterrupted):
+            await read_chat(client)
+        text, _ = await read_chat(client)
+        assert text == "cd"
+
+    virtual_loop.run(body())
+    assert script.sent() == [
+        "POST /v1/chat/completions",
+        "POST /v1/chat/completions",
+        "POST /v1/chat/completions",
+        "GET /v1/streams/s1/events",
+        "GET /v1/streams/s1/events",
+    ]
+
+
+def test_a_native_create_refused_with_503_is_sent_again_after_its_retry_after() -> None:
+    native = sse((1, None, {"token": "x"}), (2, None, "[DONE]"))
+    script = Scripted(
+        refused("server_draining", "5"),
+        httpx.Response(200, json={"id": "s9", "resume_token": "tok"}),
+        events(native),
+    )
+
+    async def body() -> None:
+        loop = asyncio.get_running_loop()
+        answer = await async_client(script).stream("hi")
+        assert loop.time() - virtual_loop.START == 5.0
+        assert "".join([d async for d in answer]) == "x"
+
+    virtual_loop.run(body())
+    assert script.sent() == ["POST /v1/streams", "POST /v1/streams", "GET /v1/streams/s9/events"]
+
+
+def test_the_sync_client_waits_the_same_retry_after(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    script = Scripted(
+        refused("overloaded", "3"),
+        chat_stream("Hi"),
+        refused("overloaded", "4"),
+        httpx.Response(200, json={"id": "s2", "resume_token": "tok"}),
+        events(sse((1, None, {"token": "y"}), (2, None, "[DONE]"))),
+    )
+    with Client("http://gw") as client:
+        client._http = httpx.Client(transport=httpx.MockTransport(script))
+        assert "".join(client.chat([{"role": "user", "content": "hi"}])) == "Hi"
+        assert "".join(client.stream("hi")) == "y"
+    assert slept == [3.0, 4.0]

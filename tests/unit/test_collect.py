@@ -98,3 +98,22 @@ def test_an_engine_error_is_the_answer() -> None:
             raise collector.failure
 
     asyncio.run(body())
+
+
+def test_a_503_before_the_first_token_stays_a_503_and_after_it_is_a_502() -> None:
+    """A 503 before the first byte says nothing was started, and a front door sends it to
+    another instance: a whole answer that failed after its generation began must not say so
+    (it would be generated twice)."""
+
+    async def body() -> None:
+        stream, collector, _ = _collecting()
+        stream.fail(EngineError("route_unavailable", "no target", status=503))
+        assert collector.failure is not None and collector.failure.status == 503
+
+        stream, collector, _ = _collecting()
+        stream.push("a")
+        stream.fail(EngineError("route_unavailable", "no target left", status=503))
+        assert collector.failure is not None and collector.failure.status == 502
+        assert collector.failure.code == "route_unavailable"
+
+    asyncio.run(body())

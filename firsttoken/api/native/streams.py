@@ -13,7 +13,7 @@ from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import gateway, trace_id
 from firsttoken.api.pipeline import Answer
 from firsttoken.core.mirror import Mirror
-from firsttoken.core.stream import Stream
+from firsttoken.core.stream import Outcome, Stream
 
 __all__ = ["cancel_stream", "stream_events"]
 
@@ -22,6 +22,12 @@ _SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
 
 # Sent first on every native connection: EventSource reconnects after 1 s instead of ~3 s.
 _PREAMBLE = b"retry: 1000\n\n"
+_ELSEWHERE = APIError(
+    503,
+    "server_draining",
+    "this instance is shutting down; read the stream through another (with Last-Event-ID)",
+    headers={"retry-after": "1"},
+)
 
 
 async def stream_events(request: Request) -> Answer:
@@ -32,13 +38,19 @@ async def stream_events(request: Request) -> Answer:
     except APIError as exc:
         return exc.response(trace_id(request))
     log = stream.log
+    mirror = isinstance(stream, Mirror)
+    if (mirror or stream.outcome is Outcome.MOVED) and gw.admission.shedder.draining:
+        # On its way out, this instance sends the reader of a stream it does not generate
+        # to another (a front door tries the next instance on a 503), which reads it, or
+        # continues it when this one handed it over.
+        return _ELSEWHERE.response(trace_id(request))
     if isinstance(stream, Mirror):
         await gw.registry.tail(stream, after)
         # Give the mirror a moment to learn whether the stream already ended there.
         with anyio.move_on_after(0.5):
             while not log.closed and log.last_seq == after:
                 await log.wait(after)
-    if log.closed and after >= log.last_seq:
+    if log.closed and after >= log.last_seq and _ended(stream):
         # Everything was delivered: 204 tells an EventSource to stop reconnecting.
         return Response(status_code=204, headers={"x-stream-id": stream.id})
     return gw.reader(
@@ -48,6 +60,15 @@ async def stream_events(request: Request) -> Answer:
         preamble=_PREAMBLE if stream.kind == "native" else b"",
         timestamps=request.query_params.get("timestamps") in ("1", "true"),
     )
+
+
+def _ended(stream: Stream) -> bool:
+    """Whether the stream's closed log is its end. Not for one handed over (its log closed
+    here while another instance goes on), nor for a mirror whose tail stopped before the
+    store said the stream ended: its reader is cut, and resumes, never told "all delivered"."""
+    if stream.outcome is Outcome.MOVED:
+        return False
+    return not isinstance(stream, Mirror) or stream.ended_there
 
 
 async def cancel_stream(request: Request) -> Response:

@@ -1,0 +1,72 @@
+"""A mirror's tail (`core/mirror.py`): whether its closed log is the stream's end.
+
+Only the store says a stream ended (its end marker, or an error event); a log closed here
+because the mirror was handed over or its tail stopped is a cut, and a reader coming back must
+not be told "all delivered" (`api/native/streams.py` answers 204 only for an end)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import anyio
+
+from firsttoken.core.mirror import Mirror
+from firsttoken.core.stream import Outcome
+from firsttoken.eventlog import EventLog
+from firsttoken.resume import StreamRecord
+from tests.unit import virtual_loop
+
+
+class _Store:
+    """A tail that adds one event, then ends the stream (`ends`) or waits on for more."""
+
+    def __init__(self, ends: bool) -> None:
+        self.ends = ends
+
+    async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
+        log.append(b'id: %d\ndata: {"token":"a"}\n\n' % log.next_seq, 1)
+        if self.ends:
+            log.close()  # the end marker
+            return
+        await anyio.sleep_forever()
+
+
+def _mirror() -> Mirror:
+    return Mirror(StreamRecord("s1", "native", "d", "t", "synthetic"), max_events=100)
+
+
+async def _tailing(store: _Store) -> tuple[Mirror, asyncio.Task[None]]:
+    mirror = _mirror()
+    task = asyncio.ensure_future(mirror.follow(store, 0).run())  # type: ignore[arg-type]
+    await asyncio.sleep(1)
+    return mirror, task
+
+
+def test_a_log_the_store_closed_is_the_stream_s_end() -> None:
+    async def body() -> None:
+        mirror, task = await _tailing(_Store(ends=True))
+        await task
+        assert mirror.log.closed and mirror.ended_there and mirror.outcome is None
+
+    virtual_loop.run(body())
+
+
+def test_a_handed_over_mirror_s_closed_log_is_not_its_end() -> None:
+    async def body() -> None:
+        mirror, task = await _tailing(_Store(ends=False))
+        mirror.move()  # its instance drains: readers go on elsewhere
+        await task
+        assert mirror.log.closed and mirror.log.last_seq == 1
+        assert mirror.outcome is Outcome.MOVED and not mirror.ended_there
+
+    virtual_loop.run(body())
+
+
+def test_a_stopped_tail_s_closed_log_is_not_its_end() -> None:
+    async def body() -> None:
+        mirror, task = await _tailing(_Store(ends=False))
+        mirror.stop(Outcome.DISCONNECTED)
+        await task
+        assert mirror.log.closed and not mirror.ended_there
+
+    virtual_loop.run(body())
