@@ -80,8 +80,26 @@ class ChatCompletionRequest(_OpenAIGeneration):
 
 class CompletionRequest(_OpenAIGeneration):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    # Our way to continue a completion (what `continue_final_message` is for a chat): the
+    # prompt ends with this text, the start of its own answer, and the engine writes the
+    # rest. A plain completion server reads the prompt, grown by that text, and continues
+    # it; the synthetic engine, whose answer is a function of the prompt, needs the seam.
+    continue_final_text: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: str | list[str]) -> str:
         return value if isinstance(value, str) else value[0]
+
+    @model_validator(mode="after")
+    def _continues(self) -> CompletionRequest:
+        text = self.continue_final_text
+        if text is not None and not self.prompt.endswith(text):  # type: ignore[union-attr]
+            raise ValueError("continue_final_text must be the end of the prompt")
+        return self
+
+    def continued(self) -> str:
+        """The prompt less the text it continues: what the answer answers."""
+        prompt: str = self.prompt  # type: ignore[assignment]  # validated to one string
+        text = self.continue_final_text
+        return prompt[: len(prompt) - len(text)] if text else prompt
