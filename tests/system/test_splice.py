@@ -25,17 +25,19 @@ OPEN = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0")
 UPSTREAM = ("--synthetic-ttft-ms", "100", "--synthetic-itl-ms", "20", *OPEN)
 MAX_TOKENS = 60
 CUT_AT = 10  # tokens read before the kill
+STREAMS = 6  # at once through one kill
 
 
-def routes_file(tmp: Path, upstreams: list[Server]) -> str:
+def routes_file(tmp: Path, upstreams: list[Server], kind: str = "openai") -> str:
+    continues = "vllm" if kind == "openai" else "anthropic"
     lines: list[str] = []
     for i, upstream in enumerate(upstreams, 1):
         lines += [
             f"[targets.u{i}]",
-            'kind = "openai"',
+            f'kind = "{kind}"',
             f'url = "{upstream.v1}"',
             'model = "synthetic"',
-            'continuation = "vllm"',
+            f'continuation = "{continues}"',
             "idle_timeout_s = 2",
             "",
         ]
@@ -103,24 +105,39 @@ def completions(body: bytes) -> dict:
     return out
 
 
-def test_a_native_stream_spliced_after_an_upstream_sigkill_is_the_undisturbed_answer(
-    tmp_path: Path, upstreams: list[Server]
+def create(server: Server, prompt: str) -> dict:
+    body = {"prompt": prompt, "model": "chat", "max_tokens": MAX_TOKENS}
+    created = httpx.post(server.v1 + "/streams", json=body, timeout=10)
+    assert created.status_code == 201, created.text
+    return created.json()
+
+
+@pytest.mark.parametrize("kind", ["openai", "anthropic"])
+def test_native_streams_spliced_after_an_upstream_sigkill_are_the_undisturbed_answers(
+    tmp_path: Path, upstreams: list[Server], kind: str
 ) -> None:
-    prompt = "a native stream spliced after a kill"
-    with run_server("--routes", routes_file(tmp_path, upstreams), *OPEN) as gateway:
-        body = {"prompt": prompt, "model": "chat", "max_tokens": MAX_TOKENS}
-        created = httpx.post(gateway.v1 + "/streams", json=body, timeout=10)
-        assert created.status_code == 201, created.text
-        stream = RawStream(gateway.port, "GET", created.json()["events_url"])
-        read_until(stream, b'{"token":', CUT_AT)
+    prompts = [f"a native stream spliced after a kill, {i}" for i in range(STREAMS)]
+    with run_server("--routes", routes_file(tmp_path, upstreams, kind), *OPEN) as gateway:
+        # The undisturbed answers, through the same route (the first target answers all).
+        made = [create(gateway, p) for p in prompts]
+        undisturbed = [
+            native(httpx.get(gateway.url + c["events_url"], timeout=30).content) for c in made
+        ]
+        assert all(u["done"] == 1 and u["error"] is None for u in undisturbed)
+        if kind == "openai":
+            assert undisturbed[0]["text"] == whole(prompts[0])
+        made = [create(gateway, p) for p in prompts]
+        streams = [RawStream(gateway.port, "GET", c["events_url"]) for c in made]
+        read_until(streams[-1], b'{"token":', CUT_AT)
         upstreams[0].kill()  # the first target answers (balance `order`)
-        read_to_end(stream)
-        seen = native(stream.body)
-        assert seen["error"] is None, seen["error"]
-        assert seen["text"] == whole(prompt)
-        assert seen["done"] == 1
-        (failover,) = [m["failover"] for m in seen["meta"] if "failover" in m]
-        assert (failover["from"], failover["to"]) == ("u1", "u2")
+        for stream, expected in zip(streams, undisturbed, strict=True):
+            read_to_end(stream)
+            seen = native(stream.body)
+            assert seen["error"] is None, seen["error"]
+            assert seen["text"] == expected["text"]
+            assert seen["done"] == 1
+            (failover,) = [m["failover"] for m in seen["meta"] if "failover" in m]
+            assert (failover["from"], failover["to"]) == ("u1", "u2")
 
 
 def test_a_completions_stream_spliced_after_an_upstream_sigkill_is_the_undisturbed_answer(
