@@ -8,6 +8,7 @@ event: never a different text."""
 from __future__ import annotations
 
 import json
+import signal
 from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
@@ -157,8 +158,9 @@ def test_a_completions_stream_spliced_after_an_upstream_sigkill_is_the_undisturb
         assert (seen["done"], seen["finish"]) == (1, "length")
 
 
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
 def test_a_native_stream_taken_over_by_another_gateway_is_the_undisturbed_answer(
-    tmp_path: Path, upstreams: list[Server]
+    tmp_path: Path, upstreams: list[Server], sig: signal.Signals
 ) -> None:
     prompt = "a native stream taken over on routes"
     routes = routes_file(tmp_path, upstreams)
@@ -171,7 +173,7 @@ def test_a_native_stream_taken_over_by_another_gateway_is_the_undisturbed_answer
         created = httpx.post(a.v1 + "/streams", json=body, timeout=10).json()
         stream = RawStream(a.port, "GET", created["events_url"])
         read_until(stream, b'{"token":', CUT_AT)
-        a.kill()
+        a.kill(sig)  # SIGTERM: a deploy, which hands its streams over
         read_to_end(stream)
         before = native(stream.body)
         resumed = httpx.get(
