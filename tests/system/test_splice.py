@@ -29,10 +29,13 @@ CUT_AT = 10  # tokens read before the kill
 STREAMS = 6  # at once through one kill
 
 
-def routes_file(tmp: Path, upstreams: list[Server], kind: str = "openai") -> str:
-    continues = "vllm" if kind == "openai" else "anthropic"
+def routes_file(tmp: Path, upstreams: list[Server], *kinds: str) -> str:
+    """A route `chat` over the upstreams in order, as targets `u1`, `u2`... of `kinds` (one
+    for all, or one each; default openai)."""
     lines: list[str] = []
     for i, upstream in enumerate(upstreams, 1):
+        kind = kinds[min(i, len(kinds)) - 1] if kinds else "openai"
+        continues = "vllm" if kind == "openai" else "anthropic"
         lines += [
             f"[targets.u{i}]",
             f'kind = "{kind}"',
@@ -139,6 +142,31 @@ def test_native_streams_spliced_after_an_upstream_sigkill_are_the_undisturbed_an
             assert seen["done"] == 1
             (failover,) = [m["failover"] for m in seen["meta"] if "failover" in m]
             assert (failover["from"], failover["to"]) == ("u1", "u2")
+
+
+def test_a_target_that_cannot_continue_the_text_refuses_it_and_the_stream_ends_in_an_error(
+    tmp_path: Path, upstreams: list[Server]
+) -> None:
+    # The Messages API renders the prompt as a user turn: its synthetic answer is another
+    # one, so the prefill of the first leg's text is refused (400 invalid_continuation). The
+    # reader keeps the text sent and is told; it never reads a different text as the rest.
+    prompt = "a native stream no target can continue"
+    routes = routes_file(tmp_path, upstreams, "openai", "anthropic")
+    with run_server("--routes", routes, *OPEN) as gateway:
+        stream = RawStream(gateway.port, "GET", create(gateway, prompt)["events_url"])
+        read_until(stream, b'{"token":', CUT_AT)
+        upstreams[0].kill()
+        read_to_end(stream)
+        seen = native(stream.body)
+        assert seen["error"] is not None and seen["error"]["code"] == "upstream_truncated"
+        assert seen["done"] == 0
+        assert len(seen["text"]) >= CUT_AT and whole(prompt).startswith(seen["text"])
+        refused = [
+            r
+            for r in gateway.log_records()
+            if r["event"] == "route.target_failed" and r["target"] == "u2"
+        ]
+        assert refused and "cannot continue" in refused[0]["error"]
 
 
 def test_a_completions_stream_spliced_after_an_upstream_sigkill_is_the_undisturbed_answer(
