@@ -72,8 +72,9 @@ def test_a_grown_completion_prompt_continues_into_the_undisturbed_answer() -> No
 
 
 def test_a_continued_text_that_does_not_end_the_prompt_is_refused() -> None:
-    with pytest.raises(ValidationError, match="continue_final_text must be the end"):
+    with pytest.raises(ValidationError, match="continue_final_text") as info:
         CompletionRequest.model_validate({"prompt": "Tell me.", "continue_final_text": "The"})
+    assert "must be the end of the prompt" in str(info.value)
     whole = CompletionRequest.model_validate({"prompt": "Tell", "continue_final_text": "Tell"})
     assert COMPLETIONS.generation(whole, "m", "id1").prompt == ""
 

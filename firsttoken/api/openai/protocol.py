@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from firsttoken.api.protocol import StreamOptions, _Body, _Generation
 
@@ -91,12 +91,13 @@ class CompletionRequest(_OpenAIGeneration):
     def _one_prompt(cls, value: str | list[str]) -> str:
         return value if isinstance(value, str) else value[0]
 
-    @model_validator(mode="after")
-    def _continues(self) -> CompletionRequest:
-        text = self.continue_final_text
-        if text is not None and not self.prompt.endswith(text):  # type: ignore[union-attr]
-            raise ValueError("continue_final_text must be the end of the prompt")
-        return self
+    @field_validator("continue_final_text")
+    @classmethod
+    def _continues(cls, text: str | None, info: ValidationInfo) -> str | None:
+        prompt = info.data.get("prompt")  # validated first; absent if it failed
+        if text is not None and isinstance(prompt, str) and not prompt.endswith(text):
+            raise ValueError("must be the end of the prompt")
+        return text
 
     def continued(self) -> str:
         """The prompt less the text it continues: what the answer answers."""
