@@ -301,7 +301,9 @@ class Gateway:
         except EngineError as exc:
             ticket.client_fault = exc.client_fault
             self.registry.unstarted(ticket)
-            param = "messages" if exc.code == "invalid_continuation" else None
+            param = None
+            if exc.code == "invalid_continuation":  # where the text continued came from
+                param = "messages" if generation.messages is not None else "continue_final_text"
             raise APIError(exc.status or 400, exc.code, exc.message, param=param) from None
 
     def reader(self, stream: Stream, request: Request, **options: Any) -> EventStreamResponse:

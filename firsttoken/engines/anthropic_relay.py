@@ -90,7 +90,13 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
     chat: Mapping[str, Any] = request.body if request.body is not None else _plain_chat(request)
     messages = chat.get("messages")
     if messages is None and isinstance(chat.get("prompt"), str):
-        messages = [{"role": "user", "content": chat["prompt"]}]  # a Completions body
+        # A Completions body; a continued one's prompt ends with the answer so far.
+        prompt, continued = chat["prompt"], chat.get("continue_final_text")
+        if isinstance(continued, str) and prompt.endswith(continued):
+            prompt = prompt[: len(prompt) - len(continued)]
+        else:
+            continued = None
+        messages = _prompt_turns(prompt, continued)
     system, turns = _turns(messages or ())
     trimmed = ""
     if turns and turns[-1]["role"] == "assistant":
@@ -137,9 +143,9 @@ def messages_body(request: GenerationRequest, model: str | None = None) -> Messa
 def _plain_chat(request: GenerationRequest) -> dict[str, Any]:
     """A request without a body (a native stream): its messages, or its prompt as one user
     turn, and its limits."""
-    messages = [dict(m) for m in request.messages or ()] or [
-        {"role": "user", "content": request.prompt}
-    ]
+    messages = [dict(m) for m in request.messages or ()] or _prompt_turns(
+        request.prompt, request.options.get("continuation")
+    )
     chat: dict[str, Any] = {"messages": messages, "max_tokens": request.max_tokens}
     if request.temperature is not None:
         chat["temperature"] = request.temperature
@@ -151,6 +157,16 @@ def _plain_chat(request: GenerationRequest) -> dict[str, Any]:
         if knobs:
             chat["synthetic"] = knobs
     return chat
+
+
+def _prompt_turns(prompt: str, continued: object) -> list[dict[str, Any]]:
+    """A prompt alone as one user turn, and the start of its answer being continued (a
+    splice's) as an assistant prefill: the model writes on from it, where the grown prompt
+    alone would be answered anew."""
+    turns: list[dict[str, Any]] = [{"role": "user", "content": prompt}]
+    if isinstance(continued, str) and continued:
+        turns.append({"role": "assistant", "content": continued})
+    return turns
 
 
 def _turns(messages: Sequence[Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:

@@ -322,8 +322,14 @@ class LlamaCppEngine(BaseEngine):
         llm = self._llm
         assert llm is not None
         request = job.request
-        continuing = request.options.get("continuation") is not None
-        prompt = self._prompt_tokens(llm, request.prompt, request.messages, continuing)
+        continued = request.options.get("continuation")
+        continuing = continued is not None
+        text = request.prompt
+        if isinstance(continued, str) and request.messages is None:
+            # A completion (a native stream, `continue_final_text`) continues as a
+            # completions server does: its prompt grown by the answer so far.
+            text += continued
+        prompt = self._prompt_tokens(llm, text, request.messages, continuing)
         room = self.n_ctx - len(prompt)
         if room <= 0:
             job.handoff.put(

@@ -168,8 +168,14 @@ class RelayEngine(RemoteEngine):
                 body["add_generation_prompt"] = False
         else:
             path = "/completions"
-            # A completion continues by itself: the prompt grows by what was sent.
-            body["prompt"] = request.prompt + request.options.get("continuation", "")
+            # A completion continues by itself: the prompt grows by what was sent. Where the
+            # seam is goes too: a firsttoken upstream's synthetic engine answers a grown
+            # prompt as a new one without it (vLLM and SGLang ignore the field).
+            body["prompt"] = request.prompt
+            if continuing:
+                text = request.options["continuation"]
+                body["prompt"] += text
+                body["continue_final_text"] = text
         self._sampling(request, body)
         return path, orjson.dumps(body)
 

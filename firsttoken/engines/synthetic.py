@@ -246,7 +246,7 @@ class Plan:
             # The prefix as this request's answer has it: a stop string inside it, or a
             # limit, would make the answer shorter than the text given.
             if "".join(islice(body, k)) != prefix:  # type: ignore[arg-type]
-                raise _bad_continuation("the answer ends inside the final assistant message")
+                raise _bad_continuation("the answer ends inside that text")
         plan._parts = chain(lead, body) if thinking and prefix is None else body
         plan._ahead = next(plan._parts, _END)
         if plan._ahead is _END:
@@ -318,8 +318,9 @@ def _answered(body: Mapping[str, Any] | None, name: str) -> bool:
 def _bad_continuation(why: str) -> EngineError:
     return EngineError(
         "invalid_continuation",
-        f"cannot continue: the final assistant message is not the start of this "
-        f"conversation's answer at a token boundary ({why})",
+        f"cannot continue: the text to continue (the final assistant message, or "
+        f"continue_final_text) is not the start of this request's answer at a token "
+        f"boundary ({why})",
         type_="invalid_request_error",
         status=400,
         client_fault=True,

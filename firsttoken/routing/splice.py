@@ -3,7 +3,8 @@ and the request that asks it to.
 
 The continuation is the conversation plus one assistant message holding exactly the text
 already sent. Each target kind is asked its own way (vLLM/SGLang: `continue_final_message`;
-Anthropic: an assistant prefill; our own engines natively), and the engines translate the one
+Anthropic: an assistant prefill; a completion: its prompt grown by the text, with
+`continue_final_text` naming it; our own engines natively), and the engines translate the one
 shape built here. An answer is never spliced inside a tool call or an open reasoning block:
 a target cannot be asked to finish someone else's half-written JSON or thought.
 """
@@ -77,12 +78,13 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
     options = dict(request.options)
     body: dict[str, Any] | None = dict(request.body) if request.body is not None else None
     messages = request.messages
+    # A client's own prefill (continue_final_message, an Anthropic prefill,
+    # continue_final_text) is the answer's start: what continues is it plus what was sent.
+    prefill = request.options.get("continuation")
+    sent = text
+    if isinstance(prefill, str):
+        text = prefill + text
     if messages is not None or (body is not None and "messages" in body):
-        # A client's own prefill (continue_final_message, an Anthropic prefill) is the
-        # answer's start: the one assistant message is it plus what was sent.
-        prefill = request.options.get("continuation")
-        if isinstance(prefill, str):
-            text = prefill + text
         assistant = {"role": "assistant", "content": text}
         if messages is not None:
             messages = (*_unless_prefill(messages, prefill), assistant)
@@ -94,11 +96,14 @@ def continuation(request: GenerationRequest, transcript: Transcript) -> Generati
         prompt = request.prompt
     else:
         # A plain completion continues by itself: a relay's prompt grows by what was sent
-        # (the body's here, the bare prompt's in the relay); our own engines keep the prompt
-        # and read `options["continuation"]`, as for a chat.
+        # (the body's here, the bare prompt's in the relay), and `continue_final_text` says
+        # where the seam is, for an upstream whose answer is a function of the prompt (a
+        # firsttoken server's synthetic engine); our own engines keep the prompt and read
+        # `options["continuation"]`, as for a chat.
         prompt = request.prompt
         if body is not None and isinstance(body.get("prompt"), str):
-            body["prompt"] = body["prompt"] + text
+            body["prompt"] = body["prompt"] + sent
+            body["continue_final_text"] = text
     options["continuation"] = text
     if body is not None and remaining is not None:
         for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):

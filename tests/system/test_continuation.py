@@ -148,6 +148,63 @@ def test_a_text_that_does_not_start_the_answer_is_a_400(
     assert response.json()["error"]["code"] == "invalid_continuation"
 
 
+def complete(server: Server, prompt: str, max_tokens: int, **extra: Any) -> Answer:
+    client = openai.OpenAI(base_url=server.v1, api_key="unused", max_retries=0)
+    stream = client.completions.create(
+        model="synthetic",
+        prompt=prompt,
+        max_tokens=max_tokens,
+        seed=11,
+        stream=True,
+        stream_options={"include_usage": True, "coalesce": "off"},  # type: ignore[typeddict-unknown-key]
+        extra_body=extra or None,
+    )
+    answer = Answer([], [], None, None)
+    for chunk in stream:
+        answer.usage = chunk.usage or answer.usage
+        for choice in chunk.choices:
+            if choice.text:
+                answer.text.append(choice.text)
+            answer.finish = choice.finish_reason or answer.finish
+    return answer
+
+
+@pytest.mark.parametrize("kind", ["plain", "batching", "relay"])
+def test_a_completion_whose_prompt_ends_with_its_answers_start_continues_it(
+    kind: str, servers: dict[str, Server]
+) -> None:
+    # What a route's splice sends a firsttoken upstream for a native stream or a
+    # completion: the prompt grown by the text sent, and `continue_final_text` naming it.
+    server = servers[kind]
+    prompt, limit = "Tell me about streams.", 60
+    full = complete(server, prompt, limit)
+    assert full.finish == "length" and len(full.text) == limit
+    for k in (1, 13, limit - 1):
+        sent = "".join(full.text[:k])
+        rest = complete(server, prompt + sent, limit - k, continue_final_text=sent)
+        assert rest.text == full.text[k:] and rest.finish == full.finish, k
+        # As a continued chat counts it: the text continued is prompt.
+        assert rest.usage.prompt_tokens == full.usage.prompt_tokens + k
+        assert rest.usage.completion_tokens == limit - k
+    # Another text is refused, never continued: before the first byte, naming the field
+    # (through a relay, the upstream's refusal comes after its 200, as an error event).
+    response = httpx.post(
+        server.v1 + "/completions",
+        json={
+            "model": "synthetic",
+            "prompt": prompt + " Not the answer",
+            "continue_final_text": " Not the answer",
+            "stream": True,
+        },
+    )
+    if kind == "relay":
+        assert "event: error" in response.text and "cannot continue" in response.text
+        return
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["code"], error["param"]) == ("invalid_continuation", "continue_final_text")
+
+
 def test_continue_final_message_asks_for_an_assistant_message_and_no_new_turn(
     servers: dict[str, Server],
 ) -> None:

@@ -224,6 +224,22 @@ def test_continues_the_final_assistant_message(llama: Server) -> None:
     assert rest.split()[0] == following, (prefix, rest, whole)
 
 
+def test_continues_a_completion_whose_prompt_ends_with_its_answers_start(llama: Server) -> None:
+    # `continue_final_text`, what a routes splice or a takeover sends for a native stream or a
+    # completion: the engine reads the prompt grown by that text and writes on from it.
+    body = {"prompt": "Write about the sea.\n", "max_tokens": 40, "temperature": 0}
+    r = httpx.post(llama.v1 + "/completions", json=body, timeout=60).json()
+    whole = r["choices"][0]["text"]
+    prefix = whole[: whole.index(" ", 30)]
+    grown = {"prompt": body["prompt"] + prefix, "continue_final_text": prefix}
+    r = httpx.post(
+        llama.v1 + "/completions", json={**body, **grown, "max_tokens": 10}, timeout=60
+    ).json()
+    rest = r["choices"][0]["text"]
+    # Greedy from the same context: the next word is the uninterrupted answer's next word.
+    assert rest.split()[0] == whole[len(prefix) :].split()[0], (prefix, rest, whole)
+
+
 def test_a_large_prompt_is_counted_from_samples_off_the_whole(llama: Server) -> None:
     # Issue 37.5: llama.cpp's tokenizer ran over all of a prompt on the event loop (admission,
     # short_prompts, count_tokens). Past 32 KiB it tokenizes 8 slices and scales.

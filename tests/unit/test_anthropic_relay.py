@@ -337,6 +337,29 @@ def test_a_completions_body_sends_its_prompt_as_the_users_turn() -> None:
     ]
 
 
+def test_a_native_streams_continuation_is_its_prompt_then_a_prefill() -> None:
+    # What a splice asks of a prompt without a body: the answer so far is the assistant's
+    # prefill, not lost (the model would answer the prompt from the start again).
+    request = GenerationRequest(
+        "r1", "Tell me.", "m", max_tokens=5, options={"continuation": " The throu"}
+    )
+    call = messages_body(request)
+    assert call.body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Tell me."}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " The throu"}]},
+    ]
+
+
+def test_a_continued_completions_body_is_its_prompt_then_a_prefill() -> None:
+    # The splice grew the prompt by the text sent and named it: not a new, longer question.
+    body = body_of({"prompt": "Once upon a time", "continue_final_text": " a time"})
+    assert body["messages"] == [
+        {"role": "user", "content": [{"type": "text", "text": "Once upon"}]},
+        {"role": "assistant", "content": [{"type": "text", "text": " a time"}]},
+    ]
+    assert "continue_final_text" not in body
+
+
 @pytest.mark.parametrize(
     "part",
     [

@@ -3,9 +3,13 @@ answer, and a whole answer's fold."""
 
 from __future__ import annotations
 
+import pytest
+from pydantic import ValidationError
+
 from firsttoken.api.openai import CHAT, COMPLETIONS
 from firsttoken.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.pipeline import Ending
+from firsttoken.engines.synthetic import SyntheticOptions, answer_parts, synthetic_tokens
 from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.render import ChatRenderer, CompletionRenderer
 
@@ -42,6 +46,37 @@ def test_a_completion_body_has_a_prompt_and_no_messages() -> None:
     body = CompletionRequest.model_validate({"prompt": ["once"], "max_tokens": 2, "seed": 4})
     request = COMPLETIONS.generation(body, "m", "id1")
     assert (request.prompt, request.messages, request.seed) == ("once", None, 4)
+
+
+def test_a_continued_completion_tells_the_engine_where_its_answer_began() -> None:
+    # The prompt a relay's splice grew by the text sent, the seam named: the engine answers
+    # the prompt before it and continues from that text, as for a chat.
+    raw = {"prompt": "Tell me. The throu", "continue_final_text": " The throu"}
+    body = CompletionRequest.model_validate(raw)
+    request = COMPLETIONS.generation(body, "m", "id1", raw=raw)
+    assert request.prompt == "Tell me."
+    assert request.options["continuation"] == " The throu"
+    assert request.body is raw  # a relay forwards the grown prompt and the seam
+
+
+def test_a_grown_completion_prompt_continues_into_the_undisturbed_answer() -> None:
+    # What the synthetic engine answered the grown prompt as a new one: a different text
+    # from the seam on (issue 55). With the seam named, the rest of the same answer.
+    full, finish = synthetic_tokens("Tell me.", None, 40)
+    for k in (1, 7, 39):
+        sent = "".join(full[:k])
+        raw = {"prompt": "Tell me." + sent, "continue_final_text": sent, "max_tokens": 40 - k}
+        request = COMPLETIONS.generation(CompletionRequest.model_validate(raw), "m", "id1")
+        rest, rest_finish = answer_parts(request, SyntheticOptions())
+        assert full[:k] + rest == full and rest_finish == finish, k
+
+
+def test_a_continued_text_that_does_not_end_the_prompt_is_refused() -> None:
+    with pytest.raises(ValidationError, match="continue_final_text") as info:
+        CompletionRequest.model_validate({"prompt": "Tell me.", "continue_final_text": "The"})
+    assert "must be the end of the prompt" in str(info.value)
+    whole = CompletionRequest.model_validate({"prompt": "Tell", "continue_final_text": "Tell"})
+    assert COMPLETIONS.generation(whole, "m", "id1").prompt == ""
 
 
 def test_a_streamed_request_plans_its_stream_options() -> None:

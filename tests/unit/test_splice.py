@@ -189,6 +189,36 @@ def test_a_plain_prompt_grows_by_the_text_sent() -> None:
     assert follow.options["continuation"] == " a time"
 
 
+def test_a_grown_prompt_says_where_its_answer_began() -> None:
+    # A firsttoken upstream's synthetic engine answers a prompt as a function of it: the
+    # grown prompt alone reads as a new one, and it would answer another text.
+    request = GenerationRequest(
+        request_id="c1", prompt="Once upon", model="m", body={"prompt": "Once upon"}
+    )
+    follow = continuation(request, sent(Delta(" a"), Delta(" time")))
+    assert follow is not None and follow.body is not None
+    assert follow.body["continue_final_text"] == " a time"
+    assert follow.body["prompt"].endswith(follow.body["continue_final_text"])
+
+
+def test_a_clients_own_continued_completion_is_continued_from_its_whole_text() -> None:
+    # The client asked to continue " a" (continue_final_text): the prompt the engine reads
+    # lacks it, the body's holds it; what continues is " a" plus what was sent.
+    request = GenerationRequest(
+        request_id="c1",
+        prompt="Once upon",
+        model="m",
+        body={"prompt": "Once upon a", "continue_final_text": " a"},
+        options={"continuation": " a"},
+    )
+    follow = continuation(request, sent(Delta(" time"), Delta(" there")))
+    assert follow is not None and follow.body is not None
+    assert follow.prompt == "Once upon"
+    assert follow.body["prompt"] == "Once upon a time there"
+    assert follow.body["continue_final_text"] == " a time there"
+    assert follow.options["continuation"] == " a time there"
+
+
 def test_a_prompt_without_a_body_continues_too() -> None:
     request = GenerationRequest(request_id="c1", prompt="Once", model="m")
     follow = continuation(request, sent(Delta(" upon")))

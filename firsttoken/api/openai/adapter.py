@@ -119,8 +119,15 @@ class CompletionFormat(_OpenAIFormat[CompletionRequest]):
     answer_object = "text_completion"
     renderer = CompletionRenderer
 
+    def inputs(self, body: CompletionRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
+        inputs = super().inputs(body, raw, model)
+        if body.continue_final_text is None:
+            return inputs
+        # As a chat's continue_final_message: the engine continues from this text.
+        return inputs._replace(options={**inputs.options, "continuation": body.continue_final_text})
+
     def prompt(self, body: CompletionRequest) -> str:
-        return body.prompt  # type: ignore[return-value]  # validated to one string
+        return body.continued()
 
     def choice(self, answer: ChatAnswer) -> Mapping[str, object]:
         return {"text": answer.content}

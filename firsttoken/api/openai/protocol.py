@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 
 from firsttoken.api.protocol import StreamOptions, _Body, _Generation
 
@@ -80,8 +80,27 @@ class ChatCompletionRequest(_OpenAIGeneration):
 
 class CompletionRequest(_OpenAIGeneration):
     prompt: str | Annotated[list[str], Field(min_length=1, max_length=1)]
+    # Our way to continue a completion (what `continue_final_message` is for a chat): the
+    # prompt ends with this text, the start of its own answer, and the engine writes the
+    # rest. A plain completion server reads the prompt, grown by that text, and continues
+    # it; the synthetic engine, whose answer is a function of the prompt, needs the seam.
+    continue_final_text: str | None = None
 
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value: str | list[str]) -> str:
         return value if isinstance(value, str) else value[0]
+
+    @field_validator("continue_final_text")
+    @classmethod
+    def _continues(cls, text: str | None, info: ValidationInfo) -> str | None:
+        prompt = info.data.get("prompt")  # validated first; absent if it failed
+        if text is not None and isinstance(prompt, str) and not prompt.endswith(text):
+            raise ValueError("must be the end of the prompt")
+        return text
+
+    def continued(self) -> str:
+        """The prompt less the text it continues: what the answer answers."""
+        prompt: str = self.prompt  # type: ignore[assignment]  # validated to one string
+        text = self.continue_final_text
+        return prompt[: len(prompt) - len(text)] if text else prompt
