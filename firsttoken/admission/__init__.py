@@ -335,12 +335,30 @@ class Admission:
             key, tokens, window = held["reservation"]
             await self.limits.settle(Reservation(key, tokens, window, local=False), used)
 
-    def key_named(self, name: str) -> ApiKey | None:
-        """The key a stream was admitted for, by name (a takeover continues it under the same
-        key's limits); None when this instance has no such key."""
+    def taken_key(self, name: str, sha256: str = "") -> ApiKey | None:
+        """The key a stream taken over was admitted for: the entry of the secret it started
+        with (`sha256`, its digest), or by name for a stream that carries none; None when
+        this instance has no such entry (its secret was removed: the stream ends, as on its
+        owner it would have)."""
         if self.keys is None:
             return _OPEN if name == "" else None
-        return self.keys.named(name)
+        if not sha256:
+            return self.keys.named(name)
+        try:
+            digest = bytes.fromhex(sha256)
+        except ValueError:
+            return None
+        key = self.keys.holds(ApiKey(name=name, digest=digest))
+        return key if key is not None and key.name == name else None
+
+    def taken_legs(self, ticket: Ticket, model: str) -> None:
+        """A taken-over ticket bills the answer from where its owners' billing stopped, which
+        may be tokens another instance generated (and, SIGKILLed, never billed): priced at
+        the route's target, the one that generates its requests (a route's seams during the
+        continuation add their legs as any request's do)."""
+        target = self.ledger.target_of(model)
+        if target:
+            ticket.legs = (Leg(target),)
 
     async def admit(
         self,

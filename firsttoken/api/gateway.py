@@ -211,6 +211,9 @@ class Gateway:
             else {"max_wait_s": coalesce.max_wait_s, "max_bytes": coalesce.max_bytes},
             "meta_interval_s": stream.meta_interval_s,
             "held": self.admission.held(stream.ticket) if stream.ticket is not None else {},
+            # Which of the name's secrets it was admitted with: a rotation's old one may go
+            # while the stream runs, and a takeover must then refuse it as its owner would.
+            "key_sha256": stream.ticket.key.digest.hex() if stream.ticket is not None else "",
         }
         try:
             handover = orjson.dumps(spec)
@@ -222,15 +225,20 @@ class Gateway:
         self, claim: Claim, mirror: Stream
     ) -> tuple[Stream, GenerationRequest | None, int]:
         """A stream another instance started, as it was there (`_handover`), with the events
-        the store holds in its log, admitted here under its key; the request that continues
-        it from the text those events carry (a splice: None when its max_tokens is spent),
-        and the tokens generated before. What the registry continues when it takes the
-        stream over."""
+        the store holds in its log, admitted here under its key (the entry of the secret it
+        was started with); the request that continues it from the text those events carry
+        (a splice: None when its max_tokens is spent), and the tokens generated before. What
+        the registry continues when it takes the stream over.
+
+        Billed here: all of the answer that the owners before did not bill (`Claim.billed`,
+        left by one handed over; nothing by one SIGKILLed), priced at the route's target."""
         spec = orjson.loads(claim.handover)
         r = spec["request"]
-        key = self.admission.key_named(r["tenant"])
+        key = self.admission.taken_key(r["tenant"], spec.get("key_sha256", ""))
         if key is None:
-            raise EngineError("key_unknown", f"no key {r['tenant']!r} on this instance")
+            raise EngineError(
+                "key_revoked", f"the API key {r['tenant']!r} it was started with is gone"
+            )
         if r["model"] not in self.engine.models:
             raise EngineError("model_not_found", f"this instance does not serve {r['model']!r}")
         generation = GenerationRequest(
@@ -272,17 +280,19 @@ class Gateway:
             raise EngineError("cannot_continue", why)
         following = continuation(generation, transcript) if transcript.tokens else generation
         remaining = following.max_tokens if following is not None else 0
-        # First what the dead instance held (its slot is this stream's to take), then ours.
-        carried = stream.carried
-        used = carried.prompt + carried.completion if carried is not None else 0
-        await self.admission.settle_taken(spec.get("held", {}), used)
+        before = _billed(claim.billed)
+        stream.billed_before = before
+        # First what the dead instance held (its slot is this stream's to take), settled
+        # with what it billed, then ours (the rest of the answer).
+        await self.admission.settle_taken(spec.get("held", {}), before.prompt + before.completion)
         try:
             ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:
             raise EngineError(exc.code, exc.message) from None
         stream.ticket = ticket
-        # The ledger's record of the part made here (the first instance recorded its own).
+        # The ledger's record of the part billed here (an owner handed over recorded its own).
         ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        self.admission.taken_legs(ticket, generation.model)
         ticket.trace_id = mirror.trace_id
         ticket.prompt_tokens = spec["prompt_tokens"]
         ticket.own_latency = sets_own_latency(generation.options)
@@ -409,6 +419,15 @@ def traceparent(request: Request) -> str | None:
 def new_stream_id() -> str:
     # 128 random bits: stream ids cannot be guessed or enumerated.
     return secrets.token_hex(16)
+
+
+def _billed(raw: bytes) -> Usage:
+    """`Claim.billed` ("prompt completion reasoning"; b"": nothing billed yet)."""
+    try:
+        prompt, completion, reasoning = (int(n) for n in raw.split())
+    except ValueError:  # none left: a SIGKILLed owner's
+        return Usage()
+    return Usage(prompt, completion, reasoning)
 
 
 def _replay(stream: Stream, events: list[tuple[int, bytes, int]], format: str) -> Transcript:
