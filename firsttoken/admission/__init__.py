@@ -162,7 +162,10 @@ class Ticket:
         used = billed(outcome, usage)
         self.admission.metrics.count_key_tokens(key_label(self.key.name), used)
         cost = self._account(outcome, used)
-        if self.spend_hold is not None:
+        # A fenced stream (moved with no usage) leaves its money hold to the instance that
+        # took it over, which settles it as it does a SIGKILLed owner's (`settle_taken`).
+        fenced = outcome is Outcome.MOVED and usage is None
+        if self.spend_hold is not None and not fenced:
             await self.admission.settle_spend(self.spend_hold, cost)
         # A moved stream's hold is settled by the instance that takes it over, which knows
         # what the whole answer used (`Admission.settle_taken`): once, whoever wins the claim.
@@ -323,17 +326,28 @@ class Admission:
         r = ticket.reservation
         if r is not None and not r.local:  # one held in a dead process died with it
             held["reservation"] = [r.key, r.tokens, r.window]
+        h = ticket.spend_hold
+        if h is not None and not h.local:
+            held["spend"] = [h.key, h.per, h.period, h.picos]
         return held
 
-    async def settle_taken(self, held: Mapping[str, Any], used: int) -> None:
+    async def settle_taken(
+        self, held: Mapping[str, Any], used: int, owner_billed: bool = False
+    ) -> None:
         """Give back what a taken-over stream's first instance held (`held`), once: the slot
         (gone already if that instance lived to release it), and the token hold, settled by
-        what the answer used there. Called by the claim's one winner."""
+        what the answer used there (`used`: what its owners billed). Its money hold too when
+        the owner did not live to settle it (`owner_billed` False: SIGKILLed, or fenced): the
+        whole answer's cost is then this instance's to bill. Called by the claim's one
+        winner."""
         if "lease" in held:
             await self.limits.release(Lease(*held["lease"]))
         if "reservation" in held:
             key, tokens, window = held["reservation"]
             await self.limits.settle(Reservation(key, tokens, window, local=False), used)
+        if "spend" in held and not owner_billed:
+            key, per, period, picos = held["spend"]
+            await self.settle_spend(SpendHold(key, per, period, picos, local=False), 0)
 
     def taken_key(self, name: str, sha256: str = "") -> ApiKey | None:
         """The key a stream taken over was admitted for: the entry of the secret it started

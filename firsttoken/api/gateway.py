@@ -284,7 +284,9 @@ class Gateway:
         stream.billed_before = before
         # First what the dead instance held (its slot is this stream's to take), settled
         # with what it billed, then ours (the rest of the answer).
-        await self.admission.settle_taken(spec.get("held", {}), before.prompt + before.completion)
+        await self.admission.settle_taken(
+            spec.get("held", {}), before.prompt + before.completion, owner_billed=bool(claim.billed)
+        )
         try:
             ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:

@@ -560,9 +560,11 @@ class StreamRegistry:
         self.metrics.streams_moved += 1
         if self.tracer is not None:
             self.tracer.ended(stream)
-        usage = _own_usage(stream)
-        if not self.store.let_go(stream.id, flush=True, billed=_billed_so_far(stream, usage)):
-            usage = Usage()  # fenced: its new owner bills all that the store holds
+        own = _own_usage(stream)
+        handed = self.store.let_go(stream.id, flush=True, billed=_billed_so_far(stream, own))
+        # Fenced (no longer replicated here): its new owner bills all that the store holds,
+        # and settles what this one held (no usage: `Ticket.release`).
+        usage = own if handed else None
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
         log_event(

@@ -521,7 +521,7 @@ def test_each_owner_of_a_stream_bills_what_the_owners_before_did_not() -> None:
             for ticket in tickets:
                 await ticket.released.wait()  # type: ignore[union-attr]
             usages = [t.usages for t in tickets]  # type: ignore[union-attr]
-            assert usages == [[Usage(1, 2, 0)], [Usage(0, 2, 0)], [Usage(1, 4, 0)], [Usage()]]
+            assert usages == [[Usage(1, 2, 0)], [Usage(0, 2, 0)], [Usage(1, 4, 0)], [None]]
             assert store.billed == [b"1 2 0", b"1 4 0", b"1 4 0", b"1 4 0"]
             tg.cancel_scope.cancel()
 
