@@ -674,7 +674,7 @@ TAKEOVER_ROUTES = """
 [targets.edge]
 kind = "synthetic"
 ttft_ms = 20
-itl_ms = 10
+itl_ms = 40
 price = { prompt = 0.5, completion = 50 }
 [models.chat]
 targets = ["edge"]
@@ -741,6 +741,15 @@ async def takeover_load(servers: list[Server], streams: int) -> list[tuple[str, 
         return await asyncio.gather(*tasks)
 
 
+def ledger_outcomes(db: str) -> dict[str, int]:
+    path = Path(db[len("sqlite:///") :])
+    if not path.exists():
+        return {}
+    sql = "SELECT outcome, count(*) FROM usage_requests GROUP BY outcome"
+    with sqlite3.connect(path) as conn:
+        return dict(conn.execute(sql).fetchall())
+
+
 def ledger_sums(dbs: list[str]) -> dict[str, tuple[int, int, int]]:
     """Stream id -> (prompt, completion, cost in picos) over every instance's records of it."""
     out: dict[str, tuple[int, int, int]] = {}
@@ -782,11 +791,17 @@ def takeover(streams: int) -> dict[str, Any]:
         wait_written([servers[2]])
         sums = ledger_sums(dbs)
         moved = servers[2].metric('firsttoken_takeovers_total{outcome="continued"}')
+        records = {name: ledger_outcomes(db) for name, db in zip("abc", dbs, strict=True)}
     told_tokens = billed_tokens = unbilled = overbilled = 0
     mispriced = 0
     told_count = 0
-    for sid, told, _ in results:
+    lost: Counter[str] = Counter()  # streams ended stream_lost (no usage told), by owner
+    lost_received = lost_billed = 0
+    for i, (sid, told, received) in enumerate(results):
         if told is None:
+            lost["abc"[i % 3]] += 1
+            lost_received += received
+            lost_billed += sums.get(sid, (0, 0, 0))[1]
             continue
         told_count += 1
         prompt, completion, picos = sums.get(sid, (0, 0, 0))
@@ -802,12 +817,18 @@ def takeover(streams: int) -> dict[str, Any]:
     return {
         "streams": len(results),
         "told_usage": told_count,
-        "taken_over": int(moved),
+        "taken_over": int(moved),  # all of a's and b's streams: none ended before the kill
+        "records_by_instance": records,
         "told_tokens": told_tokens,
         "billed_tokens": billed_tokens,
         "unbilled_tokens": unbilled,
         "overbilled_tokens": overbilled,
         "streams_priced_differently": mispriced,
+        # Ended `stream_lost` (told no usage): by owner (a: SIGKILLed, b: SIGTERMed), the
+        # answer tokens their clients received, and what the ledgers billed of them.
+        "streams_lost": dict(lost),
+        "lost_tokens_received": lost_received,
+        "lost_tokens_billed": lost_billed,
         "exact": unbilled == overbilled == mispriced == 0 and told_count == len(results),
     }
 
