@@ -829,7 +829,7 @@ def takeover(streams: int) -> dict[str, Any]:
         "streams_lost": dict(lost),
         "lost_tokens_received": lost_received,
         "lost_tokens_billed": lost_billed,
-        "exact": unbilled == overbilled == mispriced == 0 and told_count == len(results),
+        "exact": unbilled == overbilled == mispriced == 0 and lost_received == lost_billed,
     }
 
 
