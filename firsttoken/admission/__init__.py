@@ -365,6 +365,20 @@ class Admission:
         key = self.keys.holds(ApiKey(name=name, digest=digest))
         return key if key is not None and key.name == name else None
 
+    def taken_ticket(self, key: ApiKey, model: str) -> Ticket:
+        """A ticket, not admitted, for what a taken-over stream's owners generated and did not
+        bill when the stream cannot go on here: it bills it, and counts it in the key's budget
+        (a hold of 0, settled to the cost)."""
+        ticket = Ticket(self, key, None)
+        ticket.model = model
+        ticket.client_fault = True  # no engine ran here: the breaker learns nothing from it
+        if key.budget is not None:
+            period, _ = period_of(key.budget.per, self.spend_clock())
+            local = isinstance(self.spend, MemorySpend)
+            ticket.spend_hold = SpendHold(key.name, key.budget.per, period, 0, local=local)
+        self.taken_legs(ticket, model)
+        return ticket
+
     def taken_legs(self, ticket: Ticket, model: str) -> None:
         """A taken-over ticket bills the answer from where its owners' billing stopped, which
         may be tokens another instance generated (and, SIGKILLed, never billed): priced at

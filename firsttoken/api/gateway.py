@@ -24,7 +24,7 @@ from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream, Usage
+from firsttoken.core.stream import SELF_RESUMING, Outcome, Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.resume import Claim
@@ -231,8 +231,46 @@ class Gateway:
         the registry continues when it takes the stream over.
 
         Billed here: all of the answer that the owners before did not bill (`Claim.billed`,
-        left by one handed over; nothing by one SIGKILLed), priced at the route's target."""
+        left by one handed over; nothing by one SIGKILLed), priced at the route's target;
+        also when the stream cannot go on here (the EngineError raised): its client got
+        those tokens."""
         spec = orjson.loads(claim.handover)
+        before = _billed(claim.billed)
+        # First what the owner held (its slot is this stream's to take), settled with what
+        # it billed; then, continued, ours for the rest of the answer.
+        await self.admission.settle_taken(
+            spec.get("held", {}), before.prompt + before.completion, owner_billed=bool(claim.billed)
+        )
+        try:
+            return await self._rebuild(spec, claim, mirror, before)
+        except EngineError:
+            await self._bill_refused(spec, claim, mirror, before)
+            raise
+
+    async def _bill_refused(
+        self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage
+    ) -> None:
+        """A taken-over stream that ends here refused: what its owners generated and did not
+        bill (all of it after a SIGKILL), billed to its key as an `error` record."""
+        made = sum(tokens for _, _, tokens in claim.events)
+        usage = Usage(
+            max(0, spec["prompt_tokens"] - before.prompt), max(0, made - before.completion)
+        )
+        if not usage.completion:  # nothing generated, or all of it billed already
+            return
+        r = spec["request"]
+        name = r["tenant"]
+        key = self.admission.taken_key(name, spec.get("key_sha256", ""))
+        key = key or self.admission.taken_key(name) or ApiKey(name=name)  # its secret gone
+        ticket = self.admission.taken_ticket(key, r["model"])
+        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        ticket.trace_id = mirror.trace_id
+        ticket.prompt_tokens = spec["prompt_tokens"]
+        await ticket.release(Outcome.ERROR, usage)
+
+    async def _rebuild(
+        self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage
+    ) -> tuple[Stream, GenerationRequest | None, int]:
         r = spec["request"]
         key = self.admission.taken_key(r["tenant"], spec.get("key_sha256", ""))
         if key is None:
@@ -280,13 +318,7 @@ class Gateway:
             raise EngineError("cannot_continue", why)
         following = continuation(generation, transcript) if transcript.tokens else generation
         remaining = following.max_tokens if following is not None else 0
-        before = _billed(claim.billed)
         stream.billed_before = before
-        # First what the dead instance held (its slot is this stream's to take), settled
-        # with what it billed, then ours (the rest of the answer).
-        await self.admission.settle_taken(
-            spec.get("held", {}), before.prompt + before.completion, owner_billed=bool(claim.billed)
-        )
         try:
             ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:

@@ -95,12 +95,22 @@ def test_a_stream_goes_on_under_the_secret_it_started_with_or_not_at_all() -> No
     stream, _, _ = asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
     assert stream.ticket is not None and stream.ticket.key == old
     gw.admission.keys = KeyRing({"sk-new": new})  # the rotation ends: the old secret removed
-    try:
-        asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
-    except EngineError as exc:
-        assert exc.code == "key_revoked"
-    else:
-        raise AssertionError("a stream of a removed secret was taken over")
+    queue = gw.admission.ledger.writer.queue
+    queue.clear()
+    for billed in (b"2 3 0", b""):  # handed over (its owner billed all), then SIGKILLed
+        try:
+            claim = Claim(2, "a", handover, events, billed)
+            asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
+        except EngineError as exc:
+            assert exc.code == "key_revoked"
+        else:
+            raise AssertionError("a stream of a removed secret was taken over")
+    # What the SIGKILLed owner made and never billed is billed here all the same: its client
+    # got it.
+    (refused,) = queue
+    assert refused.key == "ops" and refused.outcome == "error"
+    tokens = refused.tokens()
+    assert (tokens["prompt_tokens"], tokens["completion_tokens"]) == (2, 3)
 
 
 def test_every_format_travels_but_a_request_past_the_bound() -> None:
