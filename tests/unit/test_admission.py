@@ -331,6 +331,31 @@ def test_a_taken_over_ticket_is_priced_at_its_routes_target_and_spends_the_keys_
     asyncio.run(body())
 
 
+def test_a_dead_owners_money_hold_is_given_back_by_the_taker_unless_the_owner_settled_it(
+    clock: FakeClock,
+) -> None:
+    """A SIGKILLed owner's hold (the whole answer's worst case) would stay spent all day: the
+    instance that takes the stream over bills the whole answer, so it gives the hold back. An
+    owner that handed over settled its own (it billed its part) and is left alone."""
+
+    async def body() -> None:
+        adm = admission()
+        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.ledger.price(parse_routes(ROUTES))
+        key = ApiKey(name="erin", budget=Budget(10**12 // 100, "day"))
+        ticket = await adm.admit(key, 10, 300, "chat")
+        hold = ticket.spend_hold
+        assert hold is not None and adm.spend.spent("erin", "day") == hold.picos > 0
+        shared = {"spend": [hold.key, hold.per, hold.period, hold.picos]}  # as Redis holds it
+        assert adm.held(ticket) == {}  # held in this process: it dies with it
+        await adm.settle_taken(shared, 0, owner_billed=True)
+        assert adm.spend.spent("erin", "day") == hold.picos
+        await adm.settle_taken(shared, 0, owner_billed=False)
+        assert adm.spend.spent("erin", "day") == 0
+
+    asyncio.run(body())
+
+
 def test_a_taken_over_stream_keeps_the_secret_it_started_with() -> None:
     """During a rotation a name has two secrets: a stream taken over goes on under the one it
     was admitted with, and is refused once that one is gone (as its owner would end it)."""
