@@ -25,6 +25,13 @@ overhead  `--streams` streams at once against a gateway with --usage-db (SQLite)
 outage    two instances on PostgreSQL under a steady load; PostgreSQL stopped for `--outage-s`
           seconds and started again: streams that failed (must be 0) and records lost (the
           ledger's count against the requests the gateway answered, must be 0).
+takeover  three instances with --redis --durable on one redis-server, each with its own SQLite
+          ledger, `--takeover-streams` native streams on a priced route spread over them; one
+          instance SIGKILLed and one SIGTERMed mid-answer, their readers coming back with
+          Last-Event-ID on the third, which takes the streams over. Every stream's usage as its
+          client was told it against the records of all three ledgers together (the owner's,
+          `moved`, and the taker's, `<id>:<suffix>`): unbilled and overbilled tokens (must be
+          0), and the cost at the route's price (must be exact).
 
 Prints one JSON object (and a short summary on stderr). The machine's CPU may be shared: the
 overhead phase compares rounds run back to back, in turn.
@@ -36,6 +43,7 @@ import argparse
 import asyncio
 import json
 import random
+import signal
 import sqlite3
 import statistics
 import sys
@@ -52,6 +60,7 @@ from typing import Any
 import httpx
 import psutil
 
+from firsttoken.wire.sse import EventDecoder
 from tests.cache_upstreams import cache_upstreams
 from tests.postgres_server import PostgresServer, postgres_server
 from tests.servers import Server, run_server
@@ -659,6 +668,171 @@ def outage(pg: PostgresServer, outage_s: float, concurrency: int) -> dict[str, A
     }
 
 
+# -- takeover: money across a SIGKILL and a SIGTERM ----------------------------------------------
+
+TAKEOVER_ROUTES = """
+[targets.edge]
+kind = "synthetic"
+ttft_ms = 20
+itl_ms = 40
+price = { prompt = 0.5, completion = 50 }
+[models.chat]
+targets = ["edge"]
+"""
+
+
+async def taken_stream(
+    client: httpx.AsyncClient, owner: str, rescue: str, i: int, read: asyncio.Event
+) -> tuple[str, Told | None, int]:
+    """One native stream created on `owner`, read there until its instance goes, then read
+    to its end on `rescue` with Last-Event-ID: its id, the usage it was told, its tokens."""
+    body = {"model": "chat", "prompt": f"takeover {i}", "max_tokens": 300}
+    auth = {"Authorization": f"Bearer {KEY}"}
+    r = await client.post(owner + "/v1/streams", json=body, headers=auth)
+    r.raise_for_status()
+    created = r.json()
+    last_id, tokens, told = "", 0, None
+    base = owner
+    for _ in range(10):
+        headers = {"Last-Event-ID": last_id} if last_id else {}
+        try:
+            async with client.stream(
+                "GET", base + created["events_url"], headers=headers
+            ) as events:
+                decoder = EventDecoder()
+                async for chunk in events.aiter_raw():
+                    for event in decoder.feed(chunk):
+                        data = event.data or ""
+                        if data == "[DONE]":
+                            return created["id"], told, tokens
+                        if event.event is None and data:
+                            tokens += 1
+                            if tokens == 5:
+                                read.set()
+                        elif event.event == "meta":
+                            meta = json.loads(data)
+                            if "usage" in meta:
+                                u = meta["usage"]
+                                told = Told(u["prompt_tokens"], u["completion_tokens"])
+                        elif event.event == "error":
+                            ERRORS[("takeover", data[-160:])] += 1
+                            return created["id"], told, tokens
+                    last_id = decoder.last_event_id or last_id
+        except httpx.HTTPError:
+            pass  # its instance went: on to the one that stays
+        base = rescue
+        await asyncio.sleep(0.05)
+    return created["id"], told, tokens
+
+
+async def takeover_load(servers: list[Server], streams: int) -> list[tuple[str, Told | None, int]]:
+    a, b, c = servers
+    limits = httpx.Limits(max_connections=streams * 2)
+    async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+        reads = [asyncio.Event() for _ in range(streams)]
+        owners = (a, b, c)
+        tasks = [
+            asyncio.create_task(taken_stream(client, owners[i % 3].url, c.url, i, reads[i]))
+            for i in range(streams)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(r.wait() for r in reads)), 30)
+        a.kill()  # never writes its records
+        b.proc.send_signal(signal.SIGTERM)  # hands over, recording its part
+        return await asyncio.gather(*tasks)
+
+
+def ledger_outcomes(db: str) -> dict[str, int]:
+    path = Path(db[len("sqlite:///") :])
+    if not path.exists():
+        return {}
+    sql = "SELECT outcome, count(*) FROM usage_requests GROUP BY outcome"
+    with sqlite3.connect(path) as conn:
+        return dict(conn.execute(sql).fetchall())
+
+
+def ledger_sums(dbs: list[str]) -> dict[str, tuple[int, int, int]]:
+    """Stream id -> (prompt, completion, cost in picos) over every instance's records of it."""
+    out: dict[str, tuple[int, int, int]] = {}
+    sql = "SELECT request_id, prompt_tokens, completion_tokens, cost_picos FROM usage_requests"
+    for db in dbs:
+        path = Path(db[len("sqlite:///") :])
+        if not path.exists():
+            continue
+        with sqlite3.connect(path) as conn:
+            for request_id, prompt, completion, cost in conn.execute(sql):
+                sid = request_id.split(":")[0]
+                p, c, k = out.get(sid, (0, 0, 0))
+                out[sid] = (p + prompt, c + completion, k + cost)
+    return out
+
+
+def takeover(streams: int) -> dict[str, Any]:
+    from tests.redis_server import run_redis
+
+    price = {"prompt": Decimal("0.5"), "completion": Decimal(50)}
+    with tempfile.TemporaryDirectory() as tmp, run_redis() as url, ExitStack() as stack:
+        routes, keys = Path(tmp) / "routes.toml", Path(tmp) / "keys.toml"
+        routes.write_text(TAKEOVER_ROUTES)
+        keys.write_text(KEYS)
+        dbs = [f"sqlite:///{tmp}/usage-{n}.db" for n in "abc"]
+        servers = [
+            stack.enter_context(
+                run_server(
+                    *("--redis", url, "--durable", "--routes", str(routes)),
+                    *("--api-keys", str(keys), "--usage-db", db, "--resume-grace-s", "10"),
+                    *OPEN,
+                    timeout=60,
+                )
+            )
+            for db in dbs
+        ]
+        results = asyncio.run(takeover_load(servers, streams))
+        servers[1].proc.wait(timeout=10)
+        wait_written([servers[2]])
+        sums = ledger_sums(dbs)
+        moved = servers[2].metric('firsttoken_takeovers_total{outcome="continued"}')
+        records = {name: ledger_outcomes(db) for name, db in zip("abc", dbs, strict=True)}
+    told_tokens = billed_tokens = unbilled = overbilled = 0
+    mispriced = 0
+    told_count = 0
+    lost: Counter[str] = Counter()  # streams ended stream_lost (no usage told), by owner
+    lost_received = lost_billed = 0
+    for i, (sid, told, received) in enumerate(results):
+        if told is None:
+            lost["abc"[i % 3]] += 1
+            lost_received += received
+            lost_billed += sums.get(sid, (0, 0, 0))[1]
+            continue
+        told_count += 1
+        prompt, completion, picos = sums.get(sid, (0, 0, 0))
+        want = told.prompt + told.completion
+        got = prompt + completion
+        told_tokens += want
+        billed_tokens += got
+        unbilled += max(0, want - got)
+        overbilled += max(0, got - want)
+        cost = (told.prompt * price["prompt"] + told.completion * price["completion"]) / M
+        if Decimal(picos) / 10**12 != cost:
+            mispriced += 1
+    return {
+        "streams": len(results),
+        "told_usage": told_count,
+        "taken_over": int(moved),  # all of a's and b's streams: none ended before the kill
+        "records_by_instance": records,
+        "told_tokens": told_tokens,
+        "billed_tokens": billed_tokens,
+        "unbilled_tokens": unbilled,
+        "overbilled_tokens": overbilled,
+        "streams_priced_differently": mispriced,
+        # Ended `stream_lost` (told no usage): by owner (a: SIGKILLed, b: SIGTERMed), the
+        # answer tokens their clients received, and what the ledgers billed of them.
+        "streams_lost": dict(lost),
+        "lost_tokens_received": lost_received,
+        "lost_tokens_billed": lost_billed,
+        "exact": unbilled == overbilled == mispriced == 0 and lost_received == lost_billed,
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="python -m bench.ledger",
@@ -672,7 +846,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="overhead rounds per side")
     parser.add_argument("--outage-s", type=float, default=30.0)
     parser.add_argument("--db", choices=("sqlite", "postgres", "both"), default="both")
-    parser.add_argument("--phases", default="mixed,overhead,outage")
+    parser.add_argument("--takeover-streams", type=int, default=60)
+    parser.add_argument("--phases", default="mixed,overhead,outage,takeover")
     args = parser.parse_args()
     phases = set(args.phases.split(","))
     report: dict[str, Any] = {}
@@ -703,6 +878,14 @@ def main() -> None:
             assert pg is not None
             report["outage"] = outage(pg, args.outage_s, args.concurrency)
             print(f"outage: {report['outage']}", file=sys.stderr)
+        if "takeover" in phases:
+            report["takeover"] = t = takeover(args.takeover_streams)
+            print(
+                f"takeover: {t['taken_over']} streams taken over, {t['told_tokens']} tokens "
+                f"told, {t['unbilled_tokens']} unbilled, {t['overbilled_tokens']} overbilled, "
+                f"exact={t['exact']}",
+                file=sys.stderr,
+            )
     report["errors_seen"] = [[*k, n] for k, n in ERRORS.most_common(10)]
     print(json.dumps(report, indent=2))
 

@@ -162,7 +162,10 @@ class Ticket:
         used = billed(outcome, usage)
         self.admission.metrics.count_key_tokens(key_label(self.key.name), used)
         cost = self._account(outcome, used)
-        if self.spend_hold is not None:
+        # A fenced stream (moved with no usage) leaves its money hold to the instance that
+        # took it over, which settles it as it does a SIGKILLed owner's (`settle_taken`).
+        fenced = outcome is Outcome.MOVED and usage is None
+        if self.spend_hold is not None and not fenced:
             await self.admission.settle_spend(self.spend_hold, cost)
         # A moved stream's hold is settled by the instance that takes it over, which knows
         # what the whole answer used (`Admission.settle_taken`): once, whoever wins the claim.
@@ -323,24 +326,67 @@ class Admission:
         r = ticket.reservation
         if r is not None and not r.local:  # one held in a dead process died with it
             held["reservation"] = [r.key, r.tokens, r.window]
+        h = ticket.spend_hold
+        if h is not None and not h.local:
+            held["spend"] = [h.key, h.per, h.period, h.picos]
         return held
 
-    async def settle_taken(self, held: Mapping[str, Any], used: int) -> None:
+    async def settle_taken(
+        self, held: Mapping[str, Any], used: int, owner_billed: bool = False
+    ) -> None:
         """Give back what a taken-over stream's first instance held (`held`), once: the slot
         (gone already if that instance lived to release it), and the token hold, settled by
-        what the answer used there. Called by the claim's one winner."""
+        what the answer used there (`used`: what its owners billed). Its money hold too when
+        the owner did not live to settle it (`owner_billed` False: SIGKILLed, or fenced): the
+        whole answer's cost is then this instance's to bill. Called by the claim's one
+        winner."""
         if "lease" in held:
             await self.limits.release(Lease(*held["lease"]))
         if "reservation" in held:
             key, tokens, window = held["reservation"]
             await self.limits.settle(Reservation(key, tokens, window, local=False), used)
+        if "spend" in held and not owner_billed:
+            key, per, period, picos = held["spend"]
+            await self.settle_spend(SpendHold(key, per, period, picos, local=False), 0)
 
-    def key_named(self, name: str) -> ApiKey | None:
-        """The key a stream was admitted for, by name (a takeover continues it under the same
-        key's limits); None when this instance has no such key."""
+    def taken_key(self, name: str, sha256: str = "") -> ApiKey | None:
+        """The key a stream taken over was admitted for: the entry of the secret it started
+        with (`sha256`, its digest), or by name for a stream that carries none; None when
+        this instance has no such entry (its secret was removed: the stream ends, as on its
+        owner it would have)."""
         if self.keys is None:
             return _OPEN if name == "" else None
-        return self.keys.named(name)
+        if not sha256:
+            return self.keys.named(name)
+        try:
+            digest = bytes.fromhex(sha256)
+        except ValueError:
+            return None
+        key = self.keys.holds(ApiKey(name=name, digest=digest))
+        return key if key is not None and key.name == name else None
+
+    def taken_ticket(self, key: ApiKey, model: str) -> Ticket:
+        """A ticket, not admitted, for what a taken-over stream's owners generated and did not
+        bill when the stream cannot go on here: it bills it, and counts it in the key's budget
+        (a hold of 0, settled to the cost)."""
+        ticket = Ticket(self, key, None)
+        ticket.model = model
+        ticket.client_fault = True  # no engine ran here: the breaker learns nothing from it
+        if key.budget is not None:
+            period, _ = period_of(key.budget.per, self.spend_clock())
+            local = isinstance(self.spend, MemorySpend)
+            ticket.spend_hold = SpendHold(key.name, key.budget.per, period, 0, local=local)
+        self.taken_legs(ticket, model)
+        return ticket
+
+    def taken_legs(self, ticket: Ticket, model: str) -> None:
+        """A taken-over ticket bills the answer from where its owners' billing stopped, which
+        may be tokens another instance generated (and, SIGKILLed, never billed): priced at
+        the route's target, the one that generates its requests (a route's seams during the
+        continuation add their legs as any request's do)."""
+        target = self.ledger.target_of(model)
+        if target:
+            ticket.legs = (Leg(target),)
 
     async def admit(
         self,

@@ -24,7 +24,7 @@ from firsttoken.api.protocol import Coalesce, CoalesceOptions
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream, Usage
+from firsttoken.core.stream import SELF_RESUMING, Outcome, Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.resume import Claim
@@ -211,6 +211,9 @@ class Gateway:
             else {"max_wait_s": coalesce.max_wait_s, "max_bytes": coalesce.max_bytes},
             "meta_interval_s": stream.meta_interval_s,
             "held": self.admission.held(stream.ticket) if stream.ticket is not None else {},
+            # Which of the name's secrets it was admitted with: a rotation's old one may go
+            # while the stream runs, and a takeover must then refuse it as its owner would.
+            "key_sha256": stream.ticket.key.digest.hex() if stream.ticket is not None else "",
         }
         try:
             handover = orjson.dumps(spec)
@@ -222,15 +225,58 @@ class Gateway:
         self, claim: Claim, mirror: Stream
     ) -> tuple[Stream, GenerationRequest | None, int]:
         """A stream another instance started, as it was there (`_handover`), with the events
-        the store holds in its log, admitted here under its key; the request that continues
-        it from the text those events carry (a splice: None when its max_tokens is spent),
-        and the tokens generated before. What the registry continues when it takes the
-        stream over."""
+        the store holds in its log, admitted here under its key (the entry of the secret it
+        was started with); the request that continues it from the text those events carry
+        (a splice: None when its max_tokens is spent), and the tokens generated before. What
+        the registry continues when it takes the stream over.
+
+        Billed here: all of the answer that the owners before did not bill (`Claim.billed`,
+        left by one handed over; nothing by one SIGKILLed), priced at the route's target;
+        also when the stream cannot go on here (the EngineError raised): its client got
+        those tokens."""
         spec = orjson.loads(claim.handover)
+        before = _billed(claim.billed)
+        # First what the owner held (its slot is this stream's to take), settled with what
+        # it billed; then, continued, ours for the rest of the answer.
+        await self.admission.settle_taken(
+            spec.get("held", {}), before.prompt + before.completion, owner_billed=bool(claim.billed)
+        )
+        try:
+            return await self._rebuild(spec, claim, mirror, before)
+        except EngineError:
+            await self._bill_refused(spec, claim, mirror, before)
+            raise
+
+    async def _bill_refused(
+        self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage
+    ) -> None:
+        """A taken-over stream that ends here refused: what its owners generated and did not
+        bill (all of it after a SIGKILL), billed to its key as an `error` record."""
+        made = sum(tokens for _, _, tokens in claim.events)
+        usage = Usage(
+            max(0, spec["prompt_tokens"] - before.prompt), max(0, made - before.completion)
+        )
+        if not usage.completion:  # nothing generated, or all of it billed already
+            return
         r = spec["request"]
-        key = self.admission.key_named(r["tenant"])
+        name = r["tenant"]
+        key = self.admission.taken_key(name, spec.get("key_sha256", ""))
+        key = key or self.admission.taken_key(name) or ApiKey(name=name)  # its secret gone
+        ticket = self.admission.taken_ticket(key, r["model"])
+        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        ticket.trace_id = mirror.trace_id
+        ticket.prompt_tokens = spec["prompt_tokens"]
+        await ticket.release(Outcome.ERROR, usage)
+
+    async def _rebuild(
+        self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage
+    ) -> tuple[Stream, GenerationRequest | None, int]:
+        r = spec["request"]
+        key = self.admission.taken_key(r["tenant"], spec.get("key_sha256", ""))
         if key is None:
-            raise EngineError("key_unknown", f"no key {r['tenant']!r} on this instance")
+            raise EngineError(
+                "key_revoked", f"the API key {r['tenant']!r} it was started with is gone"
+            )
         if r["model"] not in self.engine.models:
             raise EngineError("model_not_found", f"this instance does not serve {r['model']!r}")
         generation = GenerationRequest(
@@ -272,17 +318,15 @@ class Gateway:
             raise EngineError("cannot_continue", why)
         following = continuation(generation, transcript) if transcript.tokens else generation
         remaining = following.max_tokens if following is not None else 0
-        # First what the dead instance held (its slot is this stream's to take), then ours.
-        carried = stream.carried
-        used = carried.prompt + carried.completion if carried is not None else 0
-        await self.admission.settle_taken(spec.get("held", {}), used)
+        stream.billed_before = before
         try:
             ticket = await self.admission.admit(key, 0, remaining, generation.model)
         except APIError as exc:
             raise EngineError(exc.code, exc.message) from None
         stream.ticket = ticket
-        # The ledger's record of the part made here (the first instance recorded its own).
+        # The ledger's record of the part billed here (an owner handed over recorded its own).
         ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
+        self.admission.taken_legs(ticket, generation.model)
         ticket.trace_id = mirror.trace_id
         ticket.prompt_tokens = spec["prompt_tokens"]
         ticket.own_latency = sets_own_latency(generation.options)
@@ -411,6 +455,15 @@ def traceparent(request: Request) -> str | None:
 def new_stream_id() -> str:
     # 128 random bits: stream ids cannot be guessed or enumerated.
     return secrets.token_hex(16)
+
+
+def _billed(raw: bytes) -> Usage:
+    """`Claim.billed` ("prompt completion reasoning"; b"": nothing billed yet)."""
+    try:
+        prompt, completion, reasoning = (int(n) for n in raw.split())
+    except ValueError:  # none left: a SIGKILLed owner's
+        return Usage()
+    return Usage(prompt, completion, reasoning)
 
 
 def _replay(stream: Stream, events: list[tuple[int, bytes, int]], format: str) -> Transcript:

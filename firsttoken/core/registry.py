@@ -560,7 +560,11 @@ class StreamRegistry:
         self.metrics.streams_moved += 1
         if self.tracer is not None:
             self.tracer.ended(stream)
-        self.store.let_go(stream.id, flush=True)
+        own = _own_usage(stream)
+        handed = self.store.let_go(stream.id, flush=True, billed=_billed_so_far(stream, own))
+        # Fenced (no longer replicated here): its new owner bills all that the store holds,
+        # and settles what this one held (no usage: `Ticket.release`).
+        usage = own if handed else None
         if self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
         log_event(
@@ -571,7 +575,6 @@ class StreamRegistry:
             tokens_generated=stream.tokens_generated,
         )
         if stream.ticket is not None:
-            usage = _own_usage(stream)
             self._spawn(self._release, stream.ticket, Outcome.MOVED, usage, inline=True)
 
     def _drop_buffer(self, stream_id: str) -> None:
@@ -661,16 +664,28 @@ class StreamRegistry:
 
 
 def _own_usage(stream: Stream) -> Usage:
-    """What this instance generated of the answer: a stream taken over was billed for its
-    prompt and what came before where it started."""
+    """What this instance bills of the answer: all of it, less what the owners before billed
+    (`Stream.billed_before`, as the last one left it at its hand-over). A SIGKILLed owner
+    billed nothing: its prompt and tokens are billed here, once, by the claim's one winner."""
     usage = stream.usage()
-    carried = stream.carried
-    if carried is None:
+    before = stream.billed_before
+    if before is None:
         return usage
+    # The prompt's cache reads and writes were the first request's; a continuation's own
+    # count of them is of the text it was sent, not of the prompt billed.
     return Usage(
-        0,
-        max(0, usage.completion - carried.completion),
-        max(0, usage.reasoning - carried.reasoning),
-        0,
+        max(0, usage.prompt - before.prompt),
+        max(0, usage.completion - before.completion),
+        max(0, usage.reasoning - before.reasoning),
     )
 
+
+def _billed_so_far(stream: Stream, own: Usage) -> bytes:
+    """What a stream handed over leaves in the store for the next owner (`Claim.billed`):
+    the whole answer up to here once this instance billed its part, as the ledger's
+    `billed` does (a part without a token is billed nothing)."""
+    before = stream.billed_before or Usage()
+    if own.completion:
+        usage = stream.usage()
+        before = Usage(usage.prompt, usage.completion, usage.reasoning)
+    return b"%d %d %d" % (before.prompt, before.completion, before.reasoning)

@@ -132,6 +132,7 @@ class Stream:
         "_template",
         "_token_event",
         "accepted_at",
+        "billed_before",
         "carried",
         "coalesce",
         "counted",
@@ -223,8 +224,10 @@ class Stream:
         # until the store has it; and whether another instance can continue it.
         self.handover: bytes | None = None
         self.movable = False
-        # Taken over: what the instance before generated (its key was billed there).
+        # Taken over: what the instances before generated, and what of it they billed (a
+        # SIGKILLed owner billed none: this instance bills the rest, `registry._own_usage`).
         self.carried: Usage | None = None
+        self.billed_before: Usage | None = None
 
     @property
     def ended(self) -> bool:

@@ -74,6 +74,12 @@ class Ledger:
         route = self._routes.get(model) or self._default
         return route.name if route is not None else model
 
+    def target_of(self, model: str) -> str:
+        """The route's first target ("" without routes): what a taken-over answer's part
+        is priced at, as the instance that generated it is not there to say."""
+        route = self._routes.get(model) or self._default
+        return route.targets[0] if route is not None and route.targets else ""
+
     def worst_cost(self, model: str, prompt_tokens: int, answer_tokens: int) -> int:
         """In picos: the prompt and the whole answer at the route's dearest prices."""
         prompt, answer = self._worst.get(self.route_of(model), (0, 0))

@@ -4,7 +4,8 @@ Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in
   ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
                        fence (raised by each takeover; every write of the owner carries it),
                        takeover (1/0), req (what continuing it needs, `StreamRecord.handover`),
-                       outcome
+                       outcome, billed (what the answer's owners billed, left at a hand-over:
+                       "prompt completion reasoning"; absent: nobody billed any of it yet)
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
                        events written since the stream's previous flush; a final
                        `<last seq>-1` entry with `end` closes it
@@ -102,13 +103,15 @@ def _unavailable(what: str) -> APIError:
     )
 
 
-# One call writes every stream of a flush. ARGV[1]: per stream, ten little-endian uint32s (the
-# run's last seq, 0 for no run; the trim's MINID seq; the run's first seq; the byte lengths of
-# its fields w, n, t and of the end's outcome; the end's seq, 0 for none; the TTL to set, 0 to
-# keep; the writer's fence), then those four fields' bytes. One argument, not ten a stream:
-# each argument costs packing and parsing. KEYS, in the same order: each stream's events and
-# its meta (the outcome goes there: one call a flush, not a pipeline of ends beside it). A
-# stream whose meta holds another fence was taken over: nothing of it is written ("fenced").
+# One call writes every stream of a flush. ARGV[1]: per stream, eleven little-endian uint32s
+# (the run's last seq, 0 for no run; the trim's MINID seq; the run's first seq; the byte lengths
+# of its fields w, n, t, of the end's outcome and of `billed` (a hand-over's, 0 for none); the
+# end's seq, 0 for none; the TTL to set, 0 to keep; the writer's fence), then those five
+# fields' bytes. One argument, not eleven a stream: each argument costs packing and parsing.
+# KEYS, in the same order: each stream's events and its meta (the outcome goes there: one call
+# a flush, not a pipeline of ends beside it). A stream whose meta holds another fence was taken
+# over: nothing of it is written ("fenced"); `billed` goes in with its last events, fenced as
+# they are, so an owner taken over meanwhile leaves nothing the new one has not counted.
 # Returns the streams whose write failed, as (position in the argument, error) pairs: none,
 # nearly always (a reply of 500 ones cost 3% of the process to parse). A run or end already
 # there ("equal or smaller": written before a reply that was lost) counts as written.
@@ -129,9 +132,9 @@ while pos <= #blob do
   local key = KEYS[k]
   k = k + 1
   local meta = KEYS[k]
-  local last, minid, first, wl, nl, tl, ol, done, ttl, fence
-  last, minid, first, wl, nl, tl, ol, done, ttl, fence, pos =
-    struct.unpack('<I4I4I4I4I4I4I4I4I4I4', blob, pos)
+  local last, minid, first, wl, nl, tl, ol, bl, done, ttl, fence
+  last, minid, first, wl, nl, tl, ol, bl, done, ttl, fence, pos =
+    struct.unpack('<I4I4I4I4I4I4I4I4I4I4I4', blob, pos)
   local w = string.sub(blob, pos, pos + wl - 1)
   pos = pos + wl
   local n = string.sub(blob, pos, pos + nl - 1)
@@ -140,6 +143,8 @@ while pos <= #blob do
   pos = pos + tl
   local outcome = string.sub(blob, pos, pos + ol - 1)
   pos = pos + ol
+  local billed = string.sub(blob, pos, pos + bl - 1)
+  pos = pos + bl
   local err
   local held = tonumber(redis.call('HGET', meta, 'fence') or '0')
   if held ~= 0 and held ~= fence then
@@ -152,6 +157,9 @@ while pos <= #blob do
       err = failed(redis.pcall('XADD', key, 'MINID', '~', minid .. '-0', last .. '-0',
                                'f', first, 'w', w, 'n', n))
     end
+  end
+  if not err and bl > 0 then
+    err = failed(redis.pcall('HSET', meta, 'billed', billed))
   end
   if not err and done > 0 then
     err = failed(redis.pcall('XADD', key, done .. '-1', 'end', outcome))
@@ -168,7 +176,7 @@ while pos <= #blob do
 end
 return out
 """
-_HEAD = struct.Struct("<10I")
+_HEAD = struct.Struct("<11I")
 _META_COMMANDS = 4  # per stream (`_meta_commands`)
 
 # New streams' metas, one call for every stream opened in a turn of the loop (four commands a
@@ -219,7 +227,8 @@ FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as 
 FENCED = "fenced"
 
 # A takeover: one instance wins. KEYS[1]: the stream's meta; ARGV: the owner the claimer saw
-# die, the claimer. Returns {"claimed", fence, request} or {why not[, the owner now]}.
+# die, the claimer. Returns {"claimed", fence, request, billed ("" for none)} or {why not[, the
+# owner now]}.
 _CLAIM = """
 local owner = redis.call('HGET', KEYS[1], 'owner')
 if not owner then return {'gone'} end
@@ -229,7 +238,7 @@ local req = redis.call('HGET', KEYS[1], 'req')
 if redis.call('HGET', KEYS[1], 'takeover') ~= '1' or not req then return {'refused'} end
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('HSET', KEYS[1], 'owner', ARGV[2])
-return {'claimed', fence, req}
+return {'claimed', fence, req, redis.call('HGET', KEYS[1], 'billed') or ''}
 """
 
 
@@ -267,6 +276,8 @@ class _Replica:
     end: tuple[str, int] | None = None  # (outcome, last seq) once the stream finished
     end_done: bool = False
     end_sent: bool = False  # the write in flight carries the end
+    billed: bytes = b""  # a hand-over's `billed`, until Redis has it
+    billed_sent: bool = False  # the write in flight carries it
     expires_at: float | None = None  # monotonic; set at the end
     queued: bool = False  # in the store's dirty set
     sent: int = 0  # last seq of the run in flight
@@ -289,7 +300,7 @@ class _Replica:
 
     def dirty(self) -> bool:
         ended = self.end is not None and not self.end_done
-        return not self.meta_done or self.last > self.flushed or ended
+        return not self.meta_done or self.last > self.flushed or ended or bool(self.billed)
 
     def unconfirmed(self) -> int:
         return max(0, self.last - max(self.flushed, self.first - 1))
@@ -547,19 +558,21 @@ class RedisStore:
         self.handed_over = True
         await anyio.to_thread.run_sync(self._liveness.stop)
 
-    def let_go(self, stream_id: str, *, flush: bool) -> None:
+    def let_go(self, stream_id: str, *, flush: bool, billed: bytes = b"") -> bool:
         """Stop replicating a stream this instance no longer generates. A hand-over writes
-        what Redis lacks first (the final flush, or the next one); a fenced stream is
-        another instance's, and nothing more of it is written."""
+        what Redis lacks first (the final flush, or the next one), and `billed` with it; a
+        fenced stream is another instance's, and nothing more of it is written."""
         rep = self._replicas.get(stream_id)
         if rep is None:
-            return
+            return False
         if flush:
+            rep.billed = billed
             rep.expires_at = self.clock()  # gone at the first expiry after its last write
             heapq.heappush(self._expiry, (rep.expires_at, stream_id))
             self._mark(rep)
-            return
+            return True
         self._forget(stream_id, rep)
+        return True
 
     def _forget(self, stream_id: str, rep: _Replica) -> None:
         del self._replicas[stream_id]
@@ -727,9 +740,7 @@ class RedisStore:
                 await self._wake.wait()
             if self.up:
                 # One run per stream per interval: the events of the wait go out together.
-                await anyio.sleep(
-                    max(0.0, last_flush + self.flush_interval_s - time.monotonic())
-                )
+                await anyio.sleep(max(0.0, last_flush + self.flush_interval_s - time.monotonic()))
             self._wake = anyio.Event()
             self._expire()
             last_flush = time.monotonic()
@@ -867,6 +878,8 @@ class RedisStore:
         every event is written, the TTL where it changes."""
         ttl = 0
         w = n = t = outcome = b""
+        billed = rep.billed
+        rep.billed_sent = bool(billed)
         rep.sent = first = 0
         if rep.log.last_seq > rep.flushed:
             first, wires, counts = rep.log.run_after(rep.flushed)
@@ -888,12 +901,23 @@ class RedisStore:
         minid = max(1, rep.sent - self.max_events + 1)
         call.blob += (
             _HEAD.pack(
-                rep.sent, minid, first, len(w), len(n), len(t), len(outcome), end, ttl, rep.fence
+                rep.sent,
+                minid,
+                first,
+                len(w),
+                len(n),
+                len(t),
+                len(outcome),
+                len(billed),
+                end,
+                ttl,
+                rep.fence,
             ),
             w,
             n,
             t,
             outcome,
+            billed,
         )
 
     def _confirm(
@@ -941,6 +965,8 @@ class RedisStore:
                             rep.log.hold(rep.flushed)  # its readers may have it now
                     if rep.end_sent:
                         rep.end_done = True
+                    if rep.billed_sent:
+                        rep.billed = b""
                 else:
                     said = result.decode() if isinstance(result, bytes) else result
                     if said == FENCED:
@@ -949,6 +975,7 @@ class RedisStore:
                         failed = failed or said
                 rep.sent = 0
                 rep.end_sent = False
+                rep.billed_sent = False
         for rep in fenced:
             self.fenced += 1
             self._forget(rep.record.id, rep)
@@ -1052,13 +1079,11 @@ class RedisStore:
                 oldest = cast(RawEntries, await self.redis.xrange(key, min="-", max="+", count=1))
                 if oldest and b"end" not in oldest[0][1] and run_first(oldest[0][1]) > 1:
                     return "lost"  # its start was trimmed: no text to go on from
-                answer = await self._claim(
-                    keys=[meta_key(stream_id)], args=[owner, self.instance]
-                )
+                answer = await self._claim(keys=[meta_key(stream_id)], args=[owner, self.instance])
             why: str = answer[0].decode()
             if why != "claimed":
                 return why
-            fence, handover = int(answer[1]), answer[2]
+            fence, handover, billed = int(answer[1]), answer[2], answer[3]
             with anyio.fail_after(_OP_TIMEOUT_S * 5):
                 entries = cast(RawEntries, await self.redis.xrange(key, min="-", max="+"))
         except REDIS_DOWN as exc:
@@ -1072,7 +1097,7 @@ class RedisStore:
                 return "lost"
             last = len(events)
             events += decode_run(fields, last)
-        return Claim(fence, owner, handover, events)
+        return Claim(fence, owner, handover, events, billed)
 
     async def _retrying(self, call: Callable[[], Any]) -> Any:
         delay = _RETRY_MIN_S

@@ -55,6 +55,9 @@ class Claim:
     owner: str  # the instance it was taken from
     handover: bytes
     events: list[tuple[int, bytes, int]]
+    # What the owners before billed of the answer, as they left it at their hand-over
+    # (`let_go`'s `billed`): b"" when none did (a SIGKILLed owner never writes its record).
+    billed: bytes = b""
 
 
 class EventStore(Protocol):
@@ -112,9 +115,12 @@ class EventStore(Protocol):
         """Replicate a stream taken over, whose log holds what the store has, from now on."""
         ...
 
-    def let_go(self, stream_id: str, *, flush: bool) -> None:
+    def let_go(self, stream_id: str, *, flush: bool, billed: bytes = b"") -> bool:
         """Stop replicating a stream this instance no longer generates: after writing what
-        the store lacks (`flush`: a hand-over), or at once (another instance took it)."""
+        the store lacks (`flush`: a hand-over), with `billed` (what the answer's owners have
+        billed so far, for the one that takes it over: `Claim.billed`), or at once (another
+        instance took it). False when it was not replicated here any more (fenced: the
+        instance that took it over bills all that the store holds)."""
         ...
 
     async def hand_over(self, stream_ids: Collection[str]) -> None:
@@ -170,8 +176,8 @@ class MemoryStore:
     def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
         return None
 
-    def let_go(self, stream_id: str, *, flush: bool) -> None:
-        return None
+    def let_go(self, stream_id: str, *, flush: bool, billed: bytes = b"") -> bool:
+        return False
 
     async def hand_over(self, stream_ids: Collection[str]) -> None:
         return None

@@ -6,7 +6,7 @@ away)."""
 
 from __future__ import annotations
 
-from bench.ledger import mixed, outage, overhead
+from bench.ledger import mixed, outage, overhead, takeover
 from tests.postgres_server import PostgresServer
 
 
@@ -30,3 +30,9 @@ def test_an_outage_loses_nothing(postgres: PostgresServer) -> None:
     result = outage(postgres, outage_s=2, concurrency=5)
     assert result["streams_failed"] == 0 and result["records_lost"] == 0, result
     assert result["records"] == result["requests"] > 0
+
+
+def test_a_takeover_bills_every_token_its_clients_were_told() -> None:
+    result = takeover(streams=12)
+    assert result["exact"] and result["unbilled_tokens"] == 0, result
+    assert result["overbilled_tokens"] == 0 and result["taken_over"] > 0

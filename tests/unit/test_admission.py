@@ -11,8 +11,10 @@ from starlette.requests import Request
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
 from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
+from firsttoken.admission.spend import Budget, MemorySpend
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
+from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
 from tests.unit.clock import FakeClock
@@ -291,6 +293,85 @@ def test_a_moved_streams_hold_is_settled_once_by_the_instance_that_took_it_over(
         assert adm.limits.budgets.used("dave") == 17
 
     asyncio.run(body())
+
+
+ROUTES = {
+    "targets": {
+        "edge": {"kind": "synthetic", "price": {"prompt": 0.5, "completion": 50}},
+        "center": {"kind": "synthetic", "price": {"prompt": 1, "completion": 100}},
+    },
+    "models": {"chat": {"targets": ["edge", "center"]}},
+}
+TAKEN = 10 * 500_000 + 300 * 50_000_000  # 10 prompt and 300 answer tokens at edge's prices
+
+
+def test_a_taken_over_ticket_is_priced_at_its_routes_target_and_spends_the_keys_budget(
+    clock: FakeClock,
+) -> None:
+    """The instance that takes a stream over bills what its owners did not: after a SIGKILL
+    the prompt and every token, none of which it generated, at the route's target (the
+    continuation gets no first token here to name one), and the key's budget counts it."""
+
+    async def body() -> None:
+        adm = admission()
+        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.ledger.price(parse_routes(ROUTES))
+        key = ApiKey(name="erin", budget=Budget(10**12 // 100, "day"))  # $0.01 a day
+        ticket = await adm.admit(key, 0, 200, "chat")  # what the continuation may still make
+        ticket.request_id = "s1:taken"
+        adm.taken_legs(ticket, "chat")
+        await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=300))
+        (record,) = adm.ledger.writer.queue
+        assert [leg.target for leg in record.legs] == ["edge"] and record.cost == TAKEN
+        assert adm.spend.spent("erin", "day") == TAKEN > key.budget.amount  # type: ignore[union-attr]
+        with pytest.raises(APIError) as refused:  # the whole answer counted: nothing left
+            await adm.admit(key, 0, 10, "chat")
+        assert refused.value.code == "budget_exceeded"
+
+    asyncio.run(body())
+
+
+def test_a_dead_owners_money_hold_is_given_back_by_the_taker_unless_the_owner_settled_it(
+    clock: FakeClock,
+) -> None:
+    """A SIGKILLed owner's hold (the whole answer's worst case) would stay spent all day: the
+    instance that takes the stream over bills the whole answer, so it gives the hold back. An
+    owner that handed over settled its own (it billed its part) and is left alone."""
+
+    async def body() -> None:
+        adm = admission()
+        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.ledger.price(parse_routes(ROUTES))
+        key = ApiKey(name="erin", budget=Budget(10**12 // 100, "day"))
+        ticket = await adm.admit(key, 10, 300, "chat")
+        hold = ticket.spend_hold
+        assert hold is not None and adm.spend.spent("erin", "day") == hold.picos > 0
+        shared = {"spend": [hold.key, hold.per, hold.period, hold.picos]}  # as Redis holds it
+        assert adm.held(ticket) == {}  # held in this process: it dies with it
+        await adm.settle_taken(shared, 0, owner_billed=True)
+        assert adm.spend.spent("erin", "day") == hold.picos
+        await adm.settle_taken(shared, 0, owner_billed=False)
+        assert adm.spend.spent("erin", "day") == 0
+
+    asyncio.run(body())
+
+
+def test_a_taken_over_stream_keeps_the_secret_it_started_with() -> None:
+    """During a rotation a name has two secrets: a stream taken over goes on under the one it
+    was admitted with, and is refused once that one is gone (as its owner would end it)."""
+    old, new = ApiKey(name="ops"), ApiKey(name="ops", weight=2.0)
+    adm = admission()
+    adm.keys = KeyRing({"sk-old": old, "sk-new": new})
+    entry = adm.keys.find("sk-old")
+    assert entry is not None
+    assert adm.taken_key("ops", entry.digest.hex()) == old
+    assert adm.taken_key("ops", entry.digest.hex()).digest == entry.digest  # type: ignore[union-attr]
+    adm.keys = KeyRing({"sk-new": new})  # the old secret removed
+    assert adm.taken_key("ops", entry.digest.hex()) is None
+    assert adm.taken_key("ops", "not hex") is None
+    assert adm.taken_key("ops") == new  # a stream from before digests travelled: by name
+    adm.keys = None
+    assert adm.taken_key("") == ANYONE and adm.taken_key("ops") is None
 
 
 def test_a_key_past_its_requests_per_minute_gets_429_rate_limited(clock: FakeClock) -> None:

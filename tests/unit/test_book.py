@@ -91,3 +91,10 @@ def test_metrics_say_spend_and_cost_per_million() -> None:
         if s.labels["route"] == "cheap"
     ]
     assert cheap[0].value == 0.15
+
+
+def test_a_taken_over_part_is_priced_at_its_routes_first_target() -> None:
+    book = ledger()
+    assert book.target_of("cheap") == "edge" and book.target_of("chat") == "center"
+    assert book.target_of("unknown") == "center"  # the default route's
+    assert Ledger().target_of("chat") == ""  # no routes: no target, no price

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 
+from firsttoken.admission import ApiKey, KeyRing
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import retry_headers
 from firsttoken.app import create_app
@@ -65,6 +66,51 @@ def test_a_rebuilt_stream_continues_from_the_text_its_events_carry() -> None:
     assert following.body["continue_final_message"] is True
     assert stream.renderer.token("x") == first.renderer.token("x")
     assert stream.check_token(first.resume_token) and stream.ticket is not None
+
+
+def test_a_rebuilt_stream_bills_beyond_what_its_owners_left_billed() -> None:
+    """What the owners before billed comes with the claim: nothing after a SIGKILL (this
+    instance then bills the prompt and every token), the sum a hand-over left otherwise."""
+    gw = create_app(Settings()).state.gateway
+    first, generation = original()
+    handover = gw._handover(first, generation)
+    events = [(e.seq, e.wire, e.tokens) for e in first.log.after(0)]
+    record = StreamRecord("s1", "openai", first.token_digest, "t", "synthetic")
+    for billed, before in ((b"", Usage()), (b"2 1 0", Usage(2, 1, 0))):
+        claim = Claim(2, "a", handover, events, billed)
+        stream, _, _ = asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
+        assert stream.carried == Usage(2, 3, 0) and stream.billed_before == before
+
+
+def test_a_stream_goes_on_under_the_secret_it_started_with_or_not_at_all() -> None:
+    gw = create_app(Settings()).state.gateway
+    old, new = ApiKey(name="ops"), ApiKey(name="ops", weight=2.0)
+    gw.admission.keys = KeyRing({"sk-old": old, "sk-new": new})
+    first, generation = original(tenant="ops")
+    first.ticket = asyncio.run(gw.admission.admit(gw.admission.keys.find("sk-old")))
+    handover = gw._handover(first, generation)
+    events = [(e.seq, e.wire, e.tokens) for e in first.log.after(0)]
+    record = StreamRecord("s1", "openai", first.token_digest, "t", "synthetic")
+    claim = Claim(2, "a", handover, events)
+    stream, _, _ = asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
+    assert stream.ticket is not None and stream.ticket.key == old
+    gw.admission.keys = KeyRing({"sk-new": new})  # the rotation ends: the old secret removed
+    queue = gw.admission.ledger.writer.queue
+    queue.clear()
+    for billed in (b"2 3 0", b""):  # handed over (its owner billed all), then SIGKILLed
+        try:
+            claim = Claim(2, "a", handover, events, billed)
+            asyncio.run(gw.reopen(claim, Mirror(record, max_events=100)))
+        except EngineError as exc:
+            assert exc.code == "key_revoked"
+        else:
+            raise AssertionError("a stream of a removed secret was taken over")
+    # What the SIGKILLed owner made and never billed is billed here all the same: its client
+    # got it.
+    (refused,) = queue
+    assert refused.key == "ops" and refused.outcome == "error"
+    tokens = refused.tokens()
+    assert (tokens["prompt_tokens"], tokens["completion_tokens"]) == (2, 3)
 
 
 def test_every_format_travels_but_a_request_past_the_bound() -> None:

@@ -13,7 +13,7 @@ import pytest
 from firsttoken.config import Settings
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.generation import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
@@ -27,6 +27,7 @@ from tests.unit.clock import FakeClock
 class _Ticket:
     def __init__(self) -> None:
         self.releases: list[Outcome] = []
+        self.usages: list[object] = []
         self.client_fault = False
         self.released = anyio.Event()
 
@@ -36,8 +37,9 @@ class _Ticket:
     def seam(self, meta: object) -> None:
         pass
 
-    async def release(self, outcome: Outcome, tokens: int = 0, **_: object) -> None:
+    async def release(self, outcome: Outcome, tokens: object = 0, **_: object) -> None:
         self.releases.append(outcome)
+        self.usages.append(tokens)
         self.released.set()
 
 
@@ -364,6 +366,8 @@ class _Claims(_Store):
         self.adopted: list[tuple[str, int, int]] = []
         self.let_go_of: list[tuple[str, bool]] = []
         self.handed_over: list[str] = []
+        self.billed: list[bytes] = []
+        self.fenced: set[str] = set()  # taken over already: not replicated here any more
 
     async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
         return self.answer
@@ -371,8 +375,10 @@ class _Claims(_Store):
     def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
         self.adopted.append((record.id, log.last_seq, fence))
 
-    def let_go(self, stream_id: str, *, flush: bool) -> None:
+    def let_go(self, stream_id: str, *, flush: bool, billed: bytes = b"") -> bool:
         self.let_go_of.append((stream_id, flush))
+        self.billed.append(billed)
+        return stream_id not in self.fenced
 
     async def hand_over(self, stream_ids: Collection[str]) -> None:
         self.handed_over += stream_ids
@@ -477,6 +483,46 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             assert await registry.hand_over() == 1 and kept.outcome is Outcome.MOVED
             assert plain.outcome is None
             assert store.handed_over == ["s2"]  # its liveness goes once Redis has them
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+def test_each_owner_of_a_stream_bills_what_the_owners_before_did_not() -> None:
+    """Handed over, an owner bills its part and leaves the answer's billed total with its last
+    events; the next bills beyond it, all of it after a SIGKILL (nothing left); fenced, it
+    bills nothing (its new owner read no total from it and bills all the store holds)."""
+
+    async def body() -> None:
+        store, metrics = _Claims("moved"), Metrics()
+        registry = StreamRegistry(_Recording(), metrics, ttl_s=10, store=store)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+
+            async def owned(stream_id: str, carried: int, billed: Usage | None) -> Stream:
+                stream = _stream(stream_id)
+                stream.movable = True
+                stream.ticket = _Ticket()
+                await registry.start(stream)
+                for i in range(carried + 2):  # `carried` from before, two made here
+                    stream.push(f"t{i}")
+                if billed is not None:  # taken over: what came before, what of it was billed
+                    stream.carried = Usage(1, carried, 0)
+                    stream.billed_before = billed
+                return stream
+
+            first = await owned("a", 0, None)
+            second = await owned("b", 2, Usage(1, 2, 0))  # the owner before handed it over
+            killed = await owned("c", 2, Usage())  # the owner before was SIGKILLed
+            fenced = await owned("d", 2, Usage())
+            store.fenced.add("d")
+            assert await registry.hand_over() == 4
+            tickets = [s.ticket for s in (first, second, killed, fenced)]
+            for ticket in tickets:
+                await ticket.released.wait()  # type: ignore[union-attr]
+            usages = [t.usages for t in tickets]  # type: ignore[union-attr]
+            assert usages == [[Usage(1, 2, 0)], [Usage(0, 2, 0)], [Usage(1, 4, 0)], [None]]
+            assert store.billed == [b"1 2 0", b"1 4 0", b"1 4 0", b"1 4 0"]
             tg.cancel_scope.cancel()
 
     asyncio.run(body())

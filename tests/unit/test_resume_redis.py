@@ -44,11 +44,20 @@ def flush(s: RedisStore) -> dict:
     rep.log.on_append = rep.wanted
     call = _Call()
     s._pack(rep, call)
-    head, w, n, t, outcome = call.blob
-    names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "end", "ttl", "fence")
-    args = dict(zip(names, struct.unpack("<10I", head), strict=True))
-    assert (args["wl"], args["nl"], args["tl"], args["ol"]) == tuple(map(len, (w, n, t, outcome)))
-    return {**args, "w": w, "n": n, "t": t, "outcome": outcome, "keys": call.keys}
+    head, w, n, t, outcome, billed = call.blob
+    names = ("last", "minid", "first", "wl", "nl", "tl", "ol", "bl", "end", "ttl", "fence")
+    args = dict(zip(names, struct.unpack("<11I", head), strict=True))
+    lengths = tuple(map(len, (w, n, t, outcome, billed)))
+    assert (args["wl"], args["nl"], args["tl"], args["ol"], args["bl"]) == lengths
+    return {
+        **args,
+        "w": w,
+        "n": n,
+        "t": t,
+        "outcome": outcome,
+        "billed": billed,
+        "keys": call.keys,
+    }
 
 
 def events_of(args: dict) -> list[tuple[int, bytes, int]]:
@@ -245,6 +254,33 @@ def test_a_stream_let_go_is_written_to_its_last_event_then_forgotten() -> None:
     s2 = store()
     s2.let_go("s1", flush=False)  # fenced: nothing more of it is written
     assert "s1" not in s2._replicas and not s2._dirty
+
+
+def test_a_hand_over_leaves_what_was_billed_with_its_last_events_until_redis_has_it() -> None:
+    """What the owner billed goes with the run that ends its part, in the same fenced call
+    (`Claim.billed` for the instance that takes the stream over), again until confirmed."""
+    s = store()
+    replicate(s, 1, 3)
+    assert s.let_go("s1", flush=True, billed=b"10 3 0")
+    args = flush(s)
+    assert args["last"] == 3 and args["billed"] == b"10 3 0"
+    with pytest.raises(RedisError):  # refused: all of it goes again
+        confirm(s, b"OOM command not allowed when used memory > 'maxmemory'.")
+    args = flush(s)
+    assert args["last"] == 3 and args["billed"] == b"10 3 0"
+    confirm(s, 1)
+    assert not s._replicas["s1"].dirty()
+    s2 = store()
+    replicate(s2, 1, 2)
+    flush(s2)  # what the owner writes as it goes carries nothing billed
+    assert flush_args_billed(s2) == b""
+    s2.let_go("s1", flush=False)
+    assert not s2.let_go("s1", flush=True, billed=b"1 1 0")  # fenced already: not here
+
+
+def flush_args_billed(s: RedisStore) -> bytes:
+    replicate(s, 3, 3)
+    return flush(s)["billed"]
 
 
 def test_the_request_stored_with_a_stream_is_not_kept_here_once_redis_has_it() -> None:
