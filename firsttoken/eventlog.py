@@ -166,6 +166,20 @@ class EventLog:
             if done:
                 reader.log_closed()
 
+    def unhold(self) -> None:
+        """Show readers every event again, as it is appended (`--durable` while Redis is
+        away: the owner lets its readers go on rather than wait for the store)."""
+        if self.limit is None:
+            return
+        self.limit = None
+        if self._corked:
+            return
+        done = self.closed
+        for reader in list(self.readers):
+            reader.catch_up()
+            if done:
+                reader.log_closed()
+
     def uncork(self) -> None:
         self._corked = False
         done = self.shown_all

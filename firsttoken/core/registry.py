@@ -307,13 +307,20 @@ class StreamRegistry:
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
-    def _on_fenced(self, stream_id: str) -> None:
+    def _on_fenced(self, stream_id: str, lost: bool) -> None:
         """Another instance took over a stream this one still generates (this one was
-        paused, or cut off from the store): stop, and let its readers go there."""
+        paused, or cut off from the store): stop, and let its readers go there; or, where
+        they may have been sent events the store never had (`lost`: `--durable` released
+        them while the store was away), tell them `stream_lost` rather than let them read
+        another text from there."""
         stream = self._streams.get(stream_id)
         if stream is not None and stream.outcome is None:
-            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id)
-            stream.move()
+            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id, lost=lost)
+            if lost:
+                message = "another instance took this stream over from events sent before it"
+                stream.stop(Outcome.ERROR, EngineError("stream_lost", message, client_fault=True))
+            else:
+                stream.move()
 
     async def hand_over(self) -> int:
         """A drain with a shared store: hand every live stream whose readers resume by

@@ -87,6 +87,9 @@ _LIVENESS_S = 0.2
 # past its lapse (a Redis that restarted empty has it back within _LIVENESS_S).
 _OWNER_GONE_S = 2.0
 _OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
+# `durable`: a flush unanswered this long counts as Redis away, and the owner's readers go on
+# without it (`_release`): a few flush intervals, well under what a reader notices as a stall.
+_STALL_S = 0.2
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
 # Streams per round trip: building a write is synchronous (~6 µs a stream), so 1,000 streams
 # in one stalled the loop for ~10 ms every flush; between batches the loop serves the rest.
@@ -237,7 +240,7 @@ def _nothing() -> None:
     return None
 
 
-def _ignore(stream_id: str) -> None:
+def _ignore(stream_id: str, lost: bool) -> None:
     return None
 
 
@@ -270,6 +273,9 @@ class _Replica:
     expires_at: float | None = None  # monotonic; set at the end
     queued: bool = False  # in the store's dirty set
     sent: int = 0  # last seq of the run in flight
+    # `durable`: the highest seq its readers may have been shown before Redis confirmed it
+    # (released while Redis was away); a takeover from less than this would not be exact.
+    exposed: int = 0
 
     @property
     def first(self) -> int:
@@ -352,6 +358,12 @@ class RedisStore:
         self.max_events = max_events
         self.flush_interval_s = flush_interval_s
         self.durable = durable  # readers see an event only once Redis confirmed it
+        # `durable` while Redis is away or slow: readers see every event as it comes, since
+        # no other instance can take a stream over meanwhile (`_release`).
+        self.released = False
+        self._stalled = False  # a flush has waited past `_STALL_S` for its reply
+        self._writing_since: float | None = None  # monotonic start of the flush in flight
+        self._flush_began = anyio.Event()  # for the stall watch
         self.instance = uuid.uuid4().hex
         self.handed_over = False  # a drain let its liveness key go (`hand_over`)
         self._liveness = Liveness(
@@ -361,8 +373,10 @@ class RedisStore:
             ttl_ms=_INSTANCE_MS,
             every_s=_LIVENESS_S,
         )
-        # Told of each stream another instance took over while this one still generated it.
-        self.on_fenced: Callable[[str], None] = _ignore
+        # Told of each stream another instance took over while this one still generated it,
+        # and whether its readers may have been sent events the takeover does not continue
+        # from (`durable`, released while Redis was away): those are lost, not moved.
+        self.on_fenced: Callable[[str, bool], None] = _ignore
         self.fenced = 0
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
@@ -449,6 +463,61 @@ class RedisStore:
         else:
             self.outages += 1
             log_event("redis.down", logging.ERROR, error=repr(error), backlog=self.backlog())
+            self._release()
+
+    def _release(self) -> None:
+        """`durable`, Redis away or slow: every stream's readers see its events as they come
+        from now on. No other instance can take a stream over while Redis does not answer
+        (its claim goes through Redis too), so holding them back would stall every reader
+        for the outage and protect nothing. What they are shown beyond what Redis confirmed
+        is `exposed`: if another instance takes the stream over before Redis has it (this
+        one was cut off, not Redis), those readers get `stream_lost` (`_confirm`)."""
+        if not self.durable or self.released:
+            return
+        self.released = True
+        log_event("redis.durable_released", logging.WARNING, streams=len(self._replicas))
+        for rep in self._replicas.values():
+            rep.log.unhold()
+
+    def _hold_again(self) -> None:
+        """Redis answers in time again: readers see only what it confirmed from now on; what
+        they were shown meanwhile stays shown (`exposed` until Redis confirms it)."""
+        if not self.released or not self.up or self._stalled:
+            return
+        self.released = False
+        log_event("redis.durable_held", streams=len(self._replicas))
+        for rep in self._replicas.values():
+            log = rep.log
+            if log.last_seq > rep.flushed:
+                rep.exposed = max(rep.exposed, log.last_seq)
+            log.hold(log.last_seq)
+
+    def _write_began(self) -> None:
+        self._writing_since = anyio.current_time()
+        self._flush_began.set()
+
+    def _write_ended(self, error: BaseException | None) -> None:
+        """The flush in flight was answered (`error` None: Redis took it all) or failed."""
+        self._writing_since = None
+        self._stalled = False
+        self._set_up(error is None, error)
+        self._hold_again()
+
+    async def _watch_stalls(self) -> None:
+        """`durable`: a flush whose reply has not come within `_STALL_S` (Redis stopped,
+        blocked by a big write, a network that drops without a reset) releases the readers
+        as an outage does; its reply, or its failure, ends that."""
+        while True:
+            await self._flush_began.wait()
+            self._flush_began = anyio.Event()
+            since = self._writing_since
+            if since is None:
+                continue
+            await anyio.sleep(max(0.0, since + _STALL_S - anyio.current_time()))
+            if self._writing_since == since and not self._stalled:
+                self._stalled = True
+                log_event("redis.slow", logging.WARNING, waited_s=_STALL_S)
+                self._release()
 
     def _down(self, error: BaseException) -> None:
         self._set_up(False, error)
@@ -467,6 +536,8 @@ class RedisStore:
                 tg.start_soon(self._flush_forever)
                 tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
+                if self.durable:
+                    tg.start_soon(self._watch_stalls)
                 await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
                 task_status.started()
@@ -516,7 +587,7 @@ class RedisStore:
         )
         rep.wanted = partial(self._mark, rep)
         log.on_append = rep.wanted
-        if self.durable:
+        if self.durable and not self.released:
             log.hold(log.last_seq)  # what it holds now, Redis has (a takeover's prefix)
         self._replicas[record.id] = rep
         return rep
@@ -734,6 +805,7 @@ class RedisStore:
             self._expire()
             last_flush = time.monotonic()
             try:
+                self._write_began()
                 if not self.up:
                     await self._recover()
                 # What is dirty now, in batches; what a write in flight makes dirty again waits
@@ -742,14 +814,14 @@ class RedisStore:
                 while left > 0 and self._dirty:
                     left -= await self._flush_batch()
             except REDIS_DOWN as exc:
-                self._set_up(False, exc)
+                self._write_ended(exc)
                 # Back off, but go at once when the heartbeat finds Redis answering again.
                 with anyio.move_on_after(delay):
                     await self._answering.wait()
                 self._answering = anyio.Event()
                 delay = min(_RETRY_MAX_S, delay * 2)
                 continue
-            self._set_up(True)
+            self._write_ended(None)
             delay = _RETRY_MIN_S
 
     async def _recover(self) -> None:
@@ -937,7 +1009,7 @@ class RedisStore:
                     if rep.sent:
                         rep.flushed = max(rep.flushed, rep.sent)
                         rep.ttl_done = True
-                        if self.durable:
+                        if self.durable and not self.released:
                             rep.log.hold(rep.flushed)  # its readers may have it now
                     if rep.end_sent:
                         rep.end_done = True
@@ -952,7 +1024,10 @@ class RedisStore:
         for rep in fenced:
             self.fenced += 1
             self._forget(rep.record.id, rep)
-            self.on_fenced(rep.record.id)
+            lost = self.durable and (self.released or rep.exposed > rep.flushed)
+            if lost:
+                rep.log.unhold()  # they learn it: the log's end goes to them whole
+            self.on_fenced(rep.record.id, lost)
         for rep in batch:
             if rep.dirty() and rep.record.id in self._replicas:
                 self._mark(rep)

@@ -210,3 +210,24 @@ def test_a_held_log_pauses_its_producer_past_the_window_of_what_is_shown() -> No
     assert not log.has_room()  # confirmed, and the reader is a window behind it
     reader.cursor = 3
     assert log.has_room()
+
+
+def test_an_unheld_log_shows_readers_everything_then_each_event_as_it_comes() -> None:
+    """--durable while Redis is away: the owner's readers go on without the store."""
+    log = EventLog(max_events=10, window=4)
+    reader = Catching(log)
+    log.attach(reader)
+    log.hold(0)
+    log.append(b"x", 1)
+    log.append(b"x", 1)
+    assert reader.seen == []
+    log.unhold()
+    assert reader.seen == [1, 2] and log.limit is None
+    log.append(b"x", 1)
+    assert reader.seen == [1, 2, 3]
+    log.hold(log.last_seq)  # held again: what was shown stays shown, the next waits
+    log.append(b"x", 1)
+    assert reader.seen == [1, 2, 3] and log.has_room()
+    log.close()
+    log.unhold()
+    assert reader.seen == [1, 2, 3, 4] and reader.closed

@@ -462,7 +462,7 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             for stream in (taken, kept):
                 stream.ticket = _Ticket()
                 await registry.start(stream)
-            store.on_fenced("s1")
+            store.on_fenced("s1", False)
             assert taken.outcome is Outcome.MOVED and taken.generation is None
             assert await registry.find("s1") is None  # a reader back here follows the store
             assert store.let_go_of == [("s1", True)] and store.finished == []

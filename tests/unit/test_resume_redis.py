@@ -13,9 +13,10 @@ from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.keys import events_key, meta_key
-from firsttoken.resume.redis import RedisStore, _Call
+from firsttoken.resume.redis import _STALL_S, RedisStore, _Call
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord
+from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
 
 TTL_S = 60.0
@@ -196,12 +197,12 @@ def test_a_fenced_write_lets_the_stream_go_without_an_outage() -> None:
     """Another instance took the stream over: its owner's write is refused, it is told and
     forgets the stream; the other streams of the flush were written as usual."""
     s = store()
-    told: list[str] = []
-    s.on_fenced = told.append
+    told: list[tuple[str, bool]] = []
+    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
     replicate(s, 1, 3)
     flush(s)
     confirm(s, b"fenced")  # no RedisError: Redis is fine
-    assert told == ["s1"] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
+    assert told == [("s1", False)] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
 
 
 def test_durable_readers_see_an_event_once_redis_confirmed_it() -> None:
@@ -261,3 +262,99 @@ def test_the_request_stored_with_a_stream_is_not_kept_here_once_redis_has_it() -
     assert rep.meta_done and rep.record.handover is None
     # Written again after a Redis restart (it lost the request): not to be taken over.
     assert ("takeover", 0) == tuple(s._meta_commands(rep)[0][10:12])
+
+
+def durable_store() -> tuple[RedisStore, EventLog]:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1, durable=True)
+    s.up = False  # register() queues the meta for the flusher instead of writing it
+    log = EventLog(100)
+    anyio.run(s.register, StreamRecord("s1", "native", "d", "t", "m"), TTL_S, log)
+    s.up = True
+    return s, log
+
+
+def shown(log: EventLog) -> list[int]:
+    return [e.seq for e in log.after(0)]
+
+
+def test_durable_readers_go_on_while_redis_is_away_and_wait_for_it_again_once_back() -> None:
+    """Nothing can take a stream over while Redis does not answer: holding events back then
+    would only stall every reader for the outage."""
+    s, log = durable_store()
+    replicate(s, 1, 3)
+    flush(s)
+    confirm(s, 1)
+    replicate(s, 4, 5)
+    assert shown(log) == [1, 2, 3]
+    s._write_ended(ConnectionError("Redis went away"))
+    assert s.released and shown(log) == [1, 2, 3, 4, 5]
+    replicate(s, 6, 6)
+    assert shown(log)[-1] == 6  # as it comes
+    other = EventLog(100)  # a stream opened meanwhile is not held either
+    s.open(StreamRecord("s2", "native", "d", "t", "m"), TTL_S, other)
+    other.append(b"x", 1)
+    assert [e.seq for e in other.after(0)] == [1]
+    s.let_go("s2", flush=False)
+    # Back: a flush answered in full holds readers to what Redis confirms again.
+    flush(s)
+    confirm(s, 1)
+    s._write_ended(None)
+    assert not s.released and s.up
+    replicate(s, 7, 7)
+    assert shown(log)[-1] == 6  # what was shown stays shown; the next one waits
+    assert s._replicas["s1"].exposed == 0  # Redis had all it was shown
+    flush(s)
+    confirm(s, 1)
+    assert shown(log)[-1] == 7
+
+
+def test_a_stream_fenced_after_its_readers_were_sent_unconfirmed_events_is_lost() -> None:
+    """Cut off from Redis (not Redis away), the owner released events; another instance
+    took the stream over from what Redis held: its readers here may be past that, so they
+    are told `stream_lost` (never moved on to another text)."""
+    s, log = durable_store()
+    told: list[tuple[str, bool]] = []
+    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    replicate(s, 1, 2)
+    flush(s)
+    confirm(s, 1)
+    s._write_ended(ConnectionError("cut off"))
+    replicate(s, 3, 5)  # shown, never confirmed
+    s._write_ended(None)  # answering again, as a claim elsewhere did meanwhile
+    assert s._replicas["s1"].exposed == 5
+    flush(s)
+    confirm(s, b"fenced")
+    assert told == [("s1", True)] and log.limit is None
+    # Without anything sent past Redis, a fenced stream moves as before.
+    s2, _ = durable_store()
+    s2.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    replicate(s2, 1, 2)
+    flush(s2)
+    confirm(s2, b"fenced")
+    assert told[-1] == ("s1", False)
+
+
+def test_a_flush_unanswered_past_the_stall_bound_releases_durable_readers() -> None:
+    """Redis stopped, not gone (SIGSTOP, a long block): no error comes, only silence."""
+
+    s, log = durable_store()
+    replicate(s, 1, 2)
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s._watch_stalls)
+            s._write_began()
+            await anyio.sleep(_STALL_S * 0.9)
+            assert not s.released and shown(log) == []
+            await anyio.sleep(_STALL_S * 0.2)
+            assert s.released and s.up and shown(log) == [1, 2]
+            s._write_ended(None)  # its reply came: held again
+            assert not s.released
+            s._write_began()  # a flush answered in time releases nothing
+            await anyio.sleep(_STALL_S * 0.5)
+            s._write_ended(None)
+            await anyio.sleep(_STALL_S * 2)
+            assert not s.released
+            tg.cancel_scope.cancel()
+
+    virtual_loop.run(body())
