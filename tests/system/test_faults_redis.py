@@ -9,6 +9,7 @@ again; and a backlog past its bound is counted, never stitched over.
 from __future__ import annotations
 
 import itertools
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -266,3 +267,59 @@ def test_durable_streams_go_on_through_a_redis_restart(keys: Path) -> None:
                 records = server.log_records()
                 assert not [r for r in records if r["event"] == "shed.start"]
                 assert [r for r in records if r["event"] == "redis.down"]
+
+
+def test_a_redis_that_stops_answering_neither_stalls_durable_readers_nor_trips_the_ttft_guard(
+    keys: Path,
+) -> None:
+    """Redis stopped (SIGSTOP), not gone: no error comes, every call waits for its timeout.
+    Admission falls back to this instance's limits after 1 s; that wait is the store's, not
+    the engine's, and the TTFT guard does not count it. The owner's readers go on."""
+    flags = ("--durable", "--ttft-slo-ms", "500", "--breaker-min-streams", "5")
+    with redis_server() as redis:
+        with (
+            run_server(*args(redis.url, keys, *flags)) as a,
+            httpx.Client(timeout=30, limits=httpx.Limits(max_connections=100)) as client,
+        ):
+            live = client.post(
+                a.v1 + "/streams", json={"prompt": "live", "max_tokens": 200}, headers=AUTH
+            )
+            assert live.status_code == 201
+            reading: list[tuple[list[float], bool]] = []
+            reader = threading.Thread(
+                target=lambda: reading.append(_timed_read(client, a, live.json(), time.monotonic()))
+            )
+            reader.start()
+            time.sleep(0.5)
+            assert redis.proc is not None
+            redis.proc.send_signal(signal.SIGSTOP)
+            try:
+                statuses: list[int] = []
+
+                def create(i: int) -> None:
+                    r = client.post(
+                        a.v1 + "/streams", json={"prompt": f"p{i}", "max_tokens": 3}, headers=AUTH
+                    )
+                    statuses.append(r.status_code)
+                    if r.status_code == 201:
+                        _timed_read(client, a, r.json(), time.monotonic())
+
+                # Each one's admission waits the 1 s of its Redis call.
+                burst = [threading.Thread(target=create, args=(i,)) for i in range(8)]
+                for t in burst:
+                    t.start()
+                for t in burst:
+                    t.join(30)
+                time.sleep(0.3)  # the guard looks at most ten times a second
+                after = client.post(
+                    a.v1 + "/streams", json={"prompt": "after", "max_tokens": 3}, headers=AUTH
+                )
+            finally:
+                redis.proc.send_signal(signal.SIGCONT)
+            reader.join(30)
+            assert statuses == [201] * 8 and after.status_code == 201, after.text
+            assert not [r for r in a.log_records() if r["event"] == "shed.start"]
+            # The owner's reader went on once the flush had waited 0.2 s unanswered.
+            ((times, clean),) = reading
+            assert clean and max(b - a for a, b in itertools.pairwise(times[1:])) < 0.5
+            assert [r for r in a.log_records() if r["event"] == "redis.slow"]
