@@ -3,8 +3,8 @@
 Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in one slot):
   ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
                        fence (raised by each takeover; every write of the owner carries it),
-                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`),
-                       outcome
+                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`:
+                       deleted with the end, which leaves nothing to continue), outcome
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
                        events written since the stream's previous flush; a final
                        `<last seq>-1` entry with `end` closes it
@@ -159,6 +159,7 @@ while pos <= #blob do
   if not err and done > 0 then
     err = failed(redis.pcall('XADD', key, done .. '-1', 'end', outcome))
       or failed(redis.pcall('HSET', meta, 'outcome', outcome))
+      or failed(redis.pcall('HDEL', meta, 'req'))
       or failed(redis.pcall('EXPIRE', meta, ttl))
   end
   if not err and ttl > 0 then
@@ -292,6 +293,11 @@ class _Replica:
         self.meta_done = True
         if self.record.handover is not None:
             self.record = replace(self.record, handover=None)
+
+    def handover(self) -> bytes | None:
+        """The request to store with its meta: none once the stream ended (a takeover has
+        nothing left to continue; its end deletes one stored before, `_WRITE_RUNS`)."""
+        return self.record.handover if self.end is None else None
 
     def dirty(self) -> bool:
         ended = self.end is not None and not self.end_done
@@ -696,13 +702,14 @@ class RedisStore:
         for rep in reps:
             r = rep.record
             fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model)]
-            fields.append(r.handover or b"")
+            handover = rep.handover()
+            fields.append(handover or b"")
             fields.append(rep.end[0].encode() if rep.end is not None else b"")
             blob.append(
                 _META_HEAD.pack(
                     int(rep.ttl_s + _LIVE_EXTRA_S),
                     rep.fence,
-                    0 if r.handover is None else 1,
+                    0 if handover is None else 1,
                     *(len(f) for f in fields),
                 )
             )
@@ -765,10 +772,11 @@ class RedisStore:
         taken over since (its fence is higher; the next write here is refused)."""
         r = rep.record
         key = meta_key(r.id)
+        handover = rep.handover()
         fields: list[Any] = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id]
-        fields += ("model", r.model, "takeover", 0 if r.handover is None else 1)
-        if r.handover is not None:
-            fields += ("req", r.handover)
+        fields += ("model", r.model, "takeover", 0 if handover is None else 1)
+        if handover is not None:
+            fields += ("req", handover)
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
         return [

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+from redis import Redis
 
 from firsttoken.engines import synthetic_tokens
 from tests.events import tokens_of
@@ -329,3 +330,28 @@ def test_a_redis_that_stops_answering_neither_stalls_durable_readers_nor_trips_t
             ((times, clean),) = reading
             assert clean and max(b - a for a, b in itertools.pairwise(times[1:])) < 0.5
             assert [r for r in a.log_records() if r["event"] == "redis.slow"]
+
+
+def test_a_finished_streams_stored_request_leaves_redis_with_its_end(keys: Path) -> None:
+    """A stream's request is stored in Redis so that another instance can take it over;
+    once the stream ended there is nothing to continue. 30 streams of a ~300 KB prompt and
+    one token each held ~9 MB in Redis for the whole TTL (300 s) before."""
+    prompt = "tell me a story " * 20_000
+    with redis_server() as redis, run_server(*args(redis.url, keys)) as a:
+        probe = Redis.from_url(redis.url)
+        before = int(probe.info("memory")["used_memory"])
+        with httpx.Client(timeout=30) as client:
+            for i in range(30):
+                r = client.post(
+                    a.v1 + "/streams",
+                    json={"prompt": f"{i} {prompt}", "max_tokens": 1},
+                    headers=AUTH,
+                )
+                assert r.status_code == 201, r.text
+                assert read(a, r.json())[2]  # ended: [DONE]
+        metas = [k for k in probe.scan_iter("ft:*:meta")]
+        assert len(metas) == 30
+        wait_for(lambda: all(probe.hexists(k, "outcome") for k in metas), timeout=5)
+        assert not [k for k in metas if probe.hexists(k, "req")]
+        assert int(probe.info("memory")["used_memory"]) - before < 2_000_000
+        assert a.metric("firsttoken_resume_request_bytes") == 0

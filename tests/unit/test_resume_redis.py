@@ -358,3 +358,17 @@ def test_a_flush_unanswered_past_the_stall_bound_releases_durable_readers() -> N
             tg.cancel_scope.cancel()
 
     virtual_loop.run(body())
+
+
+def test_a_stream_that_ended_before_its_meta_went_out_is_stored_without_its_request() -> None:
+    """Its request is useless once it ended (nothing is left to continue): not written at
+    all, where a live stream's is deleted by its end (`_WRITE_RUNS`)."""
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    s.up = False
+    record = StreamRecord("s1", "native", "d", "t", "m", b'{"request": "1 MB of prompt"}')
+    anyio.run(s.register, record, TTL_S, EventLog(100))
+    rep = s._replicas["s1"]
+    replicate(s, 1, 1)
+    s.finish("s1", "completed", 1, TTL_S)
+    commands = s._meta_commands(rep)
+    assert ("takeover", 0) == tuple(commands[0][10:12]) and "req" not in commands[0]
