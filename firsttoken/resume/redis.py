@@ -64,6 +64,7 @@ from firsttoken.redisclient import (
     REDIS_DOWN,
     Liveness,
     RawEntries,
+    eviction_risk,
     pack,
     redis_client,
     resp_arg,
@@ -91,6 +92,9 @@ _OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
 # without it (`_release`): a few flush intervals, well under what a reader notices as a stall.
 _STALL_S = 0.2
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
+# Under a maxmemory-policy that evicts, how often Redis's count of evicted keys is read
+# (heartbeats): an eviction may have taken a spend counter, a slot or a stream.
+_EVICTIONS_EVERY = 5
 # Streams per round trip: building a write is synchronous (~6 µs a stream), so 1,000 streams
 # in one stalled the loop for ~10 ms every flush; between batches the loop serves the rest.
 _FLUSH_BATCH = 256
@@ -389,6 +393,9 @@ class RedisStore:
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
         self.outages = 0
         self.resyncs = 0
+        self.eviction_policy: str | None = None  # Redis's maxmemory-policy, where it says
+        self.evicted = 0  # keys Redis evicted since this instance started (risky policy only)
+        self._evicted_at_start: int | None = None
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
         self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
@@ -459,6 +466,13 @@ class RedisStore:
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages
+        evicted = CounterMetricFamily(
+            "firsttoken_redis_keys_evicted",
+            "Keys Redis evicted (maxmemory-policy other than noeviction) since this instance "
+            "started: any may have been a spend counter, a limit's or a stream's.",
+        )
+        evicted.add_metric([], self.evicted)
+        yield evicted
 
     def _set_up(self, up: bool, error: BaseException | None = None) -> None:
         if up == self.up:
@@ -535,6 +549,7 @@ class RedisStore:
         if not self.cluster:
             await self.redis.script_load(_WRITE_METAS)  # the first burst's call finds it
         self._run_id = await self._server_run_id()
+        await self._check_eviction_policy()
         await self._heartbeat_once()
         self._liveness.start()
         try:
@@ -1188,7 +1203,62 @@ class RedisStore:
             return
         await self.redis.set(f"ft:instance:{self.instance}", 1, px=_INSTANCE_MS)
 
+    async def _check_eviction_policy(self) -> None:
+        """Say at start, once, that Redis may evict keys of ours: a lost spend counter
+        admits a key over its money budget again, and nothing else would tell."""
+        try:
+            if isinstance(self.redis, RedisCluster):
+                found = await self.redis.config_get(
+                    "maxmemory-policy", target_nodes=RedisCluster.PRIMARIES
+                )
+            else:
+                found = await self.redis.config_get("maxmemory-policy")
+        except ResponseError:  # CONFIG refused (a managed Redis): its docs name the policy
+            return
+        policies = sorted(_values_of(found, "maxmemory-policy"))
+        risky = [p for p in policies if eviction_risk(p) is not None]
+        self.eviction_policy = risky[0] if risky else (policies[0] if policies else None)
+        if not risky:
+            return
+        log_event(
+            "redis.eviction_policy",
+            logging.WARNING,
+            policy=risky[0],
+            may_evict=eviction_risk(risky[0]),
+            fix="CONFIG SET maxmemory-policy noeviction (docs/deploy.md)",
+        )
+        self._evicted_at_start = await self._evicted_keys()
+
+    async def _evicted_keys(self) -> int:
+        if isinstance(self.redis, RedisCluster):
+            found = await self.redis.info("stats", target_nodes=RedisCluster.PRIMARIES)
+            return sum(int(info.get("evicted_keys", 0)) for info in found.values())
+        return int((await self.redis.info("stats")).get("evicted_keys", 0))
+
+    async def _count_evictions(self) -> None:
+        """Under a policy that evicts: log the keys evicted since the last look (every
+        `_EVICTIONS_EVERY` heartbeats)."""
+        assert self._evicted_at_start is not None
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                total = await self._evicted_keys() - self._evicted_at_start
+        except (*REDIS_DOWN, ResponseError):
+            return
+        if total < self.evicted:  # Redis restarted: its count began again
+            self._evicted_at_start -= self.evicted
+            total += self.evicted
+        if total > self.evicted:
+            log_event(
+                "redis.keys_evicted",
+                logging.WARNING,
+                evicted=total - self.evicted,
+                policy=self.eviction_policy,
+                may_evict=eviction_risk(self.eviction_policy or ""),
+            )
+            self.evicted = total
+
     async def _heartbeat(self) -> None:
+        beats = 0
         while True:
             await anyio.sleep(1)
             self._expire()  # also when no stream is writing
@@ -1198,6 +1268,9 @@ class RedisStore:
             except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 continue
+            beats += 1
+            if self._evicted_at_start is not None and beats % _EVICTIONS_EVERY == 0:
+                await self._count_evictions()
             if not self.up:
                 self._wake.set()  # the flusher recovers, and says so
                 self._answering.set()
@@ -1244,6 +1317,19 @@ class RedisStore:
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
                     except Exception:
                         pass  # its connection is gone already
+
+
+def _values_of(found: Any, name: str) -> set[str]:
+    """The values of `name` in a CONFIG GET reply: one node's {name: value}, or a cluster's
+    {node: {name: value}}; bytes or str, as the client decodes."""
+    out: set[str] = set()
+    if isinstance(found, dict):
+        for key, value in found.items():
+            if isinstance(value, dict):
+                out |= _values_of(value, name)
+            elif (key.decode() if isinstance(key, bytes) else key) == name:
+                out.add(value.decode() if isinstance(value, bytes) else str(value))
+    return out
 
 
 def _first_seq(entry: Any) -> int:

@@ -355,3 +355,26 @@ def test_a_finished_streams_stored_request_leaves_redis_with_its_end(keys: Path)
         assert not [k for k in metas if probe.hexists(k, "req")]
         assert int(probe.info("memory")["used_memory"]) - before < 2_000_000
         assert a.metric("firsttoken_resume_request_bytes") == 0
+
+
+def test_a_redis_that_may_evict_our_keys_is_named_at_start_and_its_evictions_logged(
+    keys: Path,
+) -> None:
+    """`maxmemory-policy allkeys-lru` evicted `ft:spend:{bob}:…` under pressure, and bob,
+    over his budget, was admitted again with nothing logged. Now the start names the policy,
+    and each eviction is counted and logged as it happens."""
+    with redis_server() as redis:
+        probe = Redis.from_url(redis.url)
+        probe.config_set("maxmemory-policy", "allkeys-lru")
+        with run_server(*args(redis.url, keys)) as a:
+            (warning,) = [r for r in a.log_records() if r["event"] == "redis.eviction_policy"]
+            assert warning["policy"] == "allkeys-lru" and "spend" in warning["may_evict"]
+            probe.config_set("maxmemory", str(int(probe.info("memory")["used_memory"]) + 1_000_000))
+            for i in range(40):  # 4 MB into 1 MB of room: Redis evicts
+                probe.set(f"junk:{i}", b"x" * 100_000)
+            assert int(probe.info("stats")["evicted_keys"]) > 0
+            wait_for(lambda: a.metric("firsttoken_redis_keys_evicted_total") > 0, timeout=10)
+            (logged, *_) = [r for r in a.log_records() if r["event"] == "redis.keys_evicted"]
+            assert logged["evicted"] > 0 and logged["policy"] == "allkeys-lru"
+    with redis_server() as redis, run_server(*args(redis.url, keys)) as b:
+        assert not [r for r in b.log_records() if r["event"].startswith("redis.eviction")]

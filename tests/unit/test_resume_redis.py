@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.keys import events_key, meta_key
-from firsttoken.resume.redis import _STALL_S, RedisStore, _Call
+from firsttoken.resume.redis import _STALL_S, RedisStore, _Call, _values_of
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
@@ -372,3 +372,12 @@ def test_a_stream_that_ended_before_its_meta_went_out_is_stored_without_its_requ
     s.finish("s1", "completed", 1, TTL_S)
     commands = s._meta_commands(rep)
     assert ("takeover", 0) == tuple(commands[0][10:12]) and "req" not in commands[0]
+
+
+def test_the_eviction_policy_is_read_from_one_node_or_every_master() -> None:
+    assert _values_of({b"maxmemory-policy": b"allkeys-lru"}, "maxmemory-policy") == {"allkeys-lru"}
+    cluster = {
+        "127.0.0.1:7000": {"maxmemory-policy": "noeviction"},
+        "127.0.0.1:7001": {"maxmemory-policy": "volatile-lfu"},
+    }
+    assert _values_of(cluster, "maxmemory-policy") == {"noeviction", "volatile-lfu"}
