@@ -282,9 +282,6 @@ class _Replica:
     expires_at: float | None = None  # monotonic; set at the end
     queued: bool = False  # in the store's dirty set
     sent: int = 0  # last seq of the run in flight
-    # `durable`: the highest seq its readers may have been shown before Redis confirmed it
-    # (released while Redis was away); a takeover from less than this would not be exact.
-    exposed: int = 0
 
     @property
     def first(self) -> int:
@@ -493,9 +490,10 @@ class RedisStore:
         """`durable`, Redis away or slow: every stream's readers see its events as they come
         from now on. No other instance can take a stream over while Redis does not answer
         (its claim goes through Redis too), so holding them back would stall every reader
-        for the outage and protect nothing. What they are shown beyond what Redis confirmed
-        is `exposed`: if another instance takes the stream over before Redis has it (this
-        one was cut off, not Redis), those readers get `stream_lost` (`_confirm`)."""
+        for the outage and protect nothing. A reader shown more than Redis confirmed is past
+        the point from which a takeover is exact: if another instance takes the stream over
+        before Redis has it (this one was cut off, not Redis), it gets `stream_lost`
+        (`_ahead`)."""
         if not self.durable or self.released:
             return
         self.released = True
@@ -505,16 +503,13 @@ class RedisStore:
 
     def _hold_again(self) -> None:
         """Redis answers in time again: readers see only what it confirmed from now on; what
-        they were shown meanwhile stays shown (`exposed` until Redis confirms it)."""
+        they were shown meanwhile stays shown (ahead of Redis until it confirms it)."""
         if not self.released or not self.up or self._stalled:
             return
         self.released = False
         log_event("redis.durable_held", streams=len(self._replicas))
         for rep in self._replicas.values():
-            log = rep.log
-            if log.last_seq > rep.flushed:
-                rep.exposed = max(rep.exposed, log.last_seq)
-            log.hold(log.last_seq)
+            rep.log.hold(rep.log.last_seq)
 
     def _write_began(self) -> None:
         self._writing_since = anyio.current_time()
@@ -1053,7 +1048,7 @@ class RedisStore:
         for rep in fenced:
             self.fenced += 1
             self._forget(rep.record.id, rep)
-            lost = self.durable and (self.released or rep.exposed > rep.flushed)
+            lost = self.durable and _ahead(rep)
             if lost:
                 rep.log.unhold()  # they learn it: the log's end goes to them whole
             self.on_fenced(rep.record.id, lost)
@@ -1323,6 +1318,14 @@ class RedisStore:
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
                     except Exception:
                         pass  # its connection is gone already
+
+
+def _ahead(rep: _Replica) -> bool:
+    """Whether a reader here was shown events Redis had not confirmed (`durable`: only once
+    released, or after a restart lost what it had): another instance that took the stream
+    over continues from no further than what Redis confirmed, so such a reader, moved there,
+    would read another text."""
+    return any(reader.cursor > rep.flushed for reader in rep.log.readers)
 
 
 def _by_request_bytes(reps: list[_Replica]) -> Iterator[list[_Replica]]:
