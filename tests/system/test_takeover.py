@@ -285,9 +285,10 @@ def test_a_reader_on_an_owner_cut_off_from_redis_reads_on_then_is_told_it_was_ta
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     proxy = CuttableProxy(port)
     through = f"redis://127.0.0.1:{proxy.port}/0"
-    with run_server("--redis", through, *COMMON, "--durable") as a, run_server(
-        "--redis", redis_url, *COMMON, "--durable"
-    ) as b:
+    with (
+        run_server("--redis", through, *COMMON, "--durable") as a,
+        run_server("--redis", redis_url, *COMMON, "--durable") as b,
+    ):
         created = create(a, "reader on a cut-off owner", itl_ms=100)
         local = RawStream(a.port, "GET", created["events_url"])
         read_until(local, 5)
