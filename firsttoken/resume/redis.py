@@ -396,7 +396,7 @@ class RedisStore:
         self.resyncs = 0
         self.eviction_policy: str | None = None  # Redis's maxmemory-policy, where it says
         self.evicted = 0  # keys Redis evicted since this instance started (risky policy only)
-        self._evicted_at_start: int | None = None
+        self._evicted_seen: int | None = None  # Redis's evicted_keys at the last look
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
         self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
@@ -1228,7 +1228,7 @@ class RedisStore:
             may_evict=eviction_risk(risky[0]),
             fix="CONFIG SET maxmemory-policy noeviction (docs/deploy.md)",
         )
-        self._evicted_at_start = await self._evicted_keys()
+        self._evicted_seen = await self._evicted_keys()
 
     async def _evicted_keys(self) -> int:
         if isinstance(self.redis, RedisCluster):
@@ -1239,24 +1239,24 @@ class RedisStore:
     async def _count_evictions(self) -> None:
         """Under a policy that evicts: log the keys evicted since the last look (every
         `_EVICTIONS_EVERY` heartbeats)."""
-        assert self._evicted_at_start is not None
+        seen = self._evicted_seen
+        assert seen is not None
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
-                total = await self._evicted_keys() - self._evicted_at_start
+                now = await self._evicted_keys()
         except (*REDIS_DOWN, ResponseError):
             return
-        if total < self.evicted:  # Redis restarted: its count began again
-            self._evicted_at_start -= self.evicted
-            total += self.evicted
-        if total > self.evicted:
+        self._evicted_seen = now
+        grew = now - seen if now >= seen else now  # less: Redis restarted, its count anew
+        if grew:
+            self.evicted += grew
             log_event(
                 "redis.keys_evicted",
                 logging.WARNING,
-                evicted=total - self.evicted,
+                evicted=grew,
                 policy=self.eviction_policy,
                 may_evict=eviction_risk(self.eviction_policy or ""),
             )
-            self.evicted = total
 
     async def _heartbeat(self) -> None:
         beats = 0
@@ -1270,7 +1270,7 @@ class RedisStore:
                 self._set_up(False, exc)
                 continue
             beats += 1
-            if self._evicted_at_start is not None and beats % _EVICTIONS_EVERY == 0:
+            if self._evicted_seen is not None and beats % _EVICTIONS_EVERY == 0:
                 await self._count_evictions()
             if not self.up:
                 self._wake.set()  # the flusher recovers, and says so

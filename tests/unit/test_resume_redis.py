@@ -405,3 +405,23 @@ def test_the_eviction_policy_is_read_from_one_node_or_every_master() -> None:
         "127.0.0.1:7001": {"maxmemory-policy": "volatile-lfu"},
     }
     assert _values_of(cluster, "maxmemory-policy") == {"noeviction", "volatile-lfu"}
+
+
+def test_evictions_are_counted_as_they_grow_and_across_a_redis_restart() -> None:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    counts = iter([15, 15, 3])  # Redis's evicted_keys at each look; 3: it restarted
+
+    async def evicted_keys() -> int:
+        return next(counts)
+
+    s._evicted_keys = evicted_keys  # type: ignore[method-assign]
+    s._evicted_seen = 10  # at start
+
+    async def body() -> None:
+        for _ in range(3):
+            await s._count_evictions()
+
+    anyio.run(body)
+    assert s.evicted == 5 + 3
+    (metric,) = [m for m in s.collect() if m.name == "firsttoken_redis_keys_evicted"]
+    assert metric.samples[0].value == 8
