@@ -509,7 +509,7 @@ class RedisStore:
         self.released = False
         log_event("redis.durable_held", streams=len(self._replicas))
         for rep in self._replicas.values():
-            rep.log.hold(rep.log.last_seq)
+            rep.log.hold_from_next()
 
     def _write_began(self) -> None:
         self._writing_since = anyio.current_time()
