@@ -166,6 +166,27 @@ class EventLog:
             if done:
                 reader.log_closed()
 
+    def unhold(self) -> None:
+        """Show readers every event again, as it is appended (`--durable` while Redis is
+        away: the owner lets its readers go on rather than wait for the store)."""
+        limit = self.limit
+        if limit is None:
+            return
+        self.limit = None
+        if self._corked:
+            return
+        done = self.closed and limit < self.last_seq  # else they were told at the close
+        for reader in list(self.readers):
+            reader.catch_up()
+            if done:
+                reader.log_closed()
+
+    def hold_from_next(self) -> None:
+        """Hold back what is appended from now on (`--durable`, Redis back): what is there
+        was shown already, and its readers told of the close if it is closed."""
+        if self.limit is None:
+            self.limit = self.last_seq
+
     def uncork(self) -> None:
         self._corked = False
         done = self.shown_all

@@ -21,6 +21,7 @@ __all__ = [
     "AnyRedis",
     "Liveness",
     "RawEntries",
+    "eviction_risk",
     "pack",
     "redis_client",
     "resp_arg",
@@ -48,6 +49,25 @@ REDIS_DOWN = (
     RuntimeError,
     AttributeError,
 )
+
+
+def eviction_risk(policy: str) -> str | None:
+    """What Redis's `maxmemory-policy` may evict of ours once `maxmemory` is reached; None
+    for `noeviction` (a full Redis refuses writes instead: replication backs off and keeps
+    its backlog, admission falls back to each instance's own limits). Every key of ours but
+    a `total` budget's spend counter has a TTL, so `volatile-*` policies may evict the day's
+    and month's spend counters, the limits' counters and streams; `allkeys-*` anything."""
+    if policy == "noeviction":
+        return None
+    what = (
+        "spend counters (a key over its money budget is admitted again), rate and token "
+        "counters, concurrency slots, and streams' events and metas (resume_expired, "
+        "stream_lost)"
+    )
+    if policy.startswith("volatile-"):
+        return f"keys with a TTL: day and month {what}"
+    return f"any key: {what}"
+
 
 # A call finding every connection busy waits this long for one, then fails with redis-py's
 # ConnectionError("No connection available."), which every caller already takes for Redis

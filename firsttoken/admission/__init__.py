@@ -81,6 +81,7 @@ class Ticket:
     # One per waiting stream: slots keep it small (a dict of 19 fields is ~0.4 KiB more).
     __slots__ = (
         "admission",
+        "admitting_s",
         "arrived_at",
         "client_fault",
         "key",
@@ -131,6 +132,7 @@ class Ticket:
         self.trace_id = ""
         self.arrived_at = time.time()
         self.started = time.perf_counter()
+        self.admitting_s = 0.0  # what `admit` took: its calls to shared limits (Redis)
         self.ttft_s: float | None = None
         # The targets that answered, from which token on: a tuple, as most requests have
         # none (no routes file) or one, and an empty one is shared.
@@ -143,7 +145,9 @@ class Ticket:
             if target is not None:
                 self.legs = (Leg(target),)
         if not self.own_latency:
-            self.admission.shedder.record_ttft(ttft_s)
+            # The guard judges the engine: the time admission waited on Redis (up to its 1 s
+            # timeout while Redis hangs) is the store's, not the engine's.
+            self.admission.shedder.record_ttft(ttft_s - self.admitting_s)
 
     def seam(self, meta: Mapping[str, Any]) -> None:
         """A splice or a hand-off took: the next leg's target, from the token it began at."""
@@ -397,6 +401,7 @@ class Admission:
     ) -> Ticket:
         """Admit a request whose prompt counts `prompt_tokens` and whose answer may run to
         `max_tokens` (None: no limit given), for the route `model`, or raise the refusal."""
+        begun = time.perf_counter()
         refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
@@ -506,6 +511,7 @@ class Admission:
                 self._rejected()
                 raise APIError(503, code, message, headers=_retry_after(retry))
         ticket = Ticket(self, key, lease, probe, reservation)
+        ticket.admitting_s = ticket.started - begun
         ticket.max_tokens = admitted
         ticket.spend_hold = hold
         ticket.model = model

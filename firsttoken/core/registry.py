@@ -307,13 +307,20 @@ class StreamRegistry:
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
-    def _on_fenced(self, stream_id: str) -> None:
+    def _on_fenced(self, stream_id: str, lost: bool) -> None:
         """Another instance took over a stream this one still generates (this one was
-        paused, or cut off from the store): stop, and let its readers go there."""
+        paused, or cut off from the store): stop, and let its readers go there; or, where
+        they may have been sent events the store never had (`lost`: `--durable` released
+        them while the store was away), tell them `stream_lost` rather than let them read
+        another text from there."""
         stream = self._streams.get(stream_id)
         if stream is not None and stream.outcome is None:
-            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id)
-            stream.move()
+            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id, lost=lost)
+            if lost:
+                message = "another instance took this stream over from events sent before it"
+                stream.stop(Outcome.ERROR, EngineError("stream_lost", message, client_fault=True))
+            else:
+                stream.move()
 
     async def hand_over(self) -> int:
         """A drain with a shared store: hand every live stream whose readers resume by
@@ -353,6 +360,8 @@ class StreamRegistry:
         request = stream.request
         try:
             if self.store.replicates:
+                if stream.handover is not None and self.budget is not None:
+                    self._store_request(stream)
                 self.store.open(stream.record(), self.ttl_s, stream.log)
                 stream.handover = None  # the store's now
             if log_enabled(logging.DEBUG):  # `stream.finished` says it all at info
@@ -395,6 +404,15 @@ class StreamRegistry:
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
         return None
+
+    def _store_request(self, stream: Stream) -> None:
+        """The request stored with the stream for a takeover counts in the resume budget
+        until the stream ends; past the budget it is not stored, and the stream cannot be
+        taken over (`firsttoken_resume_requests_unstored_total`)."""
+        assert stream.handover is not None and self.budget is not None
+        if not self.budget.store_request(stream.id, stream.request.tenant, len(stream.handover)):
+            stream.handover = None
+            stream.movable = False
 
     def _register(self, stream: Stream) -> None:
         self._streams[stream.id] = stream
@@ -535,6 +553,8 @@ class StreamRegistry:
         assert outcome is not None
         self.metrics.active_streams -= 1
         self.metrics.stream_ended(stream.request.model, key_label(stream.request.tenant))
+        if self.budget is not None and self.store.replicates:
+            self.budget.end_request(stream.id)  # deleted from Redis at its end, or not ours
         if outcome is Outcome.MOVED:
             self._moved(stream)
             return

@@ -3,8 +3,9 @@
 Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in one slot):
   ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
                        fence (raised by each takeover; every write of the owner carries it),
-                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`),
-                       outcome, billed (what the answer's owners billed, left at a hand-over:
+                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`:
+                       deleted with the end, which leaves nothing to continue), outcome,
+                       billed (what the answer's owners billed, left at a hand-over:
                        "prompt completion reasoning"; absent: nobody billed any of it yet)
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
                        events written since the stream's previous flush; a final
@@ -65,6 +66,7 @@ from firsttoken.redisclient import (
     REDIS_DOWN,
     Liveness,
     RawEntries,
+    eviction_risk,
     pack,
     redis_client,
     resp_arg,
@@ -88,7 +90,13 @@ _LIVENESS_S = 0.2
 # past its lapse (a Redis that restarted empty has it back within _LIVENESS_S).
 _OWNER_GONE_S = 2.0
 _OP_TIMEOUT_S = 1.0  # a request-path Redis call waits no longer than this
+# `durable`: a flush unanswered this long counts as Redis away, and the owner's readers go on
+# without it (`_release`): a few flush intervals, well under what a reader notices as a stall.
+_STALL_S = 0.2
 _RETRY_MIN_S, _RETRY_MAX_S = 0.1, 2.0  # the flusher's backoff while Redis is down
+# Under a maxmemory-policy that evicts, how often Redis's count of evicted keys is read
+# (heartbeats): an eviction may have taken a spend counter, a slot or a stream.
+_EVICTIONS_EVERY = 5
 # Streams per round trip: building a write is synchronous (~6 µs a stream), so 1,000 streams
 # in one stalled the loop for ~10 ms every flush; between batches the loop serves the rest.
 _FLUSH_BATCH = 256
@@ -164,6 +172,7 @@ while pos <= #blob do
   if not err and done > 0 then
     err = failed(redis.pcall('XADD', key, done .. '-1', 'end', outcome))
       or failed(redis.pcall('HSET', meta, 'outcome', outcome))
+      or failed(redis.pcall('HDEL', meta, 'req'))
       or failed(redis.pcall('EXPIRE', meta, ttl))
   end
   if not err and ttl > 0 then
@@ -222,6 +231,10 @@ end
 return out
 """
 _META_HEAD = struct.Struct("<9I")
+# A Lua call holds Redis for its whole length: 50 new streams' metas with a 1 MB request each
+# in one call kept every other client waiting 243 ms. Past this many bytes of requests, the
+# metas of a turn go in several calls, one after the other (others' commands run between).
+_META_CALL_BYTES = 1 << 20
 
 FLUSH_INTERVAL_S = 0.05  # a stream's events go to Redis at most this often, as one run
 FENCED = "fenced"
@@ -246,7 +259,7 @@ def _nothing() -> None:
     return None
 
 
-def _ignore(stream_id: str) -> None:
+def _ignore(stream_id: str, lost: bool) -> None:
     return None
 
 
@@ -297,6 +310,11 @@ class _Replica:
         self.meta_done = True
         if self.record.handover is not None:
             self.record = replace(self.record, handover=None)
+
+    def handover(self) -> bytes | None:
+        """The request to store with its meta: none once the stream ended (a takeover has
+        nothing left to continue; its end deletes one stored before, `_WRITE_RUNS`)."""
+        return self.record.handover if self.end is None else None
 
     def dirty(self) -> bool:
         ended = self.end is not None and not self.end_done
@@ -363,6 +381,12 @@ class RedisStore:
         self.max_events = max_events
         self.flush_interval_s = flush_interval_s
         self.durable = durable  # readers see an event only once Redis confirmed it
+        # `durable` while Redis is away or slow: readers see every event as it comes, since
+        # no other instance can take a stream over meanwhile (`_release`).
+        self.released = False
+        self._stalled = False  # a flush has waited past `_STALL_S` for its reply
+        self._writing_since: float | None = None  # monotonic start of the flush in flight
+        self._flush_began = anyio.Event()  # for the stall watch
         self.instance = uuid.uuid4().hex
         self.handed_over = False  # a drain let its liveness key go (`hand_over`)
         self._liveness = Liveness(
@@ -372,14 +396,19 @@ class RedisStore:
             ttl_ms=_INSTANCE_MS,
             every_s=_LIVENESS_S,
         )
-        # Told of each stream another instance took over while this one still generated it.
-        self.on_fenced: Callable[[str], None] = _ignore
+        # Told of each stream another instance took over while this one still generated it,
+        # and whether its readers may have been sent events the takeover does not continue
+        # from (`durable`, released while Redis was away): those are lost, not moved.
+        self.on_fenced: Callable[[str, bool], None] = _ignore
         self.fenced = 0
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
         self.outages = 0
         self.resyncs = 0
+        self.eviction_policy: str | None = None  # Redis's maxmemory-policy, where it says
+        self.evicted = 0  # keys Redis evicted since this instance started (risky policy only)
+        self._evicted_seen: int | None = None  # Redis's evicted_keys at the last look
         self._replicas: dict[str, _Replica] = {}
         self._dirty: dict[str, _Replica] = {}
         self._expiry: list[tuple[float, str]] = []  # a heap of (expires_at, id) of ended ones
@@ -450,6 +479,13 @@ class RedisStore:
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages
+        evicted = CounterMetricFamily(
+            "firsttoken_redis_keys_evicted",
+            "Keys Redis evicted (maxmemory-policy other than noeviction) since this instance "
+            "started: any may have been a spend counter, a limit's or a stream's.",
+        )
+        evicted.add_metric([], self.evicted)
+        yield evicted
 
     def _set_up(self, up: bool, error: BaseException | None = None) -> None:
         if up == self.up:
@@ -460,6 +496,59 @@ class RedisStore:
         else:
             self.outages += 1
             log_event("redis.down", logging.ERROR, error=repr(error), backlog=self.backlog())
+            self._release()
+
+    def _release(self) -> None:
+        """`durable`, Redis away or slow: every stream's readers see its events as they come
+        from now on. No other instance can take a stream over while Redis does not answer
+        (its claim goes through Redis too), so holding them back would stall every reader
+        for the outage and protect nothing. A reader shown more than Redis confirmed is past
+        the point from which a takeover is exact: if another instance takes the stream over
+        before Redis has it (this one was cut off, not Redis), it gets `stream_lost`
+        (`_ahead`)."""
+        if not self.durable or self.released:
+            return
+        self.released = True
+        log_event("redis.durable_released", logging.WARNING, streams=len(self._replicas))
+        for rep in self._replicas.values():
+            rep.log.unhold()
+
+    def _hold_again(self) -> None:
+        """Redis answers in time again: readers see only what it confirmed from now on; what
+        they were shown meanwhile stays shown (ahead of Redis until it confirms it)."""
+        if not self.released or not self.up or self._stalled:
+            return
+        self.released = False
+        log_event("redis.durable_held", streams=len(self._replicas))
+        for rep in self._replicas.values():
+            rep.log.hold_from_next()
+
+    def _write_began(self) -> None:
+        self._writing_since = anyio.current_time()
+        self._flush_began.set()
+
+    def _write_ended(self, error: BaseException | None) -> None:
+        """The flush in flight was answered (`error` None: Redis took it all) or failed."""
+        self._writing_since = None
+        self._stalled = False
+        self._set_up(error is None, error)
+        self._hold_again()
+
+    async def _watch_stalls(self) -> None:
+        """`durable`: a flush whose reply has not come within `_STALL_S` (Redis stopped,
+        blocked by a big write, a network that drops without a reset) releases the readers
+        as an outage does; its reply, or its failure, ends that."""
+        while True:
+            await self._flush_began.wait()
+            self._flush_began = anyio.Event()
+            since = self._writing_since
+            if since is None:
+                continue
+            await anyio.sleep(max(0.0, since + _STALL_S - anyio.current_time()))
+            if self._writing_since == since and not self._stalled:
+                self._stalled = True
+                log_event("redis.slow", logging.WARNING, waited_s=_STALL_S)
+                self._release()
 
     def _down(self, error: BaseException) -> None:
         self._set_up(False, error)
@@ -471,6 +560,7 @@ class RedisStore:
         if not self.cluster:
             await self.redis.script_load(_WRITE_METAS)  # the first burst's call finds it
         self._run_id = await self._server_run_id()
+        await self._check_eviction_policy()
         await self._heartbeat_once()
         self._liveness.start()
         try:
@@ -478,6 +568,8 @@ class RedisStore:
                 tg.start_soon(self._flush_forever)
                 tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
+                if self.durable:
+                    tg.start_soon(self._watch_stalls)
                 await tg.start(self._tailer.run)
                 await tg.start(self._listen_cancels, on_cancel)
                 task_status.started()
@@ -527,7 +619,7 @@ class RedisStore:
         )
         rep.wanted = partial(self._mark, rep)
         log.on_append = rep.wanted
-        if self.durable:
+        if self.durable and not self.released:
             log.hold(log.last_seq)  # what it holds now, Redis has (a takeover's prefix)
         self._replicas[record.id] = rep
         return rep
@@ -619,7 +711,9 @@ class RedisStore:
                         commands = [c for rep in batch.reps for c in self._meta_commands(rep)]
                         replies = await self._send(commands)
                     else:
-                        replies = await self._meta_call(batch.reps)
+                        replies = []
+                        for reps in _by_request_bytes(batch.reps):
+                            replies += await self._meta_call(reps)
             except REDIS_DOWN as exc:
                 batch.error = exc
             else:  # an error reply (e.g. OOM) fails the batch as an outage would
@@ -638,13 +732,14 @@ class RedisStore:
         for rep in reps:
             r = rep.record
             fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model)]
-            fields.append(r.handover or b"")
+            handover = rep.handover()
+            fields.append(handover or b"")
             fields.append(rep.end[0].encode() if rep.end is not None else b"")
             blob.append(
                 _META_HEAD.pack(
                     int(rep.ttl_s + _LIVE_EXTRA_S),
                     rep.fence,
-                    0 if r.handover is None else 1,
+                    0 if handover is None else 1,
                     *(len(f) for f in fields),
                 )
             )
@@ -707,10 +802,11 @@ class RedisStore:
         taken over since (its fence is higher; the next write here is refused)."""
         r = rep.record
         key = meta_key(r.id)
+        handover = rep.handover()
         fields: list[Any] = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id]
-        fields += ("model", r.model, "takeover", 0 if r.handover is None else 1)
-        if r.handover is not None:
-            fields += ("req", r.handover)
+        fields += ("model", r.model, "takeover", 0 if handover is None else 1)
+        if handover is not None:
+            fields += ("req", handover)
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
         return [
@@ -745,6 +841,7 @@ class RedisStore:
             self._expire()
             last_flush = time.monotonic()
             try:
+                self._write_began()
                 if not self.up:
                     await self._recover()
                 # What is dirty now, in batches; what a write in flight makes dirty again waits
@@ -753,14 +850,14 @@ class RedisStore:
                 while left > 0 and self._dirty:
                     left -= await self._flush_batch()
             except REDIS_DOWN as exc:
-                self._set_up(False, exc)
+                self._write_ended(exc)
                 # Back off, but go at once when the heartbeat finds Redis answering again.
                 with anyio.move_on_after(delay):
                     await self._answering.wait()
                 self._answering = anyio.Event()
                 delay = min(_RETRY_MAX_S, delay * 2)
                 continue
-            self._set_up(True)
+            self._write_ended(None)
             delay = _RETRY_MIN_S
 
     async def _recover(self) -> None:
@@ -961,7 +1058,7 @@ class RedisStore:
                     if rep.sent:
                         rep.flushed = max(rep.flushed, rep.sent)
                         rep.ttl_done = True
-                        if self.durable:
+                        if self.durable and not self.released:
                             rep.log.hold(rep.flushed)  # its readers may have it now
                     if rep.end_sent:
                         rep.end_done = True
@@ -979,7 +1076,10 @@ class RedisStore:
         for rep in fenced:
             self.fenced += 1
             self._forget(rep.record.id, rep)
-            self.on_fenced(rep.record.id)
+            lost = self.durable and _ahead(rep)
+            if lost:
+                rep.log.unhold()  # they learn it: the log's end goes to them whole
+            self.on_fenced(rep.record.id, lost)
         for rep in batch:
             if rep.dirty() and rep.record.id in self._replicas:
                 self._mark(rep)
@@ -1130,7 +1230,62 @@ class RedisStore:
             return
         await self.redis.set(f"ft:instance:{self.instance}", 1, px=_INSTANCE_MS)
 
+    async def _check_eviction_policy(self) -> None:
+        """Say at start, once, that Redis may evict keys of ours: a lost spend counter
+        admits a key over its money budget again, and nothing else would tell."""
+        try:
+            if isinstance(self.redis, RedisCluster):
+                found = await self.redis.config_get(
+                    "maxmemory-policy", target_nodes=RedisCluster.PRIMARIES
+                )
+            else:
+                found = await self.redis.config_get("maxmemory-policy")
+        except ResponseError:  # CONFIG refused (a managed Redis): its docs name the policy
+            return
+        policies = sorted(_values_of(found, "maxmemory-policy"))
+        risky = [p for p in policies if eviction_risk(p) is not None]
+        self.eviction_policy = risky[0] if risky else (policies[0] if policies else None)
+        if not risky:
+            return
+        log_event(
+            "redis.eviction_policy",
+            logging.WARNING,
+            policy=risky[0],
+            may_evict=eviction_risk(risky[0]),
+            fix="CONFIG SET maxmemory-policy noeviction (docs/deploy.md)",
+        )
+        self._evicted_seen = await self._evicted_keys()
+
+    async def _evicted_keys(self) -> int:
+        if isinstance(self.redis, RedisCluster):
+            found = await self.redis.info("stats", target_nodes=RedisCluster.PRIMARIES)
+            return sum(int(info.get("evicted_keys", 0)) for info in found.values())
+        return int((await self.redis.info("stats")).get("evicted_keys", 0))
+
+    async def _count_evictions(self) -> None:
+        """Under a policy that evicts: log the keys evicted since the last look (every
+        `_EVICTIONS_EVERY` heartbeats)."""
+        seen = self._evicted_seen
+        assert seen is not None
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                now = await self._evicted_keys()
+        except (*REDIS_DOWN, ResponseError):
+            return
+        self._evicted_seen = now
+        grew = now - seen if now >= seen else now  # less: Redis restarted, its count anew
+        if grew:
+            self.evicted += grew
+            log_event(
+                "redis.keys_evicted",
+                logging.WARNING,
+                evicted=grew,
+                policy=self.eviction_policy,
+                may_evict=eviction_risk(self.eviction_policy or ""),
+            )
+
     async def _heartbeat(self) -> None:
+        beats = 0
         while True:
             await anyio.sleep(1)
             self._expire()  # also when no stream is writing
@@ -1140,6 +1295,9 @@ class RedisStore:
             except REDIS_DOWN as exc:
                 self._set_up(False, exc)
                 continue
+            beats += 1
+            if self._evicted_seen is not None and beats % _EVICTIONS_EVERY == 0:
+                await self._count_evictions()
             if not self.up:
                 self._wake.set()  # the flusher recovers, and says so
                 self._answering.set()
@@ -1186,6 +1344,43 @@ class RedisStore:
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
                     except Exception:
                         pass  # its connection is gone already
+
+
+def _ahead(rep: _Replica) -> bool:
+    """Whether a reader here was shown events Redis had not confirmed (`durable`: only once
+    released, or after a restart lost what it had): another instance that took the stream
+    over continues from no further than what Redis confirmed, so such a reader, moved there,
+    would read another text."""
+    return any(reader.cursor > rep.flushed for reader in rep.log.readers)
+
+
+def _by_request_bytes(reps: list[_Replica]) -> Iterator[list[_Replica]]:
+    """`reps` in runs of at most `_META_CALL_BYTES` of stored requests (one at least)."""
+    run: list[_Replica] = []
+    size = 0
+    for rep in reps:
+        handover = rep.record.handover
+        grows = len(handover) if handover is not None else 0
+        if run and size + grows > _META_CALL_BYTES:
+            yield run
+            run, size = [], 0
+        run.append(rep)
+        size += grows
+    if run:
+        yield run
+
+
+def _values_of(found: Any, name: str) -> set[str]:
+    """The values of `name` in a CONFIG GET reply: one node's {name: value}, or a cluster's
+    {node: {name: value}}; bytes or str, as the client decodes."""
+    out: set[str] = set()
+    if isinstance(found, dict):
+        for key, value in found.items():
+            if isinstance(value, dict):
+                out |= _values_of(value, name)
+            elif (key.decode() if isinstance(key, bytes) else key) == name:
+                out.add(value.decode() if isinstance(value, bytes) else str(value))
+    return out
 
 
 def _first_seq(entry: Any) -> int:

@@ -63,8 +63,9 @@ class Claim:
 class EventStore(Protocol):
     instance: str  # this process, as the store names it to other instances
     replicates: bool  # other instances read what it holds (Redis), or none do (memory)
-    # Told of each stream another instance took over while this one still generated it.
-    on_fenced: Callable[[str], None]
+    # Told of each stream another instance took over while this one still generated it, and
+    # whether its readers may hold events the takeover does not continue from (lost).
+    on_fenced: Callable[[str, bool], None]
 
     @property
     def degraded(self) -> str | None:
@@ -145,7 +146,7 @@ class MemoryStore:
         return iter(())
 
     def __init__(self) -> None:
-        self.on_fenced: Callable[[str], None] = lambda stream_id: None
+        self.on_fenced: Callable[[str, bool], None] = lambda stream_id, lost: None
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
         task_status.started()

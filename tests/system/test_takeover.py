@@ -274,6 +274,49 @@ def test_an_owner_cut_off_from_redis_finds_its_stream_taken_when_it_is_back(
         assert native(held_in_redis(redis_url, created["id"]))["tokens"] == expected
 
 
+def test_a_reader_on_an_owner_cut_off_from_redis_reads_on_then_is_told_it_was_taken(
+    redis_url: str,
+) -> None:
+    """`--durable`, the owner cut off from Redis: it cannot tell that from Redis being away,
+    so its reader goes on getting events Redis never confirmed (no stall). Another instance
+    takes the stream over from what Redis held; the owner, back, finds its write fenced and
+    tells its reader `stream_lost`: it was past the takeover's starting point, and moved
+    there it would read on from another text."""
+    port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+    proxy = CuttableProxy(port)
+    through = f"redis://127.0.0.1:{proxy.port}/0"
+    with (
+        run_server("--redis", through, *COMMON, "--durable") as a,
+        run_server("--redis", redis_url, *COMMON, "--durable") as b,
+    ):
+        created = create(a, "reader on a cut-off owner", itl_ms=100)
+        local = RawStream(a.port, "GET", created["events_url"])
+        read_until(local, 5)
+        before = native(local.body)
+        proxy.close()
+        cut_at = time.monotonic()
+        read_until(local, len(before["tokens"]) + 5)  # events Redis never got, as they come
+        assert time.monotonic() - cut_at < 2.0
+        got: dict = {}
+        reader = threading.Thread(
+            target=lambda: got.update(body=resume(b, created, before["last_id"])[0])
+        )
+        reader.start()
+        wait_for(lambda: b.metric('firsttoken_takeovers_total{outcome="continued"}'), 10)
+        proxy.reopen()
+        read_to_end(local)
+        seen = native(local.body)
+        assert seen["error"] is not None and seen["error"]["code"] == "stream_lost"
+        assert len(seen["tokens"]) >= len(before["tokens"]) + 5 and not seen["done"]
+        wait_for(lambda: any('"stream.fenced"' in line for line in a.log), 5)
+        fenced = [json.loads(line) for line in a.log if '"stream.fenced"' in line]
+        assert fenced[0]["lost"] is True
+        reader.join(timeout=30)
+        after = native(got["body"])  # the reader that was behind: exact
+        expected = synthetic_tokens("reader on a cut-off owner", None, MAX_TOKENS)[0]
+        assert before["tokens"] + after["tokens"] == expected and after["done"] == 1
+
+
 def test_the_keys_slot_follows_the_stream_and_the_dead_instances_is_given_back(
     redis_url: str, tmp_path
 ) -> None:

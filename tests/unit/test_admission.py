@@ -8,6 +8,7 @@ import asyncio
 import pytest
 from starlette.requests import Request
 
+import firsttoken.admission as admission_module
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
 from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
@@ -447,3 +448,31 @@ def test_memory_is_read_once_a_second_while_far_below_the_threshold(
         task.cancel()
 
     virtual_loop.run(body())
+
+
+def test_the_time_admission_waited_on_shared_limits_does_not_trip_the_ttft_guard(
+    clock: FakeClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Redis stopped answering: each admission waits its 1 s timeout, then falls back to
+    this instance's limits. That second is the store's; the guard judges the engine."""
+    counter = FakeClock()
+    monkeypatch.setattr(admission_module.time, "perf_counter", counter)
+
+    async def body() -> None:
+        adm = guarded()
+        admit = adm.limits.admit
+
+        async def waiting(*args: object, **kwargs: object) -> tuple:
+            counter.advance(1.0)  # the Redis call's timeout
+            return await admit(*args, **kwargs)  # type: ignore[arg-type]
+
+        adm.limits.admit = waiting  # type: ignore[method-assign]
+        for _ in range(20):
+            ticket = await adm.admit(ANYONE)
+            counter.advance(0.05)  # the engine's own first token
+            ticket.first_token(1.05)  # from the request's first byte
+            await ticket.release(Outcome.COMPLETED)
+        clock.advance(0.2)
+        assert adm.shedder.refusal() is None
+
+    asyncio.run(body())

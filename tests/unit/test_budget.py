@@ -47,3 +47,32 @@ def test_forgotten_buffers_count_no_more() -> None:
     assert budget.add("b", "alice", 1000) == []
     budget.add("b", "alice", 200)  # counted again (not twice)
     assert budget.held == 200
+
+
+def test_live_streams_requests_count_until_they_end_and_push_finished_buffers_out() -> None:
+    """With Redis a live stream's request is stored for a takeover: it counts in the bound
+    while the stream runs, and finished buffers make room for it."""
+    budget = ResumeBudget(1000)
+    budget.add("done", "alice", 600)
+    assert budget.store_request("live", "bob", 500)
+    assert budget.held == 1100 and budget.requests == 500 and budget.held_by("bob") == 500
+    assert budget.add("done-2", "alice", 100) == ["done"]  # the finished ones go, not "live"
+    budget.end_request("live")
+    budget.end_request("live")  # twice is harmless
+    assert budget.held == 100 and budget.requests == 0 and budget.held_by("bob") == 0
+
+
+def test_a_request_past_the_bound_is_not_stored() -> None:
+    """60 streams of 1 MB prompts from one key would hold 60 MB in Redis: past the bound,
+    server-wide or the key's own, a stream is stored without its request."""
+    budget = ResumeBudget(2500, per_key={"mallory": 1500})
+    assert budget.store_request("m1", "mallory", 1000)
+    assert not budget.store_request("m2", "mallory", 1000)  # the key's 1500
+    assert budget.store_request("a1", "alice", 1000)
+    assert not budget.store_request("a2", "alice", 1000)  # the server's 2500
+    assert budget.unstored == 2 and budget.requests == 2000
+    budget.end_request("m1")
+    assert budget.store_request("a2", "alice", 1000)
+    metrics = {m.name: m.samples[0].value for m in budget.collect()}
+    assert metrics["firsttoken_resume_request_bytes"] == 2000
+    assert metrics["firsttoken_resume_requests_unstored"] == 2

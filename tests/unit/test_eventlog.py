@@ -210,3 +210,44 @@ def test_a_held_log_pauses_its_producer_past_the_window_of_what_is_shown() -> No
     assert not log.has_room()  # confirmed, and the reader is a window behind it
     reader.cursor = 3
     assert log.has_room()
+
+
+def test_an_unheld_log_shows_readers_everything_then_each_event_as_it_comes() -> None:
+    """--durable while Redis is away: the owner's readers go on without the store."""
+    log = EventLog(max_events=10, window=4)
+    reader = Catching(log)
+    log.attach(reader)
+    log.hold(0)
+    log.append(b"x", 1)
+    log.append(b"x", 1)
+    assert reader.seen == []
+    log.unhold()
+    assert reader.seen == [1, 2] and log.limit is None
+    log.append(b"x", 1)
+    assert reader.seen == [1, 2, 3]
+    log.hold_from_next()  # held again: what was shown stays shown, the next waits
+    log.append(b"x", 1)
+    assert reader.seen == [1, 2, 3] and log.has_room()
+    log.close()
+    log.unhold()
+    assert reader.seen == [1, 2, 3, 4] and reader.closed
+
+
+def test_a_closed_log_tells_its_readers_of_the_close_once_whatever_the_holds() -> None:
+    """Released, held again, released: a reader is told of the end once (a writer told
+    twice would close twice)."""
+    log = EventLog(max_events=10, window=4)
+    reader = Catching(log)
+    closes: list[int] = []
+    reader.log_closed = lambda: closes.append(reader.cursor)  # type: ignore[method-assign]
+    log.attach(reader)
+    log.hold(0)
+    log.append(b"x", 1)
+    log.hold(1)
+    log.close()
+    assert closes == [1]  # everything was confirmed: told at the close
+    log.unhold()
+    log.hold_from_next()
+    log.hold(1)
+    log.unhold()
+    assert closes == [1] and reader.seen == [1]

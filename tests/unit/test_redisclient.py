@@ -15,7 +15,7 @@ from redis.exceptions import ConnectionError
 from firsttoken.admission import redis_limits as limits_module
 from firsttoken.admission.limits import OK
 from firsttoken.admission.redis_limits import RedisLimits
-from firsttoken.redisclient import POOL_WAIT_S, redis_client
+from firsttoken.redisclient import POOL_WAIT_S, eviction_risk, redis_client
 from firsttoken.resume import redis as store_module
 from firsttoken.resume.redis import RedisStore
 from firsttoken.wire.errors import APIError
@@ -120,3 +120,12 @@ def test_an_exhausted_pool_sends_admission_to_the_local_limits(url: str) -> None
             await limits.redis.aclose()
 
     asyncio.run(body())
+
+
+def test_only_noeviction_keeps_every_key_of_ours() -> None:
+    """A spend counter evicted under memory pressure lets a key over its budget spend again."""
+    assert eviction_risk("noeviction") is None
+    volatile = eviction_risk("volatile-lru")
+    assert volatile is not None and "day and month" in volatile and "spend" in volatile
+    anything = eviction_risk("allkeys-lru")
+    assert anything is not None and anything.startswith("any key") and "spend" in anything

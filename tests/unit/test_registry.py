@@ -468,7 +468,7 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             for stream in (taken, kept):
                 stream.ticket = _Ticket()
                 await registry.start(stream)
-            store.on_fenced("s1")
+            store.on_fenced("s1", False)
             assert taken.outcome is Outcome.MOVED and taken.generation is None
             assert await registry.find("s1") is None  # a reader back here follows the store
             assert store.let_go_of == [("s1", True)] and store.finished == []
@@ -578,3 +578,41 @@ def test_end_where_ends_only_the_live_streams_it_picks_with_their_error() -> Non
     assert streams["a1"].outcome is Outcome.ERROR and streams["a1"].error_code == "key_revoked"
     assert b"key_revoked" in streams["a1"].log.after(0)[-1].wire
     assert streams["a2"].outcome is Outcome.COMPLETED and streams["b1"].outcome is None
+
+
+class _Records(_Store):
+    """A replicating store that keeps the records it was given."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.records: list[StreamRecord] = []
+
+    def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
+        super().open(record, ttl_s, log)
+        self.records.append(record)
+
+
+def test_stored_requests_count_in_the_resume_budget_while_their_streams_run() -> None:
+    """A 1 MB prompt is stored in Redis with its stream for a takeover: counted until the
+    stream ends; past the key's bound the next one is not stored (nor taken over)."""
+
+    async def body() -> None:
+        store = _Records()
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        registry.budget = budget = ResumeBudget(10_000_000, per_key={"": 1_500_000})
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            first, second = _stream("s1"), _stream("s2")
+            for stream in (first, second):
+                stream.handover = b"x" * 1_000_000
+                stream.movable = True
+                stream.ticket = _Ticket()
+                await registry.start(stream)
+            assert [r.handover is not None for r in store.records] == [True, False]
+            assert first.movable and not second.movable
+            assert budget.requests == 1_000_000 and budget.unstored == 1
+            first.stop(Outcome.CANCELLED)
+            assert budget.requests == 0  # deleted from Redis with the stream's end
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())

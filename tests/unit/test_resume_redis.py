@@ -13,9 +13,10 @@ from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.keys import events_key, meta_key
-from firsttoken.resume.redis import RedisStore, _Call
+from firsttoken.resume.redis import _STALL_S, RedisStore, _Call, _values_of
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord
+from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
 
 TTL_S = 60.0
@@ -205,12 +206,12 @@ def test_a_fenced_write_lets_the_stream_go_without_an_outage() -> None:
     """Another instance took the stream over: its owner's write is refused, it is told and
     forgets the stream; the other streams of the flush were written as usual."""
     s = store()
-    told: list[str] = []
-    s.on_fenced = told.append
+    told: list[tuple[str, bool]] = []
+    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
     replicate(s, 1, 3)
     flush(s)
     confirm(s, b"fenced")  # no RedisError: Redis is fine
-    assert told == ["s1"] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
+    assert told == [("s1", False)] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
 
 
 def test_durable_readers_see_an_event_once_redis_confirmed_it() -> None:
@@ -297,3 +298,166 @@ def test_the_request_stored_with_a_stream_is_not_kept_here_once_redis_has_it() -
     assert rep.meta_done and rep.record.handover is None
     # Written again after a Redis restart (it lost the request): not to be taken over.
     assert ("takeover", 0) == tuple(s._meta_commands(rep)[0][10:12])
+
+
+def durable_store() -> tuple[RedisStore, EventLog]:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1, durable=True)
+    s.up = False  # register() queues the meta for the flusher instead of writing it
+    log = EventLog(100)
+    anyio.run(s.register, StreamRecord("s1", "native", "d", "t", "m"), TTL_S, log)
+    s.up = True
+    return s, log
+
+
+def shown(log: EventLog) -> list[int]:
+    return [e.seq for e in log.after(0)]
+
+
+def test_durable_readers_go_on_while_redis_is_away_and_wait_for_it_again_once_back() -> None:
+    """Nothing can take a stream over while Redis does not answer: holding events back then
+    would only stall every reader for the outage."""
+    s, log = durable_store()
+    replicate(s, 1, 3)
+    flush(s)
+    confirm(s, 1)
+    replicate(s, 4, 5)
+    assert shown(log) == [1, 2, 3]
+    s._write_ended(ConnectionError("Redis went away"))
+    assert s.released and shown(log) == [1, 2, 3, 4, 5]
+    replicate(s, 6, 6)
+    assert shown(log)[-1] == 6  # as it comes
+    other = EventLog(100)  # a stream opened meanwhile is not held either
+    s.open(StreamRecord("s2", "native", "d", "t", "m"), TTL_S, other)
+    other.append(b"x", 1)
+    assert [e.seq for e in other.after(0)] == [1]
+    s.let_go("s2", flush=False)
+    # Back: a flush answered in full holds readers to what Redis confirms again.
+    flush(s)
+    confirm(s, 1)
+    s._write_ended(None)
+    assert not s.released and s.up
+    replicate(s, 7, 7)
+    assert shown(log)[-1] == 6  # what was shown stays shown; the next one waits
+    flush(s)
+    confirm(s, 1)
+    assert shown(log)[-1] == 7
+
+
+class Reading:
+    """A reader attached to a log: it writes what the log shows it."""
+
+    def __init__(self, log: EventLog) -> None:
+        self.log = log
+        self.cursor = 0
+        log.attach(self)
+
+    def deliver(self, seq: int, wire: bytes, tokens: int) -> None:
+        self.cursor = seq
+
+    def catch_up(self) -> None:
+        for event in self.log.after(self.cursor):
+            self.cursor = event.seq
+
+    def log_closed(self) -> None:
+        pass
+
+
+def test_a_stream_fenced_after_its_reader_was_sent_unconfirmed_events_is_lost() -> None:
+    """Cut off from Redis (not Redis away), the owner released events; another instance
+    took the stream over from what Redis held: a reader here past that is told
+    `stream_lost` (never moved on to another text)."""
+    s, log = durable_store()
+    reader = Reading(log)
+    told: list[tuple[str, bool]] = []
+    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    replicate(s, 1, 2)
+    flush(s)
+    confirm(s, 1)
+    s._write_ended(ConnectionError("cut off"))
+    replicate(s, 3, 5)  # shown, never confirmed
+    s._write_ended(None)  # answering again, as a claim elsewhere did meanwhile
+    assert reader.cursor == 5
+    flush(s)
+    confirm(s, b"fenced")
+    assert told == [("s1", True)] and log.limit is None
+    # Released, but nobody read past what Redis had: the stream moves as before.
+    s2, log2 = durable_store()
+    Reading(log2)
+    s2.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    replicate(s2, 1, 2)
+    flush(s2)
+    confirm(s2, 1)
+    s2._write_ended(ConnectionError("cut off"))
+    s2.finish("s1", "completed", 2, TTL_S)  # its end's write is refused
+    flush(s2)
+    confirm(s2, b"fenced")
+    assert told[-1] == ("s1", False)
+
+
+def test_a_flush_unanswered_past_the_stall_bound_releases_durable_readers() -> None:
+    """Redis stopped, not gone (SIGSTOP, a long block): no error comes, only silence."""
+
+    s, log = durable_store()
+    replicate(s, 1, 2)
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s._watch_stalls)
+            s._write_began()
+            await anyio.sleep(_STALL_S * 0.9)
+            assert not s.released and shown(log) == []
+            await anyio.sleep(_STALL_S * 0.2)
+            assert s.released and s.up and shown(log) == [1, 2]
+            s._write_ended(None)  # its reply came: held again
+            assert not s.released
+            s._write_began()  # a flush answered in time releases nothing
+            await anyio.sleep(_STALL_S * 0.5)
+            s._write_ended(None)
+            await anyio.sleep(_STALL_S * 2)
+            assert not s.released
+            tg.cancel_scope.cancel()
+
+    virtual_loop.run(body())
+
+
+def test_a_stream_that_ended_before_its_meta_went_out_is_stored_without_its_request() -> None:
+    """Its request is useless once it ended (nothing is left to continue): not written at
+    all, where a live stream's is deleted by its end (`_WRITE_RUNS`)."""
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    s.up = False
+    record = StreamRecord("s1", "native", "d", "t", "m", b'{"request": "1 MB of prompt"}')
+    anyio.run(s.register, record, TTL_S, EventLog(100))
+    rep = s._replicas["s1"]
+    replicate(s, 1, 1)
+    s.finish("s1", "completed", 1, TTL_S)
+    commands = s._meta_commands(rep)
+    assert ("takeover", 0) == tuple(commands[0][10:12]) and "req" not in commands[0]
+
+
+def test_the_eviction_policy_is_read_from_one_node_or_every_master() -> None:
+    assert _values_of({b"maxmemory-policy": b"allkeys-lru"}, "maxmemory-policy") == {"allkeys-lru"}
+    cluster = {
+        "127.0.0.1:7000": {"maxmemory-policy": "noeviction"},
+        "127.0.0.1:7001": {"maxmemory-policy": "volatile-lfu"},
+    }
+    assert _values_of(cluster, "maxmemory-policy") == {"noeviction", "volatile-lfu"}
+
+
+def test_evictions_are_counted_as_they_grow_and_across_a_redis_restart() -> None:
+    s = RedisStore("redis://127.0.0.1:1/0", max_events=100, max_connections=1)
+    counts = iter([15, 15, 3])  # Redis's evicted_keys at each look; 3: it restarted
+
+    async def evicted_keys() -> int:
+        return next(counts)
+
+    s._evicted_keys = evicted_keys  # type: ignore[method-assign]
+    s._evicted_seen = 10  # at start
+
+    async def body() -> None:
+        for _ in range(3):
+            await s._count_evictions()
+
+    anyio.run(body)
+    assert s.evicted == 5 + 3
+    (metric,) = [m for m in s.collect() if m.name == "firsttoken_redis_keys_evicted"]
+    assert metric.samples[0].value == 8
