@@ -370,6 +370,10 @@ def test_usage_needs_the_admin_key_and_checks_its_filters(
 ) -> None:
     server, _ = sqlite_server
     assert httpx.get(server.v1 + "/usage").status_code == 404
+    # With a trailing slash too: no redirect that would tell a prober the path is there.
+    for path in ("/usage/", "/admin/events/"):
+        slashed = httpx.get(server.v1 + path)
+        assert slashed.status_code == 404 and "location" not in slashed.headers, path
     anyone = httpx.get(server.v1 + "/usage", headers={"authorization": "Bearer sk-alice"})
     assert anyone.status_code == 404
     bad = httpx.get(
