@@ -9,9 +9,11 @@ A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves it
 its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
 used when it ends. No request is admitted to more than what is left of its key's minute: its
 `max_tokens` is lowered to that (`Ticket.max_tokens`, what the engine and an upstream get),
-and one that names none may run to that. An answer is billed its prompt and every token
-generated, also when its client cut it; one that generated nothing and did not complete
-(refused upstream, cancelled while waiting) is billed nothing.
+and one that names none may run to that. A key's money `budget` caps an answer that names
+no `max_tokens` too (spend.py): to what its share of the money left buys. An answer is
+billed its prompt and every token generated, also when its client cut it; one that
+generated nothing and did not complete (refused upstream, cancelled while waiting) is
+billed nothing.
 """
 
 from __future__ import annotations
@@ -285,11 +287,13 @@ class Admission:
         else:
             await self.spend.settle(hold, cost)
 
-    async def _hold_spend(self, key: ApiKey, picos: int) -> SpendHold | None:
+    async def _hold_spend(
+        self, key: ApiKey, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None:
         assert key.budget is not None
         if isinstance(self.spend, MemorySpend):
-            return self.spend.reserve(key.name, key.budget, picos)
-        return await self.spend.reserve(key.name, key.budget, picos)
+            return self.spend.reserve(key.name, key.budget, picos, per_token, share)
+        return await self.spend.reserve(key.name, key.budget, picos, per_token, share)
 
     def authenticate(self, request: Request) -> ApiKey:
         if self.keys is None:
@@ -442,10 +446,19 @@ class Admission:
             left = reservation.left
             admitted = left if max_tokens is None else min(max_tokens, left)
         hold = None
+        limit = key.max_streams or self.settings.max_streams_per_key
         if key.budget is not None:
             # The worst case: the prompt and the whole answer at the route's dearest prices.
-            answer = DEFAULT_ANSWER_TOKENS if admitted is None else admitted
-            hold = await self._hold_spend(key, self.ledger.worst_cost(model, prompt_tokens, answer))
+            if admitted is None:
+                # No answer length to price: it holds, and may run to, its share of what is
+                # left (spend.py), else it could run on for any multiple of the budget.
+                prompt, answer = self.ledger.worst_prices(model)
+                hold = await self._hold_spend(key, prompt_tokens * prompt, answer, limit)
+                if hold is not None:
+                    admitted = hold.answer_tokens
+            else:
+                worst = self.ledger.worst_cost(model, prompt_tokens, admitted)
+                hold = await self._hold_spend(key, worst)
             if hold is None:
                 if reservation is not None:
                     await self.limits.settle(reservation, 0)
@@ -460,7 +473,6 @@ class Admission:
                     f"{self.ledger.currency} {period}",
                     headers=_retry_after(reset),
                 )
-        limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit
         )

@@ -82,8 +82,12 @@ class Ledger:
 
     def worst_cost(self, model: str, prompt_tokens: int, answer_tokens: int) -> int:
         """In picos: the prompt and the whole answer at the route's dearest prices."""
-        prompt, answer = self._worst.get(self.route_of(model), (0, 0))
+        prompt, answer = self.worst_prices(model)
         return prompt_tokens * prompt + answer_tokens * answer
+
+    def worst_prices(self, model: str) -> tuple[int, int]:
+        """In picos: the route's dearest price of a prompt token and of an answer token."""
+        return self._worst.get(self.route_of(model), (0, 0))
 
     def account(
         self,

@@ -11,9 +11,10 @@ from starlette.requests import Request
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
 from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
-from firsttoken.admission.spend import Budget, MemorySpend
+from firsttoken.admission.spend import Budget, MemorySpend, parse_budget
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
+from firsttoken.pricing import Leg
 from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
@@ -447,3 +448,50 @@ def test_memory_is_read_once_a_second_while_far_below_the_threshold(
         task.cancel()
 
     virtual_loop.run(body())
+
+
+CENT = 10**10  # picos
+
+
+def priced(clock: FakeClock) -> Admission:
+    """An admission whose route `chat` costs 10 a million answer tokens (1,024 of them are
+    just over a cent), on a spend clock of its own."""
+    adm = admission()
+    table = parse_routes(
+        {
+            "targets": {"gpu": {"kind": "synthetic", "price": {"prompt": 1, "completion": 10}}},
+            "models": {"chat": {"targets": ["gpu"]}},
+        }
+    )
+    adm.ledger.price(table)
+    adm.spend = MemorySpend(clock)
+    return adm
+
+
+def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = priced(clock)
+        cent = ApiKey(name="carol", max_streams=5, budget=parse_budget({"amount": "0.01"}, "b"))
+        assert cent.budget is not None and cent.budget.amount == CENT
+        # Five at once, none naming max_tokens, each answer as long as the engine likes
+        # (20,000 tokens): each is capped to what its share of the money left buys.
+        tickets = [await adm.admit(cent, 100, None, "chat") for _ in range(5)]
+        caps = [t.max_tokens for t in tickets]
+        assert all(cap is not None and 0 < cap < 1024 for cap in caps), caps
+        for i, ticket in enumerate(tickets):
+            ticket.request_id, ticket.legs = f"r{i}", (Leg("gpu"),)
+            ran = min(20_000, ticket.max_tokens or 20_000)  # the engine stops at its cap
+            await ticket.release(Outcome.COMPLETED, Usage(prompt=100, completion=ran))
+        assert adm.spend.spent("carol", "day") <= CENT
+        # One after another, each to its cap, until nothing is left: at most one over.
+        with pytest.raises(APIError) as refused:
+            for i in range(100):
+                ticket = await adm.admit(cent, 100, None, "chat")
+                ticket.request_id, ticket.legs = f"s{i}", (Leg("gpu"),)
+                usage = Usage(prompt=100, completion=ticket.max_tokens or 20_000)
+                await ticket.release(Outcome.COMPLETED, usage)
+        assert refused.value.code == "budget_exceeded"
+        one_reservation = 100 * 10**6 + 10**7  # the prompt and one token, in picos
+        assert adm.spend.spent("carol", "day") <= CENT + one_reservation
+
+    asyncio.run(body())
