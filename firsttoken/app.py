@@ -94,6 +94,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    if admission.keys is not None:  # nothing to ask per stream without a keys file
+        registry.revoked = admission.revoked
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
     files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
     reloader = Reloader(files, gw, watch=settings.watch_config)

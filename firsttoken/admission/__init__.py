@@ -42,8 +42,8 @@ from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import MemorySpend, SpendHold, period_of, period_start
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Outcome, Usage
-from firsttoken.generation import DEFAULT_ANSWER_TOKENS
+from firsttoken.core.stream import Outcome, Stream, Usage
+from firsttoken.generation import DEFAULT_ANSWER_TOKENS, EngineError
 from firsttoken.ledger import Ledger
 from firsttoken.pricing import Leg, TokenCounts, money_text
 from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label, log_event
@@ -56,6 +56,7 @@ __all__ = [
     "LoadShedder",
     "Ticket",
     "billed",
+    "key_revoked",
     "sets_own_latency",
 ]
 
@@ -96,6 +97,7 @@ class Ticket:
         "released",
         "request_id",
         "reservation",
+        "ring",
         "spend_hold",
         "started",
         "trace_id",
@@ -114,6 +116,9 @@ class Ticket:
         self.key = key
         self.lease = lease
         self.reservation = reservation  # tokens held against the key's budget
+        # The keys the key was last checked against (None: no keys file): a reload that
+        # lands before the stream is registered is caught when it starts (`Admission.revoked`).
+        self.ring: KeyRing | None = None
         self.prompt_tokens = 0  # the engine's count of the prompt, taken once at admission
         # The answer's limit as admitted: the request's own, or lower, what is left of its
         # key's budget (None: no limit, as asked, and no budget).
@@ -321,6 +326,38 @@ class Admission:
             raise APIError(401, refusal, f"the API key {key.name!r} {why}")
         return key
 
+    def recheck(self, key: ApiKey) -> ApiKey:
+        """`key`, as the keys are now: a reload may have removed or disabled it while its
+        request's body was still arriving (`authenticate` read only its head). Refuses as
+        `authenticate` does; a key a reload changed comes back as it is now. Without a
+        reload since, one dict lookup."""
+        keys = self.keys
+        if keys is None or not key.digest:
+            return key
+        now = keys.holds(key)
+        if now is key:
+            return key
+        if now is None:
+            self._rejected()
+            raise APIError(401, "invalid_api_key", f"the API key {key.name!r} was removed")
+        refusal = now.refusal(self.clock())
+        if refusal is not None:
+            self._rejected()
+            why = "was disabled" if refusal == "key_disabled" else "has expired"
+            raise APIError(401, refusal, f"the API key {now.name!r} {why}")
+        return now
+
+    def revoked(self, stream: Stream) -> EngineError | None:
+        """`key_revoked` when `stream`'s key was removed or disabled by a reload since it was
+        checked: the registry asks as it starts a stream (with a keys file), so a stream
+        admitted just before a reload, and not yet registered when the reload ended the
+        key's streams, ends too. None when its key stands (or nothing was reloaded)."""
+        ticket = stream.ticket
+        if not isinstance(ticket, Ticket) or ticket.ring is self.keys or self.keys is None:
+            return None
+        now = self.keys.holds(ticket.key) if ticket.key.digest else ticket.key
+        return key_revoked() if now is None or now.disabled else None
+
     def held(self, ticket: Ticket) -> dict[str, Any]:
         """What `ticket` holds in the shared limits, as it travels with a stream (another
         instance that takes the stream over gives it back: `settle_taken`)."""
@@ -401,6 +438,7 @@ class Admission:
     ) -> Ticket:
         """Admit a request whose prompt counts `prompt_tokens` and whose answer may run to
         `max_tokens` (None: no limit given), for the route `model`, or raise the refusal."""
+        ring = self.keys  # what `key` was checked against: before any await
         refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
@@ -518,6 +556,7 @@ class Admission:
                 self._rejected()
                 raise APIError(503, code, message, headers=_retry_after(retry))
         ticket = Ticket(self, key, lease, probe, reservation)
+        ticket.ring = ring
         ticket.max_tokens = admitted
         ticket.spend_hold = hold
         ticket.model = model
@@ -549,6 +588,17 @@ class Admission:
                 "limits; give the gateway a keys file or make the proxy authenticate",
             )
             return
+
+
+def key_revoked() -> EngineError:
+    """How a stream whose key a reload removed or disabled ends (`event: error`)."""
+    return EngineError(
+        "key_revoked",
+        "the API key of this stream was removed or disabled",
+        type_="invalid_request_error",
+        status=401,  # a stream that had sent nothing yet answers 401
+        client_fault=True,  # the breaker learns nothing from it
+    )
 
 
 def _retry_after(seconds: float) -> dict[str, str]:

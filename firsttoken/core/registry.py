@@ -133,6 +133,9 @@ class StreamRegistry:
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
         self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
+        # With a keys file: why a stream about to start may not (its key revoked by a reload
+        # after admission checked it; `Admission.revoked`), or None.
+        self.revoked: Callable[[Stream], EngineError | None] | None = None
         self._stepper = engine.as_step_engine()
         self._streams: dict[str, Stream] = {}
         self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
@@ -352,6 +355,10 @@ class StreamRegistry:
         self._register(stream)
         request = stream.request
         try:
+            if self.revoked is not None:  # a keys file: its key may have been revoked since
+                error = self.revoked(stream)
+                if error is not None:
+                    raise error
             if self.store.replicates:
                 self.store.open(stream.record(), self.ttl_s, stream.log)
                 stream.handover = None  # the store's now

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 from starlette.requests import Request
 
@@ -13,7 +14,7 @@ from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import Budget, MemorySpend, parse_budget
 from firsttoken.config import Settings
-from firsttoken.core.stream import Outcome, Usage
+from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.pricing import Leg
 from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
@@ -493,5 +494,70 @@ def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -
         assert refused.value.code == "budget_exceeded"
         one_reservation = 100 * 10**6 + 10**7  # the prompt and one token, in picos
         assert adm.spend.spent("carol", "day") <= CENT + one_reservation
+
+    asyncio.run(body())
+
+
+def keyed() -> tuple[Admission, ApiKey]:
+    adm = admission()
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice"), "sk-bob": ApiKey(name="bob")})
+    alice = adm.keys.find("sk-alice")
+    assert alice is not None
+    return adm, alice
+
+
+def test_a_key_removed_while_its_body_arrived_is_refused_at_admission() -> None:
+    adm, alice = keyed()
+    assert adm.recheck(alice) is alice  # nothing reloaded: the same key
+    adm.keys = KeyRing({"sk-bob": ApiKey(name="bob")})  # the reload lands mid-body
+    with pytest.raises(APIError) as removed:
+        adm.recheck(alice)
+    assert removed.value.status == 401 and removed.value.code == "invalid_api_key"
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice", disabled=True)})
+    with pytest.raises(APIError) as disabled:
+        adm.recheck(alice)
+    assert disabled.value.status == 401 and disabled.value.code == "key_disabled"
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice", max_streams=1)})
+    assert adm.recheck(alice).max_streams == 1  # changed: this request takes the new limits
+
+
+def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() -> None:
+    from firsttoken.core.registry import StreamRegistry
+    from firsttoken.engines import GenerationRequest, SyntheticEngine
+    from firsttoken.wire.render import NativeRenderer
+
+    async def body() -> None:
+        adm, alice = keyed()
+        registry = StreamRegistry(SyntheticEngine(), adm.metrics, ttl_s=10)
+        registry.revoked = adm.revoked
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            streams = []
+            for stream_id, key in (
+                ("a", alice),
+                ("b", adm.keys.find("sk-bob") if adm.keys else None),
+            ):
+                assert key is not None
+                stream = Stream(
+                    GenerationRequest(stream_id, "hi", "synthetic", max_tokens=5, tenant=key.name),
+                    NativeRenderer(),
+                    kind="native",
+                    trace_id="t",
+                    grace_s=10.0,
+                    prompt_tokens=1,
+                    max_events=100,
+                    accepted_at=0.0,
+                )
+                stream.ticket = await adm.admit(key, 1, 5)
+                streams.append(stream)
+            # The reload removes alice after admission checked her, before her stream started:
+            # the reload's sweep of running streams cannot see it yet.
+            adm.keys = KeyRing({"sk-bob": ApiKey(name="bob")})
+            failed = await registry.start(streams[0])
+            assert failed is not None and failed.code == "key_revoked"
+            assert await registry.start(streams[1]) is None  # bob's key stands
+            assert streams[1].outcome is None  # running
+            tg.cancel_scope.cancel()
+        assert streams[0].outcome is Outcome.ERROR and streams[0].error_code == "key_revoked"
 
     asyncio.run(body())
