@@ -33,6 +33,7 @@ from firsttoken.admission import ApiKey, KeyRing, key_revoked
 from firsttoken.api.gateway import Gateway
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines.cache import CachedEngine, load_canned
+from firsttoken.pricing import money_text
 from firsttoken.routing import RouteTable, load_routes
 from firsttoken.routing.live import LiveRoutes
 from firsttoken.telemetry.metrics import key_label, log_event
@@ -222,8 +223,14 @@ class Reloader:
             line = str(exc) if isinstance(exc, ValueError) else _named(self.files.routes or "", exc)
             log_event("config.reload_failed", logging.ERROR, trigger=why, error=line)
             return False
-        # One step from here: no await until every part is swapped.
         said: dict[str, Any] = {"trigger": why}
+        if config.keys is not None:
+            # A budget's new period starts from what the ledger says was spent in it (its
+            # count is kept apart from the old period's, so this may go first).
+            carried = await self.gateway.admission.carry_spend(config.keys)
+            if carried:
+                said["budgets_carried"] = {name: money_text(p) for name, p in carried.items()}
+        # One step from here: no await until every part is swapped.
         if config.keys is not None:
             said.update(self._swap_keys(config.keys))
         if prepared is not None and self.routes is not None:

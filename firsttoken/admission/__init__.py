@@ -276,6 +276,32 @@ class Admission:
                 log_event("ledger.seed_failed", logging.WARNING, error=repr(exc))
                 await anyio.sleep(5)
 
+    async def carry_spend(self, ring: KeyRing) -> dict[str, int]:
+        """Before a reload swaps in `ring`: each budgeted key whose period (`per`) it changes
+        (or whose budget is new) starts its new period's count at what the ledger says the
+        key spent in that period, not at 0; in picos by key name. A ledger that cannot answer
+        leaves the counts as they are (said in one `ledger.seed_failed` line)."""
+        old = {k.name: k.budget for k in self.keys.keys()} if self.keys is not None else {}
+        changed = []
+        for key in ring.keys():
+            before = old.get(key.name)
+            if key.budget is not None and key.budget.per != (before and before.per):
+                changed.append((key.name, key.budget.per))
+        if not changed or not self.ledger.ready.is_set():
+            return {}
+        carried = {}
+        try:
+            for name, per in changed:
+                spent = await self.ledger.spent(name, period_start(per, self.spend_clock()))
+                if isinstance(self.spend, MemorySpend):
+                    self.spend.at_least(name, per, spent)
+                else:
+                    await self.spend.at_least(name, per, spent)
+                carried[name] = spent
+        except Exception as exc:  # the database away: those periods count from what they hold
+            log_event("ledger.seed_failed", logging.WARNING, error=repr(exc))
+        return carried
+
     async def _seed(self, key: str, per: str, picos: int) -> None:
         if isinstance(self.spend, MemorySpend):
             self.spend.seed(key, per, picos)

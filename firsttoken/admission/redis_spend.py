@@ -45,6 +45,13 @@ if redis.call('INCRBY', KEYS[1], ARGV[1]) < 0 then redis.call('SET', KEYS[1], 0)
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return 1
 """
+# KEYS: the key's spend in a period. ARGV: picos it spent at least, ttl_s.
+_AT_LEAST = """
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+if spent < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
 _OP_TIMEOUT_S = 1.0
 # Kept a little past the period's end (a settle may arrive just after it).
 _TTL_S = {"day": 2 * 86400, "month": 33 * 86400, "total": 0}
@@ -60,6 +67,7 @@ class RedisSpend:
         self.local = local or MemorySpend()
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
+        self._at_least = redis.register_script(_AT_LEAST)
         self.up = True
 
     def _down(self, exc: BaseException) -> None:
@@ -129,3 +137,13 @@ class RedisSpend:
                 await self.redis.set(_spend_key(key, period), picos, nx=True)
         except REDIS_DOWN as exc:
             self._down(exc)
+
+    async def at_least(self, key: str, per: str, picos: int) -> None:
+        """`MemorySpend.at_least`, fleet-wide: every instance that reloads raises it alike."""
+        period, _ = period_of(per, self.local.clock())
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self._at_least(keys=[_spend_key(key, period)], args=[picos, _TTL_S[per]])
+        except REDIS_DOWN as exc:
+            self._down(exc)
+            self.local.at_least(key, per, picos)

@@ -116,11 +116,13 @@ class MemorySpend:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._spent: dict[str, tuple[str, int]] = {}  # key -> (period, picos)
+        # (key, per) -> (period, picos): per `per`, so a reload that changes a key's period
+        # leaves the new one's count apart from what requests of the old one still settle.
+        self._spent: dict[tuple[str, str], tuple[str, int]] = {}
 
     def spent(self, key: str, per: str) -> int:
         period, _ = period_of(per, self.clock())
-        held_period, picos = self._spent.get(key, ("", 0))
+        held_period, picos = self._spent.get((key, per), ("", 0))
         return picos if held_period == period else 0
 
     def reserve(
@@ -137,7 +139,7 @@ class MemorySpend:
             tokens = share_of_left(budget.amount - spent, picos, per_token, share)
             picos += tokens * per_token
         period, _ = period_of(budget.per, self.clock())
-        self._spent[key] = (period, spent + picos)
+        self._spent[key, budget.per] = (period, spent + picos)
         return SpendHold(key, budget.per, period, picos, answer_tokens=tokens)
 
     def settle(self, hold: SpendHold, cost: int) -> None:
@@ -150,10 +152,16 @@ class MemorySpend:
     def add(self, key: str, per: str, picos: int) -> None:
         """Spent without a reservation (or a correction of one): to the current period."""
         period, _ = period_of(per, self.clock())
-        held_period, held = self._spent.get(key, ("", 0))
-        self._spent[key] = (period, max(0, (held if held_period == period else 0) + picos))
+        held_period, held = self._spent.get((key, per), ("", 0))
+        self._spent[key, per] = (period, max(0, (held if held_period == period else 0) + picos))
 
     def seed(self, key: str, per: str, picos: int) -> None:
         """What the ledger says the key spent in its current period (at start), added to
         what requests admitted since the start hold."""
         self.add(key, per, picos)
+
+    def at_least(self, key: str, per: str, picos: int) -> None:
+        """The key's period has spent at least `picos` (the ledger's count, when a reload
+        changes its `per`): raised to it, never lowered (what it counts may hold more)."""
+        if self.spent(key, per) < picos:
+            self.add(key, per, picos - self.spent(key, per))

@@ -125,6 +125,12 @@ class Ledger:
         self.writer.submit(record)
         return cost
 
+    async def spent(self, key: str, since: float) -> int:
+        """What `key`'s requests that arrived from `since` (Unix seconds) cost, in picos: the
+        store's records and those still queued for it."""
+        stored = await self.store.spent(key, since)
+        return stored + sum(r.cost for r in self.writer.queue if r.key == key and r.at >= since)
+
     async def run(self) -> None:
         """Open the store (create or migrate its schema), then write what is queued until
         cancelled. A database away at start is tried again; records queue meanwhile."""

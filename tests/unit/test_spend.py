@@ -140,3 +140,15 @@ def test_an_open_ended_answer_on_the_last_cents_may_run_to_one_token() -> None:
     hold = s.reserve("alice", budget, 5 * CENT, per_token=CENT, share=5)
     assert hold is not None and hold.answer_tokens == 1  # one reservation over, no more
     assert s.reserve("alice", budget, 0, per_token=CENT, share=5) is None
+
+
+def test_each_period_kind_counts_apart_and_a_reload_raises_the_new_one_to_the_ledger() -> None:
+    s, _ = spend()
+    day = s.reserve("alice", Budget(100 * CENT, "day"), 30 * CENT)
+    assert day is not None
+    # A reload made it a monthly budget: the ledger says 45 cents this month.
+    s.at_least("alice", "month", 45 * CENT)
+    s.at_least("alice", "month", 20 * CENT)  # never lowered
+    assert s.spent("alice", "month") == 45 * CENT
+    s.settle(day, 10 * CENT)  # a request of the old period ends: its own count only
+    assert s.spent("alice", "month") == 45 * CENT and s.spent("alice", "day") == 10 * CENT
