@@ -11,9 +11,9 @@ used when it ends. No request is admitted to more than what is left of its key's
 `max_tokens` is lowered to that (`Ticket.max_tokens`, what the engine and an upstream get),
 and one that names none may run to that. A key's money `budget` caps an answer that names
 no `max_tokens` too (spend.py): to what its share of the money left buys. An answer is
-billed its prompt and every token generated, also when its client cut it; one that
-generated nothing and did not complete (refused upstream, cancelled while waiting) is
-billed nothing.
+billed its prompt and every token generated, also when its client cut it (its prompt also
+before its first token, once an engine took it); one that failed before a token (refused
+upstream) or whose client left while it waited for a target's slot is billed nothing.
 """
 
 from __future__ import annotations
@@ -65,8 +65,14 @@ _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, 
 
 def billed(outcome: Outcome, usage: Usage | None) -> Usage:
     """What an ended answer's key pays for: its prompt and every token generated, also when
-    cut short; nothing when it generated nothing and did not complete."""
-    if usage is None or (outcome is not Outcome.COMPLETED and usage.completion == 0):
+    cut short. One that generated nothing and did not complete pays its prompt when its
+    client left (the engine had read it: an upstream bills it so), else nothing (refused,
+    failed before a token). `usage` None: no engine had its prompt (it waited in a queue)."""
+    if usage is None:
+        return Usage()
+    if outcome is not Outcome.COMPLETED and usage.completion == 0:
+        if outcome is Outcome.DISCONNECTED or outcome is Outcome.CANCELLED:
+            return Usage(usage.prompt, 0, 0, usage.cached, usage.cache_write)
         return Usage()
     return usage
 

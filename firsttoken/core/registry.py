@@ -557,9 +557,18 @@ class StreamRegistry:
         if stream.readers == 0:
             self._log_finished(stream)
         if stream.ticket is not None:
+            usage: Usage | None = _own_usage(stream)
+            if (
+                stream.tokens_generated == 0
+                and outcome in _LEFT
+                and not self.engine.has_prompt(stream.id)
+            ):
+                # Left before its first token while still waiting for its target's slot:
+                # no engine read its prompt, so nothing is billed (else the prompt is).
+                usage = None
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
-            self._spawn(self._release, stream.ticket, outcome, _own_usage(stream), inline=True)
+            self._spawn(self._release, stream.ticket, outcome, usage, inline=True)
 
     def _moved(self, stream: Stream) -> None:
         """Another instance goes on with it: nothing ends in the store, and this instance
@@ -668,6 +677,9 @@ class StreamRegistry:
             self._streams.pop(stream_id, None)
             if self.budget is not None:
                 self.budget.forget(stream_id)
+
+
+_LEFT = frozenset((Outcome.DISCONNECTED, Outcome.CANCELLED))  # its client left or cancelled
 
 
 def _own_usage(stream: Stream) -> Usage:

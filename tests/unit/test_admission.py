@@ -248,10 +248,13 @@ def test_a_request_refused_after_its_hold_gives_the_hold_back(clock: FakeClock) 
     asyncio.run(body())
 
 
-def test_a_stream_that_generated_nothing_and_did_not_complete_is_not_billed() -> None:
-    used = Usage(prompt=7, completion=0)
+def test_a_stream_that_generated_nothing_pays_its_prompt_only_if_its_client_left() -> None:
+    used = Usage(prompt=7, completion=0, cached=2)
     assert billed(Outcome.ERROR, used) == Usage()  # e.g. refused upstream before a token
-    assert billed(Outcome.CANCELLED, used) == Usage()
+    # Left during the prefill: the engine read the prompt (an upstream bills it so).
+    assert billed(Outcome.CANCELLED, used) == used
+    assert billed(Outcome.DISCONNECTED, used) == used
+    assert billed(Outcome.DISCONNECTED, None) == Usage()  # no engine had it (queued)
     assert billed(Outcome.COMPLETED, used) == used  # an empty answer still read its prompt
     cut = Usage(prompt=7, completion=5)
     assert billed(Outcome.DISCONNECTED, cut) == cut  # cut by its client: what was generated
