@@ -158,6 +158,12 @@ class Ticket:
         if not self.own_latency:
             self.admission.shedder.record_ttft(ttft_s)
 
+    def prompt_read(self) -> None:
+        if not self.legs:
+            target = self.admission.serving(self.request_id)
+            if target is not None:
+                self.legs = (Leg(target),)
+
     def seam(self, meta: Mapping[str, Any]) -> None:
         """A splice or a hand-off took: the next leg's target, from the token it began at."""
         seam = meta.get("failover") or meta.get("handoff")

@@ -558,14 +558,13 @@ class StreamRegistry:
             self._log_finished(stream)
         if stream.ticket is not None:
             usage: Usage | None = _own_usage(stream)
-            if (
-                stream.tokens_generated == 0
-                and outcome in _LEFT
-                and not self.engine.has_prompt(stream.id)
-            ):
-                # Left before its first token while still waiting for its target's slot:
-                # no engine read its prompt, so nothing is billed (else the prompt is).
-                usage = None
+            if stream.tokens_generated == 0 and outcome in _LEFT:
+                # Its client left before the first token: billed its prompt if an engine read
+                # it, nothing if it still waited for its target's slot.
+                if self.engine.has_prompt(stream.id):
+                    stream.ticket.prompt_read()
+                else:
+                    usage = None
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
             self._spawn(self._release, stream.ticket, outcome, usage, inline=True)

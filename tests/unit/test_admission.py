@@ -564,3 +564,20 @@ def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() 
         assert streams[0].outcome is Outcome.ERROR and streams[0].error_code == "key_revoked"
 
     asyncio.run(body())
+
+
+def test_a_prompt_read_before_the_client_left_is_priced_at_the_target_that_read_it(
+    clock: FakeClock,
+) -> None:
+    async def body() -> None:
+        adm = priced(clock)
+        adm.serving = lambda request_id: "gpu"  # the route's answer while the leg is open
+        payer = ApiKey(name="paula", budget=parse_budget({"amount": 1}, "b"))
+        ticket = await adm.admit(payer, 902, 100, "chat")
+        ticket.request_id = "r1"
+        ticket.prompt_read()  # the registry, as the stream ends before its first token
+        await ticket.release(Outcome.DISCONNECTED, Usage(prompt=902))
+        assert adm.spend.spent("paula", "day") == 902 * 10**6  # 1 a million prompt tokens
+        assert adm.ledger.spend["paula"] == 902 * 10**6
+
+    asyncio.run(body())

@@ -37,6 +37,9 @@ class _Ticket:
     def seam(self, meta: object) -> None:
         pass
 
+    def prompt_read(self) -> None:
+        pass
+
     async def release(self, outcome: Outcome, tokens: object = 0, **_: object) -> None:
         self.releases.append(outcome)
         self.usages.append(tokens)
@@ -605,6 +608,10 @@ class _Billed(_Ticket):
     def __init__(self) -> None:
         super().__init__()
         self.usage: object = "unset"
+        self.read = False
+
+    def prompt_read(self) -> None:
+        self.read = True
 
     async def release(self, outcome: Outcome, usage: object = None, **_: object) -> None:
         self.usage = usage
@@ -633,3 +640,4 @@ def test_a_client_gone_before_the_first_token_is_billed_the_prompt_its_engine_re
     ticket = asyncio.run(body())
     assert ticket.releases == [Outcome.DISCONNECTED]
     assert ticket.usage == (None if queued else Usage(prompt=1))
+    assert ticket.read is not queued  # told while the route knows which target read it
