@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route
+from starlette.routing import Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -94,6 +94,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    if admission.keys is not None:  # nothing to ask per stream without a keys file
+        registry.revoked = admission.revoked
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
     files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
     reloader = Reloader(files, gw, watch=settings.watch_config)
@@ -119,8 +121,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         *ops.api_routes(),
     ]
     routes = [
-        # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files.
-        Mount("/v1", routes=api),
+        # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files;
+        # no slash redirects: a 307 for `/v1/usage/` would tell a prober the admin path is there.
+        Mount("/v1", app=Router(routes=api, redirect_slashes=False)),
         Route("/metrics", _metrics, methods=["GET"]),
         Route("/healthz", _healthz, methods=["GET"]),
         Route("/readyz", _readyz, methods=["GET"]),

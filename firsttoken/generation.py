@@ -243,6 +243,13 @@ class Engine(Protocol):
         that has none."""
         ...
 
+    def has_prompt(self, request_id: str) -> bool:
+        """Whether the engine has taken the running request's prompt (a routed one: it holds
+        its target's slot, not waiting in the queue): a client that leaves before the first
+        token is billed the prompt, as an upstream bills it, when it has. Asked as the
+        stream ends."""
+        ...
+
 
 class BaseEngine:
     """The defaults of `Engine`'s capabilities that only some engines have: an engine
@@ -258,6 +265,9 @@ class BaseEngine:
 
     def as_step_engine(self) -> StepEngine | None:
         return None
+
+    def has_prompt(self, request_id: str) -> bool:
+        return True  # no queue of its own: a started request's prompt is being read
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         raise not_embedding(request.model)

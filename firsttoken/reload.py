@@ -9,7 +9,9 @@ with their health, queues and counts) and everything is swapped in one step, wit
 in between: keys, routes, canned answers. Streams keep the key and targets they started
 with; the streams of a key that is gone, or now disabled, end at once with `event: error`
 `key_revoked` (a leaked key must stop spending), while any other change to a key applies to
-its next request.
+its next request. A request whose body was still arriving is checked again once it is read
+(`Admission.recheck`), and a stream admitted just before the swap, not yet running, as it
+starts (`Admission.revoked`).
 
 `firsttoken check` runs the same validation offline (`check_files`).
 """
@@ -27,11 +29,11 @@ from typing import Any
 import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
-from firsttoken.admission import ApiKey, KeyRing
+from firsttoken.admission import ApiKey, KeyRing, key_revoked
 from firsttoken.api.gateway import Gateway
 from firsttoken.core.stream import Stream, Usage
-from firsttoken.engines import EngineError
 from firsttoken.engines.cache import CachedEngine, load_canned
+from firsttoken.pricing import money_text
 from firsttoken.routing import RouteTable, load_routes
 from firsttoken.routing.live import LiveRoutes
 from firsttoken.telemetry.metrics import key_label, log_event
@@ -221,8 +223,14 @@ class Reloader:
             line = str(exc) if isinstance(exc, ValueError) else _named(self.files.routes or "", exc)
             log_event("config.reload_failed", logging.ERROR, trigger=why, error=line)
             return False
-        # One step from here: no await until every part is swapped.
         said: dict[str, Any] = {"trigger": why}
+        if config.keys is not None:
+            # A budget's new period starts from what the ledger says was spent in it (its
+            # count is kept apart from the old period's, so this may go first).
+            carried = await self.gateway.admission.carry_spend(config.keys)
+            if carried:
+                said["budgets_carried"] = {name: money_text(p) for name, p in carried.items()}
+        # One step from here: no await until every part is swapped.
         if config.keys is not None:
             said.update(self._swap_keys(config.keys))
         if prepared is not None and self.routes is not None:
@@ -264,15 +272,8 @@ class Reloader:
             now = ring.holds(key)
             return now is None or now.disabled
 
-        ended = gw.registry.end_where(
-            revoked,
-            EngineError(
-                "key_revoked",
-                "the API key of this stream was removed or disabled",
-                type_="invalid_request_error",
-                client_fault=True,  # the breaker learns nothing from it
-            ),
-        )
+        # Streams admitted but not yet registered are asked as they start (`registry.revoked`).
+        ended = gw.registry.end_where(revoked, key_revoked())
         said: dict[str, object] = {"keys": len(ring.keys())}
         if old is not None:
             gone = sorted(set(old.names()) - set(names))

@@ -9,9 +9,11 @@ A key's `tokens_per_minute` is held two-phase (limits.py): a request reserves it
 its `max_tokens` when admitted, and its ticket settles the reservation with what the answer
 used when it ends. No request is admitted to more than what is left of its key's minute: its
 `max_tokens` is lowered to that (`Ticket.max_tokens`, what the engine and an upstream get),
-and one that names none may run to that. An answer is billed its prompt and every token
-generated, also when its client cut it; one that generated nothing and did not complete
-(refused upstream, cancelled while waiting) is billed nothing.
+and one that names none may run to that. A key's money `budget` caps an answer that names
+no `max_tokens` too (spend.py): to what its share of the money left buys. An answer is
+billed its prompt and every token generated, also when its client cut it (its prompt also
+before its first token, once an engine took it); one that failed before a token (refused
+upstream) or whose client left while it waited for a target's slot is billed nothing.
 """
 
 from __future__ import annotations
@@ -40,8 +42,8 @@ from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import MemorySpend, SpendHold, period_of, period_start
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import Outcome, Usage
-from firsttoken.generation import DEFAULT_ANSWER_TOKENS
+from firsttoken.core.stream import Outcome, Stream, Usage
+from firsttoken.generation import DEFAULT_ANSWER_TOKENS, EngineError
 from firsttoken.ledger import Ledger
 from firsttoken.pricing import Leg, TokenCounts, money_text
 from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label, log_event
@@ -54,6 +56,7 @@ __all__ = [
     "LoadShedder",
     "Ticket",
     "billed",
+    "key_revoked",
     "sets_own_latency",
 ]
 
@@ -62,8 +65,14 @@ _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, 
 
 def billed(outcome: Outcome, usage: Usage | None) -> Usage:
     """What an ended answer's key pays for: its prompt and every token generated, also when
-    cut short; nothing when it generated nothing and did not complete."""
-    if usage is None or (outcome is not Outcome.COMPLETED and usage.completion == 0):
+    cut short. One that generated nothing and did not complete pays its prompt when its
+    client left (the engine had read it: an upstream bills it so), else nothing (refused,
+    failed before a token). `usage` None: no engine had its prompt (it waited in a queue)."""
+    if usage is None:
+        return Usage()
+    if outcome is not Outcome.COMPLETED and usage.completion == 0:
+        if outcome is Outcome.DISCONNECTED or outcome is Outcome.CANCELLED:
+            return Usage(usage.prompt, 0, 0, usage.cached, usage.cache_write)
         return Usage()
     return usage
 
@@ -95,6 +104,7 @@ class Ticket:
         "released",
         "request_id",
         "reservation",
+        "ring",
         "spend_hold",
         "started",
         "trace_id",
@@ -113,6 +123,9 @@ class Ticket:
         self.key = key
         self.lease = lease
         self.reservation = reservation  # tokens held against the key's budget
+        # The keys the key was last checked against (None: no keys file): a reload that
+        # lands before the stream is registered is caught when it starts (`Admission.revoked`).
+        self.ring: KeyRing | None = None
         self.prompt_tokens = 0  # the engine's count of the prompt, taken once at admission
         # The answer's limit as admitted: the request's own, or lower, what is left of its
         # key's budget (None: no limit, as asked, and no budget).
@@ -148,6 +161,12 @@ class Ticket:
             # The guard judges the engine: the time admission waited on Redis (up to its 1 s
             # timeout while Redis hangs) is the store's, not the engine's.
             self.admission.shedder.record_ttft(ttft_s - self.admitting_s)
+
+    def prompt_read(self) -> None:
+        if not self.legs:
+            target = self.admission.serving(self.request_id)
+            if target is not None:
+                self.legs = (Leg(target),)
 
     def seam(self, meta: Mapping[str, Any]) -> None:
         """A splice or a hand-off took: the next leg's target, from the token it began at."""
@@ -273,6 +292,32 @@ class Admission:
                 log_event("ledger.seed_failed", logging.WARNING, error=repr(exc))
                 await anyio.sleep(5)
 
+    async def carry_spend(self, ring: KeyRing) -> dict[str, int]:
+        """Before a reload swaps in `ring`: each budgeted key whose period (`per`) it changes
+        (or whose budget is new) starts its new period's count at what the ledger says the
+        key spent in that period, not at 0; in picos by key name. A ledger that cannot answer
+        leaves the counts as they are (said in one `ledger.seed_failed` line)."""
+        old = {k.name: k.budget for k in self.keys.keys()} if self.keys is not None else {}
+        changed = []
+        for key in ring.keys():
+            before = old.get(key.name)
+            if key.budget is not None and key.budget.per != (before and before.per):
+                changed.append((key.name, key.budget.per))
+        if not changed or not self.ledger.ready.is_set():
+            return {}
+        carried = {}
+        try:
+            for name, per in changed:
+                spent = await self.ledger.spent(name, period_start(per, self.spend_clock()))
+                if isinstance(self.spend, MemorySpend):
+                    self.spend.at_least(name, per, spent)
+                else:
+                    await self.spend.at_least(name, per, spent)
+                carried[name] = spent
+        except Exception as exc:  # the database away: those periods count from what they hold
+            log_event("ledger.seed_failed", logging.WARNING, error=repr(exc))
+        return carried
+
     async def _seed(self, key: str, per: str, picos: int) -> None:
         if isinstance(self.spend, MemorySpend):
             self.spend.seed(key, per, picos)
@@ -289,11 +334,13 @@ class Admission:
         else:
             await self.spend.settle(hold, cost)
 
-    async def _hold_spend(self, key: ApiKey, picos: int) -> SpendHold | None:
+    async def _hold_spend(
+        self, key: ApiKey, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None:
         assert key.budget is not None
         if isinstance(self.spend, MemorySpend):
-            return self.spend.reserve(key.name, key.budget, picos)
-        return await self.spend.reserve(key.name, key.budget, picos)
+            return self.spend.reserve(key.name, key.budget, picos, per_token, share)
+        return await self.spend.reserve(key.name, key.budget, picos, per_token, share)
 
     def authenticate(self, request: Request) -> ApiKey:
         if self.keys is None:
@@ -320,6 +367,38 @@ class Admission:
             why = "was disabled" if refusal == "key_disabled" else "has expired"
             raise APIError(401, refusal, f"the API key {key.name!r} {why}")
         return key
+
+    def recheck(self, key: ApiKey) -> ApiKey:
+        """`key`, as the keys are now: a reload may have removed or disabled it while its
+        request's body was still arriving (`authenticate` read only its head). Refuses as
+        `authenticate` does; a key a reload changed comes back as it is now. Without a
+        reload since, one dict lookup."""
+        keys = self.keys
+        if keys is None or not key.digest:
+            return key
+        now = keys.holds(key)
+        if now is key:
+            return key
+        if now is None:
+            self._rejected()
+            raise APIError(401, "invalid_api_key", f"the API key {key.name!r} was removed")
+        refusal = now.refusal(self.clock())
+        if refusal is not None:
+            self._rejected()
+            why = "was disabled" if refusal == "key_disabled" else "has expired"
+            raise APIError(401, refusal, f"the API key {now.name!r} {why}")
+        return now
+
+    def revoked(self, stream: Stream) -> EngineError | None:
+        """`key_revoked` when `stream`'s key was removed or disabled by a reload since it was
+        checked: the registry asks as it starts a stream (with a keys file), so a stream
+        admitted just before a reload, and not yet registered when the reload ended the
+        key's streams, ends too. None when its key stands (or nothing was reloaded)."""
+        ticket = stream.ticket
+        if not isinstance(ticket, Ticket) or ticket.ring is self.keys or self.keys is None:
+            return None
+        now = self.keys.holds(ticket.key) if ticket.key.digest else ticket.key
+        return key_revoked() if now is None or now.disabled else None
 
     def held(self, ticket: Ticket) -> dict[str, Any]:
         """What `ticket` holds in the shared limits, as it travels with a stream (another
@@ -402,6 +481,7 @@ class Admission:
         """Admit a request whose prompt counts `prompt_tokens` and whose answer may run to
         `max_tokens` (None: no limit given), for the route `model`, or raise the refusal."""
         begun = time.perf_counter()
+        ring = self.keys  # what `key` was checked against: before any await
         refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
@@ -447,10 +527,19 @@ class Admission:
             left = reservation.left
             admitted = left if max_tokens is None else min(max_tokens, left)
         hold = None
+        limit = key.max_streams or self.settings.max_streams_per_key
         if key.budget is not None:
             # The worst case: the prompt and the whole answer at the route's dearest prices.
-            answer = DEFAULT_ANSWER_TOKENS if admitted is None else admitted
-            hold = await self._hold_spend(key, self.ledger.worst_cost(model, prompt_tokens, answer))
+            if admitted is None:
+                # No answer length to price: it holds, and may run to, its share of what is
+                # left (spend.py), else it could run on for any multiple of the budget.
+                prompt, answer = self.ledger.worst_prices(model)
+                hold = await self._hold_spend(key, prompt_tokens * prompt, answer, limit)
+                if hold is not None:
+                    admitted = hold.answer_tokens
+            else:
+                worst = self.ledger.worst_cost(model, prompt_tokens, admitted)
+                hold = await self._hold_spend(key, worst)
             if hold is None:
                 if reservation is not None:
                     await self.limits.settle(reservation, 0)
@@ -465,7 +554,6 @@ class Admission:
                     f"{self.ledger.currency} {period}",
                     headers=_retry_after(reset),
                 )
-        limit = key.max_streams or self.settings.max_streams_per_key
         verdict, wait, lease = await self.limits.admit(
             key.name if self.keys is not None else None, limit
         )
@@ -512,6 +600,7 @@ class Admission:
                 raise APIError(503, code, message, headers=_retry_after(retry))
         ticket = Ticket(self, key, lease, probe, reservation)
         ticket.admitting_s = ticket.started - begun
+        ticket.ring = ring
         ticket.max_tokens = admitted
         ticket.spend_hold = hold
         ticket.model = model
@@ -543,6 +632,17 @@ class Admission:
                 "limits; give the gateway a keys file or make the proxy authenticate",
             )
             return
+
+
+def key_revoked() -> EngineError:
+    """How a stream whose key a reload removed or disabled ends (`event: error`)."""
+    return EngineError(
+        "key_revoked",
+        "the API key of this stream was removed or disabled",
+        type_="invalid_request_error",
+        status=401,  # a stream that had sent nothing yet answers 401
+        client_fault=True,  # the breaker learns nothing from it
+    )
 
 
 def _retry_after(seconds: float) -> dict[str, str]:

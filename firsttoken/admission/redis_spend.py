@@ -21,18 +21,34 @@ from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["RedisSpend"]
 
-# KEYS: the key's spend this period. ARGV: amount, hold, ttl_s (0: none).
-# Returns 1 held, 0 refused (nothing left).
+# KEYS: the key's spend this period. ARGV: amount, hold, ttl_s (0: none), per_token, share.
+# Returns -1 refused (nothing left), 0 held, or an open-ended answer's cap (per_token > 0:
+# `share_of_left`, held on top of ARGV[2]). Picos are exact in Lua's doubles below 2^53
+# (9,007 of a currency).
 _RESERVE = """
-local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
-if spent >= tonumber(ARGV[1]) then return 0 end
+local left = tonumber(ARGV[1]) - tonumber(redis.call('GET', KEYS[1]) or '0')
+if left <= 0 then return -1 end
 redis.call('INCRBY', KEYS[1], ARGV[2])
+local per_token = tonumber(ARGV[4])
+local tokens = 0
+if per_token > 0 then
+  tokens = math.floor((left - tonumber(ARGV[2])) / tonumber(ARGV[5]) / per_token)
+  if tokens < 1 then tokens = 1 end
+  redis.call('INCRBY', KEYS[1], string.format('%.0f', tokens * per_token))
+end
 if tonumber(ARGV[3]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[3]) end
-return 1
+return tokens
 """
 # KEYS: the key's spend in a period. ARGV: picos to add (negative: a hold not used), ttl_s.
 _SETTLE = """
 if redis.call('INCRBY', KEYS[1], ARGV[1]) < 0 then redis.call('SET', KEYS[1], 0) end
+if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
+return 1
+"""
+# KEYS: the key's spend in a period. ARGV: picos it spent at least, ttl_s.
+_AT_LEAST = """
+local spent = tonumber(redis.call('GET', KEYS[1]) or '0')
+if spent < tonumber(ARGV[1]) then redis.call('SET', KEYS[1], ARGV[1]) end
 if tonumber(ARGV[2]) > 0 then redis.call('EXPIRE', KEYS[1], ARGV[2]) end
 return 1
 """
@@ -51,6 +67,7 @@ class RedisSpend:
         self.local = local or MemorySpend()
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
+        self._at_least = redis.register_script(_AT_LEAST)
         self.up = True
 
     def _down(self, exc: BaseException) -> None:
@@ -58,7 +75,10 @@ class RedisSpend:
             self.up = False
             log_event("redis.spend_fallback", logging.ERROR, error=repr(exc))
 
-    async def reserve(self, key: str, budget: Budget, picos: int) -> SpendHold | None:
+    async def reserve(
+        self, key: str, budget: Budget, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None:
+        """`MemorySpend.reserve`, fleet-wide."""
         period, _ = period_of(budget.per, self.local.clock())
         # What this instance spent while Redis was away counts against the amount too.
         amount = budget.amount - self.local.spent(key, budget.per)
@@ -67,16 +87,19 @@ class RedisSpend:
                 held = int(
                     await self._reserve(
                         keys=[_spend_key(key, period)],
-                        args=[amount, picos, _TTL_S[budget.per]],
+                        args=[amount, picos, _TTL_S[budget.per], per_token, share],
                     )
                 )
         except REDIS_DOWN as exc:
             self._down(exc)
-            return self.local.reserve(key, budget, picos)
+            return self.local.reserve(key, budget, picos, per_token, share)
         self.up = True
-        if not held:
+        if held < 0:
             return None
-        return SpendHold(key, budget.per, period, picos, local=False)
+        if held == 0:
+            return SpendHold(key, budget.per, period, picos, local=False)
+        hold = picos + held * per_token
+        return SpendHold(key, budget.per, period, hold, local=False, answer_tokens=held)
 
     async def settle(self, hold: SpendHold, cost: int) -> None:
         if hold.local:
@@ -114,3 +137,13 @@ class RedisSpend:
                 await self.redis.set(_spend_key(key, period), picos, nx=True)
         except REDIS_DOWN as exc:
             self._down(exc)
+
+    async def at_least(self, key: str, per: str, picos: int) -> None:
+        """`MemorySpend.at_least`, fleet-wide: every instance that reloads raises it alike."""
+        period, _ = period_of(per, self.local.clock())
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self._at_least(keys=[_spend_key(key, period)], args=[picos, _TTL_S[per]])
+        except REDIS_DOWN as exc:
+            self._down(exc)
+            self.local.at_least(key, per, picos)

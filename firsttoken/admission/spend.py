@@ -1,12 +1,17 @@
 """Budgets in money: what a key may spend per UTC day, per UTC month, or in total.
 
 Held two-phase, as `tokens_per_minute` is (limits.py): a request reserves its worst case when
-it is admitted (its prompt and its `max_tokens`, or the default answer's length, at the most
-expensive prices its route may use), and its ticket settles the reservation to what was
-delivered when it ends. Admission goes on while anything is left of the period: the check
-and the hold are one step, so of requests racing for the last cents one gets through, and
-the period's spend ends at most one reservation over its amount (every other request then
-finds nothing left).
+it is admitted (its prompt and its `max_tokens` at the most expensive prices its route may
+use), and its ticket settles the reservation to what was delivered when it ends. Admission
+goes on while anything is left of the period: the check and the hold are one step, so of
+requests racing for the last cents one gets through, and the period's spend ends at most one
+reservation over its amount (every other request then finds nothing left).
+
+An answer that names no `max_tokens` has no worst case of its own, so it gets one: its hold
+is its prompt plus a `share` of what is left after it (1/`max_streams`: the key's streams can
+all run at once), and its answer may run only to the tokens that share buys at the dearest
+answer price (`SpendHold.answer_tokens`, which admission makes its `max_tokens`). Its hold is
+then its worst case too, and the bound above holds for it.
 
 Amounts are picos (`pricing.py`): integers, exact, the same in Redis. Periods are calendar
 periods in UTC on the clock passed in: a day from 00:00, a month from its first day; `total`
@@ -33,6 +38,7 @@ __all__ = [
     "parse_budget",
     "period_of",
     "period_start",
+    "share_of_left",
 ]
 
 PERIODS = ("day", "month", "total")
@@ -94,6 +100,15 @@ class SpendHold:
     period: str  # the period it counts in
     picos: int
     local: bool = True  # held in this process (with Redis: taken while Redis was away)
+    # An open-ended answer's cap: the tokens its hold buys (`share_of_left`); None: no cap.
+    answer_tokens: int | None = None
+
+
+def share_of_left(left: int, prompt: int, per_token: int, share: int) -> int:
+    """The answer tokens an open-ended request may run to: `1/share` of what is left of the
+    period (`left` picos) after its prompt's worst cost, at `per_token` picos a token; at
+    least 1 (admitted while anything is left, as every request is)."""
+    return max(1, (left - prompt) // share // per_token)
 
 
 class MemorySpend:
@@ -101,21 +116,31 @@ class MemorySpend:
 
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clock = clock
-        self._spent: dict[str, tuple[str, int]] = {}  # key -> (period, picos)
+        # (key, per) -> (period, picos): per `per`, so a reload that changes a key's period
+        # leaves the new one's count apart from what requests of the old one still settle.
+        self._spent: dict[tuple[str, str], tuple[str, int]] = {}
 
     def spent(self, key: str, per: str) -> int:
         period, _ = period_of(per, self.clock())
-        held_period, picos = self._spent.get(key, ("", 0))
+        held_period, picos = self._spent.get((key, per), ("", 0))
         return picos if held_period == period else 0
 
-    def reserve(self, key: str, budget: Budget, picos: int) -> SpendHold | None:
-        """Hold `picos` when anything is left of the key's period; None when nothing is."""
+    def reserve(
+        self, key: str, budget: Budget, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None:
+        """Hold `picos` when anything is left of the key's period; None when nothing is.
+        `per_token` > 0: an open-ended answer at that dearest price, held and capped to its
+        `share` of what is left (`share_of_left`)."""
         spent = self.spent(key, budget.per)
         if spent >= budget.amount:
             return None
+        tokens = None
+        if per_token > 0:
+            tokens = share_of_left(budget.amount - spent, picos, per_token, share)
+            picos += tokens * per_token
         period, _ = period_of(budget.per, self.clock())
-        self._spent[key] = (period, spent + picos)
-        return SpendHold(key, budget.per, period, picos)
+        self._spent[key, budget.per] = (period, spent + picos)
+        return SpendHold(key, budget.per, period, picos, answer_tokens=tokens)
 
     def settle(self, hold: SpendHold, cost: int) -> None:
         """The request ended having cost `cost` picos."""
@@ -127,10 +152,16 @@ class MemorySpend:
     def add(self, key: str, per: str, picos: int) -> None:
         """Spent without a reservation (or a correction of one): to the current period."""
         period, _ = period_of(per, self.clock())
-        held_period, held = self._spent.get(key, ("", 0))
-        self._spent[key] = (period, max(0, (held if held_period == period else 0) + picos))
+        held_period, held = self._spent.get((key, per), ("", 0))
+        self._spent[key, per] = (period, max(0, (held if held_period == period else 0) + picos))
 
     def seed(self, key: str, per: str, picos: int) -> None:
         """What the ledger says the key spent in its current period (at start), added to
         what requests admitted since the start hold."""
         self.add(key, per, picos)
+
+    def at_least(self, key: str, per: str, picos: int) -> None:
+        """The key's period has spent at least `picos` (the ledger's count, when a reload
+        changes its `per`): raised to it, never lowered (what it counts may hold more)."""
+        if self.spent(key, per) < picos:
+            self.add(key, per, picos - self.spent(key, per))

@@ -99,6 +99,9 @@ class Gateway:
         """`accept`, with the body as the client sent it (what a relay forwards)."""
         key = self.admission.authenticate(request)
         raw = await read_json(request, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        if self.admission.keys is not None:
+            # The body may have taken up to --body-timeout-s: a reload may have revoked the key.
+            key = self.admission.recheck(key)
         body = validate(kind, raw)
         model = self.model(getattr(body, "model", None), key)
         return body, raw, model, key

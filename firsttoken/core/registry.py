@@ -133,6 +133,9 @@ class StreamRegistry:
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
         self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
+        # With a keys file: why a stream about to start may not (its key revoked by a reload
+        # after admission checked it; `Admission.revoked`), or None.
+        self.revoked: Callable[[Stream], EngineError | None] | None = None
         self._stepper = engine.as_step_engine()
         self._streams: dict[str, Stream] = {}
         self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
@@ -359,6 +362,10 @@ class StreamRegistry:
         self._register(stream)
         request = stream.request
         try:
+            if self.revoked is not None:  # a keys file: its key may have been revoked since
+                error = self.revoked(stream)
+                if error is not None:
+                    raise error
             if self.store.replicates:
                 if stream.handover is not None and self.budget is not None:
                     self._store_request(stream)
@@ -570,9 +577,17 @@ class StreamRegistry:
         if stream.readers == 0:
             self._log_finished(stream)
         if stream.ticket is not None:
+            usage: Usage | None = _own_usage(stream)
+            if stream.tokens_generated == 0 and outcome in _LEFT:
+                # Its client left before the first token: billed its prompt if an engine read
+                # it, nothing if it still waited for its target's slot.
+                if self.engine.has_prompt(stream.id):
+                    stream.ticket.prompt_read()
+                else:
+                    usage = None
             # Awaited in turn by one task, not a task each: in memory a release never
             # suspends, and with Redis it is one short round trip.
-            self._spawn(self._release, stream.ticket, outcome, _own_usage(stream), inline=True)
+            self._spawn(self._release, stream.ticket, outcome, usage, inline=True)
 
     def _moved(self, stream: Stream) -> None:
         """Another instance goes on with it: nothing ends in the store, and this instance
@@ -681,6 +696,9 @@ class StreamRegistry:
             self._streams.pop(stream_id, None)
             if self.budget is not None:
                 self.budget.forget(stream_id)
+
+
+_LEFT = frozenset((Outcome.DISCONNECTED, Outcome.CANCELLED))  # its client left or cancelled
 
 
 def _own_usage(stream: Stream) -> Usage:

@@ -115,6 +115,11 @@ class AdmissionTicket(Protocol):
 
     def seam(self, meta: Mapping[str, Any]) -> None: ...
 
+    def prompt_read(self) -> None:
+        """Its client left before the first token, after an engine read the prompt: which
+        target did is asked now, while the route still knows (its prompt is billed there)."""
+        ...
+
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None: ...
 
 

@@ -138,6 +138,10 @@ class CachedEngine(BaseEngine):
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
         return await self.inner.embed(request)  # not cached: an answer is one call anyway
 
+    def has_prompt(self, request_id: str) -> bool:
+        # A replay from the cache reads no prompt: nothing the client leaving would cost.
+        return request_id not in self._replaying and self.inner.has_prompt(request_id)
+
     # Not `as_step_engine`: every request comes through `generate`, where the cache answers.
 
     async def start(self) -> None:

@@ -82,8 +82,12 @@ class Ledger:
 
     def worst_cost(self, model: str, prompt_tokens: int, answer_tokens: int) -> int:
         """In picos: the prompt and the whole answer at the route's dearest prices."""
-        prompt, answer = self._worst.get(self.route_of(model), (0, 0))
+        prompt, answer = self.worst_prices(model)
         return prompt_tokens * prompt + answer_tokens * answer
+
+    def worst_prices(self, model: str) -> tuple[int, int]:
+        """In picos: the route's dearest price of a prompt token and of an answer token."""
+        return self._worst.get(self.route_of(model), (0, 0))
 
     def account(
         self,
@@ -120,6 +124,12 @@ class Ledger:
         self.route_tokens[route] = self.route_tokens.get(route, 0) + usage.prompt + usage.completion
         self.writer.submit(record)
         return cost
+
+    async def spent(self, key: str, since: float) -> int:
+        """What `key`'s requests that arrived from `since` (Unix seconds) cost, in picos: the
+        store's records and those still queued for it."""
+        stored = await self.store.spent(key, since)
+        return stored + sum(r.cost for r in self.writer.queue if r.key == key and r.at >= since)
 
     async def run(self) -> None:
         """Open the store (create or migrate its schema), then write what is queued until

@@ -263,6 +263,10 @@ class RoutedEngine(BaseEngine):
         target = self._current.get(request_id)
         return target.name if target is not None else None
 
+    def has_prompt(self, request_id: str) -> bool:
+        """A target has it once its slot is taken; a request still in a queue has none."""
+        return request_id in self._current
+
     async def abort(self, request_id: str) -> None:
         target = self._current.pop(request_id, None)
         if target is not None:

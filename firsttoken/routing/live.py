@@ -183,6 +183,9 @@ class LiveRoutes(BaseEngine):
         # Every generation shares one map of the legs in flight (`prepare`).
         return self.current.serving(request_id)
 
+    def has_prompt(self, request_id: str) -> bool:
+        return self.current.has_prompt(request_id)
+
     # -- what callers read of the current routes --------------------------------------------
 
     @property

@@ -157,3 +157,44 @@ def test_an_open_server_counts_key_open_and_upstream_cached_tokens() -> None:
         )
         finished = [r for r in relay.log_records() if r.get("event") == "stream.finished"]
         assert finished and finished[-1]["key"] == "open"
+
+
+def test_a_client_that_leaves_before_the_first_token_pays_its_prompt(tmp_path: Path) -> None:
+    """Cut during the prefill (300 ms to the first token, cut at 100 ms): the engine read the
+    prompt, so the key is billed it and its tokens_per_minute counts it."""
+    import time
+
+    keys = tmp_path / "keys.toml"
+    keys.write_text(KEYS + '\n[[keys]]\nname = "dave"\nkey = "sk-dave"\ntokens_per_minute = 1000\n')
+    args = ("--api-keys", str(keys), "--synthetic-ttft-ms", "300", "--synthetic-itl-ms", "2")
+    words = [{"role": "user", "content": "a long prompt " * 90}]
+    with run_server(*args) as server:
+        probe = client(server, "sk-carol").chat.completions.create(
+            model="synthetic", messages=words, max_tokens=1
+        )
+        assert probe.usage is not None
+        prompt = probe.usage.prompt_tokens
+        assert 250 < prompt < 333, prompt  # three fit in the minute, a fourth does not
+        if time.time() % 60 > 45:  # all in one clock minute
+            time.sleep(61 - time.time() % 60)
+        body = {"model": "synthetic", "messages": words, "stream": True}
+        for _ in range(3):
+            with httpx.stream(
+                "POST",
+                server.v1 + "/chat/completions",
+                json=body,
+                headers={"authorization": "Bearer sk-dave"},
+                timeout=10,
+            ) as cut:
+                assert cut.status_code == 200
+                time.sleep(0.1)  # and gone, before the first token
+        counted(
+            server, "dave", {"prompt": 3 * prompt, "completion": 0, "reasoning": 0, "cached": 0}
+        )
+        again = httpx.post(
+            server.v1 + "/chat/completions",
+            json=body,
+            headers={"authorization": "Bearer sk-dave"},
+            timeout=10,
+        )
+        assert again.status_code == 429 and again.json()["error"]["code"] == "token_budget_exceeded"

@@ -34,6 +34,7 @@ CENTER = {
 }
 VLLM = {"prompt": Decimal("0.4"), "completion": Decimal("1.2"), "cached_prompt": Decimal("0.04")}
 GOLD = {"prompt": Decimal(0), "completion": Decimal("10000")}  # a cent a token
+TEN = {"prompt": Decimal(1), "completion": Decimal(10)}
 
 ROUTES = """
 currency = "EUR"
@@ -52,6 +53,11 @@ kind = "synthetic"
 ttft_ms = 2
 itl_ms = 1
 price = {{ prompt = 0, completion = 10000 }}
+[targets.ten]
+kind = "synthetic"
+ttft_ms = 2
+itl_ms = 0
+price = {{ prompt = 1, completion = 10 }}
 {vllm}
 [models.plain]
 targets = ["center"]
@@ -60,6 +66,8 @@ targets = ["center"]
 handoff = {{ from = "edge", after_tokens = 5, prefill = false, pace_ms = 0 }}  # at exactly 5
 [models.gold]
 targets = ["gold"]
+[models.ten]
+targets = ["ten"]
 {vllm_route}
 """
 VLLM_TARGET = """
@@ -85,6 +93,11 @@ budget = { amount = 0, per = "day" }
 name = "racer"
 key = "sk-racer"
 budget = { amount = 0.05, per = "total" }
+[[keys]]
+name = "cent"
+key = "sk-cent"
+max_streams = 5
+budget = { amount = 0.01, per = "day" }
 """
 
 
@@ -365,11 +378,48 @@ def test_fifty_requests_racing_for_the_last_cent_go_over_by_at_most_one_reservat
     assert spend(server, "racer") - Decimal("0.05") <= Decimal("0.03")  # one reservation
 
 
+# No max_tokens, and answers of 20,000 tokens (10 a million: 0.20 each) on a key with 0.01.
+OPEN_ENDED = {"model": "ten", "messages": MSG, "synthetic": {"answer_tokens": 20_000}}
+
+
+def five_open_ended_answers(servers: tuple[Server, ...]) -> list[httpx.Response]:
+    with concurrent.futures.ThreadPoolExecutor(5) as pool:
+        return list(
+            pool.map(
+                lambda i: post(
+                    servers[i % len(servers)], "/chat/completions", "sk-cent", OPEN_ENDED
+                ),
+                range(5),
+            )
+        )
+
+
+def test_answers_that_name_no_max_tokens_stop_at_what_the_budget_buys(
+    sqlite_server: tuple[Server, Path],
+) -> None:
+    server, _ = sqlite_server
+    answers = five_open_ended_answers((server,))
+    done = [a.json() for a in answers if a.status_code == 200]
+    assert done, [a.text for a in answers]
+    for answer in done:  # cut where the money ran out, as a max_tokens would cut it
+        assert answer["choices"][0]["finish_reason"] == "length"
+        assert answer["usage"]["completion_tokens"] < 1024
+    billed = sum(
+        cost(TEN, a["usage"]["prompt_tokens"], a["usage"]["completion_tokens"]) for a in done
+    )
+    wait_for(lambda: spend(server, "cent") == billed)
+    assert billed <= Decimal("0.01")
+
+
 def test_usage_needs_the_admin_key_and_checks_its_filters(
     sqlite_server: tuple[Server, Path],
 ) -> None:
     server, _ = sqlite_server
     assert httpx.get(server.v1 + "/usage").status_code == 404
+    # With a trailing slash too: no redirect that would tell a prober the path is there.
+    for path in ("/usage/", "/admin/events/"):
+        slashed = httpx.get(server.v1 + path)
+        assert slashed.status_code == 404 and "location" not in slashed.headers, path
     anyone = httpx.get(server.v1 + "/usage", headers={"authorization": "Bearer sk-alice"})
     assert anyone.status_code == 404
     bad = httpx.get(
@@ -487,6 +537,14 @@ def test_two_instances_on_one_redis_share_the_budget_racing_for_the_last_cent(
             assert codes.count(200) == 1 and codes.count(429) == 49
             total = lambda: spend(one, "racer") + spend(two, "racer")  # noqa: E731
             wait_for(lambda: total() == Decimal("0.07"))
+            # Open-ended answers on both: capped by one shared budget (Redis's script).
+            answers = five_open_ended_answers((one, two))
+            done = [a.json()["usage"] for a in answers if a.status_code == 200]
+            assert done and all(u["completion_tokens"] < 1024 for u in done)
+            billed = sum(cost(TEN, u["prompt_tokens"], u["completion_tokens"]) for u in done)
+            cents = lambda: spend(one, "cent") + spend(two, "cent")  # noqa: E731
+            wait_for(lambda: cents() == billed)
+            assert billed <= Decimal("0.01")
 
 
 def test_prompt_cache_reads_and_writes_are_priced_as_such_and_shown_on_every_api(

@@ -236,3 +236,47 @@ def test_check_validates_offline_one_line_per_problem(tmp_path: Path) -> None:
         f"warning: {keys}: key 'bob': routes entry 'chta' matches no route of {routes} (chat)\n"
         + free
     )
+
+
+def test_a_key_removed_while_its_bodies_arrive_gets_no_stream(tmp_path: Path) -> None:
+    """Headers (the key checked) and a part of the body, then SIGHUP removes the key, then
+    the rest of the body: admission checks the key again, so nothing streams for it."""
+    import socket
+
+    keys, routes, canned = files(tmp_path)
+    body = json.dumps(
+        {
+            "model": "chat",
+            "stream": True,
+            "max_tokens": 150,
+            "messages": [{"role": "user", "content": "tell me"}],
+        }
+    ).encode()
+    with run_server(*serve_args(keys, routes, canned)) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        slow = []
+        for _ in range(5):
+            conn = socket.create_connection((host, int(port)), timeout=10)
+            conn.sendall(
+                b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                b"authorization: Bearer sk-alice\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\n\r\n%s" % (len(body), body[:10])
+            )
+            slow.append(conn)
+        time.sleep(0.5)  # the heads are read, the key checked; the bodies wait
+        keys.write_text(WITHOUT_ALICE)
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: records(server, "config.reloaded"), timeout=5)
+        statuses = []
+        for conn in slow:
+            conn.sendall(body[10:])
+            head = b""
+            while b"\r\n\r\n" not in head:
+                chunk = conn.recv(4096)
+                if not chunk:
+                    break
+                head += chunk
+            statuses.append(head.split(b" ", 2)[1])
+            conn.close()
+        assert statuses == [b"401"] * 5, statuses
+        assert not records(server, "stream.finished")  # nothing streamed, nothing billed

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
+import anyio
 import pytest
 from starlette.requests import Request
 
@@ -12,9 +13,10 @@ import firsttoken.admission as admission_module
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
 from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
-from firsttoken.admission.spend import Budget, MemorySpend
+from firsttoken.admission.spend import Budget, MemorySpend, parse_budget
 from firsttoken.config import Settings
-from firsttoken.core.stream import Outcome, Usage
+from firsttoken.core.stream import Outcome, Stream, Usage
+from firsttoken.pricing import Leg
 from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
@@ -247,10 +249,13 @@ def test_a_request_refused_after_its_hold_gives_the_hold_back(clock: FakeClock) 
     asyncio.run(body())
 
 
-def test_a_stream_that_generated_nothing_and_did_not_complete_is_not_billed() -> None:
-    used = Usage(prompt=7, completion=0)
+def test_a_stream_that_generated_nothing_pays_its_prompt_only_if_its_client_left() -> None:
+    used = Usage(prompt=7, completion=0, cached=2)
     assert billed(Outcome.ERROR, used) == Usage()  # e.g. refused upstream before a token
-    assert billed(Outcome.CANCELLED, used) == Usage()
+    # Left during the prefill: the engine read the prompt (an upstream bills it so).
+    assert billed(Outcome.CANCELLED, used) == used
+    assert billed(Outcome.DISCONNECTED, used) == used
+    assert billed(Outcome.DISCONNECTED, None) == Usage()  # no engine had it (queued)
     assert billed(Outcome.COMPLETED, used) == used  # an empty answer still read its prompt
     cut = Usage(prompt=7, completion=5)
     assert billed(Outcome.DISCONNECTED, cut) == cut  # cut by its client: what was generated
@@ -474,5 +479,132 @@ def test_the_time_admission_waited_on_shared_limits_does_not_trip_the_ttft_guard
             await ticket.release(Outcome.COMPLETED)
         clock.advance(0.2)
         assert adm.shedder.refusal() is None
+
+
+CENT = 10**10  # picos
+
+
+def priced(clock: FakeClock) -> Admission:
+    """An admission whose route `chat` costs 10 a million answer tokens (1,024 of them are
+    just over a cent), on a spend clock of its own."""
+    adm = admission()
+    table = parse_routes(
+        {
+            "targets": {"gpu": {"kind": "synthetic", "price": {"prompt": 1, "completion": 10}}},
+            "models": {"chat": {"targets": ["gpu"]}},
+        }
+    )
+    adm.ledger.price(table)
+    adm.spend = MemorySpend(clock)
+    return adm
+
+
+def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = priced(clock)
+        cent = ApiKey(name="carol", max_streams=5, budget=parse_budget({"amount": "0.01"}, "b"))
+        assert cent.budget is not None and cent.budget.amount == CENT
+        # Five at once, none naming max_tokens, each answer as long as the engine likes
+        # (20,000 tokens): each is capped to what its share of the money left buys.
+        tickets = [await adm.admit(cent, 100, None, "chat") for _ in range(5)]
+        caps = [t.max_tokens for t in tickets]
+        assert all(cap is not None and 0 < cap < 1024 for cap in caps), caps
+        for i, ticket in enumerate(tickets):
+            ticket.request_id, ticket.legs = f"r{i}", (Leg("gpu"),)
+            ran = min(20_000, ticket.max_tokens or 20_000)  # the engine stops at its cap
+            await ticket.release(Outcome.COMPLETED, Usage(prompt=100, completion=ran))
+        assert adm.spend.spent("carol", "day") <= CENT
+        # One after another, each to its cap, until nothing is left: at most one over.
+        with pytest.raises(APIError) as refused:
+            for i in range(100):
+                ticket = await adm.admit(cent, 100, None, "chat")
+                ticket.request_id, ticket.legs = f"s{i}", (Leg("gpu"),)
+                usage = Usage(prompt=100, completion=ticket.max_tokens or 20_000)
+                await ticket.release(Outcome.COMPLETED, usage)
+        assert refused.value.code == "budget_exceeded"
+        one_reservation = 100 * 10**6 + 10**7  # the prompt and one token, in picos
+        assert adm.spend.spent("carol", "day") <= CENT + one_reservation
+
+    asyncio.run(body())
+
+
+def keyed() -> tuple[Admission, ApiKey]:
+    adm = admission()
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice"), "sk-bob": ApiKey(name="bob")})
+    alice = adm.keys.find("sk-alice")
+    assert alice is not None
+    return adm, alice
+
+
+def test_a_key_removed_while_its_body_arrived_is_refused_at_admission() -> None:
+    adm, alice = keyed()
+    assert adm.recheck(alice) is alice  # nothing reloaded: the same key
+    adm.keys = KeyRing({"sk-bob": ApiKey(name="bob")})  # the reload lands mid-body
+    with pytest.raises(APIError) as removed:
+        adm.recheck(alice)
+    assert removed.value.status == 401 and removed.value.code == "invalid_api_key"
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice", disabled=True)})
+    with pytest.raises(APIError) as disabled:
+        adm.recheck(alice)
+    assert disabled.value.status == 401 and disabled.value.code == "key_disabled"
+    adm.keys = KeyRing({"sk-alice": ApiKey(name="alice", max_streams=1)})
+    assert adm.recheck(alice).max_streams == 1  # changed: this request takes the new limits
+
+
+def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() -> None:
+    from firsttoken.core.registry import StreamRegistry
+    from firsttoken.engines import GenerationRequest, SyntheticEngine
+    from firsttoken.wire.render import NativeRenderer
+
+    async def body() -> None:
+        adm, alice = keyed()
+        registry = StreamRegistry(SyntheticEngine(), adm.metrics, ttl_s=10)
+        registry.revoked = adm.revoked
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            streams = []
+            for stream_id, key in (
+                ("a", alice),
+                ("b", adm.keys.find("sk-bob") if adm.keys else None),
+            ):
+                assert key is not None
+                stream = Stream(
+                    GenerationRequest(stream_id, "hi", "synthetic", max_tokens=5, tenant=key.name),
+                    NativeRenderer(),
+                    kind="native",
+                    trace_id="t",
+                    grace_s=10.0,
+                    prompt_tokens=1,
+                    max_events=100,
+                    accepted_at=0.0,
+                )
+                stream.ticket = await adm.admit(key, 1, 5)
+                streams.append(stream)
+            # The reload removes alice after admission checked her, before her stream started:
+            # the reload's sweep of running streams cannot see it yet.
+            adm.keys = KeyRing({"sk-bob": ApiKey(name="bob")})
+            failed = await registry.start(streams[0])
+            assert failed is not None and failed.code == "key_revoked"
+            assert await registry.start(streams[1]) is None  # bob's key stands
+            assert streams[1].outcome is None  # running
+            tg.cancel_scope.cancel()
+        assert streams[0].outcome is Outcome.ERROR and streams[0].error_code == "key_revoked"
+
+    asyncio.run(body())
+
+
+def test_a_prompt_read_before_the_client_left_is_priced_at_the_target_that_read_it(
+    clock: FakeClock,
+) -> None:
+    async def body() -> None:
+        adm = priced(clock)
+        adm.serving = lambda request_id: "gpu"  # the route's answer while the leg is open
+        payer = ApiKey(name="paula", budget=parse_budget({"amount": 1}, "b"))
+        ticket = await adm.admit(payer, 902, 100, "chat")
+        ticket.request_id = "r1"
+        ticket.prompt_read()  # the registry, as the stream ends before its first token
+        await ticket.release(Outcome.DISCONNECTED, Usage(prompt=902))
+        assert adm.spend.spent("paula", "day") == 902 * 10**6  # 1 a million prompt tokens
+        assert adm.ledger.spend["paula"] == 902 * 10**6
 
     asyncio.run(body())

@@ -37,6 +37,9 @@ class _Ticket:
     def seam(self, meta: object) -> None:
         pass
 
+    def prompt_read(self) -> None:
+        pass
+
     async def release(self, outcome: Outcome, tokens: object = 0, **_: object) -> None:
         self.releases.append(outcome)
         self.usages.append(tokens)
@@ -616,3 +619,63 @@ def test_stored_requests_count_in_the_resume_budget_while_their_streams_run() ->
             tg.cancel_scope.cancel()
 
     asyncio.run(body())
+
+
+class _Prefilling(BaseEngine):
+    """An iterator engine still before its first token; `queued`: it has not read the prompt
+    (a routed request waiting for its target's slot)."""
+
+    models = ("synthetic",)
+    tokens_generated = 0
+
+    def __init__(self, queued: bool) -> None:
+        self.queued = queued
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[Delta]:
+        await anyio.sleep_forever()
+        yield Delta("never")  # pragma: no cover
+
+    async def abort(self, request_id: str) -> None:
+        return None
+
+    def has_prompt(self, request_id: str) -> bool:
+        return not self.queued
+
+
+class _Billed(_Ticket):
+    def __init__(self) -> None:
+        super().__init__()
+        self.usage: object = "unset"
+        self.read = False
+
+    def prompt_read(self) -> None:
+        self.read = True
+
+    async def release(self, outcome: Outcome, usage: object = None, **_: object) -> None:
+        self.usage = usage
+        await super().release(outcome)
+
+
+@pytest.mark.parametrize("queued", [False, True])
+def test_a_client_gone_before_the_first_token_is_billed_the_prompt_its_engine_read(
+    queued: bool,
+) -> None:
+    async def body() -> _Billed:
+        registry = StreamRegistry(_Prefilling(queued), Metrics(), ttl_s=10)  # type: ignore[arg-type]
+        ticket = _Billed()
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream()
+            stream.ticket = ticket
+            await registry.start(stream)
+            await anyio.lowlevel.checkpoint()
+            stream.stop(Outcome.DISCONNECTED)
+            with anyio.fail_after(5):
+                await ticket.released.wait()
+            tg.cancel_scope.cancel()
+        return ticket
+
+    ticket = asyncio.run(body())
+    assert ticket.releases == [Outcome.DISCONNECTED]
+    assert ticket.usage == (None if queued else Usage(prompt=1))
+    assert ticket.read is not queued  # told while the route knows which target read it

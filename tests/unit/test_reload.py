@@ -212,3 +212,39 @@ def test_a_target_without_a_price_is_said_to_cost_nothing(files: ConfigFiles) ->
     assert unpriced_targets(files) == []
     write(files.routes, "not toml [")
     assert unpriced_targets(files) == []  # a bad file is check_files' to say
+
+
+def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
+    tmp_path: Path,
+) -> None:
+    from firsttoken.core.stream import Outcome, Usage
+    from firsttoken.pricing import Leg
+    from firsttoken.wire.errors import APIError
+
+    keys = '[[keys]]\nname = "a"\nkey = "sk-a"\nbudget = {{ amount = 0.01, per = "{per}" }}\n'
+    (tmp_path / "keys.toml").write_text(keys.format(per="day"))
+    (tmp_path / "routes.toml").write_text(
+        ROUTES.replace('kind = "synthetic"', 'kind = "synthetic"\nprice = { completion = 10000 }')
+    )
+    files = ConfigFiles(str(tmp_path / "keys.toml"), str(tmp_path / "routes.toml"))
+    r = reloader(files)
+    adm = r.gateway.admission
+
+    async def body() -> None:
+        adm.ledger.ready.set()  # the store is open (no writer runs here: records stay queued)
+        assert adm.keys is not None
+        key = adm.keys.find("sk-a")
+        assert key is not None
+        ticket = await adm.admit(key, 0, 1, "chat")
+        ticket.request_id, ticket.legs = "r1", (Leg("s"),)
+        await ticket.release(Outcome.COMPLETED, Usage(completion=1))  # a cent: all of it
+        for per in ("month", "total", "day"):  # each a budget of its own, until now
+            write(files.api_keys, keys.format(per=per))
+            assert await r.reload() is True
+            key = adm.keys.find("sk-a")
+            assert key is not None
+            with pytest.raises(APIError) as refused:
+                await adm.admit(key, 0, 1, "chat")
+            assert refused.value.code == "budget_exceeded", per
+
+    asyncio.run(body())

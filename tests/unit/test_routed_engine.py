@@ -1319,3 +1319,22 @@ def test_a_target_without_embeddings_says_so_as_a_404() -> None:
 
     error = virtual_loop.run(ask())
     assert error is not None and error.code == "embeddings_not_served" and error.status == 404
+
+
+def test_a_request_has_its_prompt_read_once_it_holds_its_targets_slot() -> None:
+    a = Scripted([5.0, *tokens(10, 1)])  # 5 s to its first token
+    engine = router({"a": a}, a={"max_concurrency": 1, "queue_timeout_s": 30, "idle_timeout_s": 60})
+
+    async def body() -> None:
+        first = asyncio.create_task(play(engine, chat("s1")))
+        second = asyncio.create_task(play(engine, chat("s2")))
+        await asyncio.sleep(1)
+        # s1 is in its prefill at the target; s2 waits in line: a client leaving now would
+        # owe s1's prompt, not s2's (no engine has read it).
+        assert engine.has_prompt("s1") and not engine.has_prompt("s2")
+        await first
+        await asyncio.sleep(1)
+        assert engine.has_prompt("s2")
+        await second
+
+    virtual_loop.run(body())

@@ -118,3 +118,37 @@ def test_a_budget_reads_exactly_from_the_keys_file() -> None:
 def test_a_bad_budget_is_refused_saying_why(raw: object, says: str) -> None:
     with pytest.raises(ValueError, match=says):
         parse_budget(raw, "keys[0].budget")
+
+
+def test_an_open_ended_answer_holds_and_may_run_to_its_share_of_what_is_left() -> None:
+    s, _ = spend()
+    budget = Budget(100 * CENT, "day")
+    # A prompt of 10 cents, a cent a token, 5 streams: a fifth of the 90 cents left after it.
+    hold = s.reserve("alice", budget, 10 * CENT, per_token=CENT, share=5)
+    assert hold is not None and hold.answer_tokens == 18
+    assert hold.picos == 10 * CENT + 18 * CENT == s.spent("alice", "day")
+    # The key's five streams all fit, each capped to its share of what was left then.
+    more = [s.reserve("alice", budget, 0, per_token=CENT, share=5) for _ in range(4)]
+    assert [h.answer_tokens for h in more if h is not None] == [14, 11, 9, 7]
+    assert s.spent("alice", "day") <= budget.amount
+
+
+def test_an_open_ended_answer_on_the_last_cents_may_run_to_one_token() -> None:
+    s, _ = spend()
+    budget = Budget(100 * CENT, "day")
+    s.add("alice", "day", 99 * CENT)
+    hold = s.reserve("alice", budget, 5 * CENT, per_token=CENT, share=5)
+    assert hold is not None and hold.answer_tokens == 1  # one reservation over, no more
+    assert s.reserve("alice", budget, 0, per_token=CENT, share=5) is None
+
+
+def test_each_period_kind_counts_apart_and_a_reload_raises_the_new_one_to_the_ledger() -> None:
+    s, _ = spend()
+    day = s.reserve("alice", Budget(100 * CENT, "day"), 30 * CENT)
+    assert day is not None
+    # A reload made it a monthly budget: the ledger says 45 cents this month.
+    s.at_least("alice", "month", 45 * CENT)
+    s.at_least("alice", "month", 20 * CENT)  # never lowered
+    assert s.spent("alice", "month") == 45 * CENT
+    s.settle(day, 10 * CENT)  # a request of the old period ends: its own count only
+    assert s.spent("alice", "month") == 45 * CENT and s.spent("alice", "day") == 10 * CENT

@@ -98,6 +98,9 @@ class _Ticket:
     def seam(self, meta: object) -> None:
         pass
 
+    def prompt_read(self) -> None:
+        pass
+
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         pass
 
