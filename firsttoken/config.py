@@ -31,6 +31,7 @@ __all__ = [
     "env_var",
     "flag",
     "unknown_variables",
+    "usage_db_problem",
     "usage_error",
 ]
 
@@ -175,7 +176,8 @@ def _redis_url(value: str) -> str | None:
     return "must be a Redis URL: redis://HOST[:PORT][/DB], rediss://… or unix:///PATH"
 
 
-def _usage_db(value: str) -> str | None:
+def usage_db_problem(value: str) -> str | None:
+    """What is wrong with a --usage-db URL (serve's and `firsttoken usage`'s); None if nothing."""
     if value.startswith("sqlite:///") and len(value) > len("sqlite:///"):
         return None
     if value.startswith(("postgresql://", "postgres://")):
@@ -381,7 +383,7 @@ class Settings:
         None,
         "the usage ledger: sqlite:///PATH (one instance) or postgresql://... (shared); "
         "default: records in memory only, budgets reset on restart",
-        check=_usage_db,
+        check=usage_db_problem,
     )
     metrics_need_admin: bool = _knob(
         False,

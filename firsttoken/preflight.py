@@ -35,6 +35,8 @@ def preflight(settings: Settings) -> None:
         _routes(settings, settings.routes)
     if settings.redis:
         _redis(settings.redis, cluster=settings.redis_cluster)
+    if settings.usage_db:
+        _usage_db(settings.usage_db)
     if settings.engine == "openai" and settings.upstream:
         _upstreams(settings)
 
@@ -156,6 +158,29 @@ def _redis(url: str, *, cluster: bool = False) -> None:
         raise StartupError(
             f"--redis {shown}: this node is part of a Redis Cluster; add --redis-cluster"
         )
+
+
+def _usage_db(url: str) -> None:
+    """The ledger must open (its schema created or migrated) before the server listens: a
+    server that cannot record usage would serve, bill nothing, and queue records forever."""
+    import anyio
+
+    from firsttoken.ledger.stores import open_store
+
+    store = open_store(url)
+
+    async def probe() -> None:
+        try:
+            with anyio.fail_after(10):
+                await store.open()
+        finally:
+            await store.close()
+
+    try:
+        anyio.run(probe)
+    except Exception as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise StartupError(f"--usage-db {store.shown}: the ledger did not open: {why}") from exc
 
 
 def _redis_why(exc: Exception) -> str:
