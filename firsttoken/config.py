@@ -242,7 +242,10 @@ def _otlp_endpoint(value: str) -> str | None:
 
 def _secret_variable(value: str) -> str | None:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return "must be the name of an environment variable (e.g. FIRSTTOKEN_ADMIN_KEY)"
+        return (
+            "must be the name of the environment variable that holds the key, not the key "
+            "(FIRSTTOKEN_ADMIN_KEY=<key> firsttoken serve --admin-key-env FIRSTTOKEN_ADMIN_KEY)"
+        )
     return None if os.environ.get(value, "").strip() else f"${value} is empty or not set"
 
 
@@ -552,8 +555,10 @@ class Settings:
         # and before what either one would need.
         if self.routes and (self.engine == "openai" or self.upstream):
             raise SettingError(
-                "routes", None, "cannot go with --engine openai or --upstream: name the "
-                "upstreams as targets in the routes file"
+                "routes",
+                None,
+                "cannot go with --engine openai or --upstream: name the "
+                "upstreams as targets in the routes file",
             )
         if self.engine == "openai" and not self.upstream:
             raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
@@ -627,15 +632,18 @@ class Settings:
         return parser
 
 
-def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+def unknown_variables(
+    env: Mapping[str, str] | None = None, named: Collection[str | None] = ()
+) -> dict[str, str | None]:
     """FIRSTTOKEN_* variables no setting reads (a typo is otherwise silently ignored), each
-    with the closest known name."""
+    with the closest known name. `named`: variables a setting names (--admin-key-env's), read
+    for their value: no typo."""
     env = os.environ if env is None else env
     known = [f.name.upper() for f in fields(Settings)]
     out: dict[str, str | None] = {}
     for name in sorted(env):
         rest = name.removeprefix("FIRSTTOKEN_")
-        if rest == name or rest in known or name in _NOT_SETTINGS:
+        if rest == name or rest in known or name in _NOT_SETTINGS or name in named:
             continue
         close = difflib.get_close_matches(rest, known, n=1)  # without the shared prefix
         out[name] = "FIRSTTOKEN_" + close[0] if close else None
@@ -643,7 +651,13 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | N
 
 
 # Read by others: the tests, deploy/Caddyfile and scripts/serve (often set in the same shell).
-_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM", "FIRSTTOKEN_SITE", "FIRSTTOKEN_BIND", "FIRSTTOKEN_EXTRAS"}
+_NOT_SETTINGS = {
+    "FIRSTTOKEN_CHROMIUM",
+    "FIRSTTOKEN_SITE",
+    "FIRSTTOKEN_BIND",
+    "FIRSTTOKEN_GATEWAY",
+    "FIRSTTOKEN_EXTRAS",
+}
 
 
 def flag(name: str) -> str:
@@ -719,4 +733,5 @@ def _check(f: Field[Any], value: Any) -> None:
             raise SettingError(f.name, value, _expected(f))
     complaint = meta["check"](value) if meta["check"] else None
     if complaint:
-        raise SettingError(f.name, value, complaint)
+        # A setting that names a variable may have been given the secret itself: never shown.
+        raise SettingError(f.name, None if f.name.endswith("_env") else value, complaint)
