@@ -8,7 +8,6 @@ is what needs the world.
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import fields
@@ -81,20 +80,16 @@ def _canned(path: str) -> None:
 
 
 def _routes(settings: Settings, path: str) -> None:
+    from firsttoken.reload import unset_key_variable
     from firsttoken.routing.config import RoutesError, load_routes
 
     try:
         table = load_routes(path)
     except RoutesError as exc:
         raise StartupError(f"--routes {exc}") from exc
-    for target in table.targets.values():
-        variable = target.api_key_env
-        if variable and not os.environ.get(variable):
-            # It would start and send no key: every request refused (401), the client blamed.
-            raise StartupError(
-                f"--routes {path}: [targets.{target.name}] api_key_env: {variable} is not set "
-                "(or empty) in the environment"
-            )
+    unset = unset_key_variable(table, path)
+    if unset is not None:  # as a reload and `firsttoken check` refuse it
+        raise StartupError(f"--routes {unset}")
     # Beside --routes the --synthetic-* settings reach only the file's synthetic targets, and
     # a pace only those that set none of their own: given where nothing reads them, refused.
     # (Told by value: a flag typed equal to its default cannot be told from none.)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -83,6 +84,19 @@ def _load_canned(path: str) -> dict[str, str]:
     return load_canned(path)
 
 
+def unset_key_variable(table: RouteTable, path: str) -> str | None:
+    """A target's `api_key_env` that names no set variable (it would send no key: every
+    request refused upstream, the client blamed), as one line; None when all are set."""
+    for target in table.targets.values():
+        variable = target.api_key_env
+        if variable and not os.environ.get(variable):
+            return (
+                f"{path}: [targets.{target.name}] api_key_env: {variable} is not set (or empty) "
+                "in the environment"
+            )
+    return None
+
+
 def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
     keys = routes = canned = None
     problems: list[str] = []
@@ -96,6 +110,10 @@ def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
             routes = load_routes(files.routes)
         except (OSError, ValueError) as exc:
             problems.append(_named(files.routes, exc))
+        unset = unset_key_variable(routes, files.routes) if routes is not None else None
+        if unset is not None:
+            problems.append(unset)
+            routes = None
     if files.canned_answers:
         try:
             canned = _load_canned(files.canned_answers)

@@ -34,6 +34,7 @@ __all__ = [
     "Store",
     "StoreError",
     "open_store",
+    "record_fault",
     "sqlite_path",
 ]
 
@@ -66,6 +67,17 @@ class Store(Protocol):
     async def currency(self) -> str | None: ...
 
     async def close(self) -> None: ...
+
+
+def record_fault(exc: BaseException) -> bool:
+    """Whether a write failed for what a record holds (a number past BIGINT, a value the
+    table refuses), not for the database: written again, it would fail again."""
+    if isinstance(exc, OverflowError | sqlite3.DataError | sqlite3.IntegrityError):
+        return True
+    # psycopg's DataError and IntegrityError (not imported: the extra may be absent).
+    return type(exc).__module__.startswith("psycopg") and any(
+        c.__name__ in ("DataError", "IntegrityError") for c in type(exc).__mro__
+    )
 
 
 def sqlite_path(url: str) -> str:

@@ -325,6 +325,9 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
 
 
 _PRICE_FIELDS = ("prompt", "completion", "cached_prompt", "cache_write", "reasoning")
+# Per million tokens. Far above any model's, and low enough that a request's cost in picos
+# stays a 64-bit integer (the ledger's BIGINT) up to ~900 million tokens.
+MAX_PRICE = 10_000
 
 
 def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
@@ -337,6 +340,11 @@ def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
             given[name] = parse_money(value, "a price")
         except ValueError as exc:
             raise fail(f"{where}.{name}", f"{exc}, not {value!r}") from None
+        if given[name] > MAX_PRICE:
+            raise fail(
+                f"{where}.{name}",
+                f"a price per million tokens of at most {MAX_PRICE:,}, not {value!r}",
+            )
     return Price.per_million(**given)
 
 

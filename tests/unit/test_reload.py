@@ -212,3 +212,21 @@ def test_a_target_without_a_price_is_said_to_cost_nothing(files: ConfigFiles) ->
     assert unpriced_targets(files) == []
     write(files.routes, "not toml [")
     assert unpriced_targets(files) == []  # a bad file is check_files' to say
+
+
+def test_check_and_reload_refuse_a_key_variable_the_start_refuses(
+    files: ConfigFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FT_UNSET_UPSTREAM_KEY", raising=False)
+    write(
+        files.routes,
+        ROUTES.replace(
+            'kind = "synthetic"', 'kind = "synthetic"\napi_key_env = "FT_UNSET_UPSTREAM_KEY"'
+        ),
+    )
+    assert check_files(files) == [
+        f"{files.routes}: [targets.s] api_key_env: FT_UNSET_UPSTREAM_KEY is not set (or empty) "
+        "in the environment"
+    ]
+    monkeypatch.setenv("FT_UNSET_UPSTREAM_KEY", "sk-upstream")
+    assert check_files(files) == []

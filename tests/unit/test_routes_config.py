@@ -341,6 +341,9 @@ def test_a_price_is_read_exactly_with_its_defaults_and_one_currency() -> None:
         ({"input": 1}, "[targets.a] price.input: unknown price"),
         ({"prompt": 0.0000001}, "more than 6 decimal places"),
         ({"prompt": True}, "a price must be a number"),
+        # Past BIGINT picos within a request: a ledger batch that could never be written.
+        ({"prompt": 2e13}, "price.prompt: a price per million tokens of at most 10,000"),
+        ({"completion": 10_000.000001}, "price.completion: a price per million tokens of at"),
     ],
 )
 def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> None:
