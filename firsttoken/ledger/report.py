@@ -38,11 +38,17 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _COUNTS = ("requests", *TOKEN_COLUMNS)
 
 
-def parse_since(value: str | None, now: float | None = None) -> float | None:
+# An offset's `+` in a URL's query arrives as a space unless written %2B: `…T10:00:00 02:00`.
+_SPACED_OFFSET = re.compile(r"(\d\d:\d\d(?::\d\d(?:\.\d+)?)?) (\d\d:?\d\d)$")
+
+
+def parse_since(value: str | None, now: float | None = None, name: str = "--since") -> float | None:
     """`24h`, `7d`, `30m`, `90s` (that long ago), a date `2026-12-01` or an ISO time (UTC
-    unless it says otherwise), or `all`/None (no bound): Unix seconds; ValueError if none."""
+    unless it says otherwise), or `all`/None (no bound): Unix seconds; ValueError naming
+    `name` (the flag, or the query parameter) if none."""
     if value is None or value == "all":
         return None
+    value = _SPACED_OFFSET.sub(r"\1+\2", value.strip())
     now = time.time() if now is None else now
     span = _SPAN.match(value.strip())
     if span:
@@ -51,7 +57,7 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
         when = datetime.fromisoformat(value.strip())
     except ValueError:
         raise ValueError(
-            f"--since {value!r}: give a span (24h, 7d, 30m), a date or an ISO time, or 'all'"
+            f"{name} {value!r}: give a span (24h, 7d, 30m), a date or an ISO time, or 'all'"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)

@@ -7,6 +7,7 @@ back to something else sends a user's prompt to a model they did not choose.
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from collections.abc import Mapping
@@ -222,9 +223,13 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
     def fail(where: str, message: str) -> RoutesError:
         return RoutesError(f"{source}: {where}: {message}")
 
-    unknown = set(data) - {"targets", "models", "currency"}
+    unknown = sorted(set(data) - {"targets", "models", "currency"})
+    if unknown and not isinstance(data[unknown[0]], dict):  # a field: `curency = "EUR"`
+        close = difflib.get_close_matches(unknown[0], ["currency"], n=1)
+        hint = "; did you mean currency?" if close else ""
+        raise fail(unknown[0], f"unknown field (known: currency, [targets.*], [models.*]){hint}")
     if unknown:
-        raise fail(f"[{sorted(unknown)[0]}]", "unknown table (expected [targets.*], [models.*])")
+        raise fail(f"[{unknown[0]}]", "unknown table (expected [targets.*], [models.*])")
     raw_targets = _table(data, "targets", source)
     raw_routes = _table(data, "models", source)
     if not raw_targets:
@@ -351,7 +356,7 @@ def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
 def _currency(data: Mapping[str, Any], fail: Any) -> str:
     currency = data.get("currency", "USD")
     if not isinstance(currency, str) or not 1 <= len(currency) <= 16 or not currency.isalnum():
-        raise fail("currency", f"must be a currency code such as \"USD\", not {currency!r}")
+        raise fail("currency", f'must be a currency code such as "USD", not {currency!r}')
     return currency
 
 

@@ -114,3 +114,12 @@ def test_a_bad_flag_is_one_line_and_a_hint_not_the_whole_usage(
     err = capsys.readouterr().err
     assert exited.value.code == 2 and err.count("\n") == 2 and "usage: firsttoken" not in err
     assert "try 'firsttoken usage --help'" in err
+
+
+def test_an_offset_whose_plus_a_query_turned_into_a_space_still_reads() -> None:
+    # `?since=2026-12-01T10:00:00+02:00` unescaped: the `+` arrives as a space.
+    spaced = parse_since("2026-12-01T10:00:00 02:00")
+    assert spaced == parse_since("2026-12-01T10:00:00+02:00") == parse_since("2026-12-01T08:00Z")
+    assert parse_since("2026-12-01 10:00") == parse_since("2026-12-01T10:00:00+00:00")
+    with pytest.raises(ValueError, match=r"^since 'soon': give a span"):
+        parse_since("soon", name="since")  # the query parameter, not the CLI's flag

@@ -385,3 +385,11 @@ def test_a_handoff_is_timed_by_default_and_by_count_when_asked() -> None:
 def test_the_handoffs_timing_fields_are_checked(field: str, value: Any, says: str) -> None:
     line = refused(two_tiers(**{field: value}))
     assert f"[models.chat] handoff {field}" in line and says in line
+
+
+def test_a_misspelt_currency_is_named() -> None:
+    line = refused({**table(), "curency": "EUR"})
+    assert line == (
+        "routes.toml: curency: unknown field (known: currency, [targets.*], [models.*]); "
+        "did you mean currency?"
+    )
