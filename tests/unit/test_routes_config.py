@@ -316,6 +316,8 @@ def test_a_mistake_after_a_hand_off_still_names_the_file() -> None:
         },
     }
     assert refused(data).startswith("routes.toml: [models.other] targets: no target named")
+
+
 def test_a_price_is_read_exactly_with_its_defaults_and_one_currency() -> None:
     from firsttoken.pricing import Price
 
@@ -352,6 +354,8 @@ def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> N
 
 def test_a_bad_currency_is_refused() -> None:
     assert "currency: must be a currency code" in refused({**table(), "currency": ""})
+
+
 def two_tiers(**handoff: Any) -> dict[str, Any]:
     data = table()
     data["targets"]["small"] = {"kind": "synthetic"}
