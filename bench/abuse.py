@@ -458,16 +458,22 @@ def _closed(sock: socket.socket) -> bool:
 
 
 async def abuse(
-    duration_s: float = 60.0, *, mallory_resume_bytes: int = 0, log: Path | None = None
+    duration_s: float = 60.0,
+    *,
+    mallory_resume_bytes: int = 0,
+    resume_max_bytes: int = 0,
+    log: Path | None = None,
 ) -> AbuseResult:
     """A third of `duration_s` for alice alone, the rest beside mallory (whose keys-file
-    `resume_max_bytes` is `mallory_resume_bytes`, when given)."""
+    `resume_max_bytes` is `mallory_resume_bytes`, when given; the server's
+    `--resume-max-bytes` is `resume_max_bytes`, when given)."""
     log = log or Path(tempfile.gettempdir()) / f"firsttoken-abuse-{int(time.time())}.log"
     with tempfile.TemporaryDirectory() as tmp:
         keys = Path(tmp) / "keys.toml"
         own = f"resume_max_bytes = {mallory_resume_bytes}\n" if mallory_resume_bytes else ""
         keys.write_text(KEYS + own)
-        server = Server(log, keys)
+        bound = ("--resume-max-bytes", str(resume_max_bytes)) if resume_max_bytes else ()
+        server = Server(log, keys, *bound)
         try:
             result = AbuseResult(Phase("baseline"), Phase("abuse"))
             await _run_phase(server, result.baseline, duration_s / 3)
@@ -489,7 +495,8 @@ async def abuse(
                 "firsttoken_readers_paused",
                 "firsttoken_readers_stalled_total",
                 "firsttoken_resume_buffer_bytes",
-                "firsttoken_resume_buffers_dropped_total",
+                'firsttoken_resume_buffers_dropped_total{key="alice"}',
+                'firsttoken_resume_buffers_dropped_total{key="mallory"}',
                 'firsttoken_streams_total{outcome="error"}',
                 'firsttoken_streams_total{outcome="rejected"}',
                 'firsttoken_shedding{reason="breaker"}',
@@ -510,21 +517,42 @@ def main(argv: list[str] | None = None) -> int:
         default=0,
         help="the unfriendly key's resume_max_bytes in the keys file (default: none)",
     )
+    p.add_argument(
+        "--resume-max-bytes",
+        type=int,
+        default=0,
+        help="the server's --resume-max-bytes (default: the server's default, 128 MiB); small "
+        "enough that mallory fills it, it shows whose buffers are dropped",
+    )
     p.add_argument("--json", type=Path, default=None, help="write the result here")
     args = p.parse_args(argv)
-    result = asyncio.run(abuse(args.duration_s, mallory_resume_bytes=args.mallory_resume_bytes))
+    result = asyncio.run(
+        abuse(
+            args.duration_s,
+            mallory_resume_bytes=args.mallory_resume_bytes,
+            resume_max_bytes=args.resume_max_bytes,
+        )
+    )
     summary = result.summary()
     if args.json:
         args.json.write_text(orjson.dumps(summary, option=orjson.OPT_INDENT_2).decode())
     print(json.dumps(summary, indent=2))
     b, a, r = result.baseline, result.abuse, result.ratios()
+    m = result.server_metrics
+
+    def dropped_of(key: str) -> float:
+        return m.get('firsttoken_resume_buffers_dropped_total{key="' + key + '"}', 0.0)
+
     print(
         f"alice alone: {b.completion_rate:.1%} completed, TTFT p99 {b.ttft_p99_ms} ms, "
         f"peak RSS {b.peak_rss_mib:.0f} MiB\n"
         f"beside mallory: {a.completion_rate:.1%} completed, TTFT p99 {a.ttft_p99_ms} ms, "
         f"peak RSS {a.peak_rss_mib:.0f} MiB\n"
         f"ratios (abuse ÷ alone): completion {r['completion_rate']}, TTFT p99 {r['ttft_p99']}, "
-        f"peak RSS {r['peak_rss']}"
+        f"peak RSS {r['peak_rss']}\n"
+        "resume buffers dropped: "
+        + ", ".join(f"{k} {dropped_of(k):.0f}" for k in ("alice", "mallory"))
+        + f" (held at the end: {m.get('firsttoken_resume_buffer_bytes', 0) / 2**20:.1f} MiB)"
     )
     return 0
 

@@ -393,7 +393,7 @@ async def _readyz(request: Request) -> Response:
             headers={"retry-after": "5"},
         )
     # Degraded is still ready: local streams need nothing from Redis (docs/reliability.md).
-    parts = (gw.registry.store, gw.admission.limits)
+    parts = (gw.registry.store, gw.admission.limits, gw.admission.ledger)
     degraded = sorted({d for part in parts if (d := part.degraded)})
     body: dict[str, object] = {"status": "degraded" if degraded else "ready"}
     if degraded:

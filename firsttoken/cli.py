@@ -20,7 +20,7 @@ _USAGE = """usage: firsttoken {serve,diag,replay,check,keys,usage} [options]
   diag     measure any SSE endpoint: TTFT, chunk intervals, buffering
   replay   replay a captured stream to stdout or as an SSE endpoint
   check    validate the keys, routes and canned answers files as a reload would
-  keys     'keys new NAME': a fresh key and its keys-file lines; 'keys hash': a secret's digest
+  keys     'keys new NAME': a fresh key; 'keys rotate NAME': a new secret for a key; 'keys hash'
   usage    what the usage ledger holds: tokens and cost by key, route, target or day
 
 'firsttoken COMMAND --help' lists a command's options; 'firsttoken --version' the version.
@@ -95,17 +95,42 @@ def _check(argv: list[str]) -> int:
 
 def _keys(argv: list[str]) -> int:
     """`keys new NAME`: a fresh secret (printed once) and the [[keys]] lines that hold only
-    its digest; `keys hash`: the digest of the secret on stdin."""
+    its digest; `keys rotate NAME`: a fresh secret added to NAME in the keys file, with its
+    limits; `keys hash`: the digest of the secret on stdin."""
     import json
+    import os
 
-    from firsttoken.admission.keys import digest_hex, new_secret
+    from firsttoken.admission.keys import digest_hex, new_secret, rotate
+    from firsttoken.config import Parser
 
-    if argv[:1] == ["new"] and len(argv) == 2 and argv[1]:
+    parser = Parser(
+        prog="firsttoken keys",
+        description="Make API keys: each secret is printed once; keys files hold its digest.",
+    )
+    actions = parser.add_subparsers(dest="action", required=True, metavar="{new,rotate,hash}")
+    new = actions.add_parser(
+        "new", help="a fresh key: its secret, then the [[keys]] lines to paste (no secret)"
+    )
+    new.add_argument("name", help="the key's name (logs, metrics, limit errors)")
+    turn = actions.add_parser(
+        "rotate",
+        help="a fresh secret for an existing key, appended to the keys file with its limits",
+    )
+    turn.add_argument("name", help="the key's name in the keys file")
+    turn.add_argument(
+        "--api-keys",
+        metavar="FILE",
+        default=os.environ.get("FIRSTTOKEN_API_KEYS"),
+        help="the keys file (default: FIRSTTOKEN_API_KEYS)",
+    )
+    actions.add_parser("hash", help="the digest (key_sha256) of the secret on stdin")
+    args = parser.parse_args(argv)
+    if args.action == "new":
         secret = new_secret()
         print(secret)
         print()
         print("[[keys]]")
-        print(f"name = {json.dumps(argv[1])}")
+        print(f"name = {json.dumps(args.name)}")
         print(f'key_sha256 = "{digest_hex(secret)}"')
         print(
             "firsttoken keys: the first line is the new key's secret, shown only now: give it "
@@ -113,14 +138,29 @@ def _keys(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 0
-    if argv == ["hash"]:
-        secret = sys.stdin.read().strip()
-        if not secret:
-            print("firsttoken keys hash: no secret on stdin", file=sys.stderr)
+    if args.action == "rotate":
+        if not args.api_keys:
+            usage_error("firsttoken keys rotate", "no keys file (--api-keys FILE)")
+        try:
+            secret, index = rotate(args.api_keys, args.name)
+        except (OSError, ValueError) as exc:
+            print(f"firsttoken keys rotate: {exc}", file=sys.stderr)
             return 1
-        print(digest_hex(secret))
+        print(secret)
+        print(
+            f"firsttoken keys rotate: the line above is a new secret of the key {args.name!r}, "
+            f"shown only now; {args.api_keys} holds its digest as keys[{index}], with the "
+            "key's limits. Reload (SIGHUP, or --watch-config), give the secret to its owner, "
+            "then remove the old entry (or set disabled = true on it) and reload again",
+            file=sys.stderr,
+        )
         return 0
-    usage_error("firsttoken keys", "expected 'keys new NAME' or 'keys hash' (secret on stdin)")
+    secret = sys.stdin.read().strip()
+    if not secret:
+        print("firsttoken keys hash: no secret on stdin", file=sys.stderr)
+        return 1
+    print(digest_hex(secret))
+    return 0
 
 
 def _serve(argv: list[str]) -> int:

@@ -31,6 +31,7 @@ __all__ = [
     "env_var",
     "flag",
     "unknown_variables",
+    "usage_db_problem",
     "usage_error",
 ]
 
@@ -175,7 +176,8 @@ def _redis_url(value: str) -> str | None:
     return "must be a Redis URL: redis://HOST[:PORT][/DB], rediss://… or unix:///PATH"
 
 
-def _usage_db(value: str) -> str | None:
+def usage_db_problem(value: str) -> str | None:
+    """What is wrong with a --usage-db URL (serve's and `firsttoken usage`'s); None if nothing."""
     if value.startswith("sqlite:///") and len(value) > len("sqlite:///"):
         return None
     if value.startswith(("postgresql://", "postgres://")):
@@ -240,7 +242,10 @@ def _otlp_endpoint(value: str) -> str | None:
 
 def _secret_variable(value: str) -> str | None:
     if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value):
-        return "must be the name of an environment variable (e.g. FIRSTTOKEN_ADMIN_KEY)"
+        return (
+            "must be the name of the environment variable that holds the key, not the key "
+            "(FIRSTTOKEN_ADMIN_KEY=<key> firsttoken serve --admin-key-env FIRSTTOKEN_ADMIN_KEY)"
+        )
     return None if os.environ.get(value, "").strip() else f"${value} is empty or not set"
 
 
@@ -381,7 +386,7 @@ class Settings:
         None,
         "the usage ledger: sqlite:///PATH (one instance) or postgresql://... (shared); "
         "default: records in memory only, budgets reset on restart",
-        check=_usage_db,
+        check=usage_db_problem,
     )
     metrics_need_admin: bool = _knob(
         False,
@@ -550,8 +555,10 @@ class Settings:
         # and before what either one would need.
         if self.routes and (self.engine == "openai" or self.upstream):
             raise SettingError(
-                "routes", None, "cannot go with --engine openai or --upstream: name the "
-                "upstreams as targets in the routes file"
+                "routes",
+                None,
+                "cannot go with --engine openai or --upstream: name the "
+                "upstreams as targets in the routes file",
             )
         if self.engine == "openai" and not self.upstream:
             raise SettingError("upstream", None, "required with --engine openai (URL[,URL...])")
@@ -625,15 +632,18 @@ class Settings:
         return parser
 
 
-def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | None]:
+def unknown_variables(
+    env: Mapping[str, str] | None = None, named: Collection[str | None] = ()
+) -> dict[str, str | None]:
     """FIRSTTOKEN_* variables no setting reads (a typo is otherwise silently ignored), each
-    with the closest known name."""
+    with the closest known name. `named`: variables a setting names (--admin-key-env's), read
+    for their value: no typo."""
     env = os.environ if env is None else env
     known = [f.name.upper() for f in fields(Settings)]
     out: dict[str, str | None] = {}
     for name in sorted(env):
         rest = name.removeprefix("FIRSTTOKEN_")
-        if rest == name or rest in known or name in _NOT_SETTINGS:
+        if rest == name or rest in known or name in _NOT_SETTINGS or name in named:
             continue
         close = difflib.get_close_matches(rest, known, n=1)  # without the shared prefix
         out[name] = "FIRSTTOKEN_" + close[0] if close else None
@@ -641,7 +651,13 @@ def unknown_variables(env: Mapping[str, str] | None = None) -> dict[str, str | N
 
 
 # Read by others: the tests, deploy/Caddyfile and scripts/serve (often set in the same shell).
-_NOT_SETTINGS = {"FIRSTTOKEN_CHROMIUM", "FIRSTTOKEN_SITE", "FIRSTTOKEN_BIND", "FIRSTTOKEN_EXTRAS"}
+_NOT_SETTINGS = {
+    "FIRSTTOKEN_CHROMIUM",
+    "FIRSTTOKEN_SITE",
+    "FIRSTTOKEN_BIND",
+    "FIRSTTOKEN_GATEWAY",
+    "FIRSTTOKEN_EXTRAS",
+}
 
 
 def flag(name: str) -> str:
@@ -717,4 +733,5 @@ def _check(f: Field[Any], value: Any) -> None:
             raise SettingError(f.name, value, _expected(f))
     complaint = meta["check"](value) if meta["check"] else None
     if complaint:
-        raise SettingError(f.name, value, complaint)
+        # A setting that names a variable may have been given the secret itself: never shown.
+        raise SettingError(f.name, None if f.name.endswith("_env") else value, complaint)

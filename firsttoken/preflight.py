@@ -8,7 +8,6 @@ is what needs the world.
 
 from __future__ import annotations
 
-import os
 import re
 import tomllib
 from dataclasses import fields
@@ -35,6 +34,8 @@ def preflight(settings: Settings) -> None:
         _routes(settings, settings.routes)
     if settings.redis:
         _redis(settings.redis, cluster=settings.redis_cluster)
+    if settings.usage_db:
+        _usage_db(settings.usage_db)
     if settings.engine == "openai" and settings.upstream:
         _upstreams(settings)
 
@@ -79,20 +80,16 @@ def _canned(path: str) -> None:
 
 
 def _routes(settings: Settings, path: str) -> None:
+    from firsttoken.reload import unset_key_variable
     from firsttoken.routing.config import RoutesError, load_routes
 
     try:
         table = load_routes(path)
     except RoutesError as exc:
         raise StartupError(f"--routes {exc}") from exc
-    for target in table.targets.values():
-        variable = target.api_key_env
-        if variable and not os.environ.get(variable):
-            # It would start and send no key: every request refused (401), the client blamed.
-            raise StartupError(
-                f"--routes {path}: [targets.{target.name}] api_key_env: {variable} is not set "
-                "(or empty) in the environment"
-            )
+    unset = unset_key_variable(table, path)
+    if unset is not None:  # as a reload and `firsttoken check` refuse it
+        raise StartupError(f"--routes {unset}")
     # Beside --routes the --synthetic-* settings reach only the file's synthetic targets, and
     # a pace only those that set none of their own: given where nothing reads them, refused.
     # (Told by value: a flag typed equal to its default cannot be told from none.)
@@ -156,6 +153,29 @@ def _redis(url: str, *, cluster: bool = False) -> None:
         raise StartupError(
             f"--redis {shown}: this node is part of a Redis Cluster; add --redis-cluster"
         )
+
+
+def _usage_db(url: str) -> None:
+    """The ledger must open (its schema created or migrated) before the server listens: a
+    server that cannot record usage would serve, bill nothing, and queue records forever."""
+    import anyio
+
+    from firsttoken.ledger.stores import open_store
+
+    store = open_store(url)
+
+    async def probe() -> None:
+        try:
+            with anyio.fail_after(10):
+                await store.open()
+        finally:
+            await store.close()
+
+    try:
+        anyio.run(probe)
+    except Exception as exc:
+        why = " ".join(str(exc).split()) or type(exc).__name__
+        raise StartupError(f"--usage-db {store.shown}: the ledger did not open: {why}") from exc
 
 
 def _redis_why(exc: Exception) -> str:

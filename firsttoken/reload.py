@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -85,6 +86,19 @@ def _load_canned(path: str) -> dict[str, str]:
     return load_canned(path)
 
 
+def unset_key_variable(table: RouteTable, path: str) -> str | None:
+    """A target's `api_key_env` that names no set variable (it would send no key: every
+    request refused upstream, the client blamed), as one line; None when all are set."""
+    for target in table.targets.values():
+        variable = target.api_key_env
+        if variable and not os.environ.get(variable):
+            return (
+                f"{path}: [targets.{target.name}] api_key_env: {variable} is not set (or empty) "
+                "in the environment"
+            )
+    return None
+
+
 def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
     keys = routes = canned = None
     problems: list[str] = []
@@ -98,6 +112,10 @@ def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
             routes = load_routes(files.routes)
         except (OSError, ValueError) as exc:
             problems.append(_named(files.routes, exc))
+        unset = unset_key_variable(routes, files.routes) if routes is not None else None
+        if unset is not None:
+            problems.append(unset)
+            routes = None
     if files.canned_answers:
         try:
             canned = _load_canned(files.canned_answers)
@@ -135,6 +153,40 @@ def unmatched_routes(files: ConfigFiles) -> list[str]:
                     f"route of {files.routes} ({', '.join(names)})"
                 )
     return warnings
+
+
+def ineffective(config: Configuration, models: list[str], now: float) -> list[str]:
+    """Settings that load but cannot take effect, one line each, for a warning at start and
+    at each reload (`config.ineffective`): a key's `routes` entry that matches no route, a
+    `budget` where no target has a price, a `handoff` onto targets that cannot continue, a
+    key already expired. `models`: the routes (model names) served, from the routes file or
+    the engine."""
+    lines = []
+    table = config.routes
+    if table is not None:
+        models = list(table.routes)
+        for route in table.routes.values():
+            if route.handoff is None:
+                continue
+            if all(table.targets[t].continuation == "none" for t in route.targets):
+                lines.append(
+                    f"[models.{route.name}] handoff: every target of the route has "
+                    'continuation = "none", so none can take the answer over: '
+                    f"{route.handoff.source!r} answers alone"
+                )
+    priced = table is not None and any(t.price is not None for t in table.targets.values())
+    for key in config.keys.keys() if config.keys is not None else ():
+        where = f"key {key.name!r}"
+        for pattern in key.routes or ():
+            if not any(ApiKey(key.name, routes=(pattern,)).may_use(n) for n in models):
+                lines.append(
+                    f"{where}: routes entry {pattern!r} matches no route ({', '.join(models)})"
+                )
+        if key.budget is not None and not priced:
+            lines.append(f"{where}: budget: no target has a price, so nothing is ever spent")
+        if key.expires_at is not None and key.expires_at <= now:
+            lines.append(f"{where}: expires_at is past: every request gets 401 key_expired")
+    return list(dict.fromkeys(lines))  # a name's two secrets say it once
 
 
 def unpriced_targets(files: ConfigFiles) -> list[str]:
@@ -188,9 +240,26 @@ class Reloader:
         """Reload soon (SIGHUP: called by the loop's signal handler, in the loop's thread)."""
         self._asked.set()
 
+    def warn_ineffective(self, config: Configuration) -> None:
+        """One `config.ineffective` warning per setting that cannot take effect."""
+        models = list(getattr(self.gateway.engine, "models", ()))
+        lines = ineffective(config, models, self.clock())
+        if self.watch and not self.files.paths():
+            lines.insert(
+                0, "--watch-config: no file to watch (--api-keys, --routes, --canned-answers)"
+            )
+        for line in lines:
+            log_event("config.ineffective", logging.WARNING, note=line)
+
+    def running(self) -> Configuration:
+        """What the gateway runs now, as a Configuration."""
+        table = self.routes.current.table if self.routes is not None else None
+        return Configuration(self.gateway.admission.keys, table)
+
     async def run(self) -> None:
         """Reload when asked, or (with `watch`) when a file's contents change; close retired
         targets once idle. Until cancelled."""
+        self.warn_ineffective(self.running())
         while True:
             with anyio.move_on_after(WATCH_S):
                 await self._asked.wait()
@@ -251,6 +320,7 @@ class Reloader:
         self.loaded_at = self.clock()
         said["took_ms"] = round((time.perf_counter() - started) * 1000, 3)
         log_event("config.reloaded", **said)
+        self.warn_ineffective(self.running())
         return True
 
     def _swap_keys(self, ring: KeyRing) -> dict[str, object]:

@@ -90,9 +90,7 @@ class _Server(uvicorn.Server):
         if reloader is not None:
             # SIGHUP reloads the keys, routes and canned answers files (firsttoken/reload.py),
             # in the loop's own time: the handler only asks.
-            signal.signal(
-                signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(reloader.request)
-            )
+            signal.signal(signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(reloader.request))
         usage = self.gateway.admission.ledger.store.shown if self.gateway is not None else None
         fields: dict[str, str] = {"usage_db": usage} if usage else {}
         if usage == "memory":  # no --usage-db
@@ -234,12 +232,15 @@ def serve(settings: Settings) -> None:
     """Run until stopped. A server that cannot start logs one `startup.failed` line and
     exits with status 1 (with the traceback on stderr only at --log-level debug)."""
     configure_logging(settings.log_level)
-    for name, close in unknown_variables().items():
+    for name, close in unknown_variables(named=(settings.admin_key_env,)).items():
+        hint = f"; did you mean {close}?" if close else ""
+        if close is not None and close == f"{name}_ENV":  # the variable a *_ENV setting names
+            hint = f"; to read it, set {close}={name} (its name, not its value)"
         log_event(
             "config.unknown_variable",
             logging.WARNING,
             variable=name,
-            note=f"no setting reads it{f'; did you mean {close}?' if close else ''}",
+            note=f"no setting reads it{hint}",
         )
     try:
         preflight(settings)

@@ -1,6 +1,6 @@
 """A real Caddy for tests and benches: deploy/Caddyfile as shipped, on a free port.
 
-The Caddyfile reads its site address and upstream from FIRSTTOKEN_SITE / FIRSTTOKEN_UPSTREAM,
+The Caddyfile reads its site address and upstream from FIRSTTOKEN_SITE / FIRSTTOKEN_GATEWAY,
 so nothing is rewritten: only the environment differs. Caddy's data (its local CA, the site's
 certificate) and config directories live in a tmp dir, so nothing on the machine is touched,
 and `localhost` gets its certificate from Caddy's own CA, offline. Also a self-signed pair
@@ -88,7 +88,7 @@ def run_caddy(upstream: str, home: Path, timeout: float = 20.0) -> Iterator[Cadd
         "XDG_DATA_HOME": str(home / "data"),
         "XDG_CONFIG_HOME": str(home / "config"),
         "FIRSTTOKEN_SITE": f"localhost:{port}",
-        "FIRSTTOKEN_UPSTREAM": upstream,
+        "FIRSTTOKEN_GATEWAY": upstream,
     }
     with (home / "caddy.log").open("wb") as log:
         proc = subprocess.Popen(

@@ -575,7 +575,13 @@ class Admission:
             raise APIError(
                 429,
                 "concurrency_limit_exceeded",
-                f"key {key.name!r} already has {limit} streams open (max_streams_per_key={limit})",
+                f"key {key.name!r} already has {limit} streams open ("
+                + (
+                    f"its max_streams = {limit}"
+                    if key.max_streams
+                    else f"--max-streams-per-key {limit}"
+                )
+                + ")",
                 headers=_retry_after(wait),
             )
         probe = False

@@ -12,7 +12,9 @@ import datetime
 import fnmatch
 import functools
 import hashlib
+import json
 import math
+import os
 import re
 import secrets
 import tomllib
@@ -23,7 +25,7 @@ from typing import Any
 
 from firsttoken.admission.spend import Budget, parse_budget
 
-__all__ = ["ApiKey", "KeyRing", "digest_hex", "new_secret", "pattern_problem"]
+__all__ = ["ApiKey", "KeyRing", "digest_hex", "new_secret", "pattern_problem", "rotate"]
 
 # `firsttoken keys new`: 32 random bytes (256 bits) as URL-safe text.
 SECRET_BYTES = 32
@@ -189,6 +191,11 @@ _FIELDS: dict[str, Callable[[Any], Any]] = {
     "budget": _budget,
 }
 _SECRETS = ("key", "key_sha256")
+# A name's streams, minute counts and budget are counted once for all its secrets, so its
+# limits are one set too: every entry of one name must agree on every field but these, which
+# belong to one secret (rotation: the old secret expires or is disabled, the new one runs on).
+_PER_SECRET = frozenset({"name", *_SECRETS, "expires_at", "disabled"})
+_LIMITS = tuple(f for f in _FIELDS if f not in _PER_SECRET)
 _SHAPE = '[[keys]] entries (name = "...", key = "...")'
 
 
@@ -245,6 +252,57 @@ def _parse(entry: dict[str, Any], i: int, path: str | Path) -> tuple[bytes, ApiK
     return digest, ApiKey(**values, digest=digest)
 
 
+_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _toml(value: Any) -> str:
+    """A value read by tomllib, written back as TOML (the types a keys file's fields hold)."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return json.dumps(value)  # JSON's escapes are TOML basic string escapes
+    if isinstance(value, datetime.date | datetime.datetime):
+        return value.isoformat()
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml(v) for v in value) + "]"
+    if isinstance(value, dict):
+        fields = (
+            f"{k if _BARE_KEY.match(k) else json.dumps(k)} = {_toml(v)}" for k, v in value.items()
+        )
+        return "{ " + ", ".join(fields) + " }"
+    raise TypeError(f"no TOML for {type(value).__name__}")
+
+
+def rotate(path: str | Path, name: str) -> tuple[str, int]:
+    """Add a new secret to the key `name` in the keys file at `path`: a `[[keys]]` entry with
+    its digest and the name's limits (copied from its first entry; not its lifetime), appended
+    to the file, which is replaced in one step and checked as a start would check it. Returns
+    the secret (shown once) and the new entry's index; ValueError when the file is not valid
+    or has no key of that name."""
+    path = Path(path)
+    KeyRing.load(path)  # a valid file, or the line that says what is wrong with it
+    text = path.read_text(encoding="utf-8")
+    entries = tomllib.loads(text).get("keys", [])
+    old = next((e for e in entries if e.get("name") == name), None)
+    if old is None:
+        raise ValueError(f"{path}: no key named {name!r} (`firsttoken keys new` makes one)")
+    secret = new_secret()
+    lines = ["[[keys]]", f"name = {_toml(name)}", f'key_sha256 = "{digest_hex(secret)}"']
+    lines += [f"{f} = {_toml(old[f])}" for f in _LIMITS if f in old]
+    new_text = text + ("" if text.endswith("\n") or not text else "\n") + "\n" + "\n".join(lines)
+    fresh = path.with_name(f".{path.name}.rotate")
+    fresh.write_text(new_text + "\n", encoding="utf-8")
+    try:
+        fresh.chmod(path.stat().st_mode & 0o7777)
+        KeyRing.load(fresh)
+        os.replace(fresh, path)
+    finally:
+        fresh.unlink(missing_ok=True)
+    return secret, len(entries)
+
+
 class KeyRing:
     """Keys by the digest of their secret: lookups never compare secrets byte by byte."""
 
@@ -282,6 +340,7 @@ class KeyRing:
             raise ValueError(f"{path}: not valid TOML ({exc})") from None
         keys: dict[bytes, ApiKey] = {}
         where: dict[bytes, int] = {}
+        first_of: dict[str, tuple[int, ApiKey]] = {}  # a name's first entry
         for i, entry in enumerate(_entries(raw, path)):
             digest, key = _parse(entry, i, path)
             if digest in keys:  # one secret, two names: which limits would apply?
@@ -289,6 +348,14 @@ class KeyRing:
                 raise ValueError(
                     f"{path}: keys[{i}] ({key.name!r}) has the same key as keys[{first}] "
                     f"({keys[digest].name!r}); each key must be listed once"
+                )
+            j, other = first_of.setdefault(key.name, (i, key))
+            differs = next((f for f in _LIMITS if getattr(key, f) != getattr(other, f)), None)
+            if differs is not None:
+                raise ValueError(
+                    f"{path}: keys[{i}].{differs} differs from keys[{j}].{differs}, the same "
+                    f"name {key.name!r}: the entries of one name share one set of limits "
+                    f"(`firsttoken keys rotate {key.name}` adds a secret with them)"
                 )
             where[digest] = i
             keys[digest] = key

@@ -27,7 +27,7 @@ async def usage(request: Request) -> Response:
             400, "invalid_request_error", f"by must be one of {', '.join(GROUPS)}", param="by"
         )
     try:
-        since = parse_since(request.query_params.get("since"))
+        since = parse_since(request.query_params.get("since"), name="since")
     except ValueError as exc:
         raise APIError(400, "invalid_request_error", str(exc), param="since") from None
     ledger = gw.admission.ledger

@@ -140,14 +140,22 @@ class Ledger:
                 await self.store.open()
                 break
             except Exception as exc:  # away, or refusing us: said once, tried again
+                self.writer.up = False
                 if delay == 0.1:
                     log_event(
                         "ledger.open_failed", logging.ERROR, store=self.store.shown, error=repr(exc)
                     )
                 await anyio.sleep(delay)
                 delay = min(2.0, delay * 2)
+        self.writer.up = True
         self.ready.set()
         await self.writer.run()
+
+    @property
+    def degraded(self) -> str | None:
+        """What /readyz reports degraded: "ledger" while --usage-db refuses writes (records
+        queue, streams go on); None otherwise."""
+        return "ledger" if self.url and not self.writer.up else None
 
     def collect(self) -> Iterator[Metric]:
         spend = CounterMetricFamily(
@@ -176,6 +184,13 @@ class Ledger:
         )
         dropped.add_metric([], self.writer.dropped)
         yield dropped
+        if self.url:
+            up = GaugeMetricFamily(
+                "firsttoken_usage_db_up",
+                "1 while the usage database (--usage-db) takes writes, 0 while it refuses them.",
+            )
+            up.add_metric([], 1.0 if self.writer.up else 0.0)
+            yield up
         queued = GaugeMetricFamily(
             "firsttoken_usage_records_queued",
             "Ledger records waiting to be written to the usage database.",

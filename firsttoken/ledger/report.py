@@ -13,9 +13,9 @@ Costs are decimal strings (exact); `--by target` counts each leg at its own targ
 
 from __future__ import annotations
 
-import argparse
 import csv
 import io
+import os
 import re
 import sys
 import time
@@ -25,9 +25,10 @@ from typing import Any
 
 import anyio
 
+from firsttoken.config import Parser, usage_db_problem, usage_error
 from firsttoken.ledger.record import TOKEN_COLUMNS
 from firsttoken.ledger.schema import GROUPS
-from firsttoken.ledger.stores import Store, open_store
+from firsttoken.ledger.stores import SQLITE, Store, open_store, sqlite_path
 from firsttoken.pricing import money_text
 
 __all__ = ["main", "parse_since", "usage_report"]
@@ -37,11 +38,17 @@ _UNIT_S = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 _COUNTS = ("requests", *TOKEN_COLUMNS)
 
 
-def parse_since(value: str | None, now: float | None = None) -> float | None:
+# An offset's `+` in a URL's query arrives as a space unless written %2B: `…T10:00:00 02:00`.
+_SPACED_OFFSET = re.compile(r"(\d\d:\d\d(?::\d\d(?:\.\d+)?)?) (\d\d:?\d\d)$")
+
+
+def parse_since(value: str | None, now: float | None = None, name: str = "--since") -> float | None:
     """`24h`, `7d`, `30m`, `90s` (that long ago), a date `2026-12-01` or an ISO time (UTC
-    unless it says otherwise), or `all`/None (no bound): Unix seconds; ValueError if none."""
+    unless it says otherwise), or `all`/None (no bound): Unix seconds; ValueError naming
+    `name` (the flag, or the query parameter) if none."""
     if value is None or value == "all":
         return None
+    value = _SPACED_OFFSET.sub(r"\1+\2", value.strip())
     now = time.time() if now is None else now
     span = _SPAN.match(value.strip())
     if span:
@@ -50,7 +57,7 @@ def parse_since(value: str | None, now: float | None = None) -> float | None:
         when = datetime.fromisoformat(value.strip())
     except ValueError:
         raise ValueError(
-            f"--since {value!r}: give a span (24h, 7d, 30m), a date or an ISO time, or 'all'"
+            f"{name} {value!r}: give a span (24h, 7d, 30m), a date or an ISO time, or 'all'"
         ) from None
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
@@ -110,10 +117,15 @@ def render(report: dict[str, Any], fmt: str) -> str:
 
 
 def main(argv: Sequence[str]) -> int:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="firsttoken usage", description="What the ledger holds: usage and cost, grouped."
     )
-    parser.add_argument("--usage-db", required=True, help="sqlite:///PATH or postgresql://...")
+    parser.add_argument(
+        "--usage-db",
+        default=os.environ.get("FIRSTTOKEN_USAGE_DB"),
+        help="sqlite:///PATH (relative to the working directory; sqlite:////PATH: absolute) "
+        "or postgresql://... (default: FIRSTTOKEN_USAGE_DB, as serve reads it)",
+    )
     parser.add_argument("--by", choices=GROUPS, default="key")
     parser.add_argument("--since", default="all", help="24h, 7d, a date, an ISO time or all")
     parser.add_argument("--format", choices=("table", "csv", "json"), default="table")
@@ -122,19 +134,27 @@ def main(argv: Sequence[str]) -> int:
     )
     args = parser.parse_args(list(argv))
     url = args.usage_db
-    if not url.startswith(("sqlite:///", "postgresql://", "postgres://")):
-        print(
-            f"firsttoken usage: --usage-db {url!r}: must be sqlite:///PATH or postgresql://...",
-            file=sys.stderr,
+    if not url:
+        usage_error(
+            "firsttoken usage", "no ledger to read (--usage-db URL, or FIRSTTOKEN_USAGE_DB)"
         )
+    problem = usage_db_problem(url)
+    if problem is not None:
+        print(f"firsttoken usage: --usage-db {open_store(url).shown}: {problem}", file=sys.stderr)
         return 2
     try:
         since = parse_since(args.since)
     except ValueError as exc:
         print(f"firsttoken usage: {exc}", file=sys.stderr)
         return 2
-    if url.startswith("sqlite:///") and not _exists(url[len("sqlite:///") :]):
-        print(f"firsttoken usage: --usage-db {url}: no such file", file=sys.stderr)
+    if url.startswith(SQLITE) and not os.path.isfile(sqlite_path(url)):
+        where = os.path.abspath(sqlite_path(url))
+        print(
+            f"firsttoken usage: --usage-db {url}: no such file {where} (sqlite:///ledger.db is "
+            "relative to the working directory, sqlite:////var/lib/firsttoken/ledger.db is "
+            "absolute)",
+            file=sys.stderr,
+        )
         return 1
 
     async def read() -> dict[str, Any]:
@@ -154,9 +174,3 @@ def main(argv: Sequence[str]) -> int:
         return 1
     sys.stdout.write(render(report, args.format))
     return 0
-
-
-def _exists(path: str) -> bool:
-    import os
-
-    return os.path.isfile(path)

@@ -7,6 +7,8 @@ worker thread so a slow disk never holds the event loop.
 
 from __future__ import annotations
 
+import os
+import re
 import sqlite3
 import threading
 from collections import deque
@@ -25,7 +27,28 @@ from firsttoken.ledger.schema import (
     summary_sql,
 )
 
-__all__ = ["MemoryStore", "PostgresStore", "SQLiteStore", "Store", "open_store"]
+__all__ = [
+    "MemoryStore",
+    "PostgresStore",
+    "SQLiteStore",
+    "Store",
+    "StoreError",
+    "open_store",
+    "record_fault",
+    "sqlite_path",
+]
+
+SQLITE = "sqlite:///"
+# SQLAlchemy's rule, which --usage-db follows: what comes after the third slash is the path.
+_SQLITE_RULE = (
+    "sqlite:///ledger.db is relative to the working directory, "
+    "sqlite:////var/lib/firsttoken/ledger.db (four slashes) is absolute"
+)
+
+
+class StoreError(Exception):
+    """The store cannot be used as given; `str()` is the line a person reads."""
+
 
 Row = tuple[Any, ...]  # (group, requests, prompt, completion, reasoning, cached, cache_write, cost)
 
@@ -46,11 +69,28 @@ class Store(Protocol):
     async def close(self) -> None: ...
 
 
+def record_fault(exc: BaseException) -> bool:
+    """Whether a write failed for what a record holds (a number past BIGINT, a value the
+    table refuses), not for the database: written again, it would fail again."""
+    if isinstance(exc, OverflowError | sqlite3.DataError | sqlite3.IntegrityError):
+        return True
+    # psycopg's DataError and IntegrityError (not imported: the extra may be absent).
+    return type(exc).__module__.startswith("psycopg") and any(
+        c.__name__ in ("DataError", "IntegrityError") for c in type(exc).__mro__
+    )
+
+
+def sqlite_path(url: str) -> str:
+    """The file a `sqlite:///PATH` URL names (relative to the working directory unless PATH
+    starts with a slash: `sqlite:////abs/path.db`)."""
+    return url[len(SQLITE) :]
+
+
 def open_store(url: str | None) -> Store:
     if not url:
         return MemoryStore()
-    if url.startswith("sqlite:///"):
-        return SQLiteStore(url[len("sqlite:///") :])
+    if url.startswith(SQLITE):
+        return SQLiteStore(sqlite_path(url))
     return PostgresStore(url)
 
 
@@ -125,7 +165,18 @@ class SQLiteStore:
                 self._db = db
             return fn(self._db, *args)
 
+    def missing(self) -> str | None:
+        """Why the file cannot be there (its directory is missing), naming the path as
+        resolved; None when it can."""
+        where = os.path.abspath(self.path)
+        if os.path.isdir(os.path.dirname(where)):
+            return None
+        return f"no directory {os.path.dirname(where)} for {where} ({_SQLITE_RULE})"
+
     async def open(self) -> None:
+        missing = self.missing()
+        if missing is not None:
+            raise StoreError(missing)
         await anyio.to_thread.run_sync(self._call, _migrate_sqlite)
 
     async def write(self, records: Sequence[UsageRecord]) -> None:
@@ -277,7 +328,12 @@ class PostgresStore:
         await self._drop()
 
 
+_PASSWORD_PARAM = re.compile(r"([?&]password=)[^&#]*", re.IGNORECASE)
+
+
 def _without_password(url: str) -> str:
+    """The URL for log lines: a password in its user part or in `?password=` as `***`."""
+    url = _PASSWORD_PARAM.sub(r"\1***", url)
     scheme, sep, rest = url.partition("://")
     creds, at, host = rest.rpartition("@")
     if not at or ":" not in creds:

@@ -7,7 +7,10 @@ second each, whatever the load; with nothing queued the task sleeps until a reco
 (the database is away) the batch stays at the head of the queue and is tried again, every
 `interval_s` at first and up to every 2 s; streams never wait for it. Only when the queue
 holds `max_records` is a new record dropped (`firsttoken_usage_records_dropped_total`):
-memory stays bounded through a long outage.
+memory stays bounded through a long outage. A batch refused for what one of its records holds
+(a number too large for the table) is written one record at a time instead: the bad record is
+dropped (`ledger.record_refused`, counted in `firsttoken_usage_records_dropped_total`), the
+others are written, and nothing waits behind it.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from itertools import islice
 import anyio
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import Store
+from firsttoken.ledger.stores import Store, record_fault
 from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["LedgerWriter"]
@@ -88,6 +91,8 @@ class LedgerWriter:
             with anyio.fail_after(_WRITE_TIMEOUT_S):
                 await self.store.write(batch)
         except Exception as exc:  # the database away, or a broken connection: try later
+            if record_fault(exc):
+                return await self._one_by_one(batch)
             if self.up:
                 self.up = False
                 log_event(
@@ -98,14 +103,40 @@ class LedgerWriter:
                     error=repr(exc),
                 )
             return False
+        self._written(batch)
+        return True
+
+    def _written(self, batch: list[UsageRecord], refused: int = 0) -> None:
         if len(self.queue) == len(batch):
             self.queue.clear()  # nothing came in during the write: the common case
         else:
             for _ in batch:
                 self.queue.popleft()
-        self.written += len(batch)
+        self.written += len(batch) - refused
         self.writes += 1
         if not self.up:
             self.up = True
             log_event("ledger.write_back", store=self.store.shown, queued=len(self.queue))
+
+    async def _one_by_one(self, batch: list[UsageRecord]) -> bool:
+        """The batch, a record at a time: the ones the table refuses are dropped, said once
+        each; False when the database itself fails meanwhile (the batch stays queued)."""
+        refused = 0
+        for record in batch:
+            try:
+                with anyio.fail_after(_WRITE_TIMEOUT_S):
+                    await self.store.write([record])
+            except Exception as exc:
+                if not record_fault(exc):
+                    return False  # written ones are keyed by request id: never counted twice
+                refused += 1
+                self.dropped += 1
+                log_event(
+                    "ledger.record_refused",
+                    logging.ERROR,
+                    request_id=record.request_id,
+                    key=record.key,
+                    error=repr(exc)[:300],
+                )
+        self._written(batch, refused)
         return True

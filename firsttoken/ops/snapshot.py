@@ -364,11 +364,13 @@ class Snapshots:
         if s.has("firsttoken_otel_dropped"):  # spans dropped in the last 30 s: away
             otel = "away" if self._rate(tick, "otel_dropped", 30.0) > 0 else "up"
         ledger = None
-        if self.ledger:  # away: records waiting all of the last 10 s, or dropped in the last 30
+        if self.ledger:  # away: writes refused now, records waiting all of the last 10 s, or
+            # dropped in the last 30 (under --workers: any worker's)
+            refused = any(v == 0 for _, v in s.by_name.get("firsttoken_usage_db_up", ()))
             recent = [t for t in self.ticks if t.ts >= tick.ts - NOW_S]
             stuck = len(recent) > 1 and all(t.counters.get("ledger_queued", 0) > 0 for t in recent)
             dropped = self._rate(tick, "ledger_dropped", 30.0) > 0
-            ledger = "away" if stuck or dropped else "up"
+            ledger = "away" if refused or stuck or dropped else "up"
         return {"redis": redis, "otel": otel, "ledger": ledger}
 
 

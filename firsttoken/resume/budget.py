@@ -4,9 +4,14 @@ A finished stream keeps its events for `--resume-ttl-s` so that a reader can com
 them. Each buffer is bounded (`--resume-max-events`), but their number is not: one key that
 creates streams and never reads them would otherwise fill the process for the whole TTL. The
 budget counts each buffer once, when its stream ends (a live stream is bounded by its window,
-its grace and the key's concurrency), and past a bound names the oldest buffers to drop,
-server-wide or of the key that went over. A dropped buffer's stream stays known (a resume of it
-gets `resume_expired`, as an expired one does), but holds no events.
+its grace and the key's concurrency), and past a bound names the buffers to drop: past a key's
+own bound, that key's oldest; past the server-wide bound, the oldest of the key that holds the
+most (max-min fair share: a key that fills the budget pushes out its own buffers first, and
+another key's only once it holds no more than they do). A dropped buffer's stream stays known
+(a resume of it gets `resume_expired`, as an expired one does), but holds no events.
+
+Cost: nothing per token or per stream until a bound is passed; then, per buffer dropped, one
+pass over the keys that hold buffers (a keys file's worth; one key, `open`, without one).
 
 With Redis, a live stream's request is stored with it (`StreamRecord.handover`, up to
 `--takeover-max-bytes`) so that another instance can take it over, and deleted when it ends.
@@ -23,6 +28,8 @@ from collections.abc import Iterator, Mapping
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from firsttoken.telemetry.metrics import key_label
+
 __all__ = ["ResumeBudget"]
 
 
@@ -36,6 +43,7 @@ class ResumeBudget:
         self.dropped = 0  # buffers dropped for the bound, ever
         self.requests = 0  # bytes of live streams' requests stored for a takeover
         self.unstored = 0  # requests not stored for the bound, ever
+        self.dropped_of: dict[str, int] = {}  # the same, by the key whose buffers they were
         self._kept: OrderedDict[str, tuple[str, int]] = OrderedDict()  # id -> (key, bytes)
         self._by_key: dict[str, OrderedDict[str, int]] = {}
         self._key_held: dict[str, int] = {}
@@ -60,8 +68,19 @@ class ResumeBudget:
             while own and self._key_held[key] > limit:
                 drop.append(self._drop(next(iter(own))))
         while self.held > self.max_bytes and self._kept:
-            drop.append(self._drop(next(iter(self._kept))))
+            drop.append(self._drop(next(iter(self._by_key[self._largest()]))))
         return drop
+
+    def _largest(self) -> str:
+        """Of the keys with a finished buffer to drop, the one holding the most bytes (its
+        stored requests included); of keys holding as much, the one whose oldest buffer is
+        oldest (one key alone: the oldest first, as without keys)."""
+        held = self._key_held
+        most = max(held[k] for k in self._by_key)
+        tied = [k for k in self._by_key if held[k] == most]
+        if len(tied) == 1:
+            return tied[0]
+        return next(key for key, _ in self._kept.values() if key in tied)
 
     def forget(self, stream_id: str) -> None:
         """The stream expired (or its buffer went another way): it counts no more."""
@@ -136,12 +155,17 @@ class ResumeBudget:
         yield unstored
         dropped = CounterMetricFamily(
             "firsttoken_resume_buffers_dropped",
-            "Finished streams' resume buffers dropped before their TTL (--resume-max-bytes).",
+            "Finished streams' resume buffers dropped before their TTL (--resume-max-bytes, a "
+            "key's resume_max_bytes), by the key whose buffers they were.",
+            labels=["key"],
         )
-        dropped.add_metric([], self.dropped)
+        for key, n in self.dropped_of.items():
+            dropped.add_metric([key_label(key)], n)
         yield dropped
 
     def _drop(self, stream_id: str) -> str:
+        key = self._kept[stream_id][0]
         self.forget(stream_id)
         self.dropped += 1
+        self.dropped_of[key] = self.dropped_of.get(key, 0) + 1
         return stream_id

@@ -7,6 +7,7 @@ back to something else sends a user's prompt to a model they did not choose.
 
 from __future__ import annotations
 
+import difflib
 import math
 import tomllib
 from collections.abc import Mapping
@@ -222,9 +223,13 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
     def fail(where: str, message: str) -> RoutesError:
         return RoutesError(f"{source}: {where}: {message}")
 
-    unknown = set(data) - {"targets", "models", "currency"}
+    unknown = sorted(set(data) - {"targets", "models", "currency"})
+    if unknown and not isinstance(data[unknown[0]], dict):  # a field: `curency = "EUR"`
+        close = difflib.get_close_matches(unknown[0], ["currency"], n=1)
+        hint = "; did you mean currency?" if close else ""
+        raise fail(unknown[0], f"unknown field (known: currency, [targets.*], [models.*]){hint}")
     if unknown:
-        raise fail(f"[{sorted(unknown)[0]}]", "unknown table (expected [targets.*], [models.*])")
+        raise fail(f"[{unknown[0]}]", "unknown table (expected [targets.*], [models.*])")
     raw_targets = _table(data, "targets", source)
     raw_routes = _table(data, "models", source)
     if not raw_targets:
@@ -325,6 +330,9 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
 
 
 _PRICE_FIELDS = ("prompt", "completion", "cached_prompt", "cache_write", "reasoning")
+# Per million tokens. Far above any model's, and low enough that a request's cost in picos
+# stays a 64-bit integer (the ledger's BIGINT) up to ~900 million tokens.
+MAX_PRICE = 10_000
 
 
 def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
@@ -337,13 +345,18 @@ def _price(raw: Mapping[str, Any], where: str, fail: Any) -> Price:
             given[name] = parse_money(value, "a price")
         except ValueError as exc:
             raise fail(f"{where}.{name}", f"{exc}, not {value!r}") from None
+        if given[name] > MAX_PRICE:
+            raise fail(
+                f"{where}.{name}",
+                f"a price per million tokens of at most {MAX_PRICE:,}, not {value!r}",
+            )
     return Price.per_million(**given)
 
 
 def _currency(data: Mapping[str, Any], fail: Any) -> str:
     currency = data.get("currency", "USD")
     if not isinstance(currency, str) or not 1 <= len(currency) <= 16 or not currency.isalnum():
-        raise fail("currency", f"must be a currency code such as \"USD\", not {currency!r}")
+        raise fail("currency", f'must be a currency code such as "USD", not {currency!r}')
     return currency
 
 

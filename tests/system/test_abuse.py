@@ -258,7 +258,7 @@ def test_resume_buffers_nobody_reads_are_bounded_per_key_and_in_all(tmp_path: Pa
         wait_for(lambda: server.metric("firsttoken_active_streams") == 0, timeout=20)
         held = server.metric("firsttoken_resume_buffer_bytes")
         assert held <= one + 150_000  # alice's, and at most mallory's own bound
-        assert server.metric("firsttoken_resume_buffers_dropped_total") >= 5
+        assert server.metric('firsttoken_resume_buffers_dropped_total{key="mallory"}') >= 5
 
         def read(created: dict[str, Any]) -> str:
             return httpx.get(server.url + created["events_url"], timeout=10).text

@@ -12,7 +12,7 @@ import pytest
 
 from firsttoken import __version__
 from firsttoken.config import Range, SettingError, Settings, env_var, flag, unknown_variables
-from tests.servers import ROOT
+from tests.servers import ROOT, run_server
 
 
 def parse(*argv: str, **env: str) -> Settings:
@@ -221,3 +221,23 @@ def test_unknown_variables_are_named_with_the_closest_setting() -> None:
         "FIRSTTOKEN_HEARTBEAT": "FIRSTTOKEN_HEARTBEAT_S",
         "FIRSTTOKEN_ZZZ": None,
     }
+
+
+def test_the_readmes_admin_key_example_starts_without_a_warning_or_a_loop() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert (
+        "FIRSTTOKEN_ADMIN_KEY=... firsttoken serve --admin-key-env FIRSTTOKEN_ADMIN_KEY" in readme
+    )
+    secret = "admin-9f8e7d6c5b4a"
+    env = {"FIRSTTOKEN_ADMIN_KEY": secret}
+    with run_server("--admin-key-env", "FIRSTTOKEN_ADMIN_KEY", env=env) as server:
+        events = [r.get("event") for r in server.log_records()]
+        assert "config.unknown_variable" not in events
+    # The variable without the flag: the hint says what to set, and never shows the key.
+    with run_server(env=env) as server:
+        (warned,) = [r for r in server.log_records() if r.get("event") == "config.unknown_variable"]
+        assert "set FIRSTTOKEN_ADMIN_KEY_ENV=FIRSTTOKEN_ADMIN_KEY" in warned["note"]
+        assert secret not in "\n".join(server.log)
+    # Following an older hint, the key itself where its variable's name goes: exit 2, unseen.
+    proc = firsttoken("serve", env={"FIRSTTOKEN_ADMIN_KEY_ENV": secret})
+    assert proc.returncode == 2 and secret not in proc.stdout + proc.stderr

@@ -4,6 +4,8 @@ through the official SDKs where there is one."""
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -17,7 +19,7 @@ import pytest
 
 from firsttoken.admission.keys import digest_hex
 from tests.redis_server import run_redis
-from tests.servers import ROOT, Server, run_server
+from tests.servers import ROOT, Server, run_server, wait_for
 
 ROUTES = """
 [targets.small]
@@ -172,3 +174,48 @@ def test_keys_new_prints_a_secret_once_and_lines_that_hold_only_its_digest(
         assert ok.status_code == 200
         wrong = httpx.get(srv.v1 + "/models", headers={"authorization": "Bearer sk-nope"})
         assert wrong.status_code == 401
+
+
+def test_keys_rotate_gives_the_new_secret_the_keys_limits_and_counts(tmp_path: Path) -> None:
+    # The README's recipe: the new secret must not escape what the old one used up.
+    (tmp_path / "routes.toml").write_text(ROUTES)
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[[keys]]\nname = "alice"\nkey = "sk-alice-old"\nrequests_per_minute = 3\n'
+        'routes = ["edge"]\n'
+    )
+    args = ["--api-keys", str(keys), "--routes", str(tmp_path / "routes.toml")]
+    with run_server(*args) as srv:
+        minute = time.time() // 60
+
+        def ask(secret: str, model: str = "edge") -> httpx.Response:
+            body = {"prompt": "hi", "model": model, "max_tokens": 1}
+            return httpx.post(srv.v1 + "/completions", headers={"x-api-key": secret}, json=body)
+
+        assert [ask("sk-alice-old").status_code for _ in range(3)] == [200, 200, 200]
+        made = subprocess.run(
+            [sys.executable, "-m", "firsttoken", "keys", "rotate", "alice"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env={**os.environ, "FIRSTTOKEN_API_KEYS": str(keys)},
+        )
+        assert made.returncode == 0, made.stderr
+        secret = made.stdout.strip()
+        assert secret.startswith("sk-") and secret not in keys.read_text()
+        srv.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: any(r.get("event") == "config.reloaded" for r in srv.log_records()))
+        chat, refused = ask(secret, "chat"), ask(secret)
+        if time.time() // 60 != minute:
+            pytest.skip("a clock minute began during the test: its count started over")
+    assert chat.status_code == 404  # the old entry's routes hold for the new secret
+    assert refused.status_code == 429 and refused.json()["error"]["code"] == "rate_limited"
+
+
+def test_keys_help_asks_for_nothing_and_mints_nothing() -> None:
+    for argv in (["keys", "--help"], ["keys", "new", "--help"], ["keys", "rotate", "--help"]):
+        shown = subprocess.run(
+            [sys.executable, "-m", "firsttoken", *argv], capture_output=True, text=True, cwd=ROOT
+        )
+        assert shown.returncode == 0 and shown.stdout.startswith("usage: firsttoken keys")
+        assert "sk-" not in shown.stdout and "key_sha256 =" not in shown.stdout

@@ -499,9 +499,14 @@ def test_two_instances_write_one_postgresql_ledger_and_survive_it_stopping(
                 )
                 failed += r.status_code != 200 or "data: [DONE]" not in r.text
             assert failed == 0
+            # Streams go on, but the instance says its ledger is away: ready, degraded.
+            wait_for(lambda: one.metric("firsttoken_usage_db_up", 1.0) == 0.0, timeout=10)
+            ready = httpx.get(one.url + "/readyz")
+            assert ready.status_code == 200 and ready.json()["degraded"] == ["ledger"]
         finally:
             postgres.start()
         wait_for(lambda: usage(one)["total"]["requests"] == 20, timeout=15)
+        assert httpx.get(one.url + "/readyz").json()["status"] == "ready"
 
 
 def test_two_instances_on_one_redis_share_the_budget_racing_for_the_last_cent(
@@ -714,3 +719,39 @@ def test_with_redis_away_budgets_are_still_enforced_by_each_instance(tmp_path: P
                 assert again.json()["error"]["code"] == "budget_exceeded"
             finally:
                 redis.start()
+
+
+@pytest.mark.parametrize(
+    "db",
+    ["sqlite:///no/such/directory/ledger.db", "postgresql://u@127.0.0.1:1/db?password=hunter2"],
+)
+def test_a_ledger_that_cannot_open_stops_the_start_in_one_line(tmp_path: Path, db: str) -> None:
+    routes, keys = write_config(tmp_path)
+    started = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "firsttoken",
+            "serve",
+            "--port",
+            "0",
+            "--usage-db",
+            db,
+            "--routes",
+            str(routes),
+            "--api-keys",
+            str(keys),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    out = started.stdout + started.stderr
+    assert started.returncode == 1 and '"listening"' not in out, out
+    (line,) = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    assert line["event"] == "startup.failed" and "the ledger did not open" in line["error"]
+    assert "hunter2" not in out and "Traceback" not in out
+    if db.startswith("sqlite"):  # the path as SQLAlchemy's rule resolves it, and the rule
+        assert f"no directory {tmp_path / 'no/such/directory'}" in line["error"]
+        assert "sqlite:////" in line["error"]

@@ -73,13 +73,14 @@ def _free_port() -> int:
 
 
 @contextmanager
-def run_prometheus(tmp: Path, target: str, rules: Path) -> Iterator[str]:
+def run_prometheus(tmp: Path, target: str, rules: Path, job: str = "") -> Iterator[str]:
+    """A real Prometheus scraping `target`; `job`: more lines of its scrape job."""
     config = tmp / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
         f"rule_files:\n  - {rules}\n"
         "scrape_configs:\n  - job_name: firsttoken\n"
-        f"    static_configs:\n      - targets: ['{target}']\n"
+        f"    static_configs:\n      - targets: ['{target}']\n" + job
     )
     _promtool("check", "config", config)
     port = _free_port()
@@ -164,3 +165,30 @@ def test_ttft_alert_pending_when_slow_and_cleared_when_not(tmp_path: Path) -> No
         query = 'firsttoken_breaker_state{state="closed"}'
         result = httpx.get(prom + "/api/v1/query", params={"query": query}, timeout=5).json()
         assert result["data"]["result"][0]["value"][1] == "2"  # both workers in one scrape
+
+
+def test_the_sample_configs_admin_key_lets_prometheus_scrape_guarded_metrics(
+    tmp_path: Path,
+) -> None:
+    # The commented block of deploy/prometheus/prometheus.yml, uncommented as a reader would.
+    sample = (RULES_DIR / "prometheus.yml").read_text()
+    block = re.search(r"(?m)^    # authorization:\n(?:    #   .*\n)+", sample)
+    assert block is not None, "no authorization example for --metrics-need-admin"
+    key_file = tmp_path / "admin-key"
+    key_file.write_text("admin-for-prometheus\n")  # a trailing newline, as editors leave
+    job = (
+        block.group(0)
+        .replace("    # ", "    ")
+        .replace("/etc/prometheus/firsttoken-admin-key", str(key_file))
+    )
+    env = {"PROM_ADMIN": "admin-for-prometheus"}
+    with run_server("--admin-key-env", "PROM_ADMIN", "--metrics-need-admin", env=env) as server:
+        assert httpx.get(server.url + "/metrics").status_code == 404  # guarded
+        target = server.url.removeprefix("http://")
+        with run_prometheus(tmp_path, target, RULES, job) as prometheus:
+
+            def up() -> bool:
+                found = httpx.get(prometheus + "/api/v1/targets", timeout=5).json()
+                return [t["health"] for t in found["data"]["activeTargets"]] == ["up"]
+
+            wait_for(up, timeout=20, interval=0.5)

@@ -309,7 +309,7 @@ def test_admin_key_env_names_a_variable_that_holds_a_secret(monkeypatch) -> None
     monkeypatch.delenv("FT_ADMIN_UNSET", raising=False)
     monkeypatch.setenv("FT_ADMIN_SET", "s3cret")
     assert parse("--admin-key-env", "FT_ADMIN_SET").admin_key_env == "FT_ADMIN_SET"
-    line = "invalid --admin-key-env 'FT_ADMIN_UNSET': $FT_ADMIN_UNSET is empty or not set"
+    line = "--admin-key-env: $FT_ADMIN_UNSET is empty or not set"
     assert refusal("--admin-key-env", "FT_ADMIN_UNSET") == line
     assert "environment variable" in refusal("--admin-key-env", "not a name")
     line = (
@@ -317,3 +317,17 @@ def test_admin_key_env_names_a_variable_that_holds_a_secret(monkeypatch) -> None
     )
     assert refusal("--metrics-need-admin") == line
     assert parse("--admin-key-env", "FT_ADMIN_SET", "--metrics-need-admin").metrics_need_admin
+
+
+def test_a_secret_given_where_a_variable_name_goes_is_never_echoed() -> None:
+    # Following a hint, someone sets FIRSTTOKEN_ADMIN_KEY_ENV to the key itself.
+    line = refusal(FIRSTTOKEN_ADMIN_KEY_ENV="sk-admin-9f8e/7d6c+5b4a")
+    assert "sk-admin" not in line
+    assert line.startswith("FIRSTTOKEN_ADMIN_KEY_ENV: must be the name of the environment ")
+    assert "not the key" in line and "firsttoken serve --admin-key-env FIRSTTOKEN_ADMIN_KEY" in line
+
+
+def test_the_variable_admin_key_env_names_is_not_taken_for_a_typo() -> None:
+    env = {"FIRSTTOKEN_ADMIN_KEY": "secret", "FIRSTTOKEN_GATEWAY": "127.0.0.1:8000"}
+    assert unknown_variables(env, named=("FIRSTTOKEN_ADMIN_KEY",)) == {}
+    assert unknown_variables(env) == {"FIRSTTOKEN_ADMIN_KEY": "FIRSTTOKEN_ADMIN_KEY_ENV"}

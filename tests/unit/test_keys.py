@@ -1,10 +1,11 @@
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from firsttoken.admission.keys import ApiKey, KeyRing, digest_hex, new_secret
+from firsttoken.admission.keys import ApiKey, KeyRing, digest_hex, new_secret, rotate
 from tests.unit.clock import FakeClock
 
 
@@ -199,9 +200,7 @@ def test_a_bad_routes_entry_is_one_line_naming_it(
 def test_a_key_given_by_its_digest_is_found_by_its_secret(tmp_path: Path) -> None:
     secret = new_secret()
     assert len(secret) >= 3 + 43  # "sk-" and 256 bits in base64
-    ring = load(
-        tmp_path, f'[[keys]]\nname = "a"\nkey_sha256 = "{digest_hex(secret).upper()}"\n'
-    )
+    ring = load(tmp_path, f'[[keys]]\nname = "a"\nkey_sha256 = "{digest_hex(secret).upper()}"\n')
     found = ring.find(secret)
     assert found is not None and found.name == "a"
     assert ring.find(secret + "x") is None
@@ -287,3 +286,65 @@ def test_a_reloaded_ring_says_which_secrets_it_still_holds(tmp_path: Path) -> No
     assert first is not None and second is not None
     assert new.holds(first) is None  # rotated out: its streams end
     assert new.holds(second) == ApiKey(name="a", weight=2.0)  # the same secret, new settings
+
+
+def test_the_entries_of_one_name_must_share_its_limits(tmp_path: Path) -> None:
+    # The name's counters (streams, minute, budget) are one: a second secret with other
+    # limits (or none) would escape the first's.
+    with pytest.raises(ValueError) as refused:
+        load(
+            tmp_path,
+            '[[keys]]\nname = "a"\nkey = "sk-1"\nrequests_per_minute = 2\n\n'
+            '[[keys]]\nname = "a"\nkey = "sk-2"\n',
+        )
+    assert str(refused.value).startswith(
+        f"{tmp_path / 'keys.toml'}: keys[1].requests_per_minute differs from "
+        "keys[0].requests_per_minute, the same name 'a': "
+    )
+    assert "firsttoken keys rotate a" in str(refused.value)
+
+
+def test_the_entries_of_one_name_may_differ_in_lifetime(tmp_path: Path) -> None:
+    ring = load(
+        tmp_path,
+        '[[keys]]\nname = "a"\nkey = "sk-1"\nweight = 2\nexpires_at = 2020-01-01\n\n'
+        '[[keys]]\nname = "a"\nkey = "sk-2"\nweight = 2.0\n\n'
+        '[[keys]]\nname = "a"\nkey = "sk-3"\nweight = 2\ndisabled = true\n',
+    )
+    assert [k.weight for k in ring.keys()] == [2.0, 2.0, 2.0]
+
+
+def test_rotate_appends_a_secret_with_the_names_limits_but_not_its_lifetime(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "keys.toml"
+    path.write_text(
+        '[[keys]]\nname = "b"\nkey = "sk-b"\n\n'
+        '[[keys]]\nname = "a"\nkey = "sk-1"\nmax_streams = 1\nrequests_per_minute = 2\n'
+        'routes = ["chat", "edge-*"]\nbudget = { amount = 0.01, per = "month" }\n'
+        "weight = 1.5\npriority = -1\nexpires_at = 2030-01-01T00:00:00Z\n"
+    )
+    path.chmod(0o600)
+    secret, index = rotate(path, "a")
+    assert index == 2 and secret.startswith("sk-")
+    assert secret not in path.read_text() and path.stat().st_mode & 0o777 == 0o600
+    ring = KeyRing.load(path)
+    old, new = ring.find("sk-1"), ring.find(secret)
+    assert old is not None and new is not None
+    assert new == replace(old, expires_at=None)
+    assert ring.find("sk-b") == ApiKey(name="b")
+
+
+def test_rotate_refuses_an_unknown_name_or_a_bad_file_and_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    path = tmp_path / "keys.toml"
+    good = '[[keys]]\nname = "a"\nkey = "sk-1"\n'
+    path.write_text(good)
+    with pytest.raises(ValueError, match="no key named 'z'"):
+        rotate(path, "z")
+    path.write_text(good + "max_stream = 2\n")
+    with pytest.raises(ValueError, match=r"keys\[0\]\.max_stream: unknown field"):
+        rotate(path, "a")
+    assert path.read_text() == good + "max_stream = 2\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["keys.toml"]

@@ -6,12 +6,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Sequence
+from pathlib import Path
 
 import anyio
 import pytest
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import MemoryStore
+from firsttoken.ledger.stores import MemoryStore, SQLiteStore
 from firsttoken.ledger.writer import LedgerWriter
 from firsttoken.pricing import LegCost, TokenCounts
 
@@ -129,3 +130,23 @@ def test_an_idle_writer_does_not_wake_until_a_record_comes() -> None:
             await task
 
     virtual_loop.run(body())
+
+
+@pytest.mark.anyio
+async def test_a_record_the_table_refuses_is_dropped_and_never_blocks_the_others(
+    tmp_path: Path,
+) -> None:
+    # A cost past BIGINT (the real SQLite raises OverflowError for it): retried as a batch,
+    # it would wedge every record behind it for good.
+    store = SQLiteStore(str(tmp_path / "ledger.db"))
+    await store.open()
+    writer = LedgerWriter(store)
+    for i in range(5):
+        writer.submit(record(2**70 if i == 2 else i))
+    assert await writer.flush_once() is True
+    assert not writer.queue and writer.written == 4 and writer.dropped == 1
+    rows = await store.summary("key", None)
+    assert rows[0][1] == 4  # four requests written
+    writer.submit(record(7))  # and what comes after goes as usual
+    assert await writer.flush_once() is True and writer.written == 5
+    await store.close()

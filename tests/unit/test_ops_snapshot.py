@@ -195,3 +195,14 @@ def test_the_ledger_is_away_while_its_records_wait() -> None:
         state = snaps.build(queued(40), clock())["deps"]["ledger"]
         clock.advance(1)
     assert state == "away"
+
+
+def test_the_ledger_is_away_at_once_while_its_database_refuses_writes() -> None:
+    def up(value: float) -> list[Any]:
+        name = "firsttoken_usage_db_up"
+        return [[name, "gauge", "", [[name, {}, value]]]]
+
+    clock, snaps = FakeClock(), Snapshots(ledger=True)
+    assert snaps.build(up(1), clock())["deps"]["ledger"] == "up"
+    clock.advance(1)
+    assert snaps.build(up(0), clock())["deps"]["ledger"] == "away"  # no 10 s wait

@@ -244,7 +244,7 @@ def _finished(registry: StreamRegistry, stream_id: str, tenant: str, tokens: int
     return stream
 
 
-def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
+def test_finished_buffers_past_the_resume_budget_drop_the_largest_keys_oldest_first() -> None:
     async def body() -> None:
         clock = FakeClock()
         registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=300)  # type: ignore[arg-type]
@@ -262,12 +262,13 @@ def test_finished_buffers_past_the_resume_budget_drop_oldest_first() -> None:
         assert m[2].log.after(0)[-1].wire.endswith(b"[DONE]\n\n")
         assert await registry.find("m0") is m[0]  # still known: a resume gets resume_expired
         clock.advance(1)
-        for i in range(4):  # bob fills the server-wide bound: the oldest of all go first
-            _finished(registry, f"b{i}", "bob", 100)
+        b = [_finished(registry, f"b{i}", "bob", 100) for i in range(4)]
+        # bob fills the server-wide bound: he holds the most, so his oldest goes, not alice's.
         assert budget.held <= 50_000
         with pytest.raises(ResumeExpired):
-            a.log.after(0)
-        assert budget.dropped == 2  # m0 for its key, then a for the server
+            b[0].log.after(0)
+        assert a.log.after(0)[-1].wire.endswith(b"[DONE]\n\n")
+        assert budget.dropped == 2  # m0 for its key, then b0 for the server
         # The TTL still applies: expired streams leave the budget.
         clock.advance(300)
         registry.expire()

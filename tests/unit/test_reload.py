@@ -13,16 +13,20 @@ import anyio
 import orjson
 import pytest
 
+from firsttoken.admission.keys import KeyRing
 from firsttoken.app import create_app
 from firsttoken.config import Settings
 from firsttoken.reload import (
     WATCH_S,
     ConfigFiles,
+    Configuration,
     Reloader,
     check_files,
+    ineffective,
     unmatched_routes,
     unpriced_targets,
 )
+from firsttoken.routing.config import parse_routes
 from firsttoken.routing.live import LiveRoutes
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
@@ -248,3 +252,70 @@ def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
             assert refused.value.code == "budget_exceeded", per
 
     asyncio.run(body())
+
+
+def test_check_and_reload_refuse_a_key_variable_the_start_refuses(
+    files: ConfigFiles, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("FT_UNSET_UPSTREAM_KEY", raising=False)
+    write(
+        files.routes,
+        ROUTES.replace(
+            'kind = "synthetic"', 'kind = "synthetic"\napi_key_env = "FT_UNSET_UPSTREAM_KEY"'
+        ),
+    )
+    assert check_files(files) == [
+        f"{files.routes}: [targets.s] api_key_env: FT_UNSET_UPSTREAM_KEY is not set (or empty) "
+        "in the environment"
+    ]
+    monkeypatch.setenv("FT_UNSET_UPSTREAM_KEY", "sk-upstream")
+    assert check_files(files) == []
+
+
+def test_settings_that_cannot_take_effect_are_each_told_once(tmp_path: Path) -> None:
+    keys = tmp_path / "keys.toml"
+    keys.write_text(
+        '[[keys]]\nname = "a"\nkey = "sk-a"\nroutes = ["chta", "c*"]\n'
+        "budget = { amount = 1 }\n\n"
+        '[[keys]]\nname = "a"\nkey = "sk-a2"\nroutes = ["chta", "c*"]\nbudget = { amount = 1 }\n\n'
+        '[[keys]]\nname = "old"\nkey = "sk-old"\nexpires_at = 2020-01-01\n'
+    )
+    routes = parse_routes(
+        {
+            "targets": {
+                "edge": {"kind": "synthetic"},
+                "vllm": {"kind": "openai", "url": "http://x"},
+            },
+            "models": {
+                "chat": {"targets": ["vllm"], "handoff": {"from": "edge", "after_tokens": 8}}
+            },
+        }
+    )
+    config = Configuration(KeyRing.load(keys), routes)
+    assert ineffective(config, [], now=1.8e9) == [
+        '[models.chat] handoff: every target of the route has continuation = "none", so none '
+        "can take the answer over: 'edge' answers alone",
+        "key 'a': routes entry 'chta' matches no route (chat)",
+        "key 'a': budget: no target has a price, so nothing is ever spent",
+        "key 'old': expires_at is past: every request gets 401 key_expired",
+    ]
+    # Without a routes file: the engine's models, and no price anywhere.
+    assert ineffective(Configuration(KeyRing.load(keys)), ["chta"], now=1.0) == [
+        "key 'a': budget: no target has a price, so nothing is ever spent"
+    ]
+
+
+def test_the_start_and_each_reload_warn_of_what_cannot_take_effect(
+    files: ConfigFiles, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(files.api_keys, KEYS.replace('["edge"]', '["egde"]'))
+    r = reloader(files)
+    caplog.set_level(logging.WARNING)
+    r.warn_ineffective(r.running())  # what run() does first
+    notes = [orjson.loads(m)["note"] for m in caplog.messages if "config.ineffective" in m]
+    assert notes == ["key 'a': routes entry 'egde' matches no route (chat, edge)"]
+    caplog.clear()
+    write(files.api_keys, KEYS.replace('["edge"]', '["edge"]\nexpires_at = 2020-01-01'))
+    assert asyncio.run(r.reload())
+    notes = [orjson.loads(m)["note"] for m in caplog.messages if "config.ineffective" in m]
+    assert notes == ["key 'a': expires_at is past: every request gets 401 key_expired"]

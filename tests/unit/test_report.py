@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import csv
 import io
+from pathlib import Path
 
+import anyio
 import orjson
 import pytest
 
 from firsttoken.ledger.report import main, parse_since, render, usage_report
-from firsttoken.ledger.stores import MemoryStore
+from firsttoken.ledger.stores import MemoryStore, open_store
 from tests.unit.test_stores import DAY, RECORDS
 
 
@@ -86,3 +88,38 @@ def test_a_database_that_is_away_is_one_line_without_the_password(
     assert main(["--usage-db", "postgresql://u:secret@127.0.0.1:1/x"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "secret" not in err and "u:***@127.0.0.1:1" in err
+
+
+def test_the_command_reads_the_ledger_serve_reads_from_its_variable(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("FIRSTTOKEN_USAGE_DB", "sqlite:///var/ledger.db")  # relative: ./var
+    assert main([]) == 1
+    err = capsys.readouterr().err
+    assert f"no such file {tmp_path / 'var/ledger.db'}" in err and "sqlite:////" in err
+    (tmp_path / "var").mkdir()
+    store = open_store("sqlite:///var/ledger.db")
+    anyio.run(store.open)
+    anyio.run(store.close)
+    assert main(["--format", "json"]) == 0
+    assert '"total"' in capsys.readouterr().out
+
+
+def test_a_bad_flag_is_one_line_and_a_hint_not_the_whole_usage(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--usage-db", "sqlite:///x.db", "--by", "week"])
+    err = capsys.readouterr().err
+    assert exited.value.code == 2 and err.count("\n") == 2 and "usage: firsttoken" not in err
+    assert "try 'firsttoken usage --help'" in err
+
+
+def test_an_offset_whose_plus_a_query_turned_into_a_space_still_reads() -> None:
+    # `?since=2026-12-01T10:00:00+02:00` unescaped: the `+` arrives as a space.
+    spaced = parse_since("2026-12-01T10:00:00 02:00")
+    assert spaced == parse_since("2026-12-01T10:00:00+02:00") == parse_since("2026-12-01T08:00Z")
+    assert parse_since("2026-12-01 10:00") == parse_since("2026-12-01T10:00:00+00:00")
+    with pytest.raises(ValueError, match=r"^since 'soon': give a span"):
+        parse_since("soon", name="since")  # the query parameter, not the CLI's flag

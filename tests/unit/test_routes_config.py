@@ -316,6 +316,8 @@ def test_a_mistake_after_a_hand_off_still_names_the_file() -> None:
         },
     }
     assert refused(data).startswith("routes.toml: [models.other] targets: no target named")
+
+
 def test_a_price_is_read_exactly_with_its_defaults_and_one_currency() -> None:
     from firsttoken.pricing import Price
 
@@ -341,6 +343,9 @@ def test_a_price_is_read_exactly_with_its_defaults_and_one_currency() -> None:
         ({"input": 1}, "[targets.a] price.input: unknown price"),
         ({"prompt": 0.0000001}, "more than 6 decimal places"),
         ({"prompt": True}, "a price must be a number"),
+        # Past BIGINT picos within a request: a ledger batch that could never be written.
+        ({"prompt": 2e13}, "price.prompt: a price per million tokens of at most 10,000"),
+        ({"completion": 10_000.000001}, "price.completion: a price per million tokens of at"),
     ],
 )
 def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> None:
@@ -349,6 +354,8 @@ def test_a_bad_price_is_refused_naming_it(price: dict[str, Any], says: str) -> N
 
 def test_a_bad_currency_is_refused() -> None:
     assert "currency: must be a currency code" in refused({**table(), "currency": ""})
+
+
 def two_tiers(**handoff: Any) -> dict[str, Any]:
     data = table()
     data["targets"]["small"] = {"kind": "synthetic"}
@@ -382,3 +389,11 @@ def test_a_handoff_is_timed_by_default_and_by_count_when_asked() -> None:
 def test_the_handoffs_timing_fields_are_checked(field: str, value: Any, says: str) -> None:
     line = refused(two_tiers(**{field: value}))
     assert f"[models.chat] handoff {field}" in line and says in line
+
+
+def test_a_misspelt_currency_is_named() -> None:
+    line = refused({**table(), "curency": "EUR"})
+    assert line == (
+        "routes.toml: curency: unknown field (known: currency, [targets.*], [models.*]); "
+        "did you mean currency?"
+    )

@@ -11,7 +11,14 @@ import anyio
 import pytest
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import MemoryStore, PostgresStore, SQLiteStore, Store
+from firsttoken.ledger.stores import (
+    MemoryStore,
+    PostgresStore,
+    SQLiteStore,
+    Store,
+    StoreError,
+    open_store,
+)
 from firsttoken.pricing import LegCost, TokenCounts
 from tests.postgres_server import PostgresServer
 
@@ -161,3 +168,22 @@ async def test_memory_keeps_only_the_newest_records() -> None:
     await store.write(RECORDS)
     assert [r.request_id for r in store.records] == ["b", "c"]
     assert MemoryStore().records.maxlen == 10_000  # a server without --usage-db runs for months
+
+
+def test_a_password_is_never_shown_in_the_user_part_or_the_query() -> None:
+    assert open_store("postgresql://u:pw@h/db").shown == "postgresql://u:***@h/db"
+    shown = open_store("postgresql://u@h/db?sslmode=require&password=pw&x=1").shown
+    assert shown == "postgresql://u@h/db?sslmode=require&password=***&x=1"
+
+
+def test_a_sqlite_ledger_in_a_missing_directory_says_where_its_path_led(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    store = open_store("sqlite:///var/lib/ledger.db")
+    with pytest.raises(StoreError) as refused:
+        anyio.run(store.open)
+    assert str(refused.value).startswith(f"no directory {tmp_path / 'var/lib'} for ")
+    assert "sqlite:////var/lib/firsttoken/ledger.db (four slashes) is absolute" in str(
+        refused.value
+    )
