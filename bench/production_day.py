@@ -1,0 +1,1050 @@
+"""A bad production day, measured: every deployed part under load, one fault every
+`--fault-every-s`, and each answer compared with what an undisturbed deployment says.
+
+    .venv/bin/python -m bench.production_day                         # 10 min, 80 streams
+    .venv/bin/python -m bench.production_day --minutes 3 --streams 60 --json /tmp/day.json
+    .venv/bin/python -m bench.production_day --faults instance_term   # one kind only
+
+What runs, all on loopback: one redis-server; two synthetic upstreams (`firsttoken serve`,
+`--synthetic-ttft-ms`/`--synthetic-itl-ms`) as the two targets of one route (kind openai,
+`continuation = "vllm"`: a cut answer is spliced onto the other); three instances with
+`--redis --durable --routes --api-keys --usage-db` (a SQLite ledger each: SQLite takes one
+writer) behind nginx (deploy/nginx-multi.conf, ports substituted as tests/nginx.py does). The
+keys file holds two normal keys and one abusive key; the route has prices.
+
+The normal keys' `--streams` clients stream at once for `--minutes`, each one request after
+another, in four formats in turn: Chat Completions and Responses through the official `openai`
+SDK, Messages through the official `anthropic` SDK, and native streams through
+`firsttoken.client.AsyncClient` (which resumes with Last-Event-ID). The abusive key's
+`--abusers` clients beside them open streams and drop them after a few chunks, create native
+streams they never read, and burst past their `max_streams`.
+
+Every `--fault-every-s` one fault, in turn (`--faults`): `instance_kill` (SIGKILL the busiest
+instance, start it again on its port), `upstream_kill` (SIGKILL an upstream, start it again),
+`instance_term` (SIGTERM an instance, start it again once it exited: a rolling deploy's
+step), `reload` (SIGHUP every instance after the keys file changed: the abusive key's limit
+and a spare key), `redis_restart` (redis-server stopped and started on its port; no
+persistence, so it comes back empty).
+
+The reference: a fourth gateway, same keys and prices, whose route's one target is a third
+upstream nobody touches, answers every distinct request (`--variants` prompts per format)
+once before the load; the synthetic engine is deterministic, so an undisturbed answer is the
+answer. Each normal stream ends as one of:
+  exact    its terminal event arrived (chat: a finish_reason; Responses: response.completed or
+           response.incomplete; Messages: message_stop; native: [DONE]) and its text is the
+           reference's, byte for byte;
+  wrong    the terminal event arrived with other text;
+  error    the SDK or the client raised (counted by exception type, and code where there is
+           one): the client was told;
+  short    the stream ended with neither a terminal event nor an exception: the client was
+           not told (must be 0);
+  hung     no event for `--hang-s` (the bench cancels it).
+TTFT is request sent → first text; a gap is the time between two text events of one stream.
+Each is counted in the window of the fault whose `--after-fault-s` it ended in, or `outside`.
+The ledger's completion tokens are compared per stream with the tokens the client received
+(the reference's tokens its text holds), and the instances' logs are read for tracebacks and
+error lines, and their RSS sampled every second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import logging
+import random
+import signal
+import sqlite3
+import subprocess
+import sys
+import tempfile
+import time
+from array import array
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterator
+from contextlib import AsyncExitStack, ExitStack, contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import anthropic
+import httpx
+import numpy as np
+import openai
+import psutil
+
+from firsttoken.client import AsyncClient, StreamError
+from tests.nginx import MULTI_CONF, run_nginx
+from tests.redis_server import RedisServer
+from tests.servers import ROOT, Server, run_server
+
+FORMATS = ("chat", "responses", "messages", "native")
+FAULT_KINDS = ("instance_kill", "upstream_kill", "instance_term", "reload", "redis_restart")
+ENDINGS = ("exact", "wrong", "error", "short", "hung")
+MODEL = "day"
+KEYS = {"alice": "sk-alice-day", "bob": "sk-bob-day"}
+ABUSER = ("mallory", "sk-mallory-day")
+# Load the bench makes on purpose (every client is 127.0.0.1 through nginx): no per-address
+# rate limit, no shedding on TTFT. The abusive key meets its own limits from the keys file.
+OPEN = ("--rate-limit-per-s", "0", "--ttft-slo-ms", "0")
+PRICE = "{ prompt = 0.5, completion = 1.5 }"
+
+
+@dataclass
+class Options:
+    minutes: float = 10.0
+    streams: int = 80  # the normal keys' streams at once
+    fault_every_s: float = 30.0
+    faults: tuple[str, ...] = FAULT_KINDS
+    seed: int = 49
+    ttft_ms: float = 50.0
+    itl_ms: float = 20.0
+    tokens_min: int = 40
+    tokens_max: int = 160
+    variants: int = 12  # distinct requests per format (each answered once by the reference)
+    abusers: int = 4
+    hang_s: float = 30.0
+    after_fault_s: float = 10.0
+    first_fault_s: float = 0.0  # 0: one interval after the load starts
+
+
+# -- the deployment --------------------------------------------------------------------------------
+
+
+def routes_toml(urls: dict[str, str]) -> str:
+    out = ['currency = "USD"']
+    for name, url in urls.items():
+        out += [
+            f"[targets.{name}]",
+            'kind = "openai"',
+            f'url = "{url}/v1"',
+            'model = "synthetic"',
+            'continuation = "vllm"',
+            "connect_timeout_s = 1",
+            "first_token_timeout_s = 2",
+            "idle_timeout_s = 2",
+            f"price = {PRICE}",
+        ]
+    out += [f"[models.{MODEL}]", "targets = [" + ", ".join(f'"{n}"' for n in urls) + "]"]
+    out += ["max_splices = 3", 'balance = "least_busy"']
+    return "\n".join(out) + "\n"
+
+
+def keys_toml(generation: int) -> str:
+    """The keys file; each reload changes the abusive key's limit and adds or drops a spare."""
+    out = [f'[[keys]]\nname = "{n}"\nkey = "{k}"\nmax_streams = 1000\n' for n, k in KEYS.items()]
+    out.append(
+        f'[[keys]]\nname = "{ABUSER[0]}"\nkey = "{ABUSER[1]}"\n'
+        f"max_streams = {4 + generation % 2}\nrequests_per_minute = 600\n"
+    )
+    if generation % 2:
+        out.append('[[keys]]\nname = "spare"\nkey = "sk-spare-day"\nmax_streams = 1\n')
+    return "\n".join(out)
+
+
+@dataclass
+class Slot:
+    """One process of the deployment and every run of it (a restart is a new run)."""
+
+    name: str
+    args: list[str]
+    runs: list[Server] = field(default_factory=list)
+    port: int = 0
+    rss_peak: int = 0
+
+    @property
+    def now(self) -> Server:
+        return self.runs[-1]
+
+    def start(self, stack: ExitStack) -> Server:
+        extra = ["--port", str(self.port)] if self.port else []
+        server = stack.enter_context(run_server(*self.args, *extra, timeout=60))
+        self.port = server.port
+        self.runs.append(server)
+        return server
+
+    def alive(self) -> bool:
+        return bool(self.runs) and self.now.proc.poll() is None
+
+    def sample_rss(self) -> None:
+        if not self.alive():
+            return
+        try:
+            self.rss_peak = max(self.rss_peak, psutil.Process(self.now.proc.pid).memory_info().rss)
+        except psutil.Error:
+            pass
+
+    def log_lines(self) -> Iterator[str]:
+        for run in self.runs:
+            yield from list(run.log)
+
+
+@dataclass
+class Deployment:
+    redis: RedisServer
+    upstreams: list[Slot]
+    instances: list[Slot]
+    reference: Server
+    url: str  # nginx's
+    keys_file: Path
+    dbs: list[str]
+    stack: ExitStack
+
+
+@contextmanager
+def deployment(opts: Options, log: Callable[[str], None]) -> Iterator[Deployment]:
+    with ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+        redis = RedisServer(str(tmp))
+        redis.start()
+        stack.callback(redis.stop)
+        pace = ["--synthetic-ttft-ms", str(opts.ttft_ms), "--synthetic-itl-ms", str(opts.itl_ms)]
+        upstreams = [Slot(f"upstream {n}", [*pace, *OPEN]) for n in ("a", "b")]
+        for slot in upstreams:
+            slot.start(stack)
+        # The reference's upstream answers at once: its text, not its pace, is what counts.
+        ref_up = stack.enter_context(
+            run_server("--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "1", *OPEN)
+        )
+        routes = tmp / "routes.toml"
+        routes.write_text(routes_toml({"a": upstreams[0].now.url, "b": upstreams[1].now.url}))
+        ref_routes = tmp / "reference.toml"
+        ref_routes.write_text(routes_toml({"reference": ref_up.url}))
+        keys = tmp / "keys.toml"
+        keys.write_text(keys_toml(0))
+        reference = stack.enter_context(
+            run_server("--routes", str(ref_routes), "--api-keys", str(keys), *OPEN, timeout=60)
+        )
+        common = ["--redis", redis.url, "--durable", "--routes", str(routes)]
+        common += ["--api-keys", str(keys), *OPEN]
+        dbs = [f"sqlite:///{tmp}/usage-{i}.db" for i in range(3)]
+        instances = [Slot(f"instance {i}", [*common, "--usage-db", db]) for i, db in enumerate(dbs)]
+        for slot in instances:
+            slot.start(stack)
+        ng = stack.enter_context(
+            run_nginx([s.port for s in instances], tmp / "nginx", base=MULTI_CONF)
+        )
+        log(
+            f"redis :{redis.port}; upstreams {[s.port for s in upstreams]}; instances "
+            f"{[s.port for s in instances]}; reference {reference.url}; nginx {ng.url}"
+        )
+        yield Deployment(redis, upstreams, instances, reference, ng.url, keys, dbs, stack)
+
+
+# -- one stream, in each format --------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    fmt: str
+    variant: int
+    max_tokens: int
+
+    @property
+    def prompt(self) -> str:
+        return f"A bad production day, {self.fmt} question {self.variant}: what happened?"
+
+
+@dataclass
+class Reading:
+    """One stream as its client saw it."""
+
+    ask: Ask
+    key: str
+    sent: float = 0.0
+    text: str = ""
+    chunks: int = 0
+    terminal: bool = False
+    error: str = ""  # the exception's type (and code), when the client raised
+    hung: bool = False
+    stream_id: str = ""
+    usage_tokens: int | None = None  # completion tokens the client was told
+    ttft_s: float | None = None
+    first_at: float = 0.0
+    last_at: float = 0.0
+    longest_gap_s: float = 0.0
+    longest_gap_at: float = 0.0
+    progress: float = 0.0  # the last time anything arrived (the hang watchdog reads it)
+    reconnects: int = 0
+    ending: str = ""
+    pieces: list[str] | None = None  # each text event's text (kept for the references only)
+
+    def got(self, piece: str, gaps: Callable[[float, float], None] | None) -> None:
+        now = time.monotonic()
+        self.progress = now
+        if not piece:
+            return
+        if self.chunks == 0:
+            self.ttft_s, self.first_at = now - self.sent, now
+        else:
+            gap = now - self.last_at
+            if gaps is not None:
+                gaps(gap, now)
+            if gap > self.longest_gap_s:
+                self.longest_gap_s, self.longest_gap_at = gap, now
+        self.last_at = now
+        self.chunks += 1
+        self.text += piece
+        if self.pieces is not None:
+            self.pieces.append(piece)
+
+
+def error_name(exc: BaseException) -> str:
+    kind = type(exc)
+    name = f"{kind.__module__.split('.')[0]}.{kind.__name__}"
+    if isinstance(exc, openai.APIStatusError | anthropic.APIStatusError):
+        return f"{name} {exc.status_code}"
+    if isinstance(exc, StreamError):
+        return f"{name} {exc.code}"
+    return name
+
+
+@dataclass
+class Clients:
+    openai: dict[str, openai.AsyncOpenAI]
+    anthropic: dict[str, anthropic.AsyncAnthropic]
+    native: dict[str, AsyncClient]
+
+    @classmethod
+    async def open(cls, base: str, keys: dict[str, str], stack: Any) -> Clients:
+        timeout = 120.0  # the SDKs take a number (openai wraps httpx2, not httpx)
+        oa = {
+            n: openai.AsyncOpenAI(base_url=base + "/v1", api_key=k, timeout=timeout)
+            for n, k in keys.items()
+        }
+        an = {
+            n: anthropic.AsyncAnthropic(base_url=base, api_key=k, timeout=timeout)
+            for n, k in keys.items()
+        }
+        na = {
+            n: AsyncClient(base, api_key=k, timeout_s=120, max_retries=8) for n, k in keys.items()
+        }
+        for c in na.values():
+            await stack.enter_async_context(c)
+        return cls(oa, an, na)
+
+    async def close(self) -> None:
+        for c in [*self.openai.values(), *self.anthropic.values()]:
+            await c.close()
+
+
+async def read_stream(
+    clients: Clients, r: Reading, gaps: Callable[[float, float], None] | None = None
+) -> None:
+    """Read one stream to its end; every ending is recorded on `r`, nothing raises."""
+    ask, key = r.ask, r.key
+    r.sent = r.progress = time.monotonic()
+    try:
+        if ask.fmt == "chat":
+            raw = await clients.openai[key].chat.completions.with_raw_response.create(
+                model=MODEL,
+                messages=[{"role": "user", "content": ask.prompt}],
+                max_tokens=ask.max_tokens,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+            r.stream_id = raw.headers.get("x-stream-id", "")
+            async with raw.parse() as chat:
+                async for chunk in chat:
+                    piece = ""
+                    for choice in chunk.choices:
+                        piece += choice.delta.content or ""
+                        r.terminal |= choice.finish_reason is not None
+                    if chunk.usage is not None:
+                        r.usage_tokens = chunk.usage.completion_tokens
+                    r.got(piece, gaps)
+        elif ask.fmt == "responses":
+            raw = await clients.openai[key].responses.with_raw_response.create(
+                model=MODEL, input=ask.prompt, max_output_tokens=ask.max_tokens, stream=True
+            )
+            r.stream_id = raw.headers.get("x-stream-id", "")
+            async with raw.parse() as events:
+                async for ev in events:
+                    if ev.type == "response.output_text.delta":
+                        r.got(ev.delta, gaps)
+                        continue
+                    if ev.type in ("response.completed", "response.incomplete"):
+                        r.terminal = True
+                        if ev.response.usage is not None:
+                            r.usage_tokens = ev.response.usage.output_tokens
+                    r.got("", gaps)
+        elif ask.fmt == "messages":
+            raw = await clients.anthropic[key].messages.with_raw_response.create(
+                model=MODEL,
+                max_tokens=ask.max_tokens,
+                messages=[{"role": "user", "content": ask.prompt}],
+                stream=True,
+            )
+            r.stream_id = raw.headers.get("x-stream-id", "")
+            async with await raw.parse() as messages:
+                async for mev in messages:
+                    if mev.type == "content_block_delta" and mev.delta.type == "text_delta":
+                        r.got(mev.delta.text, gaps)
+                        continue
+                    if mev.type == "message_delta":
+                        r.usage_tokens = mev.usage.output_tokens
+                    r.terminal |= mev.type == "message_stop"
+                    r.got("", gaps)
+        else:
+            answer = await clients.native[key].stream(
+                ask.prompt, model=MODEL, max_tokens=ask.max_tokens
+            )
+            r.stream_id = answer.stream_id or ""
+            try:
+                async for delta in answer:
+                    r.got(delta, gaps)
+            finally:
+                r.reconnects = answer.reconnects
+                r.terminal = bool(answer.state.done)
+                usage = answer.state.usage
+                if isinstance(usage, dict) and "completion_tokens" in usage:
+                    r.usage_tokens = usage["completion_tokens"]
+    except asyncio.CancelledError:
+        if not r.hung:
+            raise
+    except Exception as exc:  # what the SDK raised is the ending, counted by its type
+        r.error = error_name(exc)
+
+
+def judge(r: Reading, reference: str) -> str:
+    if r.hung:
+        return "hung"
+    if r.error:
+        return "error"
+    if not r.terminal:
+        return "short"
+    return "exact" if r.text == reference else "wrong"
+
+
+class SdkRetries(logging.Handler):
+    """The retries the official SDKs made on their own (their debug and info log lines): a
+    retried request's TTFT includes the SDK's wait, Retry-After included."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.counts: Counter[str] = Counter()
+        self.loggers = [logging.getLogger(n) for n in ("openai", "anthropic")]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        sdk = record.name.split(".")[0]
+        msg = str(record.msg)
+        if msg.startswith("Retrying due to status code"):
+            self.counts[f"{sdk}: status {record.args[0]}"] += 1  # type: ignore[index]
+        elif msg.startswith("Retrying request"):  # "… in %f seconds" or "… to %s in %f …"
+            wait = next((a for a in record.args or () if isinstance(a, float)), 0.0)  # type: ignore[union-attr]
+            self.counts[f"{sdk}: waited {wait:.1f} s"] += 1
+
+    def __enter__(self) -> SdkRetries:
+        for lg in self.loggers:
+            lg.addHandler(self)
+            lg.setLevel(logging.DEBUG)
+            lg.propagate = False
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for lg in self.loggers:
+            lg.removeHandler(self)
+
+
+# -- the load --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Fault:
+    kind: str
+    at_s: float  # since the load began
+    what: str
+    took_s: float = 0.0  # until the part was back (or the reload sent)
+
+
+class Windows:
+    """Which fault's after-window a moment falls in (`outside` when none)."""
+
+    def __init__(self, after_s: float) -> None:
+        self.after_s = after_s
+        self.marks: list[tuple[float, str]] = []
+        self.gaps: dict[str, array[float]] = defaultdict(lambda: array("d"))
+
+    def of(self, start: float, end: float | None = None) -> str:
+        """The fault a wait from `start` to `end` is counted after: the last one before its
+        start if the start is in its window, else the first one during the wait."""
+        end = start if end is None else end
+        found = "outside"
+        for at, kind in reversed(self.marks):
+            if at <= start:
+                return kind if start <= at + self.after_s else found
+            if at <= end:
+                found = kind
+        return found
+
+    def gap(self, gap: float, t: float) -> None:
+        self.gaps[self.of(t - gap, t)].append(gap)
+
+
+async def references(
+    clients: Clients, asks: list[Ask], log: Callable[[str], None]
+) -> dict[Ask, Reading]:
+    out: dict[Ask, Reading] = {}
+    todo = list(asks)
+
+    async def worker() -> None:
+        while todo:
+            ask = todo.pop()
+            for _attempt in range(3):
+                r = Reading(ask, "alice", pieces=[])
+                await read_stream(clients, r)
+                if r.terminal and not r.error:
+                    out[ask] = r
+                    break
+            else:
+                raise RuntimeError(f"the reference did not answer {ask}: {r.error or 'short'}")
+
+    await asyncio.gather(*(worker() for _ in range(8)))
+    tokens = sum(1 for r in out.values() if r.usage_tokens == r.chunks)
+    log(f"{len(out)} references; {tokens} of them one text event per token")
+    return out
+
+
+def delivered_tokens(text: str, reference: Reading) -> int | None:
+    """How many of the reference's tokens `text` holds (None: not a prefix of it, or the
+    reference's events are not one token each)."""
+    pieces = reference.pieces or []
+    if reference.usage_tokens != len(pieces) or not reference.text.startswith(text):
+        return None
+    n = length = 0
+    for piece in pieces:
+        if length + len(piece) > len(text):
+            break
+        length += len(piece)
+        n += 1
+    return n
+
+
+@dataclass
+class Day:
+    """What the load and the faults left, for `summarize`."""
+
+    opts: Options
+    dep: Deployment
+    asks: dict[str, list[Ask]]
+    refs: dict[Ask, Reading]
+    readings: list[Reading] = field(default_factory=list)
+    faults: list[Fault] = field(default_factory=list)
+    windows: Windows = field(default_factory=lambda: Windows(10.0))
+    abuse: Counter[str] = field(default_factory=Counter)
+    lags: list[float] = field(default_factory=list)
+    active: dict[int, tuple[Reading, asyncio.Task[None]]] = field(default_factory=dict)
+    busy: set[int] = field(default_factory=set)  # instances being restarted: no fault's victim
+    restarts: list[asyncio.Task[None]] = field(default_factory=list)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    retries: SdkRetries = field(default_factory=SdkRetries)
+    began: float = 0.0
+    end: float = 0.0
+    load_s: float = 0.0
+
+
+async def normal_client(day: Day, clients: Clients, i: int) -> None:
+    fmt, key = FORMATS[i % len(FORMATS)], list(KEYS)[(i // len(FORMATS)) % len(KEYS)]
+    rng = random.Random(day.opts.seed * 1000 + i)
+    await asyncio.sleep(i * 0.02)  # not all at the same instant
+    while time.monotonic() < day.end:
+        r = Reading(rng.choice(day.asks[fmt]), key)
+        r.sent = r.progress = time.monotonic()  # the watchdog may look before it starts
+        day.readings.append(r)
+        task = asyncio.create_task(read_stream(clients, r, day.windows.gap))
+        day.active[id(r)] = (r, task)
+        try:
+            await task
+        finally:
+            day.active.pop(id(r), None)
+
+
+async def watchdog(day: Day) -> None:
+    """Cancel a stream that saw nothing for `hang_s`: it is counted hung. And how late this
+    process's loop runs a timer (the clients' own saturation)."""
+    while True:
+        due = time.monotonic() + 0.5
+        await asyncio.sleep(0.5)
+        now = time.monotonic()
+        day.lags.append(max(0.0, now - due))
+        for r, task in list(day.active.values()):
+            if now - r.progress > day.opts.hang_s and not r.hung:
+                r.hung = True
+                task.cancel()
+        for slot in [*day.dep.instances, *day.dep.upstreams]:
+            slot.sample_rss()
+
+
+async def abuser(day: Day, i: int) -> None:
+    """The abusive key: streams dropped after a few chunks, native streams never read, bursts
+    past its max_streams. Its endings are counted, not judged."""
+    rng = random.Random(day.opts.seed * 7919 + i)
+    headers = {"authorization": f"Bearer {ABUSER[1]}"}
+    body = {"model": MODEL, "messages": [{"role": "user", "content": f"abuse {i}"}]}
+    async with httpx.AsyncClient(base_url=day.dep.url, headers=headers, timeout=30) as c:
+        while time.monotonic() < day.end:
+            what = rng.choice(("dropped", "unread", "burst"))
+            try:
+                if what == "dropped":
+                    req = {**body, "stream": True, "max_tokens": 2000}
+                    async with c.stream("POST", "/v1/chat/completions", json=req) as resp:
+                        seen = 0
+                        async for line in resp.aiter_lines():
+                            seen += line.startswith("data: ")
+                            if seen >= 5:
+                                break
+                        day.abuse[f"dropped {resp.status_code}"] += 1
+                elif what == "unread":
+                    req = {"model": MODEL, "prompt": f"never read {i}", "max_tokens": 500}
+                    resp = await c.post("/v1/streams", json=req)
+                    day.abuse[f"unread {resp.status_code}"] += 1
+                else:
+                    req = {**body, "max_tokens": 5}
+                    burst = [c.post("/v1/chat/completions", json=req) for _ in range(8)]
+                    for resp in await asyncio.gather(*burst):
+                        day.abuse[f"burst {resp.status_code}"] += 1
+            except httpx.HTTPError as exc:
+                day.abuse[f"{what} {type(exc).__name__}"] += 1
+            await asyncio.sleep(rng.uniform(0.1, 0.5))
+
+
+def _active_streams(server: Server) -> float:
+    try:
+        return server.metric("firsttoken_active_streams")
+    except httpx.HTTPError:
+        return -1.0
+
+
+async def restart(day: Day, slot: Slot) -> float:
+    """Start `slot` again on its port; the seconds it took."""
+    t = time.monotonic()
+    async with day.lock:  # one ExitStack, entered from one thread at a time
+        await asyncio.to_thread(slot.start, day.dep.stack)
+    return time.monotonic() - t
+
+
+async def fault(day: Day, kind: str, n: int) -> Fault:
+    dep, at = day.dep, time.monotonic()
+    f = Fault(kind, round(at - day.began, 1), "")
+    day.windows.marks.append((at, kind))
+    if kind == "instance_kill":
+        ids = [i for i in range(len(dep.instances)) if i not in day.busy]
+        owned = await asyncio.gather(
+            *(asyncio.to_thread(_active_streams, dep.instances[i].now) for i in ids)
+        )
+        victim = ids[max(range(len(ids)), key=lambda j: owned[j])]
+        slot = dep.instances[victim]
+        slot.now.kill(signal.SIGKILL)
+        f.what = f"SIGKILL instance {victim} ({owned[ids.index(victim)]:.0f} streams)"
+        await asyncio.sleep(1.0)
+        f.took_s = round(1.0 + await restart(day, slot), 2)
+    elif kind == "upstream_kill":
+        slot = dep.upstreams[n % len(dep.upstreams)]
+        slot.now.kill(signal.SIGKILL)
+        f.what = f"SIGKILL {slot.name}"
+        await asyncio.sleep(1.0)
+        f.took_s = round(1.0 + await restart(day, slot), 2)
+    elif kind == "instance_term":
+        victim = next((i for i in (n + k for k in range(3)) if i % 3 not in day.busy), n) % len(
+            dep.instances
+        )
+        slot = dep.instances[victim]
+        owned = await asyncio.to_thread(_active_streams, slot.now)
+        slot.now.proc.send_signal(signal.SIGTERM)
+        f.what = f"SIGTERM instance {victim} ({owned:.0f} streams)"
+        day.busy.add(victim)
+
+        async def deploy() -> None:  # the rolling deploy's step: start it again once it exited
+            try:
+                await asyncio.to_thread(slot.now.proc.wait, 90)
+            except subprocess.TimeoutExpired:
+                slot.now.kill(signal.SIGKILL)
+                f.what += ", did not exit in 90 s: SIGKILLed"
+            f.took_s = round(time.monotonic() - at, 2)
+            f.what += f", exited in {f.took_s:.1f} s"
+            await restart(day, slot)
+            day.busy.discard(victim)
+
+        day.restarts.append(asyncio.create_task(deploy()))
+    elif kind == "reload":
+        dep.keys_file.write_text(keys_toml(n + 1))
+        sent = 0
+        for slot in dep.instances:
+            if slot.alive():
+                slot.now.proc.send_signal(signal.SIGHUP)
+                sent += 1
+        f.what = f"keys file changed, SIGHUP to {sent} instances"
+    elif kind == "redis_restart":
+        await asyncio.to_thread(dep.redis.stop)
+        await asyncio.sleep(1.0)
+        await asyncio.to_thread(dep.redis.start)
+        f.what = "redis-server stopped and started (empty)"
+        f.took_s = round(time.monotonic() - at, 2)
+    else:
+        raise ValueError(kind)
+    return f
+
+
+async def fault_loop(day: Day, log: Callable[[str], None]) -> None:
+    opts = day.opts
+    due = day.began + (opts.first_fault_s or opts.fault_every_s)
+    n = 0
+    while due < day.end - 1:
+        await asyncio.sleep(max(0.0, due - time.monotonic()))
+        kind = opts.faults[n % len(opts.faults)]
+        f = await fault(day, kind, n)
+        day.faults.append(f)
+        log(f"{f.at_s:6.1f} s {kind}: {f.what}")
+        n += 1
+        due += opts.fault_every_s
+    await asyncio.gather(*day.restarts)
+
+
+async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
+    t0 = time.monotonic()
+    with deployment(opts, log) as dep:
+        log(f"deployed in {time.monotonic() - t0:.1f} s")
+        async with AsyncExitStack() as astack:
+            ref_clients = await Clients.open(dep.reference.url, KEYS, astack)
+            clients = await Clients.open(dep.url, KEYS, astack)
+            rng = random.Random(opts.seed)
+            asks = {
+                f: [
+                    Ask(f, v, rng.randint(opts.tokens_min, opts.tokens_max))
+                    for v in range(opts.variants)
+                ]
+                for f in FORMATS
+            }
+            refs = await references(ref_clients, [a for v in asks.values() for a in v], log)
+            log(f"references in {time.monotonic() - t0:.1f} s")
+            day = Day(opts, dep, asks, refs, windows=Windows(opts.after_fault_s))
+            day.began = time.monotonic()
+            day.end = day.began + opts.minutes * 60
+            dog = asyncio.create_task(watchdog(day))
+            abusers = [asyncio.create_task(abuser(day, i)) for i in range(opts.abusers)]
+            normal = [
+                asyncio.create_task(normal_client(day, clients, i)) for i in range(opts.streams)
+            ]
+            faults = asyncio.create_task(fault_loop(day, log))
+            longest = (opts.ttft_ms + opts.tokens_max * opts.itl_ms) / 1000
+            with day.retries:
+                await asyncio.wait(normal, timeout=opts.minutes * 60 + longest + opts.hang_s + 30)
+                await faults
+            day.load_s = time.monotonic() - day.began
+            for t in [*normal, *abusers, dog]:
+                t.cancel()
+            await asyncio.gather(*normal, *abusers, dog, return_exceptions=True)
+            await ref_clients.close()
+            await clients.close()
+        log(f"load ended at {time.monotonic() - t0:.1f} s")
+        ledger = await asyncio.to_thread(read_ledger, dep)
+        log(f"ledger read at {time.monotonic() - t0:.1f} s")
+        return summarize(day, ledger)
+
+
+def read_ledger(dep: Deployment) -> dict[str, list[tuple[str, str, int]]]:
+    """request id → (instance's db, outcome, completion tokens) of every record, once every
+    instance's queue is written."""
+    deadline = time.monotonic() + 30
+    for slot in dep.instances:
+        while time.monotonic() < deadline and slot.alive():
+            try:
+                if slot.now.metric("firsttoken_usage_records_queued") == 0:
+                    break
+            except httpx.HTTPError:
+                break
+            time.sleep(0.2)
+    time.sleep(0.5)  # the last batch's commit
+    rows: dict[str, list[tuple[str, str, int]]] = defaultdict(list)
+    for i, db in enumerate(dep.dbs):
+        path = db.removeprefix("sqlite:///")
+        if not Path(path).exists():
+            continue
+        with sqlite3.connect(path) as conn:
+            sql = "SELECT request_id, outcome, completion_tokens FROM usage_requests"
+            for rid, outcome, tokens in conn.execute(sql):
+                rows[rid].append((str(i), outcome, int(tokens)))
+    return rows
+
+
+# -- figures ---------------------------------------------------------------------------------------
+
+
+def _pcts(values: Any) -> dict[str, float] | None:
+    a = np.asarray(values, dtype=float)
+    if not a.size:
+        return None
+    return {
+        "p50": round(float(np.percentile(a, 50)) * 1000, 1),
+        "p99": round(float(np.percentile(a, 99)) * 1000, 1),
+        "max": round(float(a.max()) * 1000, 1),
+        "n": int(a.size),
+    }
+
+
+def summarize(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[str, Any]:
+    opts, dep = day.opts, day.dep
+    normal = day.readings
+    for r in normal:
+        r.ending = judge(r, day.refs[r.ask].text)
+    formats: dict[str, Any] = {}
+    for fmt in FORMATS:
+        rs = [r for r in normal if r.ask.fmt == fmt]
+        ends = Counter(r.ending for r in rs)
+        formats[fmt] = {
+            "started": len(rs),
+            **{e: ends[e] for e in ENDINGS},
+            "errors": dict(Counter(r.error for r in rs if r.ending == "error").most_common()),
+            "exact_share": round(ends["exact"] / len(rs), 5) if rs else None,
+            "resumed": sum(r.reconnects > 0 for r in rs),
+        }
+    windows: dict[str, Any] = {}
+    kinds = ["outside", *dict.fromkeys(k for _, k in day.windows.marks)]
+    with_text = [r for r in normal if r.chunks]
+    for w in ["all", *kinds]:
+
+        def inside(start: float, end: float, w: str = w) -> bool:
+            return w == "all" or day.windows.of(start, end) == w
+
+        gaps = (
+            np.concatenate([np.frombuffer(g, dtype=float) for g in day.windows.gaps.values()])
+            if w == "all" and day.windows.gaps
+            else np.frombuffer(day.windows.gaps[w], dtype=float)
+            if w in day.windows.gaps
+            else np.zeros(0)
+        )
+        windows[w] = {
+            "ttft_ms": _pcts([r.ttft_s for r in with_text if inside(r.sent, r.first_at)]),
+            "longest_gap_ms": _pcts(
+                [
+                    r.longest_gap_s
+                    for r in with_text
+                    if r.chunks > 1 and inside(r.longest_gap_at - r.longest_gap_s, r.longest_gap_at)
+                ]
+            ),
+            "gap_ms": _pcts(gaps),
+        }
+    return {
+        "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+        ).stdout.strip(),
+        "options": asdict(opts),
+        "load_s": round(day.load_s, 1),
+        "faults": [asdict(f) for f in day.faults],
+        "formats": formats,
+        "windows": windows,
+        "ledger": ledger_check(day, ledger),
+        "logs": {s.name: log_check(s) for s in [*dep.instances, *dep.upstreams]},
+        "abuse": dict(sorted(day.abuse.items())),
+        "client_loop_lag_ms": _pcts(day.lags),
+        "sdk_retries": dict(sorted(day.retries.counts.items())),
+        "examples": examples(day),
+        "slowest_first_text": [
+            {
+                "format": r.ask.fmt,
+                "stream": r.stream_id,
+                "ttft_ms": round((r.ttft_s or 0) * 1000),
+                "at_s": round(r.sent - day.began, 1),
+                "window": day.windows.of(r.sent, r.first_at),
+            }
+            for r in sorted(with_text, key=lambda r: -(r.ttft_s or 0))[:5]
+        ],
+    }
+
+
+def ledger_check(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[str, Any]:
+    """The ledger's completion tokens for each normal stream against what its client got."""
+    relations: Counter[str] = Counter()
+    odd: list[dict[str, Any]] = []
+    billed = delivered_all = 0
+    for r in day.readings:
+        if not r.stream_id:
+            relations[f"{r.ending}: no stream id (no answer began)"] += 1
+            continue
+        rows = ledger.get(r.stream_id, [])
+        got = delivered_tokens(r.text, day.refs[r.ask])
+        tokens = sum(t for _, _, t in rows)
+        billed += tokens
+        delivered_all += got or 0
+        if not rows:
+            rel = "no record"
+        elif len(rows) > 1:
+            rel = f"{len(rows)} records"
+        elif got is None:
+            rel = "text not the reference's"
+        else:
+            rel = "equal" if tokens == got else ("ledger more" if tokens > got else "ledger less")
+        relations[f"{r.ending}: {rel}"] += 1
+        if rel != "equal" and len(odd) < 20:
+            odd.append(
+                {
+                    "stream": r.stream_id,
+                    "format": r.ask.fmt,
+                    "ending": r.ending,
+                    "error": r.error,
+                    "records": rows,
+                    "delivered": got,
+                }
+            )
+    return {
+        "ledger_tokens": billed,
+        "delivered_tokens": delivered_all,
+        "relations": dict(sorted(relations.items())),
+        "differences": odd,
+    }
+
+
+def log_check(slot: Slot) -> dict[str, Any]:
+    tracebacks = 0
+    errors: Counter[str] = Counter()
+    first: list[str] = []
+    for line in slot.log_lines():
+        if "Traceback" in line:
+            tracebacks += 1
+            first.append(line[:300])
+        if '"level":"error"' in line:
+            try:
+                errors[json.loads(line).get("event", "?")] += 1
+            except ValueError:
+                errors["?"] += 1
+            if len(first) < 5:
+                first.append(line[:300])
+    return {
+        "runs": len(slot.runs),
+        "tracebacks": tracebacks,
+        "errors": dict(errors),
+        "rss_peak_mib": round(slot.rss_peak / 2**20, 1),
+        "first": first[:5],
+    }
+
+
+def examples(day: Day) -> list[dict[str, Any]]:
+    """A few streams of each bad ending, to start a reproduction from."""
+    out: list[dict[str, Any]] = []
+    seen: Counter[str] = Counter()
+    for r in day.readings:
+        if r.ending in ("exact",) or seen[f"{r.ask.fmt} {r.ending}"] >= 3:
+            continue
+        seen[f"{r.ask.fmt} {r.ending}"] += 1
+        ref = day.refs[r.ask].text
+        common = next(
+            (i for i, (a, b) in enumerate(zip(r.text, ref, strict=False)) if a != b),
+            min(len(r.text), len(ref)),
+        )
+        out.append(
+            {
+                "format": r.ask.fmt,
+                "ending": r.ending,
+                "error": r.error,
+                "stream": r.stream_id,
+                "at_s": round(r.sent - day.began, 1),
+                "window": day.windows.of(r.sent, r.last_at or r.sent),
+                "chars": len(r.text),
+                "reference_chars": len(ref),
+                "first_difference": common,
+                "reconnects": r.reconnects,
+            }
+        )
+    return out
+
+
+def _ms(p: dict[str, float] | None) -> str:
+    return f"{p['p50']:.0f}/{p['p99']:.0f}" if p else "-"
+
+
+def report(s: dict[str, Any]) -> str:
+    o = s["options"]
+    lines = [
+        f"{s['date']}, commit {s['commit']}: {o['minutes']:g} min, {o['streams']} streams at once "
+        f"(+{o['abusers']} abusive), a fault every {o['fault_every_s']:g} s, engine TTFT "
+        f"{o['ttft_ms']:g} ms ITL {o['itl_ms']:g} ms, {o['tokens_min']}-{o['tokens_max']} tokens",
+        "faults: " + "; ".join(f"{f['at_s']:.0f} s {f['what']}" for f in s["faults"]),
+        "",
+        f"{'format':10} {'started':>7} {'exact':>6} {'wrong':>6} {'error':>6} {'short':>6} "
+        f"{'hung':>5} {'exact%':>8} {'resumed':>8}  errors by type",
+    ]
+    for fmt, k in s["formats"].items():
+        share = f"{k['exact_share']:.2%}" if k["exact_share"] is not None else "-"
+        lines.append(
+            f"{fmt:10} {k['started']:>7} {k['exact']:>6} {k['wrong']:>6} {k['error']:>6} "
+            f"{k['short']:>6} {k['hung']:>5} {share:>8} {k['resumed']:>8}  {k['errors'] or '-'}"
+        )
+    lines += [
+        "",
+        f"{'window':14} {'TTFT p50/p99 ms':>16} {'longest gap p50/p99':>20} "
+        f"{'gap p50/p99 ms':>15} {'streams':>8}",
+    ]
+    for w, k in s["windows"].items():
+        n = k["ttft_ms"]["n"] if k["ttft_ms"] else 0
+        lines.append(
+            f"{w:14} {_ms(k['ttft_ms']):>16} {_ms(k['longest_gap_ms']):>20} "
+            f"{_ms(k['gap_ms']):>15} {n:>8}"
+        )
+    led = s["ledger"]
+    lines += [
+        "",
+        f"ledger: {led['ledger_tokens']} completion tokens billed for the normal streams, "
+        f"{led['delivered_tokens']} delivered",
+    ]
+    lines += [f"  {rel}: {n}" for rel, n in led["relations"].items()]
+    lines.append("")
+    for name, k in s["logs"].items():
+        lines.append(
+            f"{name:11} runs {k['runs']}, tracebacks {k['tracebacks']}, error lines "
+            f"{k['errors'] or 0}, peak RSS {k['rss_peak_mib']} MiB"
+        )
+    lines.append(f"abusive key: {s['abuse']}")
+    lines.append(f"the SDKs' own retries: {s['sdk_retries'] or 0}")
+    lines.append(f"the clients' loop lag ms: {s['client_loop_lag_ms']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    d = Options()
+    p = argparse.ArgumentParser(
+        prog="python -m bench.production_day", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--minutes", type=float, default=d.minutes)
+    p.add_argument("--streams", type=int, default=d.streams, help="normal streams at once")
+    p.add_argument("--fault-every-s", type=float, default=d.fault_every_s)
+    p.add_argument("--faults", default=",".join(d.faults), help="kinds, in turn")
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--ttft-ms", type=float, default=d.ttft_ms)
+    p.add_argument("--itl-ms", type=float, default=d.itl_ms)
+    p.add_argument("--tokens-min", type=int, default=d.tokens_min)
+    p.add_argument("--tokens-max", type=int, default=d.tokens_max)
+    p.add_argument("--variants", type=int, default=d.variants)
+    p.add_argument("--abusers", type=int, default=d.abusers)
+    p.add_argument("--hang-s", type=float, default=d.hang_s)
+    p.add_argument("--json", type=Path, help="write the summary as JSON here")
+    a = p.parse_args(argv)
+    faults = tuple(x for x in a.faults.split(",") if x)
+    unknown = [x for x in faults if x not in FAULT_KINDS]
+    if unknown:
+        p.error(f"--faults: unknown {unknown}; kinds: {','.join(FAULT_KINDS)}")
+    opts = Options(
+        minutes=a.minutes,
+        streams=a.streams,
+        fault_every_s=a.fault_every_s,
+        faults=faults,
+        seed=a.seed,
+        ttft_ms=a.ttft_ms,
+        itl_ms=a.itl_ms,
+        tokens_min=a.tokens_min,
+        tokens_max=a.tokens_max,
+        variants=a.variants,
+        abusers=a.abusers,
+        hang_s=a.hang_s,
+    )
+    summary = asyncio.run(run_day(opts, log=lambda m: print(m, file=sys.stderr, flush=True)))
+    print(report(summary))
+    if a.json:
+        a.json.write_text(json.dumps(summary, indent=2))
+    bad = sum(k["short"] + k["wrong"] + k["hung"] for k in summary["formats"].values())
+    return 1 if bad or any(k["tracebacks"] for k in summary["logs"].values()) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
