@@ -26,9 +26,9 @@ step), `reload` (SIGHUP every instance after the keys file changed: the abusive 
 and a spare key), `redis_restart` (redis-server stopped and started on its port; no
 persistence, so it comes back empty).
 
-The reference: a fourth gateway, same keys and prices, whose route's one target is a third
-upstream nobody touches, answers every distinct request (`--variants` prompts per format)
-once before the load; the synthetic engine is deterministic, so an undisturbed answer is the
+The reference: before the load and the first fault, the same deployment, undisturbed,
+answers every distinct request (`--variants` prompts per format, each its own max_tokens) once,
+each in its own format; the synthetic engine is deterministic, so an undisturbed answer is the
 answer. Each normal stream ends as one of:
   exact    its terminal event arrived (chat: a finish_reason; Responses: response.completed or
            response.incomplete; Messages: message_stop; native: [DONE]) and its text is the
@@ -63,10 +63,11 @@ import time
 from array import array
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
-from contextlib import AsyncExitStack, ExitStack, contextmanager
+from concurrent.futures import ThreadPoolExecutor, wait
+from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import anthropic
 import httpx
@@ -79,6 +80,7 @@ from tests.nginx import MULTI_CONF, run_nginx
 from tests.redis_server import RedisServer
 from tests.servers import ROOT, Server, run_server
 
+T = TypeVar("T")
 FORMATS = ("chat", "responses", "messages", "native")
 FAULT_KINDS = ("instance_kill", "upstream_kill", "instance_term", "reload", "redis_restart")
 ENDINGS = ("exact", "wrong", "error", "short", "hung")
@@ -159,7 +161,9 @@ class Slot:
 
     def start(self, stack: ExitStack) -> Server:
         extra = ["--port", str(self.port)] if self.port else []
-        server = stack.enter_context(run_server(*self.args, *extra, timeout=60))
+        return self.started(stack.enter_context(run_server(*self.args, *extra, timeout=60)))
+
+    def started(self, server: Server) -> Server:
         self.port = server.port
         self.runs.append(server)
         return server
@@ -185,11 +189,25 @@ class Deployment:
     redis: RedisServer
     upstreams: list[Slot]
     instances: list[Slot]
-    reference: Server
     url: str  # nginx's
     keys_file: Path
     dbs: list[str]
     stack: ExitStack
+
+
+def enter_together(stack: ExitStack, cms: list[AbstractContextManager[T]]) -> list[T]:
+    """Enter the context managers at once, each in a thread (a server's start waits for its
+    `listening` line: started one after another on a busy machine, the set takes long)."""
+    with ThreadPoolExecutor(max_workers=len(cms)) as pool:
+        futures = [pool.submit(cm.__enter__) for cm in cms]
+        wait(futures)
+    for cm, f in zip(cms, futures, strict=True):
+        if f.exception() is None:
+            stack.push(cm)
+    for f in futures:
+        if (exc := f.exception()) is not None:
+            raise exc
+    return [f.result() for f in futures]
 
 
 @contextmanager
@@ -201,35 +219,28 @@ def deployment(opts: Options, log: Callable[[str], None]) -> Iterator[Deployment
         stack.callback(redis.stop)
         pace = ["--synthetic-ttft-ms", str(opts.ttft_ms), "--synthetic-itl-ms", str(opts.itl_ms)]
         upstreams = [Slot(f"upstream {n}", [*pace, *OPEN]) for n in ("a", "b")]
-        for slot in upstreams:
-            slot.start(stack)
-        # The reference's upstream answers at once: its text, not its pace, is what counts.
-        ref_up = stack.enter_context(
-            run_server("--synthetic-ttft-ms", "0", "--synthetic-itl-ms", "1", *OPEN)
-        )
+        servers = [run_server(*u.args, timeout=60) for u in upstreams]
+        for slot, server in zip(upstreams, enter_together(stack, servers), strict=True):
+            slot.started(server)
         routes = tmp / "routes.toml"
         routes.write_text(routes_toml({"a": upstreams[0].now.url, "b": upstreams[1].now.url}))
-        ref_routes = tmp / "reference.toml"
-        ref_routes.write_text(routes_toml({"reference": ref_up.url}))
         keys = tmp / "keys.toml"
         keys.write_text(keys_toml(0))
-        reference = stack.enter_context(
-            run_server("--routes", str(ref_routes), "--api-keys", str(keys), *OPEN, timeout=60)
-        )
         common = ["--redis", redis.url, "--durable", "--routes", str(routes)]
         common += ["--api-keys", str(keys), *OPEN]
         dbs = [f"sqlite:///{tmp}/usage-{i}.db" for i in range(3)]
         instances = [Slot(f"instance {i}", [*common, "--usage-db", db]) for i, db in enumerate(dbs)]
-        for slot in instances:
-            slot.start(stack)
+        servers = [run_server(*slot.args, timeout=60) for slot in instances]
+        for slot, server in zip(instances, enter_together(stack, servers), strict=True):
+            slot.started(server)
         ng = stack.enter_context(
             run_nginx([s.port for s in instances], tmp / "nginx", base=MULTI_CONF)
         )
         log(
             f"redis :{redis.port}; upstreams {[s.port for s in upstreams]}; instances "
-            f"{[s.port for s in instances]}; reference {reference.url}; nginx {ng.url}"
+            f"{[s.port for s in instances]}; nginx {ng.url}"
         )
-        yield Deployment(redis, upstreams, instances, reference, ng.url, keys, dbs, stack)
+        yield Deployment(redis, upstreams, instances, ng.url, keys, dbs, stack)
 
 
 # -- one stream, in each format --------------------------------------------------------------------
@@ -500,7 +511,7 @@ async def references(
             else:
                 raise RuntimeError(f"the reference did not answer {ask}: {r.error or 'short'}")
 
-    await asyncio.gather(*(worker() for _ in range(8)))
+    await asyncio.gather(*(worker() for _ in asks))
     tokens = sum(1 for r in out.values() if r.usage_tokens == r.chunks)
     log(f"{len(out)} references; {tokens} of them one text event per token")
     return out
@@ -706,7 +717,6 @@ async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str
     with deployment(opts, log) as dep:
         log(f"deployed in {time.monotonic() - t0:.1f} s")
         async with AsyncExitStack() as astack:
-            ref_clients = await Clients.open(dep.reference.url, KEYS, astack)
             clients = await Clients.open(dep.url, KEYS, astack)
             rng = random.Random(opts.seed)
             asks = {
@@ -716,7 +726,7 @@ async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str
                 ]
                 for f in FORMATS
             }
-            refs = await references(ref_clients, [a for v in asks.values() for a in v], log)
+            refs = await references(clients, [a for v in asks.values() for a in v], log)
             log(f"references in {time.monotonic() - t0:.1f} s")
             day = Day(opts, dep, asks, refs, windows=Windows(opts.after_fault_s))
             day.began = time.monotonic()
@@ -735,7 +745,6 @@ async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str
             for t in [*normal, *abusers, dog]:
                 t.cancel()
             await asyncio.gather(*normal, *abusers, dog, return_exceptions=True)
-            await ref_clients.close()
             await clients.close()
         log(f"load ended at {time.monotonic() - t0:.1f} s")
         ledger = await asyncio.to_thread(read_ledger, dep)
