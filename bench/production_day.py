@@ -53,6 +53,7 @@ import asyncio
 import datetime as dt
 import json
 import logging
+import multiprocessing
 import random
 import signal
 import sqlite3
@@ -66,6 +67,8 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -106,6 +109,7 @@ class Options:
     tokens_max: int = 160
     variants: int = 12  # distinct requests per format (each answered once by the reference)
     abusers: int = 4
+    client_procs: int = 4  # processes the normal clients are spread over (0: this one)
     hang_s: float = 30.0
     after_fault_s: float = 10.0
     first_fault_s: float = 0.0  # 0: one interval after the load starts
@@ -475,7 +479,6 @@ class Windows:
     def __init__(self, after_s: float) -> None:
         self.after_s = after_s
         self.marks: list[tuple[float, str]] = []
-        self.gaps: dict[str, array[float]] = defaultdict(lambda: array("d"))
 
     def of(self, start: float, end: float | None = None) -> str:
         """The fault a wait from `start` to `end` is counted after: the last one before its
@@ -489,8 +492,24 @@ class Windows:
                 found = kind
         return found
 
-    def gap(self, gap: float, t: float) -> None:
-        self.gaps[self.of(t - gap, t)].append(gap)
+    def file(self, gaps: np.ndarray, ends: np.ndarray) -> dict[str, np.ndarray]:
+        """`of` for many waits at once: each gap (ending at `ends`) under its window."""
+        if not self.marks:
+            return {"outside": gaps}
+        at = np.asarray([a for a, _ in self.marks])
+        starts = ends - gaps
+        last = np.searchsorted(at, starts, side="right") - 1  # the last fault before the start
+        nxt = last + 1  # the first after it
+        in_last = (last >= 0) & (starts <= at[np.maximum(last, 0)] + self.after_s)
+        in_next = (nxt < len(at)) & (at[np.minimum(nxt, len(at) - 1)] <= ends)
+        label = np.full(len(gaps), -1)
+        label[in_next] = nxt[in_next]
+        label[in_last] = last[in_last]
+        out = {"outside": gaps[label == -1]}
+        for kind in dict.fromkeys(k for _, k in self.marks):
+            which = [i for i, (_, k) in enumerate(self.marks) if k == kind]
+            out[kind] = gaps[np.isin(label, which)]
+        return out
 
 
 async def references(
@@ -533,6 +552,82 @@ def delivered_tokens(text: str, reference: Reading) -> int | None:
 
 
 @dataclass
+class Share:
+    """One client process's part of the normal load (`ids`: which of the `--streams` clients),
+    and what it saw: its readings, every text gap as (gap, end) pairs, its loop's lag, the
+    SDKs' retries."""
+
+    url: str
+    asks: dict[str, list[Ask]]
+    ids: list[int]
+    opts: Options
+    end: float
+    readings: list[Reading] = field(default_factory=list)
+    gaps: array[float] = field(default_factory=lambda: array("d"))
+    lags: list[float] = field(default_factory=list)
+    retries: Counter[str] = field(default_factory=Counter)
+
+    def gap(self, gap: float, t: float) -> None:
+        self.gaps.append(gap)
+        self.gaps.append(t)
+
+
+async def run_share(share: Share) -> Share:
+    active: dict[int, tuple[Reading, asyncio.Task[None]]] = {}
+
+    async def client(clients: Clients, i: int) -> None:
+        fmt, key = FORMATS[i % len(FORMATS)], list(KEYS)[(i // len(FORMATS)) % len(KEYS)]
+        rng = random.Random(share.opts.seed * 1000 + i)
+        await asyncio.sleep(i * 0.02)  # not all at the same instant
+        while time.monotonic() < share.end:
+            r = Reading(rng.choice(share.asks[fmt]), key)
+            r.sent = r.progress = time.monotonic()  # the watchdog may look before it starts
+            share.readings.append(r)
+            task = asyncio.create_task(read_stream(clients, r, share.gap))
+            active[id(r)] = (r, task)
+            try:
+                await task
+            finally:
+                active.pop(id(r), None)
+
+    async def watchdog() -> None:
+        """Cancel a stream that saw nothing for `hang_s`: it is counted hung. And how late
+        this process's loop runs a timer (the clients' own saturation)."""
+        while True:
+            due = time.monotonic() + 0.5
+            await asyncio.sleep(0.5)
+            now = time.monotonic()
+            share.lags.append(max(0.0, now - due))
+            for r, task in list(active.values()):
+                if now - r.progress > share.opts.hang_s and not r.hung:
+                    r.hung = True
+                    task.cancel()
+
+    opts = share.opts
+    async with AsyncExitStack() as astack:
+        clients = await Clients.open(share.url, KEYS, astack)
+        with SdkRetries() as retries:
+            dog = asyncio.create_task(watchdog())
+            tasks = [asyncio.create_task(client(clients, i)) for i in share.ids]
+            longest = (opts.ttft_ms + opts.tokens_max * opts.itl_ms) / 1000
+            left = max(0.0, share.end - time.monotonic())
+            await asyncio.wait(tasks, timeout=left + longest + opts.hang_s + 30)
+            for t in [*tasks, dog]:
+                t.cancel()
+            await asyncio.gather(*tasks, dog, return_exceptions=True)
+        share.retries = retries.counts
+        await clients.close()
+    return share
+
+
+def _share_process(conn: Connection) -> None:
+    """A client process: one Share in, the same Share with what it saw out."""
+    share = conn.recv()
+    conn.send(asyncio.run(run_share(share)))
+    conn.close()
+
+
+@dataclass
 class Day:
     """What the load and the faults left, for `summarize`."""
 
@@ -540,49 +635,28 @@ class Day:
     dep: Deployment
     asks: dict[str, list[Ask]]
     refs: dict[Ask, Reading]
-    readings: list[Reading] = field(default_factory=list)
+    shares: list[Share] = field(default_factory=list)
     faults: list[Fault] = field(default_factory=list)
     windows: Windows = field(default_factory=lambda: Windows(10.0))
     abuse: Counter[str] = field(default_factory=Counter)
-    lags: list[float] = field(default_factory=list)
-    active: dict[int, tuple[Reading, asyncio.Task[None]]] = field(default_factory=dict)
-    busy: set[int] = field(default_factory=set)  # instances being restarted: no fault's victim
+    lags: list[float] = field(default_factory=list)  # this (the faults') process's loop
+    busy: set[str] = field(default_factory=set)  # slots being restarted: no fault's victim
     restarts: list[asyncio.Task[None]] = field(default_factory=list)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    retries: SdkRetries = field(default_factory=SdkRetries)
     began: float = 0.0
     end: float = 0.0
     load_s: float = 0.0
 
-
-async def normal_client(day: Day, clients: Clients, i: int) -> None:
-    fmt, key = FORMATS[i % len(FORMATS)], list(KEYS)[(i // len(FORMATS)) % len(KEYS)]
-    rng = random.Random(day.opts.seed * 1000 + i)
-    await asyncio.sleep(i * 0.02)  # not all at the same instant
-    while time.monotonic() < day.end:
-        r = Reading(rng.choice(day.asks[fmt]), key)
-        r.sent = r.progress = time.monotonic()  # the watchdog may look before it starts
-        day.readings.append(r)
-        task = asyncio.create_task(read_stream(clients, r, day.windows.gap))
-        day.active[id(r)] = (r, task)
-        try:
-            await task
-        finally:
-            day.active.pop(id(r), None)
+    @property
+    def readings(self) -> list[Reading]:
+        return [r for share in self.shares for r in share.readings]
 
 
-async def watchdog(day: Day) -> None:
-    """Cancel a stream that saw nothing for `hang_s`: it is counted hung. And how late this
-    process's loop runs a timer (the clients' own saturation)."""
+async def sampler(day: Day) -> None:
+    """Every second: each process's RSS, and how late this process's loop runs."""
     while True:
-        due = time.monotonic() + 0.5
-        await asyncio.sleep(0.5)
-        now = time.monotonic()
-        day.lags.append(max(0.0, now - due))
-        for r, task in list(day.active.values()):
-            if now - r.progress > day.opts.hang_s and not r.hung:
-                r.hung = True
-                task.cancel()
+        due = time.monotonic() + 1.0
+        await asyncio.sleep(1.0)
+        day.lags.append(max(0.0, time.monotonic() - due))
         for slot in [*day.dep.instances, *day.dep.upstreams]:
             slot.sample_rss()
 
@@ -627,57 +701,72 @@ def _active_streams(server: Server) -> float:
         return -1.0
 
 
-async def restart(day: Day, slot: Slot) -> float:
-    """Start `slot` again on its port; the seconds it took."""
-    t = time.monotonic()
-    async with day.lock:  # one ExitStack, entered from one thread at a time
-        await asyncio.to_thread(slot.start, day.dep.stack)
-    return time.monotonic() - t
+async def restart(day: Day, slot: Slot) -> None:
+    """Start `slot` again on its port (in a thread: the start waits for its `listening`)."""
+    cm = run_server(*slot.args, "--port", str(slot.port), timeout=60)
+    server = await asyncio.to_thread(cm.__enter__)
+    day.dep.stack.push(cm)  # stopped with the rest at the end
+    slot.started(server)
+
+
+def later(day: Day, f: Fault, slot: Slot, at: float, after: Any) -> None:
+    """Start `slot` again once `after` is done, in the background: the next fault keeps its
+    time however long a start takes on a busy machine."""
+
+    async def step() -> None:
+        try:
+            await after
+            await restart(day, slot)
+            f.took_s = round(time.monotonic() - at, 2)
+        finally:
+            day.busy.discard(slot.name)
+
+    day.busy.add(slot.name)
+    day.restarts.append(asyncio.create_task(step()))
 
 
 async def fault(day: Day, kind: str, n: int) -> Fault:
     dep, at = day.dep, time.monotonic()
     f = Fault(kind, round(at - day.began, 1), "")
     day.windows.marks.append((at, kind))
-    if kind == "instance_kill":
-        ids = [i for i in range(len(dep.instances)) if i not in day.busy]
-        owned = await asyncio.gather(
-            *(asyncio.to_thread(_active_streams, dep.instances[i].now) for i in ids)
-        )
-        victim = ids[max(range(len(ids)), key=lambda j: owned[j])]
-        slot = dep.instances[victim]
-        slot.now.kill(signal.SIGKILL)
-        f.what = f"SIGKILL instance {victim} ({owned[ids.index(victim)]:.0f} streams)"
-        await asyncio.sleep(1.0)
-        f.took_s = round(1.0 + await restart(day, slot), 2)
+    if kind in ("instance_kill", "instance_term"):
+        ready = [s for s in dep.instances if s.name not in day.busy and s.alive()]
+        if not ready:
+            f.what = "none: every instance is being restarted"
+            return f
+        owned = await asyncio.gather(*(asyncio.to_thread(_active_streams, s.now) for s in ready))
+        if kind == "instance_kill":  # the busiest
+            slot, streams = max(zip(ready, owned, strict=True), key=lambda p: p[1])
+            slot.now.kill(signal.SIGKILL)
+            f.what = f"SIGKILL {slot.name} ({streams:.0f} streams)"
+            later(day, f, slot, at, asyncio.sleep(1.0))
+        else:  # a rolling deploy's step, in turn: started again once it exited
+            slot, streams = next(
+                ((s, o) for s, o in zip(ready, owned, strict=True) if int(s.name[-1]) >= n % 3),
+                (ready[0], owned[0]),
+            )
+            proc = slot.now.proc
+            proc.send_signal(signal.SIGTERM)
+            f.what = f"SIGTERM {slot.name} ({streams:.0f} streams)"
+
+            async def exited() -> None:
+                try:
+                    await asyncio.to_thread(proc.wait, 90)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    f.what += ", did not exit in 90 s: SIGKILLed"
+                f.what += f", exited in {time.monotonic() - at:.1f} s"
+
+            later(day, f, slot, at, exited())
     elif kind == "upstream_kill":
-        slot = dep.upstreams[n % len(dep.upstreams)]
+        ready = [s for s in dep.upstreams if s.name not in day.busy]
+        if not ready:
+            f.what = "none: every upstream is being restarted"
+            return f
+        slot = ready[n % len(ready)]
         slot.now.kill(signal.SIGKILL)
         f.what = f"SIGKILL {slot.name}"
-        await asyncio.sleep(1.0)
-        f.took_s = round(1.0 + await restart(day, slot), 2)
-    elif kind == "instance_term":
-        victim = next((i for i in (n + k for k in range(3)) if i % 3 not in day.busy), n) % len(
-            dep.instances
-        )
-        slot = dep.instances[victim]
-        owned = await asyncio.to_thread(_active_streams, slot.now)
-        slot.now.proc.send_signal(signal.SIGTERM)
-        f.what = f"SIGTERM instance {victim} ({owned:.0f} streams)"
-        day.busy.add(victim)
-
-        async def deploy() -> None:  # the rolling deploy's step: start it again once it exited
-            try:
-                await asyncio.to_thread(slot.now.proc.wait, 90)
-            except subprocess.TimeoutExpired:
-                slot.now.kill(signal.SIGKILL)
-                f.what += ", did not exit in 90 s: SIGKILLed"
-            f.took_s = round(time.monotonic() - at, 2)
-            f.what += f", exited in {f.took_s:.1f} s"
-            await restart(day, slot)
-            day.busy.discard(victim)
-
-        day.restarts.append(asyncio.create_task(deploy()))
+        later(day, f, slot, at, asyncio.sleep(1.0))
     elif kind == "reload":
         dep.keys_file.write_text(keys_toml(n + 1))
         sent = 0
@@ -714,42 +803,71 @@ async def fault_loop(day: Day, log: Callable[[str], None]) -> None:
 
 async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str, Any]:
     t0 = time.monotonic()
-    with deployment(opts, log) as dep:
-        log(f"deployed in {time.monotonic() - t0:.1f} s")
-        async with AsyncExitStack() as astack:
-            clients = await Clients.open(dep.url, KEYS, astack)
-            rng = random.Random(opts.seed)
-            asks = {
-                f: [
-                    Ask(f, v, rng.randint(opts.tokens_min, opts.tokens_max))
-                    for v in range(opts.variants)
-                ]
-                for f in FORMATS
-            }
-            refs = await references(clients, [a for v in asks.values() for a in v], log)
-            log(f"references in {time.monotonic() - t0:.1f} s")
-            day = Day(opts, dep, asks, refs, windows=Windows(opts.after_fault_s))
-            day.began = time.monotonic()
-            day.end = day.began + opts.minutes * 60
-            dog = asyncio.create_task(watchdog(day))
-            abusers = [asyncio.create_task(abuser(day, i)) for i in range(opts.abusers)]
-            normal = [
-                asyncio.create_task(normal_client(day, clients, i)) for i in range(opts.streams)
+    # The client processes start first: their imports overlap the deployment's start.
+    procs: list[tuple[BaseProcess, Connection]] = []
+    ctx = multiprocessing.get_context("spawn")
+    for _ in range(opts.client_procs):
+        mine, theirs = ctx.Pipe()
+        proc = ctx.Process(target=_share_process, args=(theirs,), daemon=True)
+        proc.start()
+        procs.append((proc, mine))
+    try:
+        with deployment(opts, log) as dep:
+            log(f"deployed in {time.monotonic() - t0:.1f} s")
+            day = await load(opts, dep, procs, log)
+            log(f"load ended at {time.monotonic() - t0:.1f} s")
+            ledger = await asyncio.to_thread(read_ledger, dep)
+            log(f"ledger read at {time.monotonic() - t0:.1f} s")
+            return summarize(day, ledger)
+    finally:
+        for proc, _ in procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5)
+
+
+async def load(
+    opts: Options,
+    dep: Deployment,
+    procs: list[tuple[BaseProcess, Connection]],
+    log: Callable[[str], None],
+) -> Day:
+    async with AsyncExitStack() as astack:
+        clients = await Clients.open(dep.url, KEYS, astack)
+        rng = random.Random(opts.seed)
+        asks = {
+            f: [
+                Ask(f, v, rng.randint(opts.tokens_min, opts.tokens_max))
+                for v in range(opts.variants)
             ]
-            faults = asyncio.create_task(fault_loop(day, log))
-            longest = (opts.ttft_ms + opts.tokens_max * opts.itl_ms) / 1000
-            with day.retries:
-                await asyncio.wait(normal, timeout=opts.minutes * 60 + longest + opts.hang_s + 30)
-                await faults
-            day.load_s = time.monotonic() - day.began
-            for t in [*normal, *abusers, dog]:
-                t.cancel()
-            await asyncio.gather(*normal, *abusers, dog, return_exceptions=True)
-            await clients.close()
-        log(f"load ended at {time.monotonic() - t0:.1f} s")
-        ledger = await asyncio.to_thread(read_ledger, dep)
-        log(f"ledger read at {time.monotonic() - t0:.1f} s")
-        return summarize(day, ledger)
+            for f in FORMATS
+        }
+        refs = await references(clients, [a for v in asks.values() for a in v], log)
+        await clients.close()
+    day = Day(opts, dep, asks, refs, windows=Windows(opts.after_fault_s))
+    day.began = time.monotonic()
+    day.end = day.began + opts.minutes * 60
+    parts = max(1, len(procs))
+    shares = [
+        Share(dep.url, asks, list(range(k, opts.streams, parts)), opts, day.end)
+        for k in range(parts)
+    ]
+    for (_, conn), share in zip(procs, shares, strict=False):
+        conn.send(share)
+    if procs:
+        running = [asyncio.to_thread(conn.recv) for _, conn in procs]
+    else:
+        running = [run_share(shares[0])]
+    side = [asyncio.create_task(sampler(day))]
+    side += [asyncio.create_task(abuser(day, i)) for i in range(opts.abusers)]
+    faults = asyncio.create_task(fault_loop(day, log))
+    day.shares = list(await asyncio.gather(*running))
+    await faults
+    day.load_s = time.monotonic() - day.began
+    for t in side:
+        t.cancel()
+    await asyncio.gather(*side, return_exceptions=True)
+    return day
 
 
 def read_ledger(dep: Deployment) -> dict[str, list[tuple[str, str, int]]]:
@@ -810,19 +928,16 @@ def summarize(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[s
         }
     windows: dict[str, Any] = {}
     kinds = ["outside", *dict.fromkeys(k for _, k in day.windows.marks)]
+    pairs = np.concatenate([np.frombuffer(sh.gaps, dtype=float) for sh in day.shares])
+    all_gaps = pairs[0::2]
+    filed = day.windows.file(all_gaps, pairs[1::2])
     with_text = [r for r in normal if r.chunks]
     for w in ["all", *kinds]:
 
         def inside(start: float, end: float, w: str = w) -> bool:
             return w == "all" or day.windows.of(start, end) == w
 
-        gaps = (
-            np.concatenate([np.frombuffer(g, dtype=float) for g in day.windows.gaps.values()])
-            if w == "all" and day.windows.gaps
-            else np.frombuffer(day.windows.gaps[w], dtype=float)
-            if w in day.windows.gaps
-            else np.zeros(0)
-        )
+        gaps = all_gaps if w == "all" else filed.get(w, np.zeros(0))
         windows[w] = {
             "ttft_ms": _pcts([r.ttft_s for r in with_text if inside(r.sent, r.first_at)]),
             "longest_gap_ms": _pcts(
@@ -847,8 +962,9 @@ def summarize(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[s
         "ledger": ledger_check(day, ledger),
         "logs": {s.name: log_check(s) for s in [*dep.instances, *dep.upstreams]},
         "abuse": dict(sorted(day.abuse.items())),
-        "client_loop_lag_ms": _pcts(day.lags),
-        "sdk_retries": dict(sorted(day.retries.counts.items())),
+        "client_loop_lag_ms": _pcts([x for sh in day.shares for x in sh.lags]),
+        "faults_loop_lag_ms": _pcts(day.lags),
+        "sdk_retries": dict(sorted(sum((sh.retries for sh in day.shares), Counter()).items())),
         "examples": examples(day),
         "slowest_first_text": [
             {
@@ -906,20 +1022,24 @@ def ledger_check(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dic
 
 
 def log_check(slot: Slot) -> dict[str, Any]:
+    """Tracebacks and error lines in every run's log; the first few lines of each, Redis's
+    own (`redis.down` while it restarts: expected) apart."""
     tracebacks = 0
     errors: Counter[str] = Counter()
     first: list[str] = []
-    for line in slot.log_lines():
+    lines = list(slot.log_lines())
+    for i, line in enumerate(lines):
         if "Traceback" in line:
             tracebacks += 1
-            first.append(line[:300])
+            first.append(" | ".join(lines[i : i + 25])[-1500:])
         if '"level":"error"' in line:
             try:
-                errors[json.loads(line).get("event", "?")] += 1
+                event = json.loads(line).get("event", "?")
             except ValueError:
-                errors["?"] += 1
-            if len(first) < 5:
-                first.append(line[:300])
+                event = "?"
+            errors[event] += 1
+            if not event.startswith("redis."):
+                first.append(line[:600])
     return {
         "runs": len(slot.runs),
         "tracebacks": tracebacks,
@@ -969,7 +1089,12 @@ def report(s: dict[str, Any]) -> str:
         f"{s['date']}, commit {s['commit']}: {o['minutes']:g} min, {o['streams']} streams at once "
         f"(+{o['abusers']} abusive), a fault every {o['fault_every_s']:g} s, engine TTFT "
         f"{o['ttft_ms']:g} ms ITL {o['itl_ms']:g} ms, {o['tokens_min']}-{o['tokens_max']} tokens",
-        "faults: " + "; ".join(f"{f['at_s']:.0f} s {f['what']}" for f in s["faults"]),
+        "faults: "
+        + "; ".join(
+            f"{f['at_s']:.0f} s {f['what']}"
+            + (f" (back at +{f['took_s']:.1f} s)" if f["took_s"] else "")
+            for f in s["faults"]
+        ),
         "",
         f"{'format':10} {'started':>7} {'exact':>6} {'wrong':>6} {'error':>6} {'short':>6} "
         f"{'hung':>5} {'exact%':>8} {'resumed':>8}  errors by type",
@@ -1004,9 +1129,14 @@ def report(s: dict[str, Any]) -> str:
             f"{name:11} runs {k['runs']}, tracebacks {k['tracebacks']}, error lines "
             f"{k['errors'] or 0}, peak RSS {k['rss_peak_mib']} MiB"
         )
+        lines += [f"    {line}" for line in k["first"][:3]]
     lines.append(f"abusive key: {s['abuse']}")
     lines.append(f"the SDKs' own retries: {s['sdk_retries'] or 0}")
-    lines.append(f"the clients' loop lag ms: {s['client_loop_lag_ms']}")
+    procs = o["client_procs"] or 1
+    lines.append(
+        f"loop lag p50/p99 ms: the clients' {_ms(s['client_loop_lag_ms'])} ({procs} "
+        f"processes), the faults' {_ms(s['faults_loop_lag_ms'])}"
+    )
     return "\n".join(lines)
 
 
@@ -1026,6 +1156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tokens-max", type=int, default=d.tokens_max)
     p.add_argument("--variants", type=int, default=d.variants)
     p.add_argument("--abusers", type=int, default=d.abusers)
+    p.add_argument("--client-procs", type=int, default=d.client_procs, help="0: in this one")
     p.add_argument("--hang-s", type=float, default=d.hang_s)
     p.add_argument("--json", type=Path, help="write the summary as JSON here")
     a = p.parse_args(argv)
@@ -1045,6 +1176,7 @@ def main(argv: list[str] | None = None) -> int:
         tokens_max=a.tokens_max,
         variants=a.variants,
         abusers=a.abusers,
+        client_procs=a.client_procs,
         hang_s=a.hang_s,
     )
     summary = asyncio.run(run_day(opts, log=lambda m: print(m, file=sys.stderr, flush=True)))
