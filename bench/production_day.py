@@ -1,7 +1,7 @@
 """A bad production day, measured: every deployed part under load, one fault every
 `--fault-every-s`, and each answer compared with what an undisturbed deployment says.
 
-    .venv/bin/python -m bench.production_day                         # 10 min, 80 streams
+    .venv/bin/python -m bench.production_day                         # 10 min, 60 streams
     .venv/bin/python -m bench.production_day --minutes 3 --streams 60 --json /tmp/day.json
     .venv/bin/python -m bench.production_day --faults instance_term   # one kind only
 
@@ -99,7 +99,7 @@ PRICE = "{ prompt = 0.5, completion = 1.5 }"
 @dataclass
 class Options:
     minutes: float = 10.0
-    streams: int = 80  # the normal keys' streams at once
+    streams: int = 60  # the normal keys' streams at once
     fault_every_s: float = 30.0
     faults: tuple[str, ...] = FAULT_KINDS
     seed: int = 49
@@ -1029,17 +1029,23 @@ def log_check(slot: Slot) -> dict[str, Any]:
     first: list[str] = []
     lines = list(slot.log_lines())
     for i, line in enumerate(lines):
-        if "Traceback" in line:
+        try:
+            record = json.loads(line)
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):  # a plain line: a traceback printed by Python
+            if line.startswith("Traceback"):
+                tracebacks += 1
+                first.append(" | ".join(lines[i : i + 30])[-3000:])
+            continue
+        if record.get("traceback") or "Traceback" in str(record.get("message", "")):
             tracebacks += 1
-            first.append(" | ".join(lines[i : i + 25])[-1500:])
-        if '"level":"error"' in line:
-            try:
-                event = json.loads(line).get("event", "?")
-            except ValueError:
-                event = "?"
-            errors[event] += 1
-            if not event.startswith("redis."):
+            first.append(f"{line[:300]} … {str(record.get('traceback', ''))[-2500:]}")
+        elif record.get("level") == "error":
+            if not str(record.get("event", "")).startswith("redis."):
                 first.append(line[:600])
+        if record.get("level") == "error":
+            errors[str(record.get("event", "?"))] += 1
     return {
         "runs": len(slot.runs),
         "tracebacks": tracebacks,
@@ -1129,7 +1135,7 @@ def report(s: dict[str, Any]) -> str:
             f"{name:11} runs {k['runs']}, tracebacks {k['tracebacks']}, error lines "
             f"{k['errors'] or 0}, peak RSS {k['rss_peak_mib']} MiB"
         )
-        lines += [f"    {line}" for line in k["first"][:3]]
+        lines += [f"    {line[:200]} … {line[-300:]}" for line in k["first"][:3]]
     lines.append(f"abusive key: {s['abuse']}")
     lines.append(f"the SDKs' own retries: {s['sdk_retries'] or 0}")
     procs = o["client_procs"] or 1
