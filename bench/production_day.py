@@ -63,7 +63,7 @@ import tempfile
 import time
 from array import array
 from collections import Counter, defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor, wait
 from contextlib import AbstractContextManager, AsyncExitStack, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, field
@@ -199,7 +199,7 @@ class Deployment:
     stack: ExitStack
 
 
-def enter_together(stack: ExitStack, cms: list[AbstractContextManager[T]]) -> list[T]:
+def enter_together(stack: ExitStack, cms: Sequence[AbstractContextManager[T]]) -> list[T]:
     """Enter the context managers at once, each in a thread (a server's start waits for its
     `listening` line: started one after another on a busy machine, the set takes long)."""
     with ThreadPoolExecutor(max_workers=len(cms)) as pool:
@@ -340,8 +340,10 @@ class Clients:
         return cls(oa, an, na)
 
     async def close(self) -> None:
-        for c in [*self.openai.values(), *self.anthropic.values()]:
-            await c.close()
+        for o in self.openai.values():
+            await o.close()
+        for a in self.anthropic.values():
+            await a.close()
 
 
 async def read_stream(
@@ -370,11 +372,11 @@ async def read_stream(
                         r.usage_tokens = chunk.usage.completion_tokens
                     r.got(piece, gaps)
         elif ask.fmt == "responses":
-            raw = await clients.openai[key].responses.with_raw_response.create(
+            resp = await clients.openai[key].responses.with_raw_response.create(
                 model=MODEL, input=ask.prompt, max_output_tokens=ask.max_tokens, stream=True
             )
-            r.stream_id = raw.headers.get("x-stream-id", "")
-            async with raw.parse() as events:
+            r.stream_id = resp.headers.get("x-stream-id", "")
+            async with resp.parse() as events:
                 async for ev in events:
                     if ev.type == "response.output_text.delta":
                         r.got(ev.delta, gaps)
@@ -385,14 +387,14 @@ async def read_stream(
                             r.usage_tokens = ev.response.usage.output_tokens
                     r.got("", gaps)
         elif ask.fmt == "messages":
-            raw = await clients.anthropic[key].messages.with_raw_response.create(
+            msgs = await clients.anthropic[key].messages.with_raw_response.create(
                 model=MODEL,
                 max_tokens=ask.max_tokens,
                 messages=[{"role": "user", "content": ask.prompt}],
                 stream=True,
             )
-            r.stream_id = raw.headers.get("x-stream-id", "")
-            async with await raw.parse() as messages:
+            r.stream_id = msgs.headers.get("x-stream-id", "")
+            async with await msgs.parse() as messages:
                 async for mev in messages:
                     if mev.type == "content_block_delta" and mev.delta.type == "text_delta":
                         r.got(mev.delta.text, gaps)
@@ -808,7 +810,7 @@ async def run_day(opts: Options, log: Callable[[str], None] = print) -> dict[str
     ctx = multiprocessing.get_context("spawn")
     for _ in range(opts.client_procs):
         mine, theirs = ctx.Pipe()
-        proc = ctx.Process(target=_share_process, args=(theirs,), daemon=True)
+        proc: BaseProcess = ctx.Process(target=_share_process, args=(theirs,), daemon=True)
         proc.start()
         procs.append((proc, mine))
     try:
