@@ -591,6 +591,8 @@ async def run_share(share: Share) -> Share:
                 await task
             finally:
                 active.pop(id(r), None)
+            if r.error and not r.stream_id:  # refused (a 503 while draining): as a user would,
+                await asyncio.sleep(1.0)  # wait a little before asking again
 
     async def watchdog() -> None:
         """Cancel a stream that saw nothing for `hang_s`: it is counted hung. And how late
@@ -984,6 +986,7 @@ def summarize(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[s
 def ledger_check(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[str, Any]:
     """The ledger's completion tokens for each normal stream against what its client got."""
     relations: Counter[str] = Counter()
+    unequal: Counter[str] = Counter()  # by format too
     odd: list[dict[str, Any]] = []
     billed = delivered_all = 0
     for r in day.readings:
@@ -1004,6 +1007,8 @@ def ledger_check(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dic
         else:
             rel = "equal" if tokens == got else ("ledger more" if tokens > got else "ledger less")
         relations[f"{r.ending}: {rel}"] += 1
+        if rel != "equal":
+            unequal[f"{r.ask.fmt} {r.ending}: {rel}"] += 1
         if rel != "equal" and len(odd) < 20:
             odd.append(
                 {
@@ -1015,12 +1020,38 @@ def ledger_check(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dic
                     "delivered": got,
                 }
             )
+    trail(day, odd)
     return {
         "ledger_tokens": billed,
         "delivered_tokens": delivered_all,
         "relations": dict(sorted(relations.items())),
+        "unequal_by_format": dict(sorted(unequal.items())),
         "differences": odd,
     }
+
+
+def trail(day: Day, entries: list[dict[str, Any]]) -> None:
+    """Each entry's stream as the instances logged it (which run of which instance, what
+    event, what outcome): where a record went missing."""
+    wanted = {e["stream"]: e for e in entries if e.get("stream")}
+    for e in wanted.values():
+        e["logged"] = []
+    for slot in day.dep.instances:
+        for run, server in enumerate(slot.runs):
+            for line in list(server.log):
+                if '"stream":"' not in line:
+                    continue
+                sid = line.split('"stream":"', 1)[1][:32]
+                if sid not in wanted:
+                    continue
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                what = f"{slot.name} run {run}: {rec.get('event')}"
+                if rec.get("outcome"):
+                    what += f" {rec['outcome']} ({rec.get('tokens_sent')} sent)"
+                wanted[sid]["logged"].append(what)
 
 
 def log_check(slot: Slot) -> dict[str, Any]:
@@ -1084,6 +1115,7 @@ def examples(day: Day) -> list[dict[str, Any]]:
                 "reconnects": r.reconnects,
             }
         )
+    trail(day, out)
     return out
 
 
