@@ -78,6 +78,8 @@ import numpy as np
 import openai
 import psutil
 
+from bench.procs import check_out
+from bench.servers import ServerSpec
 from firsttoken.client import AsyncClient, StreamError
 from tests.nginx import MULTI_CONF, run_nginx
 from tests.redis_server import RedisServer
@@ -113,6 +115,7 @@ class Options:
     hang_s: float = 30.0
     after_fault_s: float = 10.0
     first_fault_s: float = 0.0  # 0: one interval after the load starts
+    rev: str = ""  # run the instances and upstreams on firsttoken as of this commit
 
 
 # -- the deployment --------------------------------------------------------------------------------
@@ -155,6 +158,7 @@ class Slot:
 
     name: str
     args: list[str]
+    cwd: Path = ROOT  # another build's folder with --rev
     runs: list[Server] = field(default_factory=list)
     port: int = 0
     rss_peak: int = 0
@@ -165,7 +169,10 @@ class Slot:
 
     def start(self, stack: ExitStack) -> Server:
         extra = ["--port", str(self.port)] if self.port else []
-        return self.started(stack.enter_context(run_server(*self.args, *extra, timeout=60)))
+        return self.started(stack.enter_context(self.run(*extra)))
+
+    def run(self, *extra: str) -> AbstractContextManager[Server]:
+        return run_server(*self.args, *extra, cwd=self.cwd, timeout=60)
 
     def started(self, server: Server) -> Server:
         self.port = server.port
@@ -214,6 +221,14 @@ def enter_together(stack: ExitStack, cms: Sequence[AbstractContextManager[T]]) -
     return [f.result() for f in futures]
 
 
+def other_build(rev: str, tmp: Path) -> Path:
+    """A folder holding `firsttoken/` as of `rev` (`git archive`): the servers started there
+    run it (the cwd comes first on their sys.path); the clients stay this tree's."""
+    spec = check_out(ServerSpec(rev, rev, "firsttoken", True, rev=rev), tmp)
+    assert spec.cwd is not None
+    return spec.cwd
+
+
 @contextmanager
 def deployment(opts: Options, log: Callable[[str], None]) -> Iterator[Deployment]:
     with ExitStack() as stack:
@@ -222,8 +237,9 @@ def deployment(opts: Options, log: Callable[[str], None]) -> Iterator[Deployment
         redis.start()
         stack.callback(redis.stop)
         pace = ["--synthetic-ttft-ms", str(opts.ttft_ms), "--synthetic-itl-ms", str(opts.itl_ms)]
-        upstreams = [Slot(f"upstream {n}", [*pace, *OPEN]) for n in ("a", "b")]
-        servers = [run_server(*u.args, timeout=60) for u in upstreams]
+        cwd = other_build(opts.rev, tmp) if opts.rev else ROOT
+        upstreams = [Slot(f"upstream {n}", [*pace, *OPEN], cwd) for n in ("a", "b")]
+        servers = [u.run() for u in upstreams]
         for slot, server in zip(upstreams, enter_together(stack, servers), strict=True):
             slot.started(server)
         routes = tmp / "routes.toml"
@@ -233,8 +249,10 @@ def deployment(opts: Options, log: Callable[[str], None]) -> Iterator[Deployment
         common = ["--redis", redis.url, "--durable", "--routes", str(routes)]
         common += ["--api-keys", str(keys), *OPEN]
         dbs = [f"sqlite:///{tmp}/usage-{i}.db" for i in range(3)]
-        instances = [Slot(f"instance {i}", [*common, "--usage-db", db]) for i, db in enumerate(dbs)]
-        servers = [run_server(*slot.args, timeout=60) for slot in instances]
+        instances = [
+            Slot(f"instance {i}", [*common, "--usage-db", db], cwd) for i, db in enumerate(dbs)
+        ]
+        servers = [slot.run() for slot in instances]
         for slot, server in zip(instances, enter_together(stack, servers), strict=True):
             slot.started(server)
         ng = stack.enter_context(
@@ -707,7 +725,7 @@ def _active_streams(server: Server) -> float:
 
 async def restart(day: Day, slot: Slot) -> None:
     """Start `slot` again on its port (in a thread: the start waits for its `listening`)."""
-    cm = run_server(*slot.args, "--port", str(slot.port), timeout=60)
+    cm = slot.run("--port", str(slot.port))
     server = await asyncio.to_thread(cm.__enter__)
     day.dep.stack.push(cm)  # stopped with the rest at the end
     slot.started(server)
@@ -1126,7 +1144,9 @@ def _ms(p: dict[str, float] | None) -> str:
 def report(s: dict[str, Any]) -> str:
     o = s["options"]
     lines = [
-        f"{s['date']}, commit {s['commit']}: {o['minutes']:g} min, {o['streams']} streams at once "
+        f"{s['date']}, commit {s['commit']}"
+        + (f" (the servers at {o['rev']})" if o["rev"] else "")
+        + f": {o['minutes']:g} min, {o['streams']} streams at once "
         f"(+{o['abusers']} abusive), a fault every {o['fault_every_s']:g} s, engine TTFT "
         f"{o['ttft_ms']:g} ms ITL {o['itl_ms']:g} ms, {o['tokens_min']}-{o['tokens_max']} tokens",
         "faults: "
@@ -1198,6 +1218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--abusers", type=int, default=d.abusers)
     p.add_argument("--client-procs", type=int, default=d.client_procs, help="0: in this one")
     p.add_argument("--hang-s", type=float, default=d.hang_s)
+    p.add_argument("--rev", default="", help="the servers' firsttoken as of this commit")
     p.add_argument("--json", type=Path, help="write the summary as JSON here")
     a = p.parse_args(argv)
     faults = tuple(x for x in a.faults.split(",") if x)
@@ -1217,6 +1238,7 @@ def main(argv: list[str] | None = None) -> int:
         variants=a.variants,
         abusers=a.abusers,
         client_procs=a.client_procs,
+        rev=a.rev,
         hang_s=a.hang_s,
     )
     summary = asyncio.run(run_day(opts, log=lambda m: print(m, file=sys.stderr, flush=True)))
