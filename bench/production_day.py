@@ -1078,6 +1078,7 @@ def log_check(slot: Slot) -> dict[str, Any]:
     tracebacks = 0
     errors: Counter[str] = Counter()
     first: list[str] = []
+    redis_first: dict[str, str] = {}  # the first line of each of Redis's own error events
     lines = list(slot.log_lines())
     for i, line in enumerate(lines):
         try:
@@ -1093,8 +1094,11 @@ def log_check(slot: Slot) -> dict[str, Any]:
             tracebacks += 1
             first.append(f"{line[:300]} … {str(record.get('traceback', ''))[-2500:]}")
         elif record.get("level") == "error":
-            if not str(record.get("event", "")).startswith("redis."):
+            event = str(record.get("event", ""))
+            if not event.startswith("redis."):
                 first.append(line[:600])
+            elif event not in redis_first:
+                redis_first[event] = line[:600]
         if record.get("level") == "error":
             errors[str(record.get("event", "?"))] += 1
     return {
@@ -1103,6 +1107,7 @@ def log_check(slot: Slot) -> dict[str, Any]:
         "errors": dict(errors),
         "rss_peak_mib": round(slot.rss_peak / 2**20, 1),
         "first": first[:5],
+        "redis_first": redis_first,
     }
 
 
