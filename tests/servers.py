@@ -83,14 +83,15 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.02):
 
 @contextmanager
 def run_server(
-    *args: str, env: dict[str, str] | None = None, timeout: float = 20.0
+    *args: str, env: dict[str, str] | None = None, timeout: float = 20.0, cwd: Path = ROOT
 ) -> Iterator[Server]:
-    """Start `python -m firsttoken serve --port 0 ARGS` and yield it once it listens."""
+    """Start `python -m firsttoken serve --port 0 ARGS` and yield it once it listens (`cwd`
+    first on its sys.path: another folder holding a `firsttoken/` runs that package)."""
     cmd: Sequence[str] = [sys.executable, "-m", "firsttoken", "serve", "--port", "0", *args]
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.Popen(
         cmd,
-        cwd=ROOT,
+        cwd=cwd,
         env=full_env,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
