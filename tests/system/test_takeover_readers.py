@@ -1,0 +1,125 @@
+"""Every reader of a stream taken over gets exactly its answer, or is told (`stream_lost`):
+real instances on one real redis-server, two readers of one stream on two instances, the
+owner SIGKILLed or paused (SIGSTOP/SIGCONT) under them, each reader coming back with its
+Last-Event-ID on a third instance."""
+
+from __future__ import annotations
+
+import signal
+import threading
+import time
+
+from firsttoken.engines.synthetic import synthetic_tokens
+from tests.rawhttp import RawStream
+from tests.servers import run_server, wait_for
+from tests.system.test_takeover import (
+    COMMON,
+    MAX_TOKENS,
+    create,
+    instances,
+    native,
+    read_until,
+    redis_url,  # noqa: F401 (a fixture)
+    resume,
+)
+
+
+def read_while(stream: RawStream, seconds: float) -> bool:
+    """Read for up to `seconds`; True once the response ended (or its connection)."""
+    deadline = time.monotonic() + seconds
+    stream.sock.settimeout(0.5)
+    while time.monotonic() < deadline:
+        try:
+            if not stream.read_chunk():
+                return True
+        except TimeoutError:
+            continue
+        except (ConnectionError, OSError):
+            return True
+    return False
+
+
+def assert_exact_or_told(prompt: str, before: dict, after: dict) -> str:
+    """The reader's text is the answer, or the part it had then `stream_lost`: never a
+    different text that ends as if complete."""
+    expected = synthetic_tokens(prompt, None, MAX_TOKENS)[0]
+    if after["error"] is not None:
+        assert after["error"]["code"] == "stream_lost", after["error"]
+        assert not after["tokens"] and after["done"] == 0, after
+        assert before["tokens"] == expected[: len(before["tokens"])]
+        return "told"
+    assert before["tokens"] + after["tokens"] == expected, (before["tokens"], after["tokens"])
+    assert after["done"] == 1
+    return "exact"
+
+
+def test_a_reader_ahead_of_redis_resuming_after_another_readers_takeover_is_told(
+    redis_url: str,  # noqa: F811
+) -> None:
+    """Reader 1 reads on A, ahead of what Redis holds (A flushes once a second); reader 2
+    reads the same stream through B. A is killed: B's reader claims and B continues. Reader
+    1 comes back on C after B went on: it is told `stream_lost` (its last events were A's,
+    not B's), never B's text stitched after A's. Reader 2, cut later, resumes on C exact."""
+    url = redis_url
+    with run_server("--redis", url, *COMMON, "--redis-flush-ms", "1000") as a:
+        stack, (b, c) = instances(url, 2)
+        with stack:
+            prompts = [f"two readers {i}" for i in range(3)]
+            made = [create(a, p, itl_ms=20) for p in prompts]
+            ones = [RawStream(a.port, "GET", m["events_url"]) for m in made]
+            twos = [RawStream(b.port, "GET", m["events_url"]) for m in made]
+            for one in ones:
+                read_until(one, 10)
+            a.kill()  # before A's second flush: Redis holds their opening events only
+            for one in ones:
+                read_while(one, 1)
+            # B's readers make B claim and go on; they read B's events for a while.
+            for two in twos:
+                read_until(two, 30)
+            time.sleep(0.3)
+            outcomes = []
+            for prompt, created, one in zip(prompts, made, ones, strict=True):
+                before = native(one.body)
+                body, _ = resume(c, created, before["last_id"])
+                outcomes.append(assert_exact_or_told(prompt, before, native(body)))
+            assert "told" in outcomes  # A's flush was a second behind: they were ahead
+            for prompt, created, two in zip(prompts, made, twos, strict=True):
+                two.close()
+                before = native(two.body)
+                body, _ = resume(c, created, before["last_id"])
+                assert assert_exact_or_told(prompt, before, native(body)) == "exact"
+
+
+def test_a_paused_owners_reader_is_let_go_and_finishes_on_the_new_owner(
+    redis_url: str,  # noqa: F811
+) -> None:
+    """--durable: A is stopped 2.5 s under two readers, one on A and one through B; B's
+    claims and finishes the stream. A, back, finds its writes refused: its own reader's
+    connection ends (no terminal event, nothing A made after the claim), and that reader
+    resumes on B and gets exactly the rest."""
+    stack, (a, b) = instances(redis_url, 2, "--durable")
+    with stack:
+        prompt = "paused under two readers"
+        created = create(a, prompt, itl_ms=25)
+        one = RawStream(a.port, "GET", created["events_url"])
+        read_until(one, 10)
+        got: dict = {}
+        a.proc.send_signal(signal.SIGSTOP)
+        try:
+            two = threading.Thread(
+                target=lambda: got.update(body=resume(b, created, "")[0]), daemon=True
+            )
+            two.start()
+            wait_for(lambda: b.metric('firsttoken_takeovers_total{outcome="continued"}'), 10)
+            time.sleep(1.0)  # paused 2.5 s or more in all
+        finally:
+            a.proc.send_signal(signal.SIGCONT)
+        two.join(timeout=30)
+        expected = synthetic_tokens(prompt, None, MAX_TOKENS)[0]
+        assert native(got["body"])["tokens"] == expected
+        assert read_while(one, 10), "A's reader was left hanging on A"
+        before = native(one.body)
+        assert before["done"] == 0 and before["error"] is None
+        body, _ = resume(b, created, before["last_id"])
+        after = native(body)
+        assert before["tokens"] + after["tokens"] == expected and after["done"] == 1
