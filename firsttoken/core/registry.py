@@ -307,14 +307,14 @@ class StreamRegistry:
         one that came back with an event the store did not have yet has that event here."""
         resumed = mirror.resumed
         if resumed is not None and not resumed.checked:
+            resumed.checked = True
             if not stream.has_event(resumed.seq, resumed.id):
                 self._lost(mirror, "lost", LOST_AHEAD)
-                return
-            resumed.checked = True
-        for reader in list(mirror.log.readers):
-            mirror.log.detach(reader)
-            mirror.readers -= 1
-            reader.move_to(stream)
+        if not mirror.log.closed:
+            for reader in list(mirror.log.readers):
+                mirror.log.detach(reader)
+                mirror.readers -= 1
+                reader.move_to(stream)
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
