@@ -693,6 +693,7 @@ def test_a_stream_fenced_after_it_finished_here_lets_its_waiting_readers_go() ->
             assert not reader.ended
             store.on_fenced("s1", 2, False)
             assert reader.ended and await registry.find("s1") is None
+            assert stream.outcome is Outcome.MOVED  # an SDK's reader gets the format's error
             tg.cancel_scope.cancel()
 
     asyncio.run(body())
