@@ -147,6 +147,26 @@ class EventLog:
                 reader.log_closed()
         self._wake()
 
+    def end_at(self, seq: int) -> None:
+        """Let the events after `seq` go, unread: another instance made the stream's events
+        from there on (a takeover). A reader already past it keeps what it had."""
+        if seq >= self.last_seq:
+            return
+        keep = seq + 1 - self._wires_seq
+        if keep <= 0:
+            self._wires = []
+            self._wires_seq = seq + 1
+        else:
+            del self._wires[keep:]
+        self.last_seq = seq
+        pairs = self._counts
+        if pairs:
+            del pairs[_pair_index(pairs, seq + 1) :]
+            if not pairs:
+                self._counts = None
+        if self.limit is not None and self.limit > seq:
+            self.limit = seq
+
     def cork(self) -> None:
         """Hold deliveries back, so what is appended next leaves in one write per reader
         (the last token with the closing events)."""
@@ -213,6 +233,12 @@ class EventLog:
             Event(first + i, wires[offset + i], counts.get(first + i, 1))
             for i in range(start, stop)
         ]
+
+    def wire(self, seq: int) -> bytes | None:
+        """Event `seq` as framed, if kept (shown to readers or not)."""
+        if seq < self.first_seq or seq > self.last_seq:
+            return None
+        return self._wires[seq - self._wires_seq]
 
     def run_after(self, seq: int) -> tuple[int, list[bytes], dict[int, int]]:
         """The kept events after `seq`, as one run: (its first seq, the wires, the counts

@@ -17,7 +17,7 @@ import anyio
 
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.generation import EngineError, GenerationRequest
-from firsttoken.resume import EventStore, Orphan, StreamRecord, token_digest
+from firsttoken.resume import EventStore, Orphan, Resumed, StreamRecord, token_digest
 from firsttoken.resume.tailer import fail
 
 __all__ = ["Mirror", "TakeOver"]
@@ -28,9 +28,10 @@ _FOLLOW_AGAIN_S = 5.0  # how long a takeover may find the stream nowhere before 
 
 
 class Mirror(Stream):
-    # True once the store said the stream ended (its end marker, or an error event): a log
-    # closed otherwise (handed over, its tail stopped) is cut here, not the stream's end.
-    __slots__ = ("ended_there",)
+    # ended_there: True once the store said the stream ended (its end marker, or an error
+    # event): a log closed otherwise (handed over, its tail stopped) is cut here, not the
+    # stream's end. resumed: its reader's last event, to check against the store's.
+    __slots__ = ("ended_there", "resumed")
 
     def __init__(self, record: StreamRecord, *, max_events: int) -> None:
         request = GenerationRequest(request_id=record.id, prompt="", model=record.model)
@@ -46,6 +47,7 @@ class Mirror(Stream):
         )
         self.token_digest = record.token_digest
         self.ended_there = False
+        self.resumed: Resumed | None = None
 
     @property
     def ended(self) -> bool:
@@ -93,7 +95,7 @@ class _Tail:
         with self.scope:
             since: float | None = None
             while True:
-                orphan = await self.store.tail(self.mirror.id, self.after, log)
+                orphan = await self.store.tail(self.mirror.id, self.after, log, self.mirror.resumed)
                 if log.closed:  # by the store: the stream's end, or its error event
                     self.mirror.ended_there = self.mirror.outcome is None
                     break

@@ -29,7 +29,7 @@ from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
 from firsttoken.generation import Delta, Engine, EngineError, GenerationRequest
-from firsttoken.resume import Claim, EventStore, MemoryStore, Orphan
+from firsttoken.resume import LOST_AHEAD, Claim, EventStore, MemoryStore, Orphan
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.resume.tailer import fail
 from firsttoken.telemetry.metrics import (
@@ -284,6 +284,7 @@ class StreamRegistry:
             at_token=at_token,
             fence=claim.fence,
         )
+        stream.number_as(claim.fence)  # its events' ids are not those the old owner gave
         stream.push_delta(
             Delta(meta={"takeover": {"from": claim.owner, "to": to, "at_token": at_token}})
         )
@@ -302,28 +303,51 @@ class StreamRegistry:
         return stream
 
     def _hand_readers(self, mirror: Mirror, stream: Stream) -> None:
-        """The mirror's readers read `stream` from now on, from where each one is."""
-        for reader in list(mirror.log.readers):
-            mirror.log.detach(reader)
-            mirror.readers -= 1
-            reader.move_to(stream)
+        """The mirror's readers read `stream` from now on, from where each one is: if the
+        one that came back with an event the store did not have yet has that event here."""
+        resumed = mirror.resumed
+        if resumed is not None and not resumed.checked:
+            resumed.checked = True
+            if not stream.has_event(resumed.seq, resumed.id):
+                self._lost(mirror, "lost", LOST_AHEAD)
+        if not mirror.log.closed:
+            for reader in list(mirror.log.readers):
+                mirror.log.detach(reader)
+                mirror.readers -= 1
+                reader.move_to(stream)
         if stream.readers == 0 and stream.outcome is None:
             self._schedule_abandon(stream)
 
-    def _on_fenced(self, stream_id: str, lost: bool) -> None:
+    def _on_fenced(self, stream_id: str, kept: int, lost: bool) -> None:
         """Another instance took over a stream this one still generates (this one was
-        paused, or cut off from the store): stop, and let its readers go there; or, where
-        they may have been sent events the store never had (`lost`: `--durable` released
-        them while the store was away), tell them `stream_lost` rather than let them read
-        another text from there."""
+        paused, or cut off from the store), from its event `kept`: stop, and let every
+        reader go there. What this instance made after `kept` is not the answer any more:
+        a reader not past it ends there and comes back with the id of an event the other
+        instance goes on from; one past it is told `stream_lost` when it comes back (its
+        last event has another id there). `lost`: a reader here was sent events past `kept`
+        as confirmed (`--durable` released them while the store was away): told
+        `stream_lost` now rather than let it read another text from there."""
         stream = self._streams.get(stream_id)
-        if stream is not None and stream.outcome is None:
-            log_event("stream.fenced", stream=stream_id, trace_id=stream.trace_id, lost=lost)
-            if lost:
+        if stream is None:
+            return
+        log_event(
+            "stream.fenced", stream=stream_id, trace_id=stream.trace_id, kept=kept, lost=lost
+        )
+        if lost:
+            if stream.outcome is None:
                 message = "another instance took this stream over from events sent before it"
                 stream.stop(Outcome.ERROR, EngineError("stream_lost", message, client_fault=True))
-            else:
-                stream.move()
+            return
+        if stream.outcome is None:
+            stream.move()  # forgotten here: a reader back here follows the other instance
+        else:  # it ended here, but the store has its end from the other instance
+            stream.outcome = Outcome.MOVED  # for its readers: this end is not the answer's
+            if self._streams.get(stream_id) is stream:
+                del self._streams[stream_id]
+                if self.budget is not None:
+                    self.budget.forget(stream_id)
+        stream.log.end_at(kept)
+        stream.log.close()  # again: the readers that waited for what is gone end now
 
     async def hand_over(self) -> int:
         """A drain with a shared store: hand every live stream whose readers resume by

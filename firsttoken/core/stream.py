@@ -27,7 +27,7 @@ from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
 from firsttoken.eventlog import EventLog
 from firsttoken.generation import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.resume import StreamRecord, token_digest
-from firsttoken.wire.sse import DATA_FRAME, encode_event, token_frame
+from firsttoken.wire.sse import DATA_FRAME, encode_event, event_id_of, ids_from, token_frame
 
 __all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "Usage"]
 
@@ -151,6 +151,7 @@ class Stream:
         "grace_s",
         "handover",
         "id",
+        "id_base",
         "kind",
         "last_content_at",
         "last_meta_at",
@@ -225,6 +226,9 @@ class Stream:
         self._frame: bytes | None = None  # the hot path's per-token template (see begin())
         self._in_text = False  # the last event was answer text (its template is current)
         self._abandon_epoch = 0
+        # What the ids of the events it makes add to their seq: 0, unless another instance
+        # made its first events (`number_as`, a takeover).
+        self.id_base = 0
         # Redis mode: what another instance needs to continue this stream (`StreamRecord`),
         # until the store has it; and whether another instance can continue it.
         self.handover: bytes | None = None
@@ -287,9 +291,36 @@ class Stream:
         template = renderer.token_template()
         if template is not None:
             # One %-format per token (or per coalesced chunk).
-            self._template = token_frame(self._token_event, *template)
+            self._template = token_frame(self._token_event, *template, self.id_base)
         if self._coalescer is None and self.meta_interval_s is None:
             self._frame = self._template  # from now on, tokens take the hot path
+
+    def number_as(self, fence: int) -> None:
+        """Number the events made from now on as the owner of `fence` (a takeover): their
+        ids say which instance made them (`wire.sse.ids_from`)."""
+        self.id_base = ids_from(fence)
+        if self._template is not None and self.renderer is not None:
+            template = self.renderer.token_template()
+            framed = (
+                None
+                if template is None
+                else token_frame(self._token_event, *template, self.id_base)
+            )
+            if self._frame is self._template:
+                self._frame = framed
+            self._template = framed
+
+    def has_event(self, seq: int, event_id: int) -> bool:
+        """Whether this stream's event `seq` carries `event_id`, as kept here or as it will
+        be numbered: a reader back with the id of its last event reads on only from the same
+        event (`resume.Resumed`). True where it cannot tell (no longer kept)."""
+        log = self.log
+        if seq > log.last_seq:
+            return not log.closed and event_id == seq + self.id_base
+        wire = log.wire(seq)
+        if wire is None:
+            return True
+        return event_id_of(wire) in (event_id, None)
 
     def push(self, text: str, finish: str | None = None) -> bool:
         """One token from the engine (the last one with its finish reason). Returns False
@@ -506,7 +537,7 @@ class Stream:
 
     def _append(self, name: str | None, data: bytes, tokens: int = 0) -> None:
         log = self.log
-        log.append(encode_event(log.last_seq + 1, data, name), tokens)
+        log.append(encode_event(log.last_seq + 1 + self.id_base, data, name), tokens)
 
     def _emit(self, text: str, tokens: int) -> None:
         log = self.log
@@ -519,9 +550,10 @@ class Stream:
         data = self.renderer.token(text)
         if self._token_event is None:
             # JSON has no raw line breaks: the one-line frame needs no checks.
-            log.append(DATA_FRAME % (log.last_seq + 1, data), tokens)
+            log.append(DATA_FRAME % (log.last_seq + 1 + self.id_base, data), tokens)
         else:
-            log.append(encode_event(log.last_seq + 1, data, self._token_event), tokens)
+            seq = log.last_seq + 1 + self.id_base
+            log.append(encode_event(seq, data, self._token_event), tokens)
         if self.meta_interval_s is not None:
             self._maybe_meta()
 

@@ -2,15 +2,18 @@
 
 from firsttoken.eventlog import Event, EventLog, LogReader, ResumeExpired
 from firsttoken.resume.store import (
+    LOST_AHEAD,
     Claim,
     EventStore,
     MemoryStore,
     Orphan,
+    Resumed,
     StreamRecord,
     token_digest,
 )
 
 __all__ = [
+    "LOST_AHEAD",
     "Claim",
     "Event",
     "EventLog",
@@ -19,6 +22,7 @@ __all__ = [
     "MemoryStore",
     "Orphan",
     "ResumeExpired",
+    "Resumed",
     "StreamRecord",
     "open_store",
     "token_digest",

@@ -74,7 +74,7 @@ from firsttoken.redisclient import (
 )
 from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
 from firsttoken.resume.runs import decode_run, pack_counts, pack_lengths, run_first
-from firsttoken.resume.store import Claim, Orphan, StreamRecord
+from firsttoken.resume.store import Claim, Orphan, Resumed, StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
 from firsttoken.telemetry.metrics import log_event
 from firsttoken.wire.errors import APIError
@@ -259,7 +259,7 @@ def _nothing() -> None:
     return None
 
 
-def _ignore(stream_id: str, lost: bool) -> None:
+def _ignore(stream_id: str, kept: int, lost: bool) -> None:
     return None
 
 
@@ -397,9 +397,10 @@ class RedisStore:
             every_s=_LIVENESS_S,
         )
         # Told of each stream another instance took over while this one still generated it,
-        # and whether its readers may have been sent events the takeover does not continue
-        # from (`durable`, released while Redis was away): those are lost, not moved.
-        self.on_fenced: Callable[[str, bool], None] = _ignore
+        # with the last event of it Redis holds from this one, and whether its readers may
+        # have been sent events the takeover does not continue from (`durable`, released
+        # while Redis was away): those are lost, not moved.
+        self.on_fenced: Callable[[str, int, bool], None] = _ignore
         self.fenced = 0
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
@@ -1079,7 +1080,7 @@ class RedisStore:
             lost = self.durable and _ahead(rep)
             if lost:
                 rep.log.unhold()  # they learn it: the log's end goes to them whole
-            self.on_fenced(rep.record.id, lost)
+            self.on_fenced(rep.record.id, rep.flushed, lost)
         for rep in batch:
             if rep.dirty() and rep.record.id in self._replicas:
                 self._mark(rep)
@@ -1129,25 +1130,32 @@ class RedisStore:
             # than abandon it; the buffer's bound still holds.
             return True
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
+    async def tail(
+        self, stream_id: str, after: int, log: EventLog, resumed: Resumed | None = None
+    ) -> Orphan | None:
         """Fill `log` (a mirror on this instance) with the events after `after`, then the live
         tail, until the owner closes the stream, or is gone: then an `Orphan` when the stream
         may be taken over, else `stream_lost`. Through a Redis outage it waits (the reader
-        keeps its heartbeats) and goes on from where it was.
+        keeps its heartbeats) and goes on from where it was. `resumed`: the reader's last
+        event, checked against the store's event of its seq as soon as that is here.
 
         The catch-up is this reader's own; the live tail is the shared one (`Tailer`)."""
         if not log.last_seq:
             log.begin_at(after)
         after = log.last_seq
+        if resumed is not None and (resumed.checked or resumed.seq != after):
+            resumed = None
         key = events_key(stream_id)
-        entries = await self._retrying(
-            lambda: self.redis.xrange(key, min=f"({after}-0" if after else "-", max="+")
-        )
+        # The entry that holds the reader's last event too, while it is to be checked.
+        start = f"{after}-0" if resumed is not None else f"({after}-0" if after else "-"
+        entries = await self._retrying(lambda: self.redis.xrange(key, min=start, max="+"))
         if entries and after + 1 < (first := _first_seq(entries[0])):
             fail(log, "resume_expired", f"events up to {first - 1} are no longer kept")
             return None
         last = entry_id(entries[-1][0]) if entries else (after, 0)
-        if apply_entries(entries, log):
+        if not entries and resumed is not None:
+            last = (after - 1, 0)  # the live tail from the entry that may end at its event
+        if apply_entries(entries, log, resumed):
             return None
         owner, takeover = await self._retrying(
             lambda: self.redis.hmget(meta_key(stream_id), ["owner", "takeover"])
@@ -1159,6 +1167,7 @@ class RedisStore:
             log=log,
             last=last,
             takeover=takeover == b"1",
+            resumed=resumed if resumed is not None and not resumed.checked else None,
         )
         await self._tailer.follow(follower)
         if follower.orphaned and owner:

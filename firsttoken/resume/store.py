@@ -16,11 +16,21 @@ import anyio
 from anyio.abc import TaskStatus
 
 from firsttoken.eventlog import EventLog
+from firsttoken.wire.sse import event_id_of
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
 
-__all__ = ["Claim", "EventStore", "MemoryStore", "Orphan", "StreamRecord", "token_digest"]
+__all__ = [
+    "LOST_AHEAD",
+    "Claim",
+    "EventStore",
+    "MemoryStore",
+    "Orphan",
+    "Resumed",
+    "StreamRecord",
+    "token_digest",
+]
 
 
 def token_digest(token: str) -> str:
@@ -37,6 +47,30 @@ class StreamRecord:
     # What another instance needs to continue the stream (its request, key and format; see
     # `api/gateway.py`), stored with it; None: it cannot be taken over.
     handover: bytes | None = None
+
+
+LOST_AHEAD = (
+    "this reader was sent events the shared store never got (their instance is gone), and "
+    "the instance that took the stream over made others in their place"
+)
+
+
+@dataclass(slots=True, eq=False)
+class Resumed:
+    """A reader back with `id`, the id of the last event it was sent (`seq`): it may read on
+    here only if the store's event `seq` carries that id. An owner's events reach its
+    readers before the store (without `--durable`), and an instance that took the stream
+    over from what the store held made its own events of those seqs, with other ids
+    (`wire.sse.ids_from`): that reader is told `stream_lost`, never given them."""
+
+    seq: int
+    id: int
+    checked: bool = False  # the store's event `seq` was seen, and carried `id`
+
+    def matches(self, wire: bytes) -> bool:
+        """Whether `wire`, the event `seq` as this instance has it, is the reader's."""
+        self.checked = True
+        return event_id_of(wire) in (self.id, None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,9 +97,10 @@ class Claim:
 class EventStore(Protocol):
     instance: str  # this process, as the store names it to other instances
     replicates: bool  # other instances read what it holds (Redis), or none do (memory)
-    # Told of each stream another instance took over while this one still generated it, and
-    # whether its readers may hold events the takeover does not continue from (lost).
-    on_fenced: Callable[[str, bool], None]
+    # Told of each stream another instance took over while this one still generated it: the
+    # last event of it the store holds from this one, and whether a reader here may hold
+    # events past it that were released as confirmed (`--durable` while the store was away).
+    on_fenced: Callable[[str, int, bool], None]
 
     @property
     def degraded(self) -> str | None:
@@ -101,9 +136,12 @@ class EventStore(Protocol):
 
     async def has_remote_readers(self, stream_id: str) -> bool: ...
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
+    async def tail(
+        self, stream_id: str, after: int, log: EventLog, resumed: Resumed | None = None
+    ) -> Orphan | None:
         """Fill a mirror's log until the stream ends there; an `Orphan` when its owner is
-        gone and it may be taken over."""
+        gone and it may be taken over. `resumed`: its reader's last event, which the store's
+        of that seq must match (else `stream_lost`)."""
         ...
 
     async def claim(self, stream_id: str, owner: str, after: int) -> Claim | str:
@@ -146,7 +184,7 @@ class MemoryStore:
         return iter(())
 
     def __init__(self) -> None:
-        self.on_fenced: Callable[[str, bool], None] = lambda stream_id, lost: None
+        self.on_fenced: Callable[[str, int, bool], None] = lambda stream_id, kept, lost: None
 
     async def run(self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]) -> None:
         task_status.started()
@@ -167,7 +205,9 @@ class MemoryStore:
     async def lookup(self, stream_id: str) -> StreamRecord | None:
         return None
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> Orphan | None:
+    async def tail(
+        self, stream_id: str, after: int, log: EventLog, resumed: Resumed | None = None
+    ) -> Orphan | None:
         log.close()
         return None
 

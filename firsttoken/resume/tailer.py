@@ -33,6 +33,7 @@ from firsttoken.eventlog import EventLog
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
 from firsttoken.resume.keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first
+from firsttoken.resume.store import LOST_AHEAD, Resumed
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.sse import encode_event
 
@@ -64,11 +65,39 @@ def fail(log: EventLog, code: str, message: str) -> None:
     log.close()
 
 
-def apply_entries(entries: list[Any], log: EventLog) -> bool:
+def _check_resumed(
+    resumed: Resumed, raw_id: Any, fields: dict[bytes, bytes], log: EventLog
+) -> bool:
+    """Check a reader's resume point against an entry; True once the log is closed (it was
+    not the store's event: `stream_lost`)."""
+    if b"end" in fields:
+        if entry_id(raw_id)[0] < resumed.seq:  # it ended before the reader's last event
+            fail(log, "stream_lost", LOST_AHEAD)
+            return True
+        return False
+    if run_first(fields) > resumed.seq:
+        resumed.checked = True  # that event is trimmed: nothing to compare it with
+        return False
+    for _, wire, _ in decode_run(fields, resumed.seq - 1):
+        if not resumed.matches(wire):
+            fail(log, "stream_lost", LOST_AHEAD)
+            return True
+        break
+    return False
+
+
+def apply_entries(entries: list[Any], log: EventLog, resumed: Resumed | None = None) -> bool:
     """Append the events of entries (runs, `runs.py`) that `log` lacks; True once the log is
     closed: the end marker was seen, or a run starts past the log's next event (the store
-    lost events in between: the reader gets `event: error`, never a silent hole)."""
-    for _, fields in entries:
+    lost events in between: the reader gets `event: error`, never a silent hole), or the
+    reader `resumed` with an event the store's differs from (`stream_lost` too)."""
+    for raw_id, fields in entries:
+        if (
+            resumed is not None
+            and not resumed.checked
+            and _check_resumed(resumed, raw_id, fields, log)
+        ):
+            return True
         if b"end" in fields:
             log.close()
             return True
@@ -96,6 +125,7 @@ class Follower:
     log: EventLog
     last: EntryId
     takeover: bool = False  # its stream may be taken over when its owner is gone
+    resumed: Resumed | None = None  # its reader's resume point, until the store's is seen
     heard: bool = False  # events came since the last liveness check
     missing_since: float | None = None  # monotonic: the owner's key first found missing
     orphaned: bool = False  # ended because its owner is gone, for a takeover
@@ -273,7 +303,7 @@ class Tailer:
         follower.last = entry_id(new[-1][0])
         follower.heard = True
         try:
-            ended = apply_entries(new, follower.log)
+            ended = apply_entries(new, follower.log, follower.resumed)
         except Exception as exc:  # one follower's failure is its own, not its lane's
             follower.error = exc
             ended = True

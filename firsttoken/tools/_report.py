@@ -12,6 +12,7 @@ from firsttoken.tools._load import LoadRun
 from firsttoken.tools._measure import StreamResult
 from firsttoken.tools._stats import summary
 from firsttoken.tools._verdict import Verdict
+from firsttoken.wire.sse import owner_of_id
 
 __all__ = ["header_checks", "load_json", "render_load", "render_single", "single_json"]
 
@@ -110,7 +111,7 @@ def _ids(result: StreamResult) -> dict[str, Any]:
             continue
         seen += 1
         try:
-            cur = int(ev.id)
+            cur = owner_of_id(int(ev.id))[1]  # a takeover's ids name their owner too
         except ValueError:
             prev = None
             continue

@@ -19,7 +19,10 @@ __all__ = [
     "ServerSentEvent",
     "comment",
     "encode_event",
+    "event_id_of",
     "event_payload",
+    "ids_from",
+    "owner_of_id",
     "response_headers",
     "stamp",
     "token_frame",
@@ -34,6 +37,42 @@ SSE_HEADERS: tuple[tuple[bytes, bytes], ...] = (
 # A one-line data event, `%` (its seq, its data): the hot path's, for data with no line break
 # (JSON's has none).
 DATA_FRAME = b"id: %d\ndata: %s\n\n"
+
+# An event's id is its seq, for the events of a stream's first owner. An instance that takes
+# the stream over numbers its own events `fence × OWNER_IDS + seq` (`fence`: its claim, 2 for
+# the first takeover): the same seq made by two owners has two ids, so a reader that comes
+# back with the id of an event the store never got (its owner died before writing it) is
+# told, never given the new owner's different event of that seq (`resume/tailer.py`).
+OWNER_IDS = 10**12
+
+
+def ids_from(fence: int) -> int:
+    """What the ids of the events made by the owner of `fence` add to their seq."""
+    return 0 if fence <= 1 else fence * OWNER_IDS
+
+
+def owner_of_id(event_id: int) -> tuple[int, int]:
+    """An id as (the fence of the owner that made the event, its seq)."""
+    fence, seq = divmod(event_id, OWNER_IDS)
+    return max(fence, 1), seq
+
+
+def event_id_of(wire: bytes) -> int | None:
+    """The id a framed event carries (None: none, or not a number)."""
+    if not wire.startswith(b"id: "):
+        return None
+    end = wire.find(b"\n")
+    raw = wire[4:end]
+    return int(raw) if raw.isdigit() else None
+
+
+def _id_field(id_base: int) -> bytes:
+    """`id: %d`, for the `%` of a seq, as the events after `id_base` are numbered: the base
+    is written as digits ahead of the seq (no addition per token)."""
+    if not id_base:
+        return b"id: %d"
+    fence = id_base // OWNER_IDS
+    return b"id: %d%%0%dd" % (fence, len(str(OWNER_IDS)) - 1)
 
 
 def response_headers(
@@ -50,11 +89,14 @@ def response_headers(
     return headers
 
 
-def token_frame(event: str | None, prefix: bytes, suffix: bytes) -> bytes:
+def token_frame(event: str | None, prefix: bytes, suffix: bytes, id_base: int = 0) -> bytes:
     """The frame of a token event, `%` (its seq, its JSON-escaped text): `id: <seq>\n`
     [`event: <name>\n`] `data: <prefix><text><suffix>\n\n`. Built once per text run, so a
-    token costs one %-format; `prefix` and `suffix` hold no line break (JSON)."""
-    head = b"id: %d\n" if event is None else b"id: %d\nevent: " + event.encode() + b"\n"
+    token costs one %-format; `prefix` and `suffix` hold no line break (JSON). `id_base`:
+    the ids of a stream taken over (`ids_from`)."""
+    head = _id_field(id_base) + b"\n"
+    if event is not None:
+        head += b"event: " + event.encode() + b"\n"
     return (
         head
         + b"data: "
@@ -82,6 +124,7 @@ def event_payload(wire: bytes) -> tuple[str | None, bytes]:
         elif line.startswith(b"event: "):
             name = line[7:].decode()
     return name, data
+
 
 _LINE_BREAK = re.compile(r"\r\n|\r|\n")
 _FORBIDDEN_IN_FIELD = ("\r", "\n", "\0")

@@ -37,7 +37,7 @@ def test_events_are_numbered_and_replayed_after_a_cursor() -> None:
 def test_a_cursor_older_than_the_buffer_is_expired() -> None:
     log = EventLog(max_events=3)
     for _ in range(5):
-        log.append(b"x")
+        log.append(b"x", 1)
     assert log.first_seq == 3
     with pytest.raises(ResumeExpired):
         log.after(1)
@@ -76,9 +76,9 @@ def test_the_window_is_measured_from_the_slowest_reader() -> None:
 def test_without_readers_the_producer_fills_the_buffer_then_pauses() -> None:
     log = EventLog(max_events=4, window=2)
     for _ in range(3):
-        log.append(b"x")
+        log.append(b"x", 1)
     assert log.has_room()
-    log.append(b"x")
+    log.append(b"x", 1)
     assert not log.has_room()
     log.release_floor()  # a reader elsewhere (Redis) has it all
     assert log.has_room()
@@ -89,7 +89,7 @@ def test_a_detached_reader_raises_the_floor() -> None:
     reader = Reader()
     log.attach(reader)
     for _ in range(3):
-        log.append(b"x")
+        log.append(b"x", 1)
     log.detach(reader)
     assert log.readers == [] and log.has_room()
 
@@ -251,3 +251,41 @@ def test_a_closed_log_tells_its_readers_of_the_close_once_whatever_the_holds() -
     log.hold(1)
     log.unhold()
     assert closes == [1] and reader.seen == [1]
+
+
+def test_end_at_lets_the_events_after_it_go_and_a_reader_behind_ends_there() -> None:
+    """A fenced owner's log: what it made after the store's last event of it is not the
+    answer any more; a reader past that point keeps what it had."""
+    log = EventLog(max_events=100)
+    for i in range(1, 7):
+        log.append(b"e%d" % i, tokens=2 if i == 4 else 1)
+    log.hold(3)  # --durable: Redis confirmed up to 3
+    log.end_at(3)
+    assert log.last_seq == 3 and log.limit == 3 and log.first_seq == 1
+    assert [e.wire for e in log.after(0)] == [b"e1", b"e2", b"e3"]
+    assert log.after(5) == []  # a reader past it reads nothing more
+    log.append(b"x", 1)
+    log.hold(4)
+    assert log.after(3) == [Event(4, b"x", 1)]  # not the count of the event dropped
+    log.close()
+    assert log.shown_all
+
+
+def test_end_at_before_what_is_kept_leaves_none() -> None:
+    log = EventLog(max_events=4)
+    for i in range(1, 11):
+        log.append(b"e%d" % i)
+    log.end_at(2)  # events up to 2 were trimmed already
+    assert log.last_seq == 2 and log.wire(2) is None
+    log.append(b"next", 1)
+    assert log.wire(3) == b"next" and log.after(2) == [Event(3, b"next", 1)]
+    log.end_at(9)  # past its last: nothing to drop
+    assert log.last_seq == 3
+
+
+def test_wire_is_any_kept_event_shown_or_not() -> None:
+    log = EventLog(max_events=100)
+    for i in range(1, 4):
+        log.append(b"e%d" % i)
+    log.hold(1)
+    assert log.wire(3) == b"e3" and log.wire(0) is None and log.wire(4) is None

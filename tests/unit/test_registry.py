@@ -17,7 +17,15 @@ from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.cache import CachedEngine
 from firsttoken.generation import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
-from firsttoken.resume import Claim, EventLog, MemoryStore, Orphan, ResumeExpired, StreamRecord
+from firsttoken.resume import (
+    Claim,
+    EventLog,
+    MemoryStore,
+    Orphan,
+    Resumed,
+    ResumeExpired,
+    StreamRecord,
+)
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import NativeRenderer
@@ -472,7 +480,7 @@ def test_a_fenced_stream_stops_here_and_releases_what_it_held() -> None:
             for stream in (taken, kept):
                 stream.ticket = _Ticket()
                 await registry.start(stream)
-            store.on_fenced("s1", False)
+            store.on_fenced("s1", taken.log.last_seq, False)
             assert taken.outcome is Outcome.MOVED and taken.generation is None
             assert await registry.find("s1") is None  # a reader back here follows the store
             assert store.let_go_of == [("s1", True)] and store.finished == []
@@ -617,6 +625,111 @@ def test_stored_requests_count_in_the_resume_budget_while_their_streams_run() ->
             assert budget.requests == 1_000_000 and budget.unstored == 1
             first.stop(Outcome.CANCELLED)
             assert budget.requests == 0  # deleted from Redis with the stream's end
+
+
+class _Closing(_Reader):
+    """A reader that writes down that its connection ended (the log closed under it)."""
+
+    ended = False
+
+    def log_closed(self) -> None:
+        if self.cursor >= self.log.last_seq:
+            self.ended = True
+
+    def catch_up(self) -> None:
+        super().catch_up()
+        if self.log.shown_all:
+            self.log_closed()
+
+
+def test_a_fenced_streams_durable_readers_end_at_the_stores_last_event_of_it() -> None:
+    """--durable: its readers were shown what Redis confirmed (3 events); the owner made
+    more, which Redis refused (fenced). They end there, with nothing of what it made after,
+    and follow the instance that took it over."""
+
+    async def body() -> None:
+        store = _Claims("moved")
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream("s1")
+            stream.movable = True
+            stream.ticket = _Ticket()
+            await registry.start(stream)
+            for token in ("a", "b", "c", "d"):
+                stream.push(token)
+            stream.log.hold(3)
+            reader = _Closing(stream.log, registry, stream)
+            reader.cursor = 0
+            reader.catch_up()
+            assert reader.cursor == 3 and not reader.ended
+            store.on_fenced("s1", 3, False)
+            assert stream.outcome is Outcome.MOVED and stream.log.last_seq == 3
+            assert reader.ended and reader.cursor == 3
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+def test_a_stream_fenced_after_it_finished_here_lets_its_waiting_readers_go() -> None:
+    """It finished here, but Redis refused its last events: the other instance has its
+    end. Its readers waiting for those events end, and a reader back here follows the
+    store's stream, not this instance's."""
+
+    async def body() -> None:
+        store = _Claims("moved")
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream("s1")
+            stream.ticket = _Ticket()
+            await registry.start(stream)
+            stream.push("a")
+            stream.log.hold(2)
+            stream.finish("stop")
+            reader = _Closing(stream.log, registry, stream)
+            reader.cursor = 0
+            reader.catch_up()
+            assert not reader.ended
+            store.on_fenced("s1", 2, False)
+            assert reader.ended and await registry.find("s1") is None
+            assert stream.outcome is Outcome.MOVED  # an SDK's reader gets the format's error
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
+@pytest.mark.parametrize(
+    ("seq", "event_id", "lost"),
+    [(3, 3, False), (5, 5, True), (5, 2 * 10**12 + 5, False), (4, 4, True)],
+)
+def test_a_reader_back_with_an_event_the_store_lacked_is_not_handed_the_new_owners(
+    seq: int, event_id: int, lost: bool
+) -> None:
+    """Another reader here continued the stream from events 1-3 (what Redis held) as owner
+    2; this one came back on this instance with the id of its last event, which the store
+    did not have yet: handed the stream continued here only if that event is there (or will
+    be) with that id; A's events 4 and 5 never were (B made its own 4 and 5)."""
+
+    async def body() -> None:
+        store = _Claims(_claim())
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        registry.reopen = _reopen
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            first = _mirror(after=2)
+            _Reader(first.log, registry, first)
+            assert await registry._take_over(first, Orphan("a"))
+            second = _mirror(after=seq)
+            second.resumed = Resumed(seq, event_id)
+            reader = _Reader(second.log, registry, second)
+            store.answer = "moved"
+            assert await registry._take_over(second, Orphan("a"))
+            local = await registry.find("s1")
+            assert (reader.stream is local) is not lost
+            if lost:
+                assert second.log.closed
+                assert b"stream_lost" in second.log.after(seq)[0].wire
             tg.cancel_scope.cancel()
 
     asyncio.run(body())

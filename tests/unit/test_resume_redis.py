@@ -206,12 +206,12 @@ def test_a_fenced_write_lets_the_stream_go_without_an_outage() -> None:
     """Another instance took the stream over: its owner's write is refused, it is told and
     forgets the stream; the other streams of the flush were written as usual."""
     s = store()
-    told: list[tuple[str, bool]] = []
-    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    told: list[tuple[str, int, bool]] = []
+    s.on_fenced = lambda stream_id, kept, lost: told.append((stream_id, kept, lost))
     replicate(s, 1, 3)
     flush(s)
     confirm(s, b"fenced")  # no RedisError: Redis is fine
-    assert told == [("s1", False)] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
+    assert told == [("s1", 0, False)] and "s1" not in s._replicas and not s._dirty and s.fenced == 1
 
 
 def test_durable_readers_see_an_event_once_redis_confirmed_it() -> None:
@@ -369,7 +369,7 @@ def test_a_stream_fenced_after_its_reader_was_sent_unconfirmed_events_is_lost() 
     s, log = durable_store()
     reader = Reading(log)
     told: list[tuple[str, bool]] = []
-    s.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    s.on_fenced = lambda stream_id, kept, lost: told.append((stream_id, lost))
     replicate(s, 1, 2)
     flush(s)
     confirm(s, 1)
@@ -383,7 +383,7 @@ def test_a_stream_fenced_after_its_reader_was_sent_unconfirmed_events_is_lost() 
     # Released, but nobody read past what Redis had: the stream moves as before.
     s2, log2 = durable_store()
     Reading(log2)
-    s2.on_fenced = lambda stream_id, lost: told.append((stream_id, lost))
+    s2.on_fenced = lambda stream_id, kept, lost: told.append((stream_id, lost))
     replicate(s2, 1, 2)
     flush(s2)
     confirm(s2, 1)

@@ -158,3 +158,14 @@ def test_response_headers_and_the_send_stamp() -> None:
         (b"x-resume-token", b"r"),
     ]
     assert sse.stamp(1.5) == b": t=1.500000\n"
+
+
+def test_a_takeover_owners_ids_name_their_owner_and_read_back_as_their_seq() -> None:
+    base = sse.ids_from(2)
+    assert sse.ids_from(1) == 0 and base == 2 * sse.OWNER_IDS
+    framed = sse.token_frame(None, b'{"token":', b"}", base) % (57, b'"hi"')
+    assert framed == b'id: 2000000000057\ndata: {"token":"hi"}\n\n'
+    assert sse.event_id_of(framed) == base + 57 and sse.owner_of_id(base + 57) == (2, 57)
+    assert sse.token_frame("delta", b"", b"") % (3, b"x") == b"id: 3\nevent: delta\ndata: x\n\n"
+    assert sse.owner_of_id(57) == (1, 57) and sse.event_id_of(b": ping\n\n") is None
+    assert sse.event_id_of(encode_event(12, b"{}", "meta")) == 12

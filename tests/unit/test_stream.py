@@ -381,3 +381,25 @@ def test_reasoning_before_a_takeover_is_counted_when_the_engine_counts_none() ->
     usage = events(stream)[-2][1]["usage"]  # type: ignore[index]
     assert usage["completion_tokens"] == 10
     assert usage["completion_tokens_details"] == {"reasoning_tokens": 5}
+
+
+def test_a_stream_taken_over_numbers_its_own_events_apart_from_the_old_owners() -> None:
+    """The same seq made by two owners has two ids: a reader with the old owner's id of an
+    event the new owner made again is found out (`has_event`)."""
+    stream = make()
+    stream.begin()
+    stream.push("a")
+    opened = stream.log.last_seq
+    stream.number_as(2)
+    stream.push("b")
+    stream.push_delta(Delta(meta={"takeover": {}}))
+    stream.push("c")
+    base = 2 * 10**12
+    ids = [int(e.wire.split(b"\n")[0][4:]) for e in stream.log.after(0)]
+    assert ids[:opened] == list(range(1, opened + 1))
+    assert ids[opened:] == [base + s for s in range(opened + 1, stream.log.last_seq + 1)]
+    last = stream.log.last_seq
+    assert stream.has_event(opened, opened) and stream.has_event(last, base + last)
+    assert not stream.has_event(last, last)  # the old owner's id of that seq
+    assert stream.has_event(last + 2, base + last + 2)  # numbered so when it comes
+    assert not stream.has_event(last + 2, last + 2)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from firsttoken.eventlog import EventLog
+from firsttoken.resume import Resumed
 from firsttoken.resume.runs import encode_run
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries
 
@@ -104,3 +105,49 @@ def test_an_owner_back_before_its_grace_keeps_its_stream() -> None:
     t._judge([f], {"ft:instance:a": 1}, now=11.0)  # a Redis restart: the key is back
     t._judge([f], {"ft:instance:a": 0}, now=12.5)
     assert not f.done.is_set()
+
+
+def owned_run(first: int, last: int, base: int) -> tuple[bytes, dict[bytes, bytes]]:
+    """A run of the events another owner made, numbered from `base` (`sse.ids_from`)."""
+    wires = [f"id: {base + s}\ndata: {s}\n\n".encode() for s in range(first, last + 1)]
+    fields = {k.encode(): v if isinstance(v, bytes) else str(v).encode()
+              for k, v in encode_run(first, wires, {}).items()}  # fmt: skip
+    return f"{last}-0".encode(), fields
+
+
+def resumed_log(seq: int) -> EventLog:
+    log = EventLog()
+    log.begin_at(seq)
+    return log
+
+
+def test_a_reader_back_with_the_stores_event_reads_on() -> None:
+    log, resumed = resumed_log(5), Resumed(5, 5)
+    assert not apply_entries([run(1, 3)], log, resumed)  # before its event: not yet known
+    assert not resumed.checked
+    assert not apply_entries([run(4, 7)], log, resumed)
+    assert resumed.checked and datas(log) == ["6", "7"]
+
+
+def test_a_reader_back_with_an_event_the_store_never_got_is_told() -> None:
+    """It read events 4-6 on A before A died; Redis held 1-3; B took over and made its own
+    4, 5, 6...: the store's event 5 is not the reader's."""
+    log, resumed = resumed_log(5), Resumed(5, 5)
+    assert apply_entries([owned_run(4, 9, 2 * 10**12)], log, resumed)
+    assert log.closed and log.last_seq == 6  # nothing but the error
+    error = json.loads(log.after(5)[0].wire.decode().split("data: ", 1)[1])
+    assert error["error"]["code"] == "stream_lost"
+
+
+def test_a_stream_that_ended_before_the_readers_event_is_lost_to_it() -> None:
+    log, resumed = resumed_log(5), Resumed(5, 5)
+    assert apply_entries([end(3)], log, resumed)
+    assert b"stream_lost" in log.after(5)[0].wire
+
+
+def test_a_reader_of_the_new_owner_reads_on_past_the_takeover() -> None:
+    base = 2 * 10**12
+    log, resumed = resumed_log(5), Resumed(5, base + 5)
+    assert not apply_entries([owned_run(4, 6, base)], log, resumed)
+    assert resumed.checked and datas(log) == ["6"]
+    assert apply_entries([end(6)], log, resumed) and log.closed

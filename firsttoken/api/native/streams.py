@@ -14,10 +14,12 @@ from firsttoken.api.gateway import gateway, trace_id
 from firsttoken.api.pipeline import Answer
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.resume import LOST_AHEAD, Resumed
+from firsttoken.wire.sse import owner_of_id
 
 __all__ = ["cancel_stream", "stream_events"]
 
-_SEQ_DIGITS = 18  # under 2**63: any event id this server can have given
+_SEQ_DIGITS = 18  # under 2**63: any event id this server can have given (`sse.ids_from`)
 _SEQ = re.compile(rf"[0-9]{{1,{_SEQ_DIGITS}}}")
 
 # Sent first on every native connection: EventSource reconnects after 1 s instead of ~3 s.
@@ -34,7 +36,10 @@ async def stream_events(request: Request) -> Answer:
     gw = gateway(request)
     try:
         stream = await _authorized_stream(request)
-        after = _last_event_id(request)
+        event_id = _last_event_id(request)
+        after = owner_of_id(event_id)[1]
+        if event_id and not isinstance(stream, Mirror) and not stream.has_event(after, event_id):
+            raise APIError(409, "stream_lost", LOST_AHEAD)
     except APIError as exc:
         return exc.response(trace_id(request))
     log = stream.log
@@ -45,6 +50,8 @@ async def stream_events(request: Request) -> Answer:
         # continues it when this one handed it over.
         return _ELSEWHERE.response(trace_id(request))
     if isinstance(stream, Mirror):
+        if event_id:  # checked against the store's event of that seq (`resume.Resumed`)
+            stream.resumed = Resumed(after, event_id)
         await gw.registry.tail(stream, after)
         # Give the mirror a moment to learn whether the stream already ended there.
         with anyio.move_on_after(0.5):
