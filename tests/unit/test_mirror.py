@@ -23,7 +23,9 @@ class _Store:
     def __init__(self, ends: bool) -> None:
         self.ends = ends
 
-    async def tail(self, stream_id: str, after: int, log: EventLog) -> None:
+    async def tail(
+        self, stream_id: str, after: int, log: EventLog, resumed: object = None
+    ) -> None:
         log.append(b'id: %d\ndata: {"token":"a"}\n\n' % log.next_seq, 1)
         if self.ends:
             log.close()  # the end marker
