@@ -206,8 +206,9 @@ class Ticket:
             await self.admission.limits.release(self.lease)
 
     def _account(self, outcome: Outcome, used: Usage) -> int:
-        """The ledger's record of this request, and its cost in picos."""
-        if not self.request_id:
+        """The ledger's record of this request, and its cost in picos (none: nobody could read
+        it and it costs nothing)."""
+        if not self.request_id or not self.admission.ledger.counting:
             return 0
         ttft = self.ttft_s
         return self.admission.ledger.account(
@@ -248,7 +249,7 @@ class Admission:
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
         self.shedder = LoadShedder(settings, metrics)
-        self.ledger = Ledger(settings.usage_db)
+        self.ledger = Ledger(settings.usage_db, read=settings.admin_key_env is not None)
         if settings.redis:
             from firsttoken.admission.redis_spend import RedisSpend
 

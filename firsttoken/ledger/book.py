@@ -28,8 +28,14 @@ __all__ = ["Ledger"]
 
 
 class Ledger:
-    def __init__(self, url: str | None = None, max_records: int = 100_000) -> None:
+    def __init__(
+        self, url: str | None = None, max_records: int = 100_000, *, read: bool = True
+    ) -> None:
         self.url = url
+        # Whether anyone can read its records: a database, or an admin key for GET /v1/usage
+        # and /ops. Without either, and without prices (every cost 0), a request's record
+        # would be kept for nobody: `counting` is False and nothing is accounted.
+        self.read = read or url is not None
         self.store: Store = open_store(url)
         self.writer = LedgerWriter(self.store, max_records=max_records)
         self.currency = "USD"
@@ -41,11 +47,13 @@ class Ledger:
         self.route_cost: dict[str, int] = {}  # route -> picos
         self.route_tokens: dict[str, int] = {}  # route -> prompt + completion tokens
         self.ready = asyncio.Event()  # the store is open (its schema migrated)
+        self.counting = self.read
 
     def price(self, table: RouteTable, routes: Mapping[str, ModelRoute] | None = None) -> None:
         """Take the routes file's prices; `routes`: the engine's model names (aliases too)."""
         self.currency = table.currency
         self.prices = {name: t.price for name, t in table.targets.items() if t.price is not None}
+        self.counting = self.read or bool(self.prices)
         self._routes = routes if routes is not None else table.routes
         self._default = table.default
         for name, route in table.routes.items():

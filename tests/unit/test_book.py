@@ -98,3 +98,14 @@ def test_a_taken_over_part_is_priced_at_its_routes_first_target() -> None:
     assert book.target_of("cheap") == "edge" and book.target_of("chat") == "center"
     assert book.target_of("unknown") == "center"  # the default route's
     assert Ledger().target_of("chat") == ""  # no routes: no target, no price
+
+
+def test_a_ledger_nobody_reads_and_without_prices_counts_nothing() -> None:
+    """No database, no admin key to read GET /v1/usage, no price: a record would be kept for
+    nobody (and every cost is 0), so a request pays nothing for one."""
+    unread = Ledger(read=False)
+    assert not unread.counting
+    priced = {"kind": "synthetic", "price": {"prompt": 1}}
+    unread.price(parse_routes({"targets": {"t": priced}, "models": {"m": {"targets": ["t"]}}}))
+    assert unread.counting  # priced: spend and budgets need the cost
+    assert Ledger(read=True).counting and Ledger("sqlite:///x.db", read=False).counting

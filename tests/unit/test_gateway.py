@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from firsttoken.admission import ApiKey, KeyRing
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import retry_headers
@@ -82,8 +84,11 @@ def test_a_rebuilt_stream_bills_beyond_what_its_owners_left_billed() -> None:
         assert stream.carried == Usage(2, 3, 0) and stream.billed_before == before
 
 
-def test_a_stream_goes_on_under_the_secret_it_started_with_or_not_at_all() -> None:
-    gw = create_app(Settings()).state.gateway
+def test_a_stream_goes_on_under_the_secret_it_started_with_or_not_at_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("FT_TEST_ADMIN", "adm")  # an admin reads the ledger: it keeps records
+    gw = create_app(Settings(admin_key_env="FT_TEST_ADMIN")).state.gateway
     old, new = ApiKey(name="ops"), ApiKey(name="ops", weight=2.0)
     gw.admission.keys = KeyRing({"sk-old": old, "sk-new": new})
     first, generation = original(tenant="ops")
