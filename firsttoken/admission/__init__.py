@@ -504,29 +504,37 @@ class Admission:
         budget = key.tokens_per_minute
         admitted = max_tokens
         if budget:
-            if prompt_tokens >= budget:  # it would never fit: no point in coming back
+            asked = prompt_tokens + (1 if max_tokens is None else max_tokens)
+            if asked > budget:  # it would never fit: no point in coming back
                 self._rejected()
+                what = "the prompt" if max_tokens is None else "the prompt and max_tokens"
                 raise APIError(
                     400,
                     "token_budget_exceeded",
-                    f"the prompt ({prompt_tokens} tokens) does not fit in key {key.name!r}'s "
-                    f"budget (tokens_per_minute={budget})",
+                    f"{what} ({asked} tokens) do not fit in key {key.name!r}'s budget "
+                    f"(tokens_per_minute={budget})",
+                    param=None if max_tokens is None else "max_tokens",
                 )
             answer = DEFAULT_ANSWER_TOKENS if max_tokens is None else max_tokens
             reservation = await self.limits.reserve(key.name, budget, prompt_tokens, answer)
+            if reservation is not None and max_tokens is not None and max_tokens > reservation.left:
+                # A limit the client named is never lowered behind its back (OpenAI and
+                # LiteLLM refuse too): it waits for a minute that has room for it.
+                await self.limits.settle(reservation, 0)
+                reservation = None
             if reservation is None:
                 self._rejected()
                 raise APIError(
                     429,
                     "token_budget_exceeded",
-                    f"key {key.name!r} used its {budget} tokens for this minute "
-                    f"(tokens_per_minute={budget})",
+                    f"key {key.name!r} has not {asked} of its {budget} tokens left this "
+                    f"minute (tokens_per_minute={budget})",
                     headers=_retry_after(seconds_to_next_minute()),
                 )
-            # Never more than what is left of the minute (a request's max_tokens alone could
-            # be 100x the budget); one that names none may run to that too.
+            # One that names no max_tokens may run to what is left of the minute (its
+            # finish_reason says `length` where that cut it).
             left = reservation.left
-            admitted = left if max_tokens is None else min(max_tokens, left)
+            admitted = left if max_tokens is None else max_tokens
         hold = None
         limit = key.max_streams or self.settings.max_streams_per_key
         if key.budget is not None:

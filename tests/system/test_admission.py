@@ -147,18 +147,20 @@ def test_per_key_override_from_the_keys_file(keyed: Server) -> None:
 
 
 def spend_budget(first: Server, second: Server) -> None:
-    """dave has 50 tokens a minute: 1 + 40 are admitted, then 1 + 8 (the answer capped to
-    what is left), and the third is refused."""
+    """dave has 50 tokens a minute: 1 + 40 are admitted; another 40 does not fit in what is
+    left, and is refused rather than lowered; 1 + 8 is admitted, and the next is refused."""
     if (left := 60 - time.time() % 60) < 10:
         time.sleep(left + 0.5)  # don't straddle the minute the budget counts in
-    for srv, allowed in ((first, 40), (first, 8)):
+    for srv, asked, status in ((first, 40, 200), (second, 40, 429), (first, 8, 200)):
         r = httpx.post(
             srv.v1 + "/completions",
             headers=auth("sk-dave"),
-            json={"prompt": "budget", "max_tokens": 40},
+            json={"prompt": "budget", "max_tokens": asked},
             timeout=10,
         )
-        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == allowed
+        assert r.status_code == status, r.text
+        if status == 200:
+            assert r.json()["usage"]["completion_tokens"] == asked
     refused = httpx.post(
         second.v1 + "/completions",
         headers=auth("sk-dave"),
@@ -219,14 +221,14 @@ def burst_on_erin(servers: list[Server], n: int) -> list[httpx.Response]:
     assert ok and len(ok) < n
     assert {r.json()["error"]["code"] for r in refused} == {"token_budget_exceeded"}
     used = sum(r.json()["usage"]["total_tokens"] for r in ok)
-    # Never over: the last one admitted is capped to what was left (it could go over by a
-    # whole request before, and one request's max_tokens has no bound).
+    # Never over: a request whose max_tokens does not fit in what is left is refused (it
+    # could go over by a whole request before, and one request's max_tokens has no bound).
     assert used <= 100
     return ok
 
 
 def test_concurrent_requests_never_go_over_a_budget(keyed: Server) -> None:
-    # Each request holds its prompt + 50 at admission, or what is left, so the ones admitted
+    # Each request holds its prompt + 50 at admission, or is refused, so the ones admitted
     # while the minute had room are all that run (an admission check alone let all 20 in:
     # 1,040 tokens).
     ok = burst_on_erin([keyed], 20)

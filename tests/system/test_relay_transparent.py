@@ -330,13 +330,23 @@ def test_a_request_never_takes_more_than_its_keys_minute_has_left(
     keyed: tuple[ScriptedUpstream, Server],
 ) -> None:
     # mo has 1,000 tokens a minute and asks for 100,000: it was admitted as asked, and
-    # 100,005 tokens were billed. Now its answer may take what is left of the minute.
+    # 100,005 tokens were billed; then it was lowered to what was left, unseen. Now a limit
+    # it names that cannot fit is refused, and an answer that names none may take what is
+    # left of the minute.
     up, relay = keyed
     if (left := 60 - time.time() % 60) < 10:
         time.sleep(left + 0.5)  # don't straddle the minute the budget counts in
-    r = httpx.post(
+    never = httpx.post(
         relay.v1 + "/completions",
         json={"model": "vllm-limit", "prompt": "hi", "max_tokens": 100_000},
+        headers={"authorization": "Bearer sk-mo"},
+        timeout=30,
+    )
+    assert never.status_code == 400, never.text
+    assert never.json()["error"]["param"] == "max_tokens"
+    r = httpx.post(
+        relay.v1 + "/completions",
+        json={"model": "vllm-limit", "prompt": "hi"},
         headers={"authorization": "Bearer sk-mo"},
         timeout=30,
     )
@@ -350,7 +360,7 @@ def test_a_request_never_takes_more_than_its_keys_minute_has_left(
         headers={"authorization": "Bearer sk-mo"},
         timeout=30,
     )
-    assert refused.status_code == 429
+    assert refused.status_code == 429 and "retry-after" in refused.headers
     assert refused.json()["error"]["code"] == "token_budget_exceeded"
 
 

@@ -179,9 +179,13 @@ def test_a_budget_holds_prompt_plus_max_tokens_and_settles_with_the_real_use(
         adm = budgeted(clock)
         first = await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)
         assert adm.limits.budgets.used("dave") == 55
-        second = await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)  # 55 < 100
-        with pytest.raises(APIError) as refused:
+        with pytest.raises(APIError) as refused:  # 55 + 55 > 100: never lowered behind its back
             await adm.admit(DAVE, prompt_tokens=5, max_tokens=50)
+        assert refused.value.status == 429 and "retry-after" in refused.value.headers
+        assert adm.limits.budgets.used("dave") == 55  # the refused one holds nothing
+        second = await adm.admit(DAVE, prompt_tokens=5, max_tokens=40)  # 55 + 45 = 100
+        with pytest.raises(APIError) as refused:
+            await adm.admit(DAVE, prompt_tokens=5, max_tokens=1)
         assert refused.value.status == 429 and refused.value.code == "token_budget_exceeded"
         await first.release(Outcome.COMPLETED, Usage(prompt=5, completion=20))
         await second.release(Outcome.DISCONNECTED, Usage(prompt=5, completion=3))  # cut
@@ -204,13 +208,17 @@ def test_no_max_tokens_holds_the_default_answer_or_what_is_left(clock: FakeClock
     asyncio.run(body())
 
 
-def test_max_tokens_is_capped_to_what_is_left_of_the_budget(clock: FakeClock) -> None:
+def test_a_max_tokens_that_does_not_fit_is_refused_never_lowered(clock: FakeClock) -> None:
     # Issue 37.4: max_tokens 100,000 on a key of 1,000 a minute was admitted as asked, and
-    # 105,001 tokens were billed; now its answer may take only what the minute has left.
+    # 105,001 tokens were billed; issue 53: lowering it instead cut answers short unseen. A
+    # limit the client named is taken as named, or refused (as OpenAI and LiteLLM do).
     async def body() -> None:
         adm = budgeted(clock)
         frank = ApiKey(name="frank", tokens_per_minute=1000)
-        ticket = await adm.admit(frank, prompt_tokens=5, max_tokens=100_000)
+        with pytest.raises(APIError) as never:
+            await adm.admit(frank, prompt_tokens=5, max_tokens=100_000)
+        assert never.value.status == 400 and never.value.param == "max_tokens"
+        ticket = await adm.admit(frank, prompt_tokens=5, max_tokens=995)
         assert ticket.max_tokens == 995
         assert adm.limits.budgets.used("frank") == 1000
         with pytest.raises(APIError) as refused:
