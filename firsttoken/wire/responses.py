@@ -50,8 +50,15 @@ def item_id(prefix: str, key: str, index: int) -> str:
     return f"{prefix}_{key}_{index}"
 
 
-def output_text(text: str) -> dict[str, Any]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+def output_text(text: str, logprobs: list[Any] | None = None) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
+
+
+def token_logprobs(logprobs: Any) -> list[Any]:
+    """A chat chunk's `logprobs` as the Responses API lists them: the same entries (`token`,
+    `logprob`, `bytes`, `top_logprobs`) under no `content` key."""
+    content = logprobs.get("content") if isinstance(logprobs, Mapping) else None
+    return list(content) if isinstance(content, list) else []
 
 
 def message_item(
@@ -137,7 +144,8 @@ def response_from_answer(base: Mapping[str, Any], key: str, answer: ChatAnswer) 
         if answer.refusal:
             parts.append({"type": "refusal", "refusal": answer.refusal})
         if answer.content:
-            parts.append(output_text(answer.content))
+            logprobs = answer.logprobs.get("content") if answer.logprobs else None
+            parts.append(output_text(answer.content, logprobs))
         output.append(message_item(item_id("msg", key, len(output)), parts))
     for call in answer.tool_calls:
         index = len(output)
@@ -153,7 +161,7 @@ def response_from_answer(base: Mapping[str, Any], key: str, answer: ChatAnswer) 
 class _Item:
     """An open output item: its place, its id, and what it has received so far."""
 
-    __slots__ = ("call", "id", "index", "kind", "part", "parts", "texts")
+    __slots__ = ("call", "id", "index", "kind", "logprobs", "part", "parts", "texts")
 
     def __init__(self, kind: str, id_: str, index: int) -> None:
         self.kind = kind  # "message" | "reasoning" | "function_call"
@@ -162,6 +170,7 @@ class _Item:
         self.parts: list[dict[str, Any]] = []  # a message's finished content parts
         self.part: str | None = None  # the open content part's type
         self.texts: list[str] = []  # the open part's text, or the call's arguments
+        self.logprobs: list[Any] = []  # the open output_text part's, when the engine sent any
         self.call: ToolCallDelta | None = None  # a function call's first fragment
 
 
@@ -231,8 +240,26 @@ class ResponsesRenderer:
             out.extend(self._refusal(delta.refusal))
         if delta.text:
             out.extend(self.begin_text())
-            out.append((self.token_event, self.token(delta.text)))
+            if delta.logprobs:
+                out.append((self.token_event, self._scored(delta.text, delta.logprobs)))
+            else:
+                out.append((self.token_event, self.token(delta.text)))
         return out
+
+    def _scored(self, text: str, logprobs: Any) -> bytes:
+        """A token whose engine sent its logprobs (the client asked for them): `token`'s
+        event with them in it, kept for the part's done events."""
+        item = self.open
+        assert item is not None and item.part == "output_text"
+        item.texts.append(text)
+        scored = token_logprobs(logprobs)
+        item.logprobs.extend(scored)
+        seq = self.seq
+        self.seq = seq + 1
+        return self._prefix + _dumps(text) + b',"logprobs":%s,"sequence_number":%d}' % (
+            _dumps(scored),
+            seq,
+        )
 
     def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:
         status = _status(finish_reason)
@@ -369,7 +396,7 @@ class ResponsesRenderer:
 
     def _part(self, item: _Item, text: str) -> dict[str, Any]:
         if item.part == "output_text":
-            return output_text(text)
+            return output_text(text, item.logprobs)
         if item.part == "refusal":
             return {"type": "refusal", "refusal": text}
         return {"type": "reasoning_text", "text": text}
@@ -390,7 +417,9 @@ class ResponsesRenderer:
         index = 0 if item.kind == "reasoning" else len(item.parts)
         common = {"item_id": item.id, "output_index": item.index, "content_index": index}
         if item.part == "output_text":
-            done = self._event("response.output_text.done", **common, text=text, logprobs=[])
+            done = self._event(
+                "response.output_text.done", **common, text=text, logprobs=item.logprobs
+            )
         elif item.part == "refusal":
             done = self._event("response.refusal.done", **common, refusal=text)
         else:
@@ -401,6 +430,7 @@ class ResponsesRenderer:
             item.parts.append(self._part(item, text))
             item.part = None
             item.texts = []
+            item.logprobs = []
         return out
 
     def _close(self, status: str) -> list[tuple[str | None, bytes]]:

@@ -394,3 +394,27 @@ def test_a_messages_document_reaches_an_openai_target_as_a_file_part(
             model="ok", max_tokens=20, messages=[{"role": "user", "content": [by_url]}]
         )
     assert "by URL" in str(refused.value)
+
+
+def test_responses_include_logprobs_carries_the_upstreams(
+    scripted: tuple[ScriptedUpstream, Server],
+) -> None:
+    up, relay = scripted
+    include: Any = ["message.output_text.logprobs"]
+    events = list(
+        client(relay).responses.create(
+            model="vllm-reasoning", input="Say hello", include=include, stream=True
+        )
+    )
+    assert up.posts[-1]["logprobs"] is True
+    deltas = [e for e in events if e.type == "response.output_text.delta"]
+    hello = next(d for d in deltas if d.delta == "Hello")
+    assert [(lp.token, lp.logprob) for lp in hello.logprobs] == [("Hello", -0.1)]
+    (done,) = [e for e in events if e.type == "response.output_text.done"]
+    assert [lp.token for lp in done.logprobs] == ["Hello"]
+    final = events[-1].response  # type: ignore[union-attr]
+    (text,) = [c for item in final.output if item.type == "message" for c in item.content]
+    assert [lp.token for lp in text.logprobs] == ["Hello"]  # type: ignore[union-attr]
+    whole = client(relay).responses.create(model="vllm-reasoning", input="Say hi", include=include)
+    (part,) = [c for item in whole.output if item.type == "message" for c in item.content]
+    assert [lp.token for lp in part.logprobs] == ["Hello"]  # type: ignore[union-attr]

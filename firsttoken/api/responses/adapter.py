@@ -19,7 +19,7 @@ OpenAI-compatible upstream forwards):
 | `max_output_tokens`                       | `max_completion_tokens`                             |
 | `text.format` (json_object / json_schema) | `response_format`                                   |
 | `text.verbosity`, `reasoning.effort`      | `verbosity`, `reasoning_effort`                     |
-| `top_logprobs`                            | `logprobs: true`, `top_logprobs`                    |
+| `top_logprobs`, `include` (logprobs)      | `logprobs: true`, `top_logprobs`                    |
 | `stream`                                  | `stream: true`, `stream_options.include_usage`      |
 
 A streaming request is read through `ResponsesRenderer`; a whole one runs the same stream
@@ -99,6 +99,7 @@ class ResponsesFormat(Format[ResponsesRequest]):
 
 
 RESPONSES = ResponsesFormat()
+LOGPROBS = "message.output_text.logprobs"  # the `include` entry that asks for them
 
 
 # -- the request, converted ---------------------------------------------------------------
@@ -161,9 +162,9 @@ def chat_body(req: ResponsesRequest, model: str) -> dict[str, Any]:
         ]
     if req.tool_choice is not None:
         body["tool_choice"] = chat_tool_choice(req.tool_choice)
-    if req.top_logprobs is not None:
+    if req.top_logprobs is not None or LOGPROBS in (req.include or ()):
         body["logprobs"] = True
-        body["top_logprobs"] = req.top_logprobs
+        body["top_logprobs"] = req.top_logprobs or 0
     if req.reasoning is not None and req.reasoning.effort is not None:
         body["reasoning_effort"] = req.reasoning.effort
     text = req.text

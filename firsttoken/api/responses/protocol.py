@@ -264,6 +264,7 @@ class ResponsesRequest(_Body):
     store: bool | None = None
     user: str | None = None
     top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    include: list[str] | None = None  # "message.output_text.logprobs" asks for logprobs
     service_tier: str | None = None
     previous_response_id: str | None = None
     conversation: Any = None
