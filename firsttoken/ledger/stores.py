@@ -239,12 +239,14 @@ def _read(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> list[Any]:
 
 
 class PostgresStore:
-    """One connection, made again after a failure (the writer retries the batch)."""
+    """One connection, made again after a failure (the writer retries the batch), and one
+    transaction at a time on it: the writer's and a report's share it."""
 
     def __init__(self, url: str) -> None:
         self.url = url
         self.shown = _without_password(url)
         self._conn: Any = None
+        self._turn = anyio.Lock()
 
     async def _connection(self) -> Any:
         if self._conn is None or self._conn.closed:
@@ -256,14 +258,24 @@ class PostgresStore:
         return self._conn
 
     async def _run(self, work: Any) -> Any:
-        conn = await self._connection()
-        try:
-            async with conn.transaction():
-                async with conn.cursor() as cur:
-                    return await work(cur)
-        except BaseException:
-            await self._drop()
-            raise
+        async with self._turn:
+            for again in (False, True):
+                # A kept connection may have died with a database restart unseen: its first
+                # use fails, and the work is tried once more on a new one (a batch written
+                # twice counts once; a read is a read).
+                kept = self._conn is not None and not self._conn.closed
+                conn = await self._connection()
+                try:
+                    async with conn.transaction():
+                        async with conn.cursor() as cur:
+                            return await work(cur)
+                except Exception:
+                    await self._drop()
+                    if again or not kept:
+                        raise
+                except BaseException:
+                    await self._drop()
+                    raise
 
     async def _drop(self) -> None:
         conn, self._conn = self._conn, None

@@ -156,6 +156,33 @@ async def test_postgres_away_fails_the_write_and_the_next_one_reconnects(
 
 
 @pytest.mark.anyio
+async def test_a_read_after_postgres_restarted_makes_a_new_connection_at_once(
+    postgres: PostgresServer,
+) -> None:
+    """The kept connection died with the restart, unseen: the next read is answered on a new
+    one, not failed (a usage report right after an outage got 503)."""
+    store = PostgresStore(postgres.new_database())
+    await store.open()
+    await store.write(RECORDS)
+    postgres.stop()
+    postgres.start()
+    with anyio.fail_after(10):
+        assert len(await store.summary("key", None)) == 2
+    await store.close()
+
+
+@pytest.mark.anyio
+async def test_a_report_read_while_a_batch_is_written_waits_its_turn(database: Store) -> None:
+    """The writer and a report share the database's one connection (PostgreSQL): their
+    transactions go one after the other, never one inside the other."""
+    for _ in range(10):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(database.write, RECORDS)
+            tg.start_soon(database.summary, "key", None)
+    assert sum(r[1] for r in await database.summary("key", None)) == 3
+
+
+@pytest.mark.anyio
 async def test_the_records_say_their_currency(store: Store) -> None:
     assert await store.currency() is None
     await store.write(RECORDS)
