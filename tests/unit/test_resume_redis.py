@@ -13,7 +13,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.keys import events_key, meta_key
-from firsttoken.resume.redis import _STALL_S, RedisStore, _Call, _values_of
+from firsttoken.resume.redis import _META_COMMANDS, _STALL_S, RedisStore, _Call, _values_of
 from firsttoken.resume.runs import decode_run
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
@@ -69,12 +69,12 @@ def events_of(args: dict) -> list[tuple[int, bytes, int]]:
 
 
 def confirm(s: RedisStore, result: object) -> None:
-    """Redis's answers to one flush: the meta's HSET, two HSETNX and EXPIRE if it went, then
-    the call's (which carries the end, if any)."""
+    """Redis's answers to one flush: the meta's HSET, two HSETNX, EXPIRE and the owned set's
+    SADD if it went, then the call's (which carries the end, if any)."""
     rep = s._replicas["s1"]
     metas = [] if rep.meta_done else [rep]
     refused = [] if result == 1 else [1, result]  # the Lua call names the streams it failed
-    s._confirm([rep], metas, [], [[rep]], [*[1] * (4 * len(metas)), refused])
+    s._confirm([rep], metas, [], [[rep]], [*[1] * (_META_COMMANDS * len(metas)), refused])
 
 
 def dropped(s: RedisStore) -> float:
@@ -173,7 +173,7 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     s._script_missing = False
     missing = NoScriptError("No matching script. Please use EVAL.")
     with pytest.raises(RedisError, match="NoScriptError"):
-        s._confirm([rep], [rep], [], [[rep]], [1, 1, 1, 1, missing])
+        s._confirm([rep], [rep], [], [[rep]], [*[1] * _META_COMMANDS, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
 
 
