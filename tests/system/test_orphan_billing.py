@@ -18,7 +18,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import redis
 
+from firsttoken.resume.keys import events_key, meta_key, owned_key, tag_of
+from firsttoken.resume.redis import _CLAIM, _SWEEP
+from firsttoken.resume.runs import encode_run
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import wait_for
@@ -130,3 +134,39 @@ def test_a_dead_instances_sdk_stream_is_billed_what_its_client_received(
         assert after["done"] == 0 and after["error"]["code"] == "stream_lost", after
         time.sleep(0.5)
         assert sum(len(v) for v in records(a_db, b_db).values()) == 3
+
+
+def test_a_sweep_and_a_claim_take_a_dead_owners_stream_once(redis_url: str) -> None:
+    """The sweep's Lua call and the takeover's claim against one real Redis: whichever comes
+    first has the stream; the other finds it ended (swept) or moved (claimed)."""
+    r = redis.Redis.from_url(redis_url)
+    meta, events = meta_key("s1"), events_key("s1")
+    owned = owned_key(tag_of(meta), "dead")
+    sweep, claim = r.register_script(_SWEEP), r.register_script(_CLAIM)
+
+    def dead_owners_stream() -> None:
+        r.delete(meta, events, owned)
+        r.hset(
+            meta, mapping={"owner": "dead", "fence": 1, "takeover": 1, "req": "{}", "trace": "t"}
+        )
+        r.sadd(owned, "s1")
+        r.xadd(events, encode_run(1, [b"a", b"b"], {}), id="2-0")
+
+    dead_owners_stream()
+    assert sweep(keys=[meta, events, owned], args=["dead", "me", 60, "s1"]) == [
+        b"swept",
+        b"{}",
+        b"",
+        b"t",
+    ]
+    assert r.xrange(events)[-1] == (b"2-1", {b"end": b"orphaned"})
+    assert r.hget(meta, "fence") == b"2" and not r.hexists(meta, "req")  # nothing to go on
+    assert not r.sismember(owned, "s1") and 0 < r.ttl(meta) <= 60
+    assert sweep(keys=[meta, events, owned], args=["dead", "me", 60, "s1"]) == [b"ended"]
+    assert claim(keys=[meta], args=["dead", "other"]) == [b"ended"]
+
+    dead_owners_stream()
+    assert claim(keys=[meta], args=["dead", "other"])[0] == b"claimed"
+    assert r.sismember(owned_key(tag_of(meta), "other"), "s1")  # the new owner's to sweep
+    assert sweep(keys=[meta, events, owned], args=["dead", "me", 60, "s1"]) == [b"moved"]
+    assert not r.sismember(owned, "s1") and not r.hexists(meta, "outcome")
