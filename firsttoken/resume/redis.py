@@ -1315,10 +1315,12 @@ class RedisStore:
         await self.redis.sadd(_INSTANCES, self.instance)
 
     async def _leave_instances(self) -> None:
-        """Gone on purpose: not a dead instance, nothing of it to sweep."""
+        """Gone on purpose: not a dead instance, nothing of it to sweep (what it hands over
+        at a drain its own record bills; a claim bills the rest)."""
         with anyio.move_on_after(_OP_TIMEOUT_S):
             try:
                 await self.redis.srem(_INSTANCES, self.instance)
+                await self.redis.delete(*(owned_key(tag, self.instance) for tag in TAGS))
             except REDIS_DOWN:
                 pass  # a survivor sweeps what it left unended: nothing it had not billed
 
@@ -1351,12 +1353,23 @@ class RedisStore:
         """End and bill the streams `dead` left unended that no reader took over, once
         `orphan_grace_s` has passed: in batches of `_SWEEP_BATCH`, each stream one Lua call
         (`_SWEEP`, atomic with the claims), then the events' token counts."""
-        assert self.on_orphaned is not None
         log_event("redis.sweep_started", instance=dead, grace_s=self.orphan_grace_s)
-        await anyio.sleep(self.orphan_grace_s)
         swept = 0
-        for tag in TAGS:
-            swept += await self._sweep_group(dead, owned_key(tag, dead))
+        done = False
+        try:
+            await anyio.sleep(self.orphan_grace_s)
+            for tag in TAGS:
+                swept += await self._sweep_group(dead, owned_key(tag, dead))
+            done = True
+        except Exception as exc:  # a bug must not end the store's task group
+            log_event("redis.sweep_failed", logging.ERROR, instance=dead, error=repr(exc))
+        finally:
+            if not done:  # this instance exits, or failed: another survivor sweeps it again
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_OP_TIMEOUT_S):
+                    try:
+                        await self.redis.sadd(_INSTANCES, dead)
+                    except REDIS_DOWN:
+                        pass
         log_event("redis.sweep_done", instance=dead, streams=swept)
 
     async def _sweep_group(self, dead: str, owned: str) -> int:
