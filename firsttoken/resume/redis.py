@@ -272,9 +272,8 @@ return {'claimed', fence, req, redis.call('HGET', KEYS[1], 'billed') or ''}
 """
 
 _INSTANCES = "ft:instances"
-ORPHANED = "orphaned"  # the end a sweep gives a dead instance's stream
-# A sweep's work: a dead instance's streams are ended this many at a time (one pipeline of
-# Lua calls, then one of reads), the loop serving the rest between batches.
+# A sweep's work: a dead instance's streams are ended this many at a time (a Lua call each,
+# then one pipeline reading their events), then billed; off the request path, once.
 _SWEEP_BATCH = 100
 _SWEEP_EVERY_S = 1.0  # how often the instances' liveness is looked at (one SMEMBERS, N EXISTS)
 
