@@ -94,6 +94,10 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         admin=AdminKey.from_env(settings.admin_key_env),
     )
     registry.reopen = gw.reopen
+    if store.replicates:  # a dead instance's streams nobody took over are billed by a survivor
+        store.on_orphaned = gw.bill_orphaned
+        store.orphan_grace_s = max(settings.resume_grace_s, settings.openai_grace_s)
+        store.orphan_ttl_s = registry.ttl_s
     if admission.keys is not None:  # nothing to ask per stream without a keys file
         registry.revoked = admission.revoked
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
@@ -417,7 +421,7 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 _SERVED = (
     "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
     "/v1/messages/count_tokens, /v1/embeddings, /v1/models and /v1/streams "
-    "(README, \"HTTP API\")"
+    '(README, "HTTP API")'
 )
 
 

@@ -27,7 +27,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import SELF_RESUMING, Outcome, Renderer, Stream, Usage
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.resume import Claim
+from firsttoken.resume import Claim, Orphaned
 from firsttoken.routing.splice import Transcript, continuation
 from firsttoken.telemetry.metrics import Metrics, key_label, log_event
 from firsttoken.wire.anthropic import MessagesRenderer
@@ -256,6 +256,34 @@ class Gateway:
         """A taken-over stream that ends here refused: what its owners generated and did not
         bill (all of it after a SIGKILL), billed to its key as an `error` record."""
         made = sum(tokens for _, _, tokens in claim.events)
+        await self._bill_unbilled(spec, mirror.id, mirror.trace_id, made, before, Outcome.ERROR)
+
+    async def bill_orphaned(self, orphaned: Orphaned) -> None:
+        """A stream of a dead instance that no reader took over, ended in the store by this
+        instance's sweep (`RedisStore._sweep`): what its clients received (the tokens the
+        store holds) and its owners did not bill, billed as an `orphaned` record, priced at
+        the route's target; what its first owner held is settled, as a takeover does."""
+        spec = orjson.loads(orphaned.handover)
+        before = _billed(orphaned.billed)
+        used = max(spec["prompt_tokens"], before.prompt) + max(orphaned.tokens, before.completion)
+        await self.admission.settle_taken(
+            spec.get("held", {}), used, owner_billed=bool(orphaned.billed)
+        )
+        await self._bill_unbilled(
+            spec, orphaned.id, orphaned.trace_id, orphaned.tokens, before, Outcome.ORPHANED
+        )
+
+    async def _bill_unbilled(
+        self,
+        spec: dict[str, Any],
+        stream_id: str,
+        trace_id: str,
+        made: int,
+        before: Usage,
+        outcome: Outcome,
+    ) -> None:
+        """Bill to the stream's key what its owners generated (`made` tokens) beyond what
+        they billed (`before`), as one record of `outcome`: nothing when that is no token."""
         usage = Usage(
             max(0, spec["prompt_tokens"] - before.prompt), max(0, made - before.completion)
         )
@@ -266,10 +294,10 @@ class Gateway:
         key = self.admission.taken_key(name, spec.get("key_sha256", ""))
         key = key or self.admission.taken_key(name) or ApiKey(name=name)  # its secret gone
         ticket = self.admission.taken_ticket(key, r["model"])
-        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
-        ticket.trace_id = mirror.trace_id
+        ticket.request_id = f"{stream_id}:{secrets.token_hex(4)}"
+        ticket.trace_id = trace_id
         ticket.prompt_tokens = spec["prompt_tokens"]
-        await ticket.release(Outcome.ERROR, usage)
+        await ticket.release(outcome, usage)
 
     async def _rebuild(
         self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage

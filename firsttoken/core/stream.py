@@ -42,6 +42,9 @@ class Outcome(StrEnum):
     # Not an end of the answer: another instance goes on with it (a hand-over at shutdown,
     # or a takeover this instance learned of late). Counted apart from the others.
     MOVED = "moved"
+    # Only in the ledger: what a dead instance's stream delivered, billed by the survivor that
+    # swept it (no reader came back to take it over; `RedisStore._sweep`). No stream ends so.
+    ORPHANED = "orphaned"
 
 
 # Formats whose readers resume by themselves (`Last-Event-ID`: an EventSource, the native

@@ -15,7 +15,16 @@ import zlib
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-__all__ = ["GROUPS", "TAGS", "events_key", "group_of", "meta_key", "readers_key", "tag_of"]
+__all__ = [
+    "GROUPS",
+    "TAGS",
+    "events_key",
+    "group_of",
+    "meta_key",
+    "owned_key",
+    "readers_key",
+    "tag_of",
+]
 
 GROUPS = 16
 
@@ -51,6 +60,13 @@ def events_key(stream_id: str) -> str:
 
 def readers_key(stream_id: str) -> str:
     return f"ft:{{{group_of(stream_id)}}}:{stream_id}:readers"
+
+
+def owned_key(tag: str, instance: str) -> str:
+    """The set of the streams of group `tag` that `instance` owns and has not ended: what a
+    survivor bills if that instance dies (`RedisStore._sweep`). Its members are added and
+    removed by the Lua calls that write the metas and ends (`redis.py`), in the same slot."""
+    return f"ft:{{{tag}}}:owned:{instance}"
 
 
 def tag_of(key: str) -> str:

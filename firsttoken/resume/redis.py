@@ -11,6 +11,11 @@ Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in
                        events written since the stream's previous flush; a final
                        `<last seq>-1` entry with `end` closes it
   ft:{g}:<id>:readers  set with a short expiry while another instance has a reader attached
+  ft:{g}:owned:<n>     set: the ids of the group's streams instance <n> owns and has not ended
+                       (added with the meta or by a claim, removed with the end): what a
+                       survivor bills when <n> dies (`_sweep`)
+  ft:instances         set: every instance that heartbeats; one whose liveness key is gone is
+                       removed by the survivor that sweeps its streams (once: `SREM` says who)
   ft:instance:<n>      the owner's liveness: lives 1.2 s, rewritten every 0.2 s by a thread of
                        its own (a busy event loop does not make an owner look dead); deleted
                        when the instance hands its streams over and exits
@@ -72,9 +77,9 @@ from firsttoken.redisclient import (
     resp_arg,
     roundtrip,
 )
-from firsttoken.resume.keys import events_key, meta_key, readers_key, tag_of
+from firsttoken.resume.keys import TAGS, events_key, meta_key, owned_key, readers_key, tag_of
 from firsttoken.resume.runs import decode_run, pack_counts, pack_lengths, run_first
-from firsttoken.resume.store import Claim, Orphan, Resumed, StreamRecord
+from firsttoken.resume.store import BillOrphaned, Claim, Orphan, Orphaned, Resumed, StreamRecord
 from firsttoken.resume.tailer import Follower, Tailer, apply_entries, entry_id, fail
 from firsttoken.telemetry.metrics import log_event
 from firsttoken.wire.errors import APIError
@@ -170,6 +175,9 @@ while pos <= #blob do
     err = failed(redis.pcall('HSET', meta, 'billed', billed))
   end
   if not err and done > 0 then
+    local prefix, id = string.match(meta, '^(ft:{[^}]*}:)(.*):meta$')
+    local owner = redis.call('HGET', meta, 'owner')
+    if owner and prefix then redis.pcall('SREM', prefix .. 'owned:' .. owner, id) end
     err = failed(redis.pcall('XADD', key, done .. '-1', 'end', outcome))
       or failed(redis.pcall('HSET', meta, 'outcome', outcome))
       or failed(redis.pcall('HDEL', meta, 'req'))
@@ -186,7 +194,7 @@ end
 return out
 """
 _HEAD = struct.Struct("<11I")
-_META_COMMANDS = 4  # per stream (`_meta_commands`)
+_META_COMMANDS = 5  # per stream (`_meta_commands`)
 
 # New streams' metas, one call for every stream opened in a turn of the loop (four commands a
 # stream before: Redis parsed and ran 4N, the client packed 4N and read 4N replies). KEYS:
@@ -223,6 +231,10 @@ while pos <= #blob do
   err = err or failed(redis.pcall('HSETNX', meta, 'owner', ARGV[1]))
     or failed(redis.pcall('HSETNX', meta, 'fence', fence))
     or failed(redis.pcall('EXPIRE', meta, ttl))
+  if not err and ol == 0 and redis.call('HGET', meta, 'owner') == ARGV[1] then
+    local prefix, id = string.match(meta, '^(ft:{[^}]*}:)(.*):meta$')
+    if prefix then err = failed(redis.pcall('SADD', prefix .. 'owned:' .. ARGV[1], id)) end
+  end
   if err then
     table.insert(out, i)
     table.insert(out, err)
@@ -251,7 +263,45 @@ local req = redis.call('HGET', KEYS[1], 'req')
 if redis.call('HGET', KEYS[1], 'takeover') ~= '1' or not req then return {'refused'} end
 local fence = redis.call('HINCRBY', KEYS[1], 'fence', 1)
 redis.call('HSET', KEYS[1], 'owner', ARGV[2])
+local prefix, id = string.match(KEYS[1], '^(ft:{[^}]*}:)(.*):meta$')
+if prefix then
+  redis.call('SREM', prefix .. 'owned:' .. ARGV[1], id)
+  redis.call('SADD', prefix .. 'owned:' .. ARGV[2], id)
+end
 return {'claimed', fence, req, redis.call('HGET', KEYS[1], 'billed') or ''}
+"""
+
+_INSTANCES = "ft:instances"
+# A sweep's work: a dead instance's streams are ended this many at a time (a Lua call each,
+# then one pipeline reading their events), then billed; off the request path, once.
+_SWEEP_BATCH = 100
+_SWEEP_EVERY_S = 1.0  # how often the instances' liveness is looked at (one SMEMBERS, N EXISTS)
+
+# A sweep of one stream of a dead owner that no reader took over. KEYS: its meta, its events,
+# the dead owner's set of its group; ARGV: the dead owner, the sweeper, the TTL left to the
+# ended stream, its id. Atomic with a claim: it ends the stream only while the dead owner still
+# holds it unended (the fence goes up, so a paused owner that comes back writes nothing more),
+# and a claim after it finds it ended. Returns {"swept", request ("" for none), billed,
+# trace} or {why not}.
+_SWEEP = """
+redis.call('SREM', KEYS[3], ARGV[4])
+local owner = redis.call('HGET', KEYS[1], 'owner')
+if not owner then return {'gone'} end
+if redis.call('HEXISTS', KEYS[1], 'outcome') == 1 then return {'ended'} end
+if owner ~= ARGV[1] then return {'moved'} end
+redis.call('HINCRBY', KEYS[1], 'fence', 1)
+local req = redis.call('HGET', KEYS[1], 'req') or ''
+local billed = redis.call('HGET', KEYS[1], 'billed') or ''
+local trace = redis.call('HGET', KEYS[1], 'trace') or ''
+local newest = redis.call('XREVRANGE', KEYS[2], '+', '-', 'COUNT', 1)
+local last = 0
+if #newest > 0 then last = tonumber(string.match(newest[1][1], '^(%d+)')) end
+redis.call('XADD', KEYS[2], last .. '-1', 'end', 'orphaned')
+redis.call('HSET', KEYS[1], 'owner', ARGV[2], 'outcome', 'orphaned')
+redis.call('HDEL', KEYS[1], 'req')
+redis.call('EXPIRE', KEYS[1], ARGV[3])
+redis.call('EXPIRE', KEYS[2], ARGV[3])
+return {'swept', req, billed, trace}
 """
 
 
@@ -402,6 +452,13 @@ class RedisStore:
         # while Redis was away): those are lost, not moved.
         self.on_fenced: Callable[[str, int, bool], None] = _ignore
         self.fenced = 0
+        # Bills the streams of a dead instance that no reader took over (`_sweep`); None:
+        # no instance is watched. They are swept `orphan_grace_s` after its death is seen,
+        # time for a reader that resumes by itself to come back and take its stream over.
+        self.on_orphaned: BillOrphaned | None = None
+        self.orphan_grace_s = 0.0
+        self.orphan_ttl_s = 60.0  # how long a swept stream stays known (its end's TTL)
+        self.orphans_swept = 0
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self.up = True
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
@@ -417,6 +474,7 @@ class RedisStore:
         self._write_runs = self.redis.register_script(_WRITE_RUNS)
         self._write_meta_script = self.redis.register_script(_WRITE_METAS)
         self._claim = self.redis.register_script(_CLAIM)
+        self._sweep_script = self.redis.register_script(_SWEEP)
         self._script_missing = True  # loaded before the first flush, and after a restart
         self._metas: _MetaBatch | None = None  # streams opened since the last meta write
         self._metas_wake = anyio.Event()
@@ -477,6 +535,12 @@ class RedisStore:
         )
         fenced.add_metric([], self.fenced)
         yield fenced
+        swept = CounterMetricFamily(
+            "firsttoken_redis_orphans_swept",
+            "Streams of dead instances that no reader took over, ended and billed here.",
+        )
+        swept.add_metric([], self.orphans_swept)
+        yield swept
         outages = CounterMetricFamily("firsttoken_redis_outages", "Times Redis became unreachable.")
         outages.add_metric([], self.outages)
         yield outages
@@ -569,6 +633,8 @@ class RedisStore:
                 tg.start_soon(self._flush_forever)
                 tg.start_soon(self._write_metas)
                 tg.start_soon(self._heartbeat)
+                if self.on_orphaned is not None:
+                    tg.start_soon(self._watch_instances, tg)
                 if self.durable:
                     tg.start_soon(self._watch_stalls)
                 await tg.start(self._tailer.run)
@@ -587,6 +653,7 @@ class RedisStore:
                 # Gone on purpose, after the last write: a reader elsewhere takes the streams
                 # over now, not once the key lapses.
                 await anyio.to_thread.run_sync(self._liveness.stop)
+                await self._leave_instances()
                 await self.redis.aclose()
 
     # -- the owner's side -----------------------------------------------------------------
@@ -650,6 +717,9 @@ class RedisStore:
             await anyio.sleep(0.01)
         self.handed_over = True
         await anyio.to_thread.run_sync(self._liveness.stop)
+        # Not to be swept: it bills what it generated (its part of a stream handed over,
+        # and the streams it finishes on their connections).
+        await self._leave_instances()
 
     def let_go(self, stream_id: str, *, flush: bool, billed: bytes = b"") -> bool:
         """Stop replicating a stream this instance no longer generates. A hand-over writes
@@ -808,13 +878,16 @@ class RedisStore:
         fields += ("model", r.model, "takeover", 0 if handover is None else 1)
         if handover is not None:
             fields += ("req", handover)
+        owned = ("SADD", owned_key(tag_of(key), self.instance), r.id)
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
+            owned = ("SREM", *owned[1:])  # ended before its meta went out: nothing to sweep
         return [
             ("HSET", key, *fields),
             ("HSETNX", key, "owner", self.instance),
             ("HSETNX", key, "fence", rep.fence),
             ("EXPIRE", key, int(rep.ttl_s + _LIVE_EXTRA_S)),
+            owned,
         ]
 
     async def _send(self, commands: list[tuple[Any, ...]]) -> list[Any]:
@@ -1238,6 +1311,119 @@ class RedisStore:
         if self.handed_over:
             return
         await self.redis.set(f"ft:instance:{self.instance}", 1, px=_INSTANCE_MS)
+        await self.redis.sadd(_INSTANCES, self.instance)
+
+    async def _leave_instances(self) -> None:
+        """Gone on purpose: not a dead instance, nothing of it to sweep (what it hands over
+        at a drain its own record bills; a claim bills the rest)."""
+        with anyio.move_on_after(_OP_TIMEOUT_S):
+            try:
+                await self.redis.srem(_INSTANCES, self.instance)
+                await self.redis.delete(*(owned_key(tag, self.instance) for tag in TAGS))
+            except REDIS_DOWN:
+                pass  # a survivor sweeps what it left unended: nothing it had not billed
+
+    # -- dead instances' streams that nobody took over ------------------------------------
+
+    async def _watch_instances(self, tg: Any) -> None:
+        """Every `_SWEEP_EVERY_S`: which instances heartbeat no more. Of each one dead, one
+        survivor (the one whose `SREM` from `ft:instances` took it out) sweeps its streams."""
+        missing: dict[str, float] = {}
+        while True:
+            await anyio.sleep(_SWEEP_EVERY_S)
+            try:
+                with anyio.fail_after(_OP_TIMEOUT_S):
+                    raw = cast("set[bytes]", await self.redis.smembers(_INSTANCES))
+                    others = sorted(n.decode() for n in raw if n.decode() != self.instance)
+                    alive = [bool(await self.redis.exists(f"ft:instance:{n}")) for n in others]
+            except REDIS_DOWN:
+                missing.clear()  # through an outage nobody's key can be seen: none is dead
+                continue
+            for name in dead_instances(others, alive, missing, time.monotonic(), _OWNER_GONE_S):
+                try:
+                    with anyio.fail_after(_OP_TIMEOUT_S):
+                        won = await self.redis.srem(_INSTANCES, name)
+                except REDIS_DOWN:
+                    continue
+                if won:
+                    tg.start_soon(self._sweep, name)
+
+    async def _sweep(self, dead: str) -> None:
+        """End and bill the streams `dead` left unended that no reader took over, once
+        `orphan_grace_s` has passed: in batches of `_SWEEP_BATCH`, each stream one Lua call
+        (`_SWEEP`, atomic with the claims), then the events' token counts."""
+        log_event("redis.sweep_started", instance=dead, grace_s=self.orphan_grace_s)
+        swept = 0
+        done = False
+        try:
+            await anyio.sleep(self.orphan_grace_s)
+            for tag in TAGS:
+                swept += await self._sweep_group(dead, owned_key(tag, dead))
+            done = True
+        except Exception as exc:  # a bug must not end the store's task group
+            log_event("redis.sweep_failed", logging.ERROR, instance=dead, error=repr(exc))
+        finally:
+            if not done:  # this instance exits, or failed: another survivor sweeps it again
+                with anyio.CancelScope(shield=True), anyio.move_on_after(_OP_TIMEOUT_S):
+                    try:
+                        await self.redis.sadd(_INSTANCES, dead)
+                    except REDIS_DOWN:
+                        pass
+        log_event("redis.sweep_done", instance=dead, streams=swept)
+
+    async def _sweep_group(self, dead: str, owned: str) -> int:
+        """Sweep the streams of one key group in `dead`'s set `owned`; how many were swept."""
+        assert self.on_orphaned is not None
+        members = await self._retrying(partial(self.redis.smembers, owned))
+        ids = sorted(m.decode() for m in cast("set[bytes]", members))
+        swept = 0
+        for at in range(0, len(ids), _SWEEP_BATCH):
+            for orphaned in await self._sweep_batch(dead, owned, ids[at : at + _SWEEP_BATCH]):
+                swept += 1
+                self.orphans_swept += 1
+                try:
+                    await self.on_orphaned(orphaned)
+                except Exception as exc:  # one failed bill must not stop the rest
+                    log_event(
+                        "redis.orphan_unbilled",
+                        logging.ERROR,
+                        stream=orphaned.id,
+                        error=repr(exc),
+                    )
+        await self._retrying(partial(self.redis.delete, owned))
+        return swept
+
+    async def _sweep_batch(self, dead: str, owned: str, ids: list[str]) -> list[Orphaned]:
+        ttl = max(1, int(self.orphan_ttl_s))
+        found: list[tuple[str, list[Any]]] = []
+        for sid in ids:  # a cluster's pipelines refuse scripts: one call each
+            answer = await self._retrying(
+                partial(
+                    self._sweep_script,
+                    keys=[meta_key(sid), events_key(sid), owned],
+                    args=[dead, self.instance, ttl, sid],
+                )
+            )
+            if answer[0] == b"swept":
+                found.append((sid, answer))
+        if not found:
+            return []
+
+        async def read() -> list[Any]:
+            async with self.redis.pipeline(transaction=False) as pipe:
+                for sid, _ in found:
+                    pipe.xrange(events_key(sid), min="-", max="+")
+                return await pipe.execute()
+
+        runs = await self._retrying(read)
+        out = []
+        for (sid, answer), entries in zip(found, runs, strict=True):
+            tokens, complete = tokens_held(entries)
+            req, billed, trace = answer[1], answer[2], answer[3].decode()
+            log_event("stream.orphan_swept", stream=sid, owner=dead, tokens=tokens)
+            if req:  # none: it could not be taken over, and carries no key to bill
+                out.append(Orphaned(sid, trace, req, billed, tokens, complete))
+        return out
 
     async def _check_eviction_policy(self) -> None:
         """Say at start, once, that Redis may evict keys of ours: a lost spend counter
@@ -1353,6 +1539,45 @@ class RedisStore:
                         await pubsub.aclose()  # type: ignore[no-untyped-call]
                     except Exception:
                         pass  # its connection is gone already
+
+
+def dead_instances(
+    others: list[str], alive: list[bool], missing: dict[str, float], now: float, gone_s: float
+) -> list[str]:
+    """The instances of `others` whose liveness key has been missing for `gone_s` (`alive`:
+    whether each one's key is there now; `missing`: since when each one's was found missing,
+    kept between looks). A Redis that restarted empty has every live key back within a
+    heartbeat, well before."""
+    dead = []
+    for name, live in zip(others, alive, strict=True):
+        if live:
+            missing.pop(name, None)
+            continue
+        since = missing.setdefault(name, now)
+        if now - since >= gone_s:
+            del missing[name]
+            dead.append(name)
+    for name in set(missing) - set(others):  # removed by another survivor's sweep
+        del missing[name]
+    return dead
+
+
+def tokens_held(entries: RawEntries) -> tuple[int, bool]:
+    """The tokens of the events a stream's entries hold (its runs, up to its end), and whether
+    they hold it from its first event (a run trimmed past `max_events` takes its counts)."""
+    tokens = 0
+    complete = True
+    last = 0
+    for i, (_, fields) in enumerate(entries):
+        if b"end" in fields:
+            break
+        first = run_first(fields)
+        if i == 0 and first > 1:
+            complete = False
+        for seq, _, count in decode_run(fields, max(last, first - 1)):
+            tokens += count
+            last = seq
+    return tokens, complete
 
 
 def _ahead(rep: _Replica) -> bool:

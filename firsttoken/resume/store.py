@@ -8,7 +8,7 @@ reader is attached there, and ask the owner to cancel it.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Awaitable, Callable, Collection, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +27,7 @@ __all__ = [
     "EventStore",
     "MemoryStore",
     "Orphan",
+    "Orphaned",
     "Resumed",
     "StreamRecord",
     "token_digest",
@@ -94,6 +95,23 @@ class Claim:
     billed: bytes = b""
 
 
+@dataclass(frozen=True, slots=True)
+class Orphaned:
+    """A stream of a dead instance that no reader took over, ended in the store by the one
+    survivor that swept it (`RedisStore._sweep`): what is left to bill of it."""
+
+    id: str
+    trace_id: str
+    handover: bytes  # the request stored with it (its key, prompt_tokens, holds)
+    billed: bytes  # what its owners billed, as `Claim.billed` (b"": none did)
+    tokens: int  # the tokens of the events the store holds of it: what its clients received
+    complete: bool  # the store holds its events from its first (none trimmed)
+
+
+# Bills an `Orphaned` stream (the API's: `Gateway.bill_orphaned`).
+BillOrphaned = Callable[[Orphaned], Awaitable[None]]
+
+
 class EventStore(Protocol):
     instance: str  # this process, as the store names it to other instances
     replicates: bool  # other instances read what it holds (Redis), or none do (memory)
@@ -101,6 +119,11 @@ class EventStore(Protocol):
     # last event of it the store holds from this one, and whether a reader here may hold
     # events past it that were released as confirmed (`--durable` while the store was away).
     on_fenced: Callable[[str, int, bool], None]
+    # Bills the streams of a dead instance that nobody took over (None: they are left as
+    # they are), once they had `orphan_grace_s` for a reader to come back and take them over.
+    on_orphaned: BillOrphaned | None
+    orphan_grace_s: float
+    orphan_ttl_s: float  # how long a swept stream stays known, ended
 
     @property
     def degraded(self) -> str | None:
@@ -179,6 +202,9 @@ class MemoryStore:
     replicates = False
     instance = ""
     degraded: str | None = None
+    on_orphaned: BillOrphaned | None = None
+    orphan_grace_s = 0.0
+    orphan_ttl_s = 0.0
 
     def collect(self) -> Iterator[Metric]:
         return iter(())

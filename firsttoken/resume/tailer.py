@@ -47,6 +47,7 @@ UPKEEP_S = 1.0  # presence lives _PRESENCE_MS (3 s): refreshed twice or more in 
 # this of its key lapsing (a pipeline of one EXISTS per owner instance, not per stream).
 OWNER_CHECK_S = 0.25
 WAKE_LEN = 100
+ORPHANED = b"orphaned"  # the end of a dead instance's stream that a survivor swept
 WAKE_TTL_MS = 60_000  # nothing of a gone instance lingers
 WAKE_TIMEOUT_S = 1.0
 RETRY_S = 0.2
@@ -99,7 +100,10 @@ def apply_entries(entries: list[Any], log: EventLog, resumed: Resumed | None = N
         ):
             return True
         if b"end" in fields:
-            log.close()
+            if fields[b"end"] == ORPHANED:  # its owner died, and a survivor billed and ended it
+                fail(log, "stream_lost", "the instance generating this stream is gone")
+            else:
+                log.close()
             return True
         first = run_first(fields)
         if first > log.next_seq:

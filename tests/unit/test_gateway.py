@@ -17,7 +17,7 @@ from firsttoken.config import Settings
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.resume import Claim, StreamRecord
+from firsttoken.resume import Claim, Orphaned, StreamRecord
 from firsttoken.wire.render import ChatRenderer, NativeRenderer
 from firsttoken.wire.responses import ResponsesRenderer
 
@@ -156,3 +156,22 @@ def test_a_model_is_found_by_name_as_the_engines_own_string_and_follows_a_new_li
         assert exc.status == 404 and exc.code == "model_not_found"
     else:
         raise AssertionError("a model no longer served was found")
+
+
+def test_an_orphaned_stream_is_billed_what_its_clients_received_beyond_its_owners_bill(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A dead instance's stream nobody took over, swept by this one: its prompt and the
+    tokens the store holds, less what its owners billed (nothing after a SIGKILL), as one
+    `orphaned` record; nothing when they billed it all."""
+    monkeypatch.setenv("FT_TEST_ADMIN", "adm")  # an admin reads the ledger: it keeps records
+    gw = create_app(Settings(admin_key_env="FT_TEST_ADMIN")).state.gateway
+    first, generation = original()
+    handover = gw._handover(first, generation)
+    queue = gw.admission.ledger.writer.queue
+    queue.clear()
+    for billed in (b"", b"2 1 0", b"2 3 0"):
+        asyncio.run(gw.bill_orphaned(Orphaned("s1", "t", handover, billed, 3, True)))
+    assert [(r.request_id.split(":")[0], r.outcome) for r in queue] == [("s1", "orphaned")] * 2
+    tokens = [(r.tokens()["prompt_tokens"], r.tokens()["completion_tokens"]) for r in queue]
+    assert tokens == [(2, 3), (0, 2)]

@@ -12,9 +12,18 @@ import pytest
 from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
-from firsttoken.resume.keys import events_key, meta_key
-from firsttoken.resume.redis import _STALL_S, RedisStore, _Call, _values_of
-from firsttoken.resume.runs import decode_run
+from firsttoken.resume.keys import events_key, meta_key, owned_key, tag_of
+from firsttoken.resume.redis import (
+    _META_COMMANDS,
+    _OWNER_GONE_S,
+    _STALL_S,
+    RedisStore,
+    _Call,
+    _values_of,
+    dead_instances,
+    tokens_held,
+)
+from firsttoken.resume.runs import decode_run, encode_run
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
@@ -69,12 +78,12 @@ def events_of(args: dict) -> list[tuple[int, bytes, int]]:
 
 
 def confirm(s: RedisStore, result: object) -> None:
-    """Redis's answers to one flush: the meta's HSET, two HSETNX and EXPIRE if it went, then
-    the call's (which carries the end, if any)."""
+    """Redis's answers to one flush: the meta's HSET, two HSETNX, EXPIRE and the owned set's
+    SADD if it went, then the call's (which carries the end, if any)."""
     rep = s._replicas["s1"]
     metas = [] if rep.meta_done else [rep]
     refused = [] if result == 1 else [1, result]  # the Lua call names the streams it failed
-    s._confirm([rep], metas, [], [[rep]], [*[1] * (4 * len(metas)), refused])
+    s._confirm([rep], metas, [], [[rep]], [*[1] * (_META_COMMANDS * len(metas)), refused])
 
 
 def dropped(s: RedisStore) -> float:
@@ -173,7 +182,7 @@ def test_a_script_missing_after_a_restart_leaves_the_run_to_go_again() -> None:
     s._script_missing = False
     missing = NoScriptError("No matching script. Please use EVAL.")
     with pytest.raises(RedisError, match="NoScriptError"):
-        s._confirm([rep], [rep], [], [[rep]], [1, 1, 1, 1, missing])
+        s._confirm([rep], [rep], [], [[rep]], [*[1] * _META_COMMANDS, missing])
     assert s.backlog() == 2 and "s1" in s._dirty and s._script_missing
 
 
@@ -461,3 +470,49 @@ def test_evictions_are_counted_as_they_grow_and_across_a_redis_restart() -> None
     assert s.evicted == 5 + 3
     (metric,) = [m for m in s.collect() if m.name == "firsttoken_redis_keys_evicted"]
     assert metric.samples[0].value == 8
+
+
+def test_a_stream_is_in_its_owners_set_until_it_ends_even_if_its_meta_goes_late() -> None:
+    """The set a survivor sweeps if this instance dies: the meta's write adds the stream,
+    unless it ended before the meta went out (nothing left to bill)."""
+    s = store()
+    owned = owned_key(tag_of(meta_key("s1")), s.instance)
+    assert ("SADD", owned, "s1") == s._meta_commands(s._replicas["s1"])[-1]
+    s.finish("s1", "completed", 0, TTL_S)
+    assert ("SREM", owned, "s1") == s._meta_commands(s._replicas["s1"])[-1]
+
+
+def test_an_instance_is_dead_once_its_key_was_missing_for_the_owner_gone_bound() -> None:
+    clock = FakeClock()
+    missing: dict[str, float] = {}
+    look = partial(dead_instances, missing=missing, gone_s=_OWNER_GONE_S)
+    assert look(["a", "b"], [False, True], now=clock()) == []
+    clock.advance(_OWNER_GONE_S / 2)
+    assert look(["a", "b"], [True, False], now=clock()) == []  # a back: a Redis restart
+    clock.advance(_OWNER_GONE_S / 2)
+    assert look(["a", "b"], [False, False], now=clock()) == []
+    clock.advance(_OWNER_GONE_S / 2)
+    assert look(["a", "b"], [False, False], now=clock()) == ["b"]  # once, then forgotten
+    assert missing == {"a": clock() - _OWNER_GONE_S / 2}
+    assert look([], [], now=clock()) == [] and missing == {}  # another survivor took a
+
+
+def test_the_tokens_held_are_counted_from_every_run_up_to_the_end() -> None:
+    def entry(first: int, count: int, counts: dict[int, int] | None = None) -> tuple:
+        wires = [b"e%d" % seq for seq in range(first, first + count)]
+        fields = encode_run(first, wires, counts or {})
+        raw = {
+            k.encode(): v if isinstance(v, bytes) else str(v).encode() for k, v in fields.items()
+        }
+        return (b"%d-0" % (first + count - 1), raw)
+
+    # A meta event (0 tokens), runs that overlap (one resent whole after a lost reply), an end.
+    entries = [
+        entry(1, 3, {1: 0}),
+        entry(1, 5, {1: 0}),
+        entry(6, 2, {7: 4}),
+        (b"7-1", {b"end": b"x"}),
+    ]
+    assert tokens_held(entries) == (4 + 1 + 4, True)
+    assert tokens_held(entries[2:]) == (5, False)  # its first runs trimmed: a part of it
+    assert tokens_held([]) == (0, True)

@@ -50,6 +50,15 @@ def test_a_hole_in_what_the_store_kept_ends_the_log_with_an_error() -> None:
     assert "events 4 to 5" in error["error"]["message"]
 
 
+def test_a_stream_a_survivor_swept_ends_with_stream_lost() -> None:
+    """Its owner died and nobody took it over: its reader is told, not given a clean end."""
+    log = EventLog()
+    assert apply_entries([run(1, 3), (b"3-1", {b"end": b"orphaned"})], log)
+    assert log.closed and log.last_seq == 4
+    error = json.loads(log.after(3)[0].wire.decode().split("data: ", 1)[1])
+    assert error["error"]["code"] == "stream_lost"
+
+
 def follower(takeover: bool) -> Follower:
     return Follower(
         key="ft:{g}:s:events",
