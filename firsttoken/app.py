@@ -81,7 +81,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     telemetry = _telemetry(settings, registry, routed)
     _price(admission, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    for part in (*parts, telemetry, admission.ledger):
+    budgets = admission if admission.keys is not None else None  # firsttoken_key_budget_*
+    for part in (*parts, telemetry, admission.ledger, budgets):
         if part is not None:
             # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]

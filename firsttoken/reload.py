@@ -283,6 +283,7 @@ class Reloader:
         started = time.perf_counter()
         try:
             config = load_files(self.files)
+            self._refuse_currency_change(config)
             prepared = None
             if self.routes is not None and config.routes is not None:
                 prepared = await self.routes.prepare(config.routes)
@@ -322,6 +323,24 @@ class Reloader:
         log_event("config.reloaded", **said)
         self.warn_ineffective(self.running())
         return True
+
+    def _refuse_currency_change(self, config: Configuration) -> None:
+        """ValueError when the routes file's `currency` changes while a key has a budget: its
+        amount and what its period spent so far are in the old currency, and a count in two
+        currencies means nothing. Such a change takes a restart (then each budget counts
+        what was spent in the new currency alone)."""
+        if config.routes is None or self.routes is None:
+            return
+        now, new = self.gateway.admission.ledger.currency, config.routes.currency
+        if new == now:
+            return
+        ring = config.keys if config.keys is not None else self.gateway.admission.keys
+        budgeted = [k.name for k in ring.keys() if k.budget is not None] if ring else []
+        if budgeted:
+            raise ValueError(
+                f"{self.files.routes}: currency: {now} -> {new} while key {budgeted[0]!r} has "
+                f"a budget counted in {now}; change the currency with a restart"
+            )
 
     def _swap_keys(self, ring: KeyRing) -> dict[str, object]:
         gw = self.gateway
