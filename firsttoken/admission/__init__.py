@@ -352,10 +352,13 @@ class Admission:
             ring = self.keys
             budgeted = [k for k in ring.keys() if k.budget is not None] if ring else []
             seen: dict[str, int] = {}
-            for key in budgeted:
-                assert key.budget is not None
-                seen[key.name] = await self.budget_spent(key.name, key.budget.per)
-            self.budget_seen = seen
+            try:
+                for key in budgeted:
+                    assert key.budget is not None
+                    seen[key.name] = await self.budget_spent(key.name, key.budget.per)
+                self.budget_seen = seen
+            except Exception as exc:  # Redis answering oddly: the last reading stays
+                log_event("budget.read_failed", logging.WARNING, error=repr(exc))
             await anyio.sleep(BUDGET_READ_S)
 
     def collect(self) -> Iterator[Metric]:
