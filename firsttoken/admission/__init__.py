@@ -379,13 +379,13 @@ class Admission:
             "under way included): the budget is used up when it reaches the amount.",
             labels=["key", "per"],
         )
-        local = isinstance(self.spend, MemorySpend)
+        local = self.spend if isinstance(self.spend, MemorySpend) else None
         for key in budgeted:
             assert key.budget is not None
             labels = [key_label(key.name), key.budget.per]
             amount.add_metric(labels, float(Decimal(key.budget.amount) / PICOS))
-            if local:
-                picos = self.spend.spent(key.name, key.budget.per)  # type: ignore[union-attr]
+            if local is not None:
+                picos = local.spent(key.name, key.budget.per)
             else:
                 picos = self.budget_seen.get(key.name, 0)
             spent.add_metric(labels, float(Decimal(picos) / PICOS))

@@ -18,9 +18,9 @@ import orjson
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.api.gateway import Gateway, gateway
 from firsttoken.admission import ApiKey
 from firsttoken.admission.spend import period_of
+from firsttoken.api.gateway import Gateway, gateway
 from firsttoken.ledger import parse_since, usage_report
 from firsttoken.ledger.schema import GROUPS
 from firsttoken.pricing import money_text

@@ -1117,7 +1117,6 @@ async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterat
         yield delta
 
 
-
 def _prefill_meta(course: Course) -> Delta | None:
     """Just before the answer's last delta: the meta event that bills the hand-off's prefill
     (the conversation's prompt and one token at the center's prices, `Ticket.seam`), unless

@@ -532,9 +532,7 @@ def test_a_budget_holds_across_a_restart_from_the_ledger(tmp_path: Path) -> None
         assert metrics['firsttoken_key_budget_spent{key="racer",per="total"}'] >= 0.06
         assert metrics.get('firsttoken_key_spend_total{currency="EUR",key="racer"}', 0) == 0
         mine = own_usage(again, "sk-racer").json()
-        assert mine["budget"]["left"] == "0" and Decimal(mine["budget"]["spent"]) >= Decimal(
-            "0.06"
-        )
+        assert mine["budget"]["left"] == "0" and Decimal(mine["budget"]["spent"]) >= Decimal("0.06")
 
 
 def test_a_currency_change_is_refused_while_a_key_has_a_budget_and_never_mixed(
