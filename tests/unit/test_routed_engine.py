@@ -1147,6 +1147,21 @@ def test_a_center_faster_than_the_edge_takes_over_at_the_first_boundary_once_rea
     assert out.metas == [{"handoff": {"from": "edge", "to": "center0", "at_token": 1}}]
 
 
+def test_a_prefill_the_center_refused_is_not_billed() -> None:
+    words = Words(30, ttft_s=0.05, itl_s=0.01)
+
+    def refuses_prefills(request: GenerationRequest) -> list[Any]:
+        if request.max_tokens == 1:
+            return [Fail("upstream_overloaded", retryable=True, status=503)]
+        return words(request)
+
+    edge = Scripted(Words(30, ttft_s=0.1, itl_s=0.015))
+    out = timed(seam_tiers(Scripted(refuses_prefills), edge=edge, after_tokens=8, pace_ms=0))
+    assert out.error is None and out.text == whole_words(30)
+    assert [m["handoff"]["at_token"] for m in out.metas] == [8]  # by count, as no prefill
+    assert out.prefills == []
+
+
 def test_without_prefill_and_pace_the_hand_off_is_after_exactly_n_tokens() -> None:
     edge = Scripted(Words(30, ttft_s=0.1, itl_s=0.015))
     center = Scripted(Words(30, ttft_s=0.9, itl_s=0.02, warm_s=0.1))
