@@ -92,13 +92,15 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         registry=registry,
         metrics=metrics,
         admission=admission,
-        admin=AdminKey.from_env(settings.admin_key_env),
+        admin=AdminKey.of(settings.admin_key_env, settings.admin_key_file),
     )
     registry.reopen = gw.reopen
     if admission.keys is not None:  # nothing to ask per stream without a keys file
         registry.revoked = admission.revoked
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
-    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    files = ConfigFiles(
+        settings.api_keys, settings.routes, settings.canned_answers, settings.admin_key_file
+    )
     reloader = Reloader(files, gw, watch=settings.watch_config)
     metrics.registry.register(reloader)
     ops = OpsView(gw, PAGE_HEADERS)  # GET /ops and its feed, /v1/admin/events (docs/ops.md)
@@ -418,7 +420,7 @@ async def _crashed(request: Request, exc: Exception) -> Response:
 _SERVED = (
     "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
     "/v1/messages/count_tokens, /v1/embeddings, /v1/models and /v1/streams "
-    "(README, \"HTTP API\")"
+    '(README, "HTTP API")'
 )
 
 

@@ -260,7 +260,7 @@ class Admission:
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
         self.shedder = LoadShedder(settings, metrics)
-        self.ledger = Ledger(settings.usage_db, read=settings.admin_key_env is not None)
+        self.ledger = Ledger(settings.usage_db, read=settings.admin_key is not None)
         if settings.redis:
             from firsttoken.admission.redis_spend import RedisSpend
 

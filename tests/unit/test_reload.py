@@ -339,3 +339,30 @@ def test_a_currency_change_is_refused_while_a_key_has_a_budget(tmp_path: Path) -
         assert ledger.currency == "EUR"
 
     asyncio.run(body())
+
+
+def test_a_reload_reads_the_admin_key_file_again(tmp_path: Path) -> None:
+    from starlette.requests import Request
+
+    def asking(secret: str) -> Request:
+        headers = [(b"authorization", f"Bearer {secret}".encode())]
+        return Request({"type": "http", "headers": headers})
+
+    admin = tmp_path / "admin.key"
+    admin.write_text("old-secret\n")
+    (tmp_path / "keys.toml").write_text(KEYS)
+    app = create_app(Settings(api_keys=str(tmp_path / "keys.toml"), admin_key_file=str(admin)))
+    r: Reloader = app.state.reloader
+    assert r.files.admin_key == str(admin) and str(admin) in r.files.paths()  # watched too
+    assert r.gateway.admin.allows(asking("old-secret"))
+
+    async def body() -> None:
+        admin.write_text("new-secret\n")
+        assert await r.reload() is True
+        assert r.gateway.admin.allows(asking("new-secret"))
+        assert not r.gateway.admin.allows(asking("old-secret"))
+        admin.write_text("")  # a half-written file: refused, the key stays
+        assert await r.reload() is False
+        assert r.gateway.admin.allows(asking("new-secret"))
+
+    asyncio.run(body())
