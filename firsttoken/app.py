@@ -81,7 +81,8 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     telemetry = _telemetry(settings, registry, routed)
     _price(admission, routed)
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
-    for part in (*parts, telemetry, admission.ledger):
+    budgets = admission if admission.keys is not None else None  # firsttoken_key_budget_*
+    for part in (*parts, telemetry, admission.ledger, budgets):
         if part is not None:
             # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
@@ -91,7 +92,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         registry=registry,
         metrics=metrics,
         admission=admission,
-        admin=AdminKey.from_env(settings.admin_key_env),
+        admin=AdminKey.of(settings.admin_key_env, settings.admin_key_file),
     )
     registry.reopen = gw.reopen
     if store.replicates:  # a dead instance's streams nobody took over are billed by a survivor
@@ -101,7 +102,9 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     if admission.keys is not None:  # nothing to ask per stream without a keys file
         registry.revoked = admission.revoked
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
-    files = ConfigFiles(settings.api_keys, settings.routes, settings.canned_answers)
+    files = ConfigFiles(
+        settings.api_keys, settings.routes, settings.canned_answers, settings.admin_key_file
+    )
     reloader = Reloader(files, gw, watch=settings.watch_config)
     metrics.registry.register(reloader)
     ops = OpsView(gw, PAGE_HEADERS)  # GET /ops and its feed, /v1/admin/events (docs/ops.md)

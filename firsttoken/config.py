@@ -137,7 +137,9 @@ REDIS = Needs("redis", lambda url: url is not None, "--redis")
 # TLS takes both files: a certificate without its key (or the reverse) cannot serve HTTPS.
 SSL_KEY = Needs("ssl_keyfile", lambda path: path is not None, "--ssl-keyfile")
 SSL_CERT = Needs("ssl_certfile", lambda path: path is not None, "--ssl-certfile")
-ADMIN = Needs("admin_key_env", lambda name: name is not None, "--admin-key-env")
+ADMIN = Needs("admin_key", lambda key: key is not None, "--admin-key-env or --admin-key-file")
+# One admin key: from the environment (read at start) or from a file (read on every reload).
+ONE_ADMIN = Needs("admin_key_env", lambda name: name is None, "no --admin-key-env (one admin key)")
 
 
 def _knob(
@@ -165,6 +167,17 @@ def _existing_file(value: str) -> str | None:
     if path.is_dir():
         return "is a directory, not a file"
     return None if path.is_file() else "no such file"
+
+
+def _admin_key_file(value: str) -> str | None:
+    problem = _existing_file(value)
+    if problem is not None:
+        return problem
+    try:
+        first = Path(value).expanduser().read_text().strip().splitlines()
+    except (OSError, UnicodeDecodeError) as exc:
+        return f"cannot be read: {exc}"
+    return None if first and first[0].strip() else "is empty: it must hold the admin key"
 
 
 def _redis_url(value: str) -> str | None:
@@ -382,6 +395,14 @@ class Settings:
         "admin endpoints take instead of an API key (default: admin endpoints answer 404)",
         check=_secret_variable,
     )
+    admin_key_file: str | None = _knob(
+        None,
+        "a file holding the admin key (its first line), instead of --admin-key-env: read at "
+        "start and again on every reload (SIGHUP, --watch-config), so the key can be rotated "
+        "without a restart",
+        check=_admin_key_file,
+        needs=(ONE_ADMIN,),
+    )
     usage_db: str | None = _knob(
         None,
         "the usage ledger: sqlite:///PATH (one instance) or postgresql://... (shared); "
@@ -565,6 +586,12 @@ class Settings:
         # Built in code, a value other than the default is what was given.
         self.refuse_unused({f.name for f in fields(self) if getattr(self, f.name) != f.default})
 
+    @property
+    def admin_key(self) -> str | None:
+        """Where the admin key comes from: the variable's name or the file's path (None: no
+        admin key, admin endpoints answer 404)."""
+        return self.admin_key_env or self.admin_key_file
+
     def refuse_unused(self, given: Collection[str]) -> None:
         """Raise SettingError for the first setting in `given` that cannot take effect beside
         the others (see `Needs`): one line naming it and what it takes."""
@@ -575,8 +602,12 @@ class Settings:
                 other = getattr(self, needs.setting)
                 if not needs.allows(other):
                     shown = "not set" if other is None else f"{other}"
-                    complaint = f"takes effect only with {needs.says}; {flag(needs.setting)} is "
-                    raise SettingError(f.name, None, complaint + shown)
+                    complaint = f"takes effect only with {needs.says}; "
+                    if needs.setting in _FIELDS:
+                        complaint += f"{flag(needs.setting)} is {shown}"
+                    else:  # a property over settings (`admin_key`): none of them is given
+                        complaint += "neither is set"
+                    raise SettingError(f.name, None, complaint)
 
     @classmethod
     def from_args(
@@ -658,6 +689,9 @@ _NOT_SETTINGS = {
     "FIRSTTOKEN_GATEWAY",
     "FIRSTTOKEN_EXTRAS",
 }
+
+
+_FIELDS = frozenset(f.name for f in fields(Settings))
 
 
 def flag(name: str) -> str:

@@ -1,5 +1,6 @@
-"""Reload without a restart: the keys file, the routes file and the canned answers, on SIGHUP
-or when their contents change (`--watch-config`, checked once a second).
+"""Reload without a restart: the keys file, the routes file, the canned answers and the admin
+key's file (`--admin-key-file`), on SIGHUP or when their contents change (`--watch-config`,
+checked once a second).
 
 A reload reads every file the server started with and validates them whole (`load_files`)
 before anything changes; the first problem is one `config.reload_failed` line naming the
@@ -31,6 +32,7 @@ import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from firsttoken.admission import ApiKey, KeyRing, key_revoked
+from firsttoken.admission.admin import AdminKey
 from firsttoken.api.gateway import Gateway
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines.cache import CachedEngine, load_canned
@@ -58,9 +60,10 @@ class ConfigFiles:
     api_keys: str | None = None
     routes: str | None = None
     canned_answers: str | None = None
+    admin_key: str | None = None  # --admin-key-file
 
     def paths(self) -> list[str]:
-        return [p for p in (self.api_keys, self.routes, self.canned_answers) if p]
+        return [p for p in (self.api_keys, self.routes, self.canned_answers, self.admin_key) if p]
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +73,7 @@ class Configuration:
     keys: KeyRing | None = None
     routes: RouteTable | None = None
     canned: dict[str, str] | None = None
+    admin: AdminKey | None = None
 
 
 def _named(path: str, exc: BaseException) -> str:
@@ -100,7 +104,7 @@ def unset_key_variable(table: RouteTable, path: str) -> str | None:
 
 
 def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
-    keys = routes = canned = None
+    keys = routes = canned = admin = None
     problems: list[str] = []
     if files.api_keys:
         try:
@@ -121,7 +125,14 @@ def _problems(files: ConfigFiles) -> tuple[Configuration, list[str]]:
             canned = _load_canned(files.canned_answers)
         except (OSError, ValueError) as exc:
             problems.append(_named(files.canned_answers, exc))
-    return Configuration(keys, routes, canned), problems
+    if files.admin_key:
+        try:
+            admin = AdminKey.from_file(files.admin_key)
+        except ValueError as exc:
+            problems.append(str(exc))
+        except OSError as exc:
+            problems.append(_named(files.admin_key, exc))
+    return Configuration(keys, routes, canned, admin), problems
 
 
 def load_files(files: ConfigFiles) -> Configuration:
@@ -283,6 +294,7 @@ class Reloader:
         started = time.perf_counter()
         try:
             config = load_files(self.files)
+            self._refuse_currency_change(config)
             prepared = None
             if self.routes is not None and config.routes is not None:
                 prepared = await self.routes.prepare(config.routes)
@@ -313,6 +325,11 @@ class Reloader:
                 said["targets_new"] = added
             if retired:
                 said["targets_retired"] = retired
+        if config.admin is not None:
+            changed = not config.admin.same_as(self.gateway.admin)
+            self.gateway.admin = config.admin
+            if changed:
+                said["admin_key"] = "changed"
         if config.canned is not None and self.canned is not None:
             self.canned.canned = config.canned
             said["canned_answers"] = len(config.canned)
@@ -322,6 +339,24 @@ class Reloader:
         log_event("config.reloaded", **said)
         self.warn_ineffective(self.running())
         return True
+
+    def _refuse_currency_change(self, config: Configuration) -> None:
+        """ValueError when the routes file's `currency` changes while a key has a budget: its
+        amount and what its period spent so far are in the old currency, and a count in two
+        currencies means nothing. Such a change takes a restart (then each budget counts
+        what was spent in the new currency alone)."""
+        if config.routes is None or self.routes is None:
+            return
+        now, new = self.gateway.admission.ledger.currency, config.routes.currency
+        if new == now:
+            return
+        ring = config.keys if config.keys is not None else self.gateway.admission.keys
+        budgeted = [k.name for k in ring.keys() if k.budget is not None] if ring else []
+        if budgeted:
+            raise ValueError(
+                f"{self.files.routes}: currency: {now} -> {new} while key {budgeted[0]!r} has "
+                f"a budget counted in {now}; change the currency with a restart"
+            )
 
     def _swap_keys(self, ring: KeyRing) -> dict[str, object]:
         gw = self.gateway

@@ -22,10 +22,12 @@ import ipaddress
 import logging
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from decimal import Decimal
 from typing import Any
 
 import anyio
+from prometheus_client.core import GaugeMetricFamily, Metric
 from starlette.requests import Request
 
 from firsttoken.admission.keys import ApiKey, KeyRing
@@ -45,7 +47,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.generation import DEFAULT_ANSWER_TOKENS, EngineError
 from firsttoken.ledger import Ledger
-from firsttoken.pricing import Leg, TokenCounts, money_text
+from firsttoken.pricing import PICOS, Leg, TokenCounts, money_text
 from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label, log_event
 from firsttoken.wire.errors import APIError
 
@@ -60,6 +62,7 @@ __all__ = [
     "sets_own_latency",
 ]
 
+BUDGET_READ_S = 5.0  # with Redis: how often firsttoken_key_budget_spent is read back
 _OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
 
 
@@ -99,6 +102,7 @@ class Ticket:
         "max_tokens",
         "model",
         "own_latency",
+        "prefill",
         "probe",
         "prompt_tokens",
         "released",
@@ -150,6 +154,7 @@ class Ticket:
         # The targets that answered, from which token on: a tuple, as most requests have
         # none (no routes file) or one, and an empty one is shared.
         self.legs: tuple[Leg, ...] = ()
+        self.prefill = ""  # the hand-off's prefill's target, when it is billed ("" none)
 
     def first_token(self, ttft_s: float) -> None:
         self.ttft_s = ttft_s
@@ -169,7 +174,12 @@ class Ticket:
                 self.legs = (Leg(target),)
 
     def seam(self, meta: Mapping[str, Any]) -> None:
-        """A splice or a hand-off took: the next leg's target, from the token it began at."""
+        """A splice or a hand-off took: the next leg's target, from the token it began at.
+        Or the hand-off's prefill answered: billed with the request (`Ledger.account`)."""
+        prefill = meta.get("prefill")
+        if isinstance(prefill, Mapping) and isinstance(prefill.get("target"), str):
+            self.prefill = prefill["target"]
+            return
         seam = meta.get("failover") or meta.get("handoff")
         if not isinstance(seam, Mapping) or not isinstance(seam.get("to"), str):
             return
@@ -224,6 +234,7 @@ class Ticket:
             ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             duration_ms=round((time.perf_counter() - self.started) * 1000, 3),
             trace_id=self.trace_id,
+            prefill=self.prefill,
         )
 
 
@@ -249,13 +260,14 @@ class Admission:
         else:
             self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
         self.shedder = LoadShedder(settings, metrics)
-        self.ledger = Ledger(settings.usage_db, read=settings.admin_key_env is not None)
+        self.ledger = Ledger(settings.usage_db, read=settings.admin_key is not None)
         if settings.redis:
             from firsttoken.admission.redis_spend import RedisSpend
 
             self.spend: MemorySpend | RedisSpend = RedisSpend(self.limits.redis)  # type: ignore[union-attr]
         else:
             self.spend = MemorySpend()
+        self.budget_seen: dict[str, int] = {}  # with Redis: `watch_budgets`' last reading
         # The target answering a request now, by request id (the routes say; None without).
         self.serving: Callable[[str], str | None] = lambda request_id: None
         # Every key's usage series from the start, at 0 (a rate over a new series needs two).
@@ -268,6 +280,8 @@ class Admission:
             tg.start_soon(self.limits.run)
             tg.start_soon(self.ledger.run)
             tg.start_soon(self._seed_budgets)
+            if not isinstance(self.spend, MemorySpend) and self.keys is not None:
+                tg.start_soon(self.watch_budgets)
             tg.start_soon(self.shedder.watch_memory, registry.end_oldest)
 
     async def _seed_budgets(self) -> None:
@@ -279,14 +293,13 @@ class Admission:
         budgeted = [k for k in named if k is not None and k.budget is not None]
         if not budgeted:
             return
-        store = self.ledger.store
         await self.ledger.ready.wait()
         while True:
             try:
                 for key in budgeted:
                     assert key.budget is not None
                     start = period_start(key.budget.per, self.spend_clock())
-                    spent = await store.spent(key.name, start)
+                    spent = await self.ledger.spent(key.name, start)
                     await self._seed(key.name, key.budget.per, spent)
                 return
             except Exception as exc:  # the database away: budgets count from 0 until it is back
@@ -324,6 +337,60 @@ class Admission:
             self.spend.seed(key, per, picos)
         else:
             await self.spend.seed(key, per, picos)
+
+    async def budget_spent(self, key: str, per: str) -> int:
+        """What `key` spent (and holds) in its current `per` period, in picos."""
+        if isinstance(self.spend, MemorySpend):
+            return self.spend.spent(key, per)
+        return await self.spend.spent(key, per)
+
+    async def watch_budgets(self) -> None:
+        """With Redis, each budgeted key's period spend read every `BUDGET_READ_S` for
+        `firsttoken_key_budget_spent` (a scrape cannot wait on Redis); nothing without
+        budgets."""
+        while True:
+            ring = self.keys
+            budgeted = [k for k in ring.keys() if k.budget is not None] if ring else []
+            seen: dict[str, int] = {}
+            try:
+                for key in budgeted:
+                    assert key.budget is not None
+                    seen[key.name] = await self.budget_spent(key.name, key.budget.per)
+                self.budget_seen = seen
+            except Exception as exc:  # Redis answering oddly: the last reading stays
+                log_event("budget.read_failed", logging.WARNING, error=repr(exc))
+            await anyio.sleep(BUDGET_READ_S)
+
+    def collect(self) -> Iterator[Metric]:
+        """Each budgeted key's amount and what its current period spent (held included)."""
+        ring = self.keys
+        budgeted = [k for k in ring.keys() if k.budget is not None] if ring else []
+        if not budgeted:
+            return
+        amount = GaugeMetricFamily(
+            "firsttoken_key_budget_amount",
+            f"Each key's money budget per period, in the routes file's currency "
+            f"({self.ledger.currency}).",
+            labels=["key", "per"],
+        )
+        spent = GaugeMetricFamily(
+            "firsttoken_key_budget_spent",
+            "What each budgeted key spent in its current period (reservations of requests "
+            "under way included): the budget is used up when it reaches the amount.",
+            labels=["key", "per"],
+        )
+        local = self.spend if isinstance(self.spend, MemorySpend) else None
+        for key in budgeted:
+            assert key.budget is not None
+            labels = [key_label(key.name), key.budget.per]
+            amount.add_metric(labels, float(Decimal(key.budget.amount) / PICOS))
+            if local is not None:
+                picos = local.spent(key.name, key.budget.per)
+            else:
+                picos = self.budget_seen.get(key.name, 0)
+            spent.add_metric(labels, float(Decimal(picos) / PICOS))
+        yield amount
+        yield spent
 
     def spend_clock(self) -> float:
         spend = self.spend

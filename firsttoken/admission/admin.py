@@ -1,4 +1,5 @@
-"""The admin surface's own key: --admin-key-env names the variable that holds it.
+"""The admin surface's own key: --admin-key-env names the variable that holds it (read at
+start), or --admin-key-file the file (read at start and on every reload: `reload.py`).
 
 Admin endpoints take this key and no API key; without one configured they answer 404, as
 if they were not there (an operator's view must not be found by probing)."""
@@ -8,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+from pathlib import Path
 
 from starlette.requests import Request
 
@@ -32,6 +34,24 @@ class AdminKey:
         if not secret:
             raise ValueError(f"environment variable {variable} is empty or not set")
         return cls(secret)
+
+    @classmethod
+    def from_file(cls, path: str) -> AdminKey:
+        """The secret on the first line of the file at `path`; ValueError naming it when the
+        file is empty (OSError when it cannot be read)."""
+        lines = Path(path).expanduser().read_text().strip().splitlines()
+        secret = lines[0].strip() if lines else ""
+        if not secret:
+            raise ValueError(f"{path}: is empty: it must hold the admin key")
+        return cls(secret)
+
+    @classmethod
+    def of(cls, env: str | None, file: str | None) -> AdminKey:
+        """The admin key as the settings name it: a variable, a file, or none."""
+        return cls.from_file(file) if file else cls.from_env(env)
+
+    def same_as(self, other: AdminKey) -> bool:
+        return self._digest == other._digest
 
     @property
     def configured(self) -> bool:

@@ -43,5 +43,5 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute("GET", "/streams/{stream_id}/events", native.stream_events, hot=True),
     ApiRoute("POST", "/streams/{stream_id}/cancel", native.cancel_stream),
     ApiRoute("DELETE", "/streams/{stream_id}", native.cancel_stream),
-    ApiRoute("GET", "/usage", usage.usage),  # admin: the ledger
+    ApiRoute("GET", "/usage", usage.usage),  # the ledger: the admin key, or a key its own
 )

@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import Store, open_store
 from firsttoken.ledger.writer import LedgerWriter
-from firsttoken.pricing import FREE, PICOS, Leg, Price, TokenCounts, answer_cost
+from firsttoken.pricing import FREE, PICOS, Leg, LegCost, Price, TokenCounts, answer_cost
 from firsttoken.routing.config import ModelRoute, RouteTable
 from firsttoken.telemetry.metrics import log_event
 
@@ -43,7 +43,9 @@ class Ledger:
         self._routes: Mapping[str, ModelRoute] = {}
         self._default: ModelRoute | None = None
         self._worst: dict[str, tuple[int, int]] = {}  # route -> picos per prompt, answer token
-        self.spend: dict[str, int] = {}  # key -> picos, since start
+        self.spend: dict[str, int] = {}  # key -> picos in `currency`, since start
+        # What keys spent in a currency the routes file named before (a reload changed it).
+        self.spend_before: dict[tuple[str, str], int] = {}
         self.route_cost: dict[str, int] = {}  # route -> picos
         self.route_tokens: dict[str, int] = {}  # route -> prompt + completion tokens
         self.ready = asyncio.Event()  # the store is open (its schema migrated)
@@ -51,6 +53,13 @@ class Ledger:
 
     def price(self, table: RouteTable, routes: Mapping[str, ModelRoute] | None = None) -> None:
         """Take the routes file's prices; `routes`: the engine's model names (aliases too)."""
+        if table.currency != self.currency:  # counted apart: two currencies never add up
+            for key, picos in self.spend.items():
+                was = self.spend_before.get((key, self.currency), 0)
+                self.spend_before[key, self.currency] = was + picos
+            self.spend = {
+                key: self.spend_before.pop((key, table.currency), 0) for key in self.spend
+            }
         self.currency = table.currency
         self.prices = {name: t.price for name, t in table.targets.items() if t.price is not None}
         self.counting = self.read or bool(self.prices)
@@ -63,10 +72,14 @@ class Ledger:
             if route.short_prompts is not None:
                 names.append(route.short_prompts.target)
             prices = [self.prices.get(n, FREE) for n in names]
-            self._worst[name] = (
-                max(p.most_per_prompt_token() for p in prices),
-                max(p.most_per_answer_token() for p in prices),
-            )
+            prompt = max(p.most_per_prompt_token() for p in prices)
+            answer = max(p.most_per_answer_token() for p in prices)
+            if route.handoff is not None and route.handoff.prefill:
+                # The prefill reads the prompt again at a center's price (its one answer
+                # token is left out: held per answer token, it would double every hold).
+                centers = [self.prices.get(n, FREE) for n in route.targets]
+                prompt += max(p.most_per_prompt_token() for p in centers)
+            self._worst[name] = (prompt, answer)
             self.route_cost.setdefault(name, 0)
             self.route_tokens.setdefault(name, 0)
 
@@ -110,10 +123,16 @@ class Ledger:
         ttft_ms: float | None,
         duration_ms: float,
         trace_id: str,
+        prefill: str = "",
     ) -> int:
-        """Price an ended request, count it, queue its record; its cost in picos."""
+        """Price an ended request, count it, queue its record; its cost in picos. `prefill`:
+        the target of the hand-off's prefill, a leg of its own (the prompt and one token)."""
         route = self.route_of(model)
         costs = answer_cost(legs, usage, self.prices)
+        if prefill:
+            asked = TokenCounts(prompt=usage.prompt, completion=1)
+            price = self.prices.get(prefill)
+            costs.append(LegCost(prefill, asked, asked.cost(price) if price is not None else 0))
         record = UsageRecord(
             request_id=request_id,
             at=at,
@@ -136,8 +155,13 @@ class Ledger:
     async def spent(self, key: str, since: float) -> int:
         """What `key`'s requests that arrived from `since` (Unix seconds) cost, in picos: the
         store's records and those still queued for it."""
-        stored = await self.store.spent(key, since)
-        return stored + sum(r.cost for r in self.writer.queue if r.key == key and r.at >= since)
+        money = self.currency  # a budget's amount is in the routes file's currency
+        stored = await self.store.spent(key, since, money)
+        return stored + sum(
+            r.cost
+            for r in self.writer.queue
+            if r.key == key and r.at >= since and r.currency == money
+        )
 
     async def run(self) -> None:
         """Open the store (create or migrate its schema), then write what is queued until
@@ -168,13 +192,23 @@ class Ledger:
     def collect(self) -> Iterator[Metric]:
         spend = CounterMetricFamily(
             "firsttoken_key_spend",
-            f"What each API key spent since the start, in the routes file's currency "
-            f"({self.currency}), priced per target.",
-            labels=["key"],
+            "What each API key spent since this process started (not per budget period: "
+            "firsttoken_key_budget_spent is), in each currency the routes file named, "
+            "priced per target.",
+            labels=["key", "currency"],
         )
         for key, picos in self.spend.items():
-            spend.add_metric([key], float(Decimal(picos) / PICOS))
+            spend.add_metric([key, self.currency], float(Decimal(picos) / PICOS))
+        for (key, money), picos in self.spend_before.items():
+            spend.add_metric([key, money], float(Decimal(picos) / PICOS))
         yield spend
+        currency = GaugeMetricFamily(
+            "firsttoken_currency",
+            "1, labelled with the currency the routes file prices in now.",
+            labels=["currency"],
+        )
+        currency.add_metric([self.currency], 1.0)
+        yield currency
         per_million = GaugeMetricFamily(
             "firsttoken_cost_per_million_tokens",
             "What a million tokens (prompt and answer) cost on each route since the start.",

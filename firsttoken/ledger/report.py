@@ -3,12 +3,16 @@
 The JSON form (`firsttoken usage --format json`, `GET /v1/usage`):
 
     {"currency": "USD", "by": "key", "since": 1764633600.0,
-     "rows": [{"key": "alice", "requests": 3, "cost": "0.000123", "prompt_tokens": N,
-               "completion_tokens": N, "reasoning_tokens": N, "cached_tokens": N,
-               "cache_write_tokens": N}],
-     "total": {"requests": 3, "cost": "0.000123", "prompt_tokens": N, ...}}
+     "rows": [{"key": "alice", "currency": "USD", "requests": 3, "cost": "0.000123",
+               "prompt_tokens": N, "completion_tokens": N, "reasoning_tokens": N,
+               "cached_tokens": N, "cache_write_tokens": N}],
+     "total": {"requests": 3, "cost": "0.000123", "prompt_tokens": N, ...},
+     "totals": [{"currency": "USD", "requests": 3, "cost": "0.000123", ...}]}
 
-Costs are decimal strings (exact); `--by target` counts each leg at its own target.
+Costs are decimal strings (exact); `--by target` counts each leg at its own target. Rows are
+grouped by currency too: after the routes file's `currency` changed, a key has one row per
+currency, never one sum of both. `total` is in `currency` (the gateway's now, or the newest
+record's); `totals` has one entry per currency the rows hold.
 """
 
 from __future__ import annotations
@@ -65,34 +69,47 @@ def parse_since(value: str | None, now: float | None = None, name: str = "--sinc
 
 
 async def usage_report(
-    store: Store, by: str, since: float | None, currency: str = "USD"
+    store: Store,
+    by: str,
+    since: float | None,
+    currency: str = "USD",
+    key: str | None = None,
 ) -> dict[str, Any]:
-    rows = await store.summary(by, since)
+    """The ledger's totals grouped by `by` and currency (`key`: that key's records alone)."""
+    rows = await store.summary(by, since, key)
     out_rows: list[dict[str, Any]] = []
-    total = dict.fromkeys(_COUNTS, 0)
-    total_cost = 0
+    totals: dict[str, dict[str, int]] = {}
     for group, *values in rows:
-        counts = dict(zip(_COUNTS, (int(v) for v in values[:-1]), strict=True))
-        cost = int(values[-1])
-        out_rows.append({by: group, "cost": money_text(cost), **counts})
-        for name, n in counts.items():
+        counts = dict(zip(_COUNTS, (int(v) for v in values[:-2]), strict=True))
+        cost, money = int(values[-2]), str(values[-1])
+        out_rows.append({by: group, "currency": money, "cost": money_text(cost), **counts})
+        total = totals.setdefault(money, dict.fromkeys((*_COUNTS, "cost"), 0))
+        for name, n in (*counts.items(), ("cost", cost)):
             total[name] += n
-        total_cost += cost
     if by == "target":  # a request of two legs is one request, not two
-        total["requests"] = sum(int(r[1]) for r in await store.summary("route", since))
+        requests: dict[str, int] = {}
+        for row in await store.summary("route", since, key):
+            requests[str(row[-1])] = requests.get(str(row[-1]), 0) + int(row[1])
+        for money, total in totals.items():
+            total["requests"] = requests.get(money, 0)
+    shown = {
+        money: {"cost": money_text(t["cost"]), **{c: t[c] for c in _COUNTS}}
+        for money, t in totals.items()
+    }
+    empty = {"cost": money_text(0), **dict.fromkeys(_COUNTS, 0)}
     return {
         "currency": currency,
         "by": by,
         "since": since,
         "rows": out_rows,
-        "total": {"cost": money_text(total_cost), **total},
+        "total": shown.get(currency, empty),
+        "totals": [{"currency": money, **shown[money]} for money in sorted(shown)],
     }
 
 
 def render(report: dict[str, Any], fmt: str) -> str:
     by = report["by"]
     columns = [by, "requests", "cost", *TOKEN_COLUMNS]
-    rows = [*report["rows"], {by: "total", **report["total"]}]
     if fmt == "json":
         import orjson
 
@@ -102,10 +119,18 @@ def render(report: dict[str, Any], fmt: str) -> str:
         writer = csv.writer(buffer, lineterminator="\n")
         writer.writerow([*columns, "currency"])
         for row in report["rows"]:
-            writer.writerow([*(row[c] for c in columns), report["currency"]])
+            writer.writerow([*(row[c] for c in columns), row["currency"]])
         return buffer.getvalue()
+    totals = report.get("totals") or [{"currency": report["currency"], **report["total"]}]
+    mixed = len(totals) > 1 or any(r["currency"] != report["currency"] for r in report["rows"])
+    if mixed:  # one cost column per currency would be wider; a column says which
+        columns.insert(3, "currency")
+        rows = [*report["rows"], *({by: "total", **t} for t in totals)]
+        header = list(columns)
+    else:
+        rows = [*report["rows"], {by: "total", **report["total"]}]
+        header = [c if c != "cost" else f"cost ({report['currency']})" for c in columns]
     shown = [[str(r[c]) for c in columns] for r in rows]
-    header = [c if c != "cost" else f"cost ({report['currency']})" for c in columns]
     widths = [max(len(h), *(len(r[i]) for r in shown)) for i, h in enumerate(header)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
     for r in shown:

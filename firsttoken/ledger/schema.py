@@ -137,17 +137,40 @@ def insert_rows(
     )
 
 
-def summary_sql(by: str, since: float | None, mark: str) -> tuple[str, tuple[Any, ...]]:
-    """Rows grouped by `by` (one of GROUPS): the group, requests, tokens by kind, cost_picos."""
+def summary_sql(
+    by: str, since: float | None, mark: str, key: str | None = None
+) -> tuple[str, tuple[Any, ...]]:
+    """Rows grouped by `by` (one of GROUPS) and currency: the group, requests, tokens by kind,
+    cost_picos, currency. Costs in two currencies (the routes file's `currency` changed) are
+    never added up. `key`: that key's rows only."""
     if by not in GROUPS:
         raise ValueError(f"--by must be one of {', '.join(GROUPS)}")
-    table = "usage_legs" if by == "target" else "usage_requests"
-    count = "COUNT(DISTINCT request_id)" if by == "target" else "COUNT(*)"
-    sums = ", ".join(f"SUM({c})" for c in (*TOKEN_COLUMNS, "cost_picos"))
-    where = f" WHERE at >= {mark}" if since is not None else ""
-    sql = f"SELECT {by}, {count}, {sums} FROM {table}{where} GROUP BY {by} ORDER BY {by}"
-    return sql, (since,) if since is not None else ()
+    if by == "target":  # a leg's currency is its request's
+        source = "usage_legs l JOIN usage_requests r ON r.request_id = l.request_id"
+        count, group, currency = "COUNT(DISTINCT l.request_id)", "l.target", "r.currency"
+        column = "l."
+    else:
+        source, count, group, currency, column = "usage_requests", "COUNT(*)", by, "currency", ""
+    sums = ", ".join(f"SUM({column}{c})" for c in (*TOKEN_COLUMNS, "cost_picos"))
+    where: list[str] = []
+    args: list[Any] = []
+    if since is not None:
+        where.append(f"{column}at >= {mark}")
+        args.append(since)
+    if key is not None:
+        where.append(f"{column}key = {mark}")
+        args.append(key)
+    filtered = f" WHERE {' AND '.join(where)}" if where else ""
+    sql = (
+        f"SELECT {group}, {count}, {sums}, {currency} FROM {source}{filtered} "
+        f"GROUP BY {group}, {currency} ORDER BY {group}, {currency}"
+    )
+    return sql, tuple(args)
 
 
 CURRENCY_SQL = "SELECT currency FROM usage_requests ORDER BY at DESC LIMIT 1"
-SPENT_SQL = "SELECT COALESCE(SUM(cost_picos), 0) FROM usage_requests WHERE key = {m} AND at >= {m}"
+# A budget counts what was spent in its amount's currency (the routes file's, now).
+SPENT_SQL = (
+    "SELECT COALESCE(SUM(cost_picos), 0) FROM usage_requests "
+    "WHERE key = {m} AND at >= {m} AND currency = {m}"
+)

@@ -50,7 +50,8 @@ class StoreError(Exception):
     """The store cannot be used as given; `str()` is the line a person reads."""
 
 
-Row = tuple[Any, ...]  # (group, requests, prompt, completion, reasoning, cached, cache_write, cost)
+# (group, requests, prompt, completion, reasoning, cached, cache_write, cost, currency)
+Row = tuple[Any, ...]
 
 
 class Store(Protocol):
@@ -60,9 +61,13 @@ class Store(Protocol):
 
     async def write(self, records: Sequence[UsageRecord]) -> None: ...
 
-    async def summary(self, by: str, since: float | None) -> list[Row]: ...
+    async def summary(self, by: str, since: float | None, key: str | None = None) -> list[Row]:
+        """Totals grouped by `by` and currency (`key`: that key's alone)."""
+        ...
 
-    async def spent(self, key: str, since: float) -> int: ...
+    async def spent(self, key: str, since: float, currency: str) -> int:
+        """What `key` spent in `currency` from `since`, in picos."""
+        ...
 
     async def currency(self) -> str | None: ...
 
@@ -109,37 +114,41 @@ class MemoryStore:
     async def write(self, records: Sequence[UsageRecord]) -> None:
         self.records.extend(records)
 
-    async def summary(self, by: str, since: float | None) -> list[Row]:
+    async def summary(self, by: str, since: float | None, key: str | None = None) -> list[Row]:
         if by not in GROUPS:
             raise ValueError(f"--by must be one of {', '.join(GROUPS)}")
-        groups: dict[str, list[Any]] = {}
-        seen: dict[str, set[str]] = {}
+        groups: dict[tuple[str, str], list[Any]] = {}
+        seen: dict[tuple[str, str], set[str]] = {}
         for r in self.records:
-            if since is not None and r.at < since:
+            if (since is not None and r.at < since) or (key is not None and r.key != key):
                 continue
             if by == "target":
                 for leg in r.legs:
                     t = leg.tokens
-                    row = groups.setdefault(leg.target, [0] * 7)
-                    seen.setdefault(leg.target, set()).add(r.request_id)
+                    row = groups.setdefault((leg.target, r.currency), [0] * 7)
+                    seen.setdefault((leg.target, r.currency), set()).add(r.request_id)
                     for i, n in enumerate(
                         (t.prompt, t.completion, t.reasoning, t.cached, t.cache_write, leg.cost)
                     ):
                         row[i + 1] += n
                 continue
             name = r.day if by == "day" else r.key if by == "key" else r.route
-            row = groups.setdefault(name, [0] * 7)
+            row = groups.setdefault((name, r.currency), [0] * 7)
             row[0] += 1
             tokens = r.tokens()
             for i, c in enumerate(TOKEN_COLUMNS):
                 row[i + 1] += tokens[c]
             row[6] += r.cost
-        for name, ids in seen.items():
-            groups[name][0] = len(ids)
-        return [(name, *groups[name]) for name in sorted(groups)]
+        for group, ids in seen.items():
+            groups[group][0] = len(ids)
+        return [(name, *groups[name, currency], currency) for name, currency in sorted(groups)]
 
-    async def spent(self, key: str, since: float) -> int:
-        return sum(r.cost for r in self.records if r.key == key and r.at >= since)
+    async def spent(self, key: str, since: float, currency: str) -> int:
+        return sum(
+            r.cost
+            for r in self.records
+            if r.key == key and r.at >= since and r.currency == currency
+        )
 
     async def currency(self) -> str | None:
         return self.records[-1].currency if self.records else None
@@ -182,14 +191,14 @@ class SQLiteStore:
     async def write(self, records: Sequence[UsageRecord]) -> None:
         await anyio.to_thread.run_sync(self._call, _write_sqlite, records)
 
-    async def summary(self, by: str, since: float | None) -> list[Row]:
-        sql, args = summary_sql(by, since, "?")
+    async def summary(self, by: str, since: float | None, key: str | None = None) -> list[Row]:
+        sql, args = summary_sql(by, since, "?", key)
         rows = await anyio.to_thread.run_sync(self._call, _read, sql, args)
         return [tuple(r) for r in rows]
 
-    async def spent(self, key: str, since: float) -> int:
+    async def spent(self, key: str, since: float, currency: str) -> int:
         rows = await anyio.to_thread.run_sync(
-            self._call, _read, SPENT_SQL.format(m="?"), (key, since)
+            self._call, _read, SPENT_SQL.format(m="?"), (key, since, currency)
         )
         return int(rows[0][0])
 
@@ -311,19 +320,19 @@ class PostgresStore:
 
         await self._run(insert)
 
-    async def summary(self, by: str, since: float | None) -> list[Row]:
-        sql, args = summary_sql(by, since, "%s")
+    async def summary(self, by: str, since: float | None, key: str | None = None) -> list[Row]:
+        sql, args = summary_sql(by, since, "%s", key)
 
         async def read(cur: Any) -> list[Any]:
             await cur.execute(sql, args)
             return list(await cur.fetchall())
 
         rows = await self._run(read)
-        return [(r[0], *(int(v or 0) for v in r[1:])) for r in rows]
+        return [(r[0], *(int(v or 0) for v in r[1:-1]), r[-1]) for r in rows]
 
-    async def spent(self, key: str, since: float) -> int:
+    async def spent(self, key: str, since: float, currency: str) -> int:
         async def read(cur: Any) -> int:
-            await cur.execute(SPENT_SQL.format(m="%s"), (key, since))
+            await cur.execute(SPENT_SQL.format(m="%s"), (key, since, currency))
             return int((await cur.fetchone())[0])
 
         return int(await self._run(read))

@@ -48,6 +48,15 @@ class _Tick:
     inter_chunk: array[float]
 
 
+def _priced_in(s: _Samples) -> dict[str, str]:
+    """The spend counters' label for the currency priced in now (a reload may have changed
+    it: what was spent in another is not added in); none before the ledger says."""
+    for labels, _ in s.by_name.get("firsttoken_currency", ()):
+        if "currency" in labels:
+            return {"currency": labels["currency"]}
+    return {}
+
+
 class _Samples:
     """The families' samples by sample name."""
 
@@ -216,7 +225,7 @@ class Snapshots:
             if labels.get("kind") in ("prompt", "completion"):
                 key = f"key_tokens:{labels.get('key')}"
                 out[key] = out.get(key, 0.0) + value
-        for key, value in s.by("firsttoken_key_spend_total", "key").items():
+        for key, value in s.by("firsttoken_key_spend_total", "key", **_priced_in(s)).items():
             out[f"spend:{key}"] = value
         out["otel_dropped"] = s.total("firsttoken_otel_dropped_total")
         out["ledger_queued"] = s.total("firsttoken_usage_records_queued")
@@ -335,7 +344,14 @@ class Snapshots:
         active = s.by("firsttoken_key_active_streams", "key")
         limit = s.by("firsttoken_key_max_streams", "key")
         budget = s.by("firsttoken_key_tokens_per_minute_limit", "key")
-        spend = s.by("firsttoken_key_spend_total", "key")
+        spend = s.by("firsttoken_key_spend_total", "key", **_priced_in(s))
+        amounts = s.by("firsttoken_key_budget_amount", "key")
+        periods = {
+            labels["key"]: labels.get("per", "")
+            for labels, _ in s.by_name.get("firsttoken_key_budget_amount", ())
+            if "key" in labels
+        }
+        spent = s.by("firsttoken_key_budget_spent", "key")
         names = (
             set(active) | set(limit) | set(spend) | set(s.by("firsttoken_key_tokens_total", "key"))
         )
@@ -351,8 +367,17 @@ class Snapshots:
                 "tokens_per_min_limit": int(budget[name]) if name in budget else None,
             }
             if priced:
+                # Since this process started; the budget's own period is `budget.spent`.
                 out[name]["spend"] = spend.get(name, 0.0)
                 out[name]["spend_per_min"] = self._rate(tick, f"spend:{name}", MINUTE_S, 60)
+            if name in amounts:
+                used = spent.get(name, 0.0)
+                out[name]["budget"] = {
+                    "amount": amounts[name],
+                    "per": periods.get(name, ""),
+                    "spent": used,
+                    "left": max(0.0, amounts[name] - used),
+                }
         return out
 
     def _dependencies(self, s: _Samples, tick: _Tick) -> dict[str, str | None]:

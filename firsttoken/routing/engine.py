@@ -90,6 +90,7 @@ class Course:
         "owner",
         "pacer",
         "prefill",
+        "prefill_to",
         "request",
         "route",
         "seam",
@@ -123,7 +124,8 @@ class Course:
         self.fell_back = False  # the edge was asked to finish what the center could not take
         self.seam: Seam | None = None  # a hand-off's timing
         self.pacer: Pacer | None = None  # a hand-off's pace: the edge's text held back
-        self.prefill: asyncio.Task[None] | None = None  # the center's prefill, under way
+        self.prefill: asyncio.Task[bool] | None = None  # the center's prefill, under way
+        self.prefill_to = ""  # the center asked for the prefill
         self.asked_at: float | None = None  # when the center was asked to take over
         # this turn's
         self.splicing = False  # text was sent before this leg: it continues the answer
@@ -155,7 +157,7 @@ class RoutedEngine(BaseEngine):
         self._current: dict[str, Target] = {}
         self._turn = 0
         self._checks: dict[str, asyncio.Task[None]] = {}  # active health, by target
-        self._prefills: set[asyncio.Task[None]] = set()  # running on past their answers
+        self._prefills: set[asyncio.Task[bool]] = set()  # running on past their answers
 
     # -- lifecycle -------------------------------------------------------------------------
 
@@ -313,11 +315,17 @@ class RoutedEngine(BaseEngine):
             async with aclosing(self._answer(course)) as answer:
                 if course.pacer is None:
                     async for delta in answer:
+                        if delta.finish_reason is not None and course.prefill_to:
+                            if (billed := _prefill_meta(course)) is not None:
+                                yield billed
                         yield delta
                 else:
                     # Closed first: its read of `answer` ends before `answer` is closed.
                     async with aclosing(_paced(course.pacer, answer)) as paced:
                         async for delta in paced:
+                            if delta.finish_reason is not None and course.prefill_to:
+                                if (billed := _prefill_meta(course)) is not None:
+                                    yield billed
                             yield delta
             complete = True
         finally:
@@ -422,6 +430,7 @@ class RoutedEngine(BaseEngine):
                 if center.prefill_s is not None:
                     seam.expect_ready_at = now + center.prefill_s
                 course.prefill = loop.create_task(self._prefill(course, center, seam))
+                course.prefill_to = center.name
         course.seam = seam
         if handoff.pace_ms > 0:
             course.pacer = Pacer(handoff.pace_ms / 1000)
@@ -439,9 +448,10 @@ class RoutedEngine(BaseEngine):
                 return target
         return None
 
-    async def _prefill(self, course: Course, center: Target, seam: Seam) -> None:
+    async def _prefill(self, course: Course, center: Target, seam: Seam) -> bool:
         """Ask `center` for the conversation alone, one token, thrown away: its prefix cache
-        warms while the edge writes, and its answer says the center is ready."""
+        warms while the edge writes, and its answer says the center is ready. False: the
+        center refused it (nothing to bill)."""
         loop = asyncio.get_running_loop()
         began = loop.time()
         request = course.request
@@ -464,10 +474,11 @@ class RoutedEngine(BaseEngine):
                 code=exc.code,
                 error=exc.message[:200],
             )
-            return
+            return False
         now = loop.time()
         seam.ready(now)
         center.prefilled(now - began)
+        return True
 
     def _next_request(self, course: Course) -> GenerationRequest | None:
         """What the next leg is asked: the request itself, or once text was sent, its
@@ -1104,6 +1115,19 @@ async def _chain(first: Delta | None, rest: AsyncIterator[Delta]) -> AsyncIterat
         yield first
     async for delta in rest:
         yield delta
+
+
+def _prefill_meta(course: Course) -> Delta | None:
+    """Just before the answer's last delta: the meta event that bills the hand-off's prefill
+    (the conversation's prompt and one token at the center's prices, `Ticket.seam`), unless
+    the center refused it. Once per answer; a prefill still under way runs on."""
+    task, to = course.prefill, course.prefill_to
+    if task is None or not to:
+        return None
+    course.prefill_to = ""
+    if task.done() and (task.cancelled() or task.exception() is not None or not task.result()):
+        return None
+    return Delta(meta={"prefill": {"target": to}})
 
 
 async def _paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -64,6 +65,9 @@ targets = ["center"]
 [models.chat]
 targets = ["center"]
 handoff = {{ from = "edge", after_tokens = 5, prefill = false, pace_ms = 0 }}  # at exactly 5
+[models.warm]
+targets = ["center"]
+handoff = {{ from = "edge", after_tokens = 5 }}  # with the center's prefill
 [models.gold]
 targets = ["gold"]
 [models.ten]
@@ -142,7 +146,8 @@ def cost(
 def spend(server: Server, key: str) -> Decimal:
     text = httpx.get(server.url + "/metrics", timeout=10).text
     for line in text.splitlines():
-        if line.startswith(f'firsttoken_key_spend_total{{key="{key}"}}'):
+        # One currency per test (the routes file's): its series.
+        if line.startswith("firsttoken_key_spend_total{") and f'key="{key}"}}' in line:
             return Decimal(line.split()[-1])
     return Decimal(0)
 
@@ -415,13 +420,14 @@ def test_usage_needs_the_admin_key_and_checks_its_filters(
     sqlite_server: tuple[Server, Path],
 ) -> None:
     server, _ = sqlite_server
-    assert httpx.get(server.v1 + "/usage").status_code == 404
+    # A keys file: without a key of its own (or the admin's), 401 as on every API.
+    assert httpx.get(server.v1 + "/usage").status_code == 401
     # With a trailing slash too: no redirect that would tell a prober the path is there.
     for path in ("/usage/", "/admin/events/"):
         slashed = httpx.get(server.v1 + path)
         assert slashed.status_code == 404 and "location" not in slashed.headers, path
-    anyone = httpx.get(server.v1 + "/usage", headers={"authorization": "Bearer sk-alice"})
-    assert anyone.status_code == 404
+    anyone = httpx.get(server.v1 + "/usage", headers={"authorization": "Bearer sk-nobody"})
+    assert anyone.status_code == 401
     bad = httpx.get(
         server.v1 + "/usage",
         params={"by": "colour"},
@@ -429,6 +435,64 @@ def test_usage_needs_the_admin_key_and_checks_its_filters(
     )
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "by"
     assert usage(server, since="1h", by="day")["rows"] == []
+
+
+def own_usage(server: Server, key: str, **params: str) -> httpx.Response:
+    return httpx.get(
+        server.v1 + "/usage", params=params, headers={"authorization": f"Bearer {key}"}
+    )
+
+
+def test_a_key_reads_its_own_usage_and_budget_and_never_anothers(
+    sqlite_server: tuple[Server, Path],
+) -> None:
+    server, _ = sqlite_server
+    for key in ("sk-alice", "sk-bob"):
+        assert post(server, "/chat/completions", key, {"model": "plain", "messages": MSG})
+    wait_for(lambda: usage(server)["total"]["requests"] == 2, timeout=5)
+    mine = own_usage(server, "sk-alice", by="route")
+    assert mine.status_code == 200, mine.text
+    report = mine.json()
+    assert report["key"] == "alice" and report["total"]["requests"] == 1
+    assert [(r["route"], r["currency"]) for r in report["rows"]] == [("plain", "EUR")]
+    spent = Decimal(report["total"]["cost"])
+    assert spent > 0
+    budget = report["budget"]
+    assert budget["amount"] == "1000" and budget["per"] == "month"
+    assert budget["currency"] == "EUR" and Decimal(budget["spent"]) == spent
+    assert Decimal(budget["left"]) == 1000 - spent
+    by_key = own_usage(server, "sk-bob").json()
+    assert [r["key"] for r in by_key["rows"]] == ["bob"] and "budget" not in by_key
+    refused = own_usage(server, "sk-alice", by="target")  # targets are the operator's
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "by"
+    # The budgets as metrics: the amount and this period's spend, by key.
+    metrics = server.metrics()
+    assert metrics['firsttoken_key_budget_amount{key="alice",per="month"}'] == 1000
+    assert Decimal(str(metrics['firsttoken_key_budget_spent{key="alice",per="month"}'])) == spent
+    assert metrics['firsttoken_key_budget_amount{key="racer",per="total"}'] == 0.05
+    assert 'firsttoken_key_budget_amount{key="bob",per="month"}' not in metrics
+
+
+def test_the_hand_offs_prefill_is_billed_at_the_centers_prices(
+    sqlite_server: tuple[Server, Path],
+) -> None:
+    server, _ = sqlite_server
+    r = post(server, "/chat/completions", "sk-bob", {"model": "warm", "messages": MSG})
+    assert r.status_code == 200, r.text
+    told = r.json()["usage"]
+    wait_for(lambda: usage(server)["total"]["requests"] == 1, timeout=5)
+    rows = {row["target"]: row for row in usage(server, by="target")["rows"]}
+    assert set(rows) == {"edge", "center"}
+    center, edge = rows["center"], rows["edge"]
+    # The center read the prompt once more (the prefill) and wrote one token more.
+    assert center["prompt_tokens"] == edge["prompt_tokens"] == told["prompt_tokens"]
+    assert edge["completion_tokens"] + center["completion_tokens"] == told["completion_tokens"] + 1
+    assert Decimal(center["cost"]) == cost(
+        CENTER, center["prompt_tokens"], center["completion_tokens"]
+    )
+    assert Decimal(usage(server)["total"]["cost"]) == Decimal(edge["cost"]) + Decimal(
+        center["cost"]
+    )
 
 
 def test_a_budget_holds_across_a_restart_from_the_ledger(tmp_path: Path) -> None:
@@ -462,6 +526,48 @@ def test_a_budget_holds_across_a_restart_from_the_ledger(tmp_path: Path) -> None
             return r.status_code == 429
 
         wait_for(refused, timeout=10)  # 6 cents of 5 spent before the restart
+        # What the budget's period spent, across the restart (the spend counter counts from
+        # this process's start: 0 here).
+        metrics = again.metrics()
+        assert metrics['firsttoken_key_budget_spent{key="racer",per="total"}'] >= 0.06
+        assert metrics.get('firsttoken_key_spend_total{currency="EUR",key="racer"}', 0) == 0
+        mine = own_usage(again, "sk-racer").json()
+        assert mine["budget"]["left"] == "0" and Decimal(mine["budget"]["spent"]) >= Decimal("0.06")
+
+
+def test_a_currency_change_is_refused_while_a_key_has_a_budget_and_never_mixed(
+    tmp_path: Path,
+) -> None:
+    routes, keys = write_config(tmp_path)
+    with serve(routes, keys, f"sqlite:///{tmp_path / 'usage.db'}") as server:
+        body = {"model": "plain", "messages": MSG}
+        assert post(server, "/chat/completions", "sk-bob", body).is_success
+        routes.write_text(routes.read_text().replace('currency = "EUR"', 'currency = "USD"'))
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: reload_said(server, "config.reload_failed"), timeout=5)
+        (failed,) = reload_said(server, "config.reload_failed")
+        assert "currency: EUR -> USD while key 'alice' has a budget" in failed["error"]
+        assert usage(server)["currency"] == "EUR"  # nothing changed
+        keys.write_text('[[keys]]\nname = "bob"\nkey = "sk-bob"\n')  # no budget left
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: reload_said(server, "config.reloaded"), timeout=5)
+        assert post(server, "/chat/completions", "sk-bob", body).is_success
+        wait_for(lambda: len(usage(server)["totals"]) == 2, timeout=5)
+        report = usage(server)
+        assert report["currency"] == "USD"
+        assert [(r["key"], r["currency"], r["requests"]) for r in report["rows"]] == [
+            ("bob", "EUR", 1),
+            ("bob", "USD", 1),
+        ]
+        assert report["total"]["requests"] == 1  # in USD: the euros are not added in
+        assert [t["currency"] for t in report["totals"]] == ["EUR", "USD"]
+        metrics = server.metrics()
+        assert metrics['firsttoken_key_spend_total{currency="EUR",key="bob"}'] > 0
+        assert metrics['firsttoken_key_spend_total{currency="USD",key="bob"}'] > 0
+
+
+def reload_said(server: Server, event: str) -> list[dict[str, Any]]:
+    return [r for r in server.log_records() if r.get("event") == event]
 
 
 def test_without_a_usage_db_the_start_line_says_budgets_reset(tmp_path: Path) -> None:
@@ -542,6 +648,10 @@ def test_two_instances_on_one_redis_share_the_budget_racing_for_the_last_cent(
             assert codes.count(200) == 1 and codes.count(429) == 49
             total = lambda: spend(one, "racer") + spend(two, "racer")  # noqa: E731
             wait_for(lambda: total() == Decimal("0.07"))
+            # Each instance's budget gauge reads the fleet's count from Redis (every 5 s).
+            racer = 'firsttoken_key_budget_spent{key="racer",per="total"}'
+            for server in (one, two):
+                wait_for(lambda s=server: s.metrics()[racer] == 0.07, timeout=8)  # type: ignore[misc]
             # Open-ended answers on both: capped by one shared budget (Redis's script).
             answers = five_open_ended_answers((one, two))
             done = [a.json()["usage"] for a in answers if a.status_code == 200]

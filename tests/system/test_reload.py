@@ -280,3 +280,23 @@ def test_a_key_removed_while_its_bodies_arrive_gets_no_stream(tmp_path: Path) ->
             conn.close()
         assert statuses == [b"401"] * 5, statuses
         assert not records(server, "stream.finished")  # nothing streamed, nothing billed
+
+
+def test_sighup_rotates_the_admin_key_from_its_file(tmp_path: Path) -> None:
+    admin, keys = tmp_path / "admin.key", tmp_path / "keys.toml"
+    admin.write_text("admin-old\n")
+    keys.write_text('[[keys]]\nname = "bob"\nkey = "sk-bob"\n')
+    with run_server("--api-keys", str(keys), "--admin-key-file", str(admin)) as server:
+
+        def usage(secret: str) -> int:
+            headers = {"authorization": f"Bearer {secret}"}
+            return httpx.get(server.v1 + "/usage", headers=headers, timeout=10).status_code
+
+        assert usage("admin-old") == 200
+        admin.write_text("admin-new\n")
+        server.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: records(server, "config.reloaded"), timeout=5)
+        (line,) = records(server, "config.reloaded")
+        assert line["admin_key"] == "changed"
+        assert usage("admin-new") == 200
+        assert usage("admin-old") == 401  # now an unknown key, as any other

@@ -616,3 +616,58 @@ def test_a_prompt_read_before_the_client_left_is_priced_at_the_target_that_read_
         assert adm.ledger.spend["paula"] == 902 * 10**6
 
     asyncio.run(body())
+
+
+def test_the_hand_offs_prefill_is_billed_with_the_request_and_spends_the_budget(
+    clock: FakeClock,
+) -> None:
+    """The routed engine's `prefill` meta event (just before the answer's end) bills the
+    center's prefill: its prompt and one token, at the center's prices."""
+
+    async def body() -> None:
+        adm = admission()
+        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.ledger.price(parse_routes(ROUTES))
+        key = ApiKey(name="erin", budget=Budget(10**12, "day"))
+        ticket = await adm.admit(key, 10, 20, "chat")
+        ticket.request_id, ticket.legs = "s1", (Leg("edge"),)
+        ticket.seam({"prefill": {"target": "center"}})
+        await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=20))
+        (record,) = adm.ledger.writer.queue
+        answer = 10 * 500_000 + 20 * 50_000_000
+        prefill = 10 * 1_000_000 + 1 * 100_000_000
+        assert [leg.target for leg in record.legs] == ["edge", "center"]
+        assert record.cost == answer + prefill
+        assert adm.spend.spent("erin", "day") == answer + prefill
+
+    asyncio.run(body())
+
+
+def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: FakeClock) -> None:
+    async def body() -> None:
+        adm = admission()
+        assert list(adm.collect()) == []  # no keys file: nothing
+        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.ledger.price(parse_routes(ROUTES))
+        budget = Budget(10**12 // 100, "day")
+        adm.keys = KeyRing(
+            {"sk-e": ApiKey(name="erin", budget=budget), "sk-f": ApiKey(name="fred")}
+        )
+        assert adm.keys is not None
+        erin = adm.keys.find("sk-e")
+        assert erin is not None
+        ticket = await adm.admit(erin, 10, 20, "chat")  # its hold counts while it runs
+        families = {f.name: f for f in adm.collect()}
+        (amount,) = families["firsttoken_key_budget_amount"].samples
+        (spent,) = families["firsttoken_key_budget_spent"].samples
+        assert amount.labels == spent.labels == {"key": "erin", "per": "day"}
+        assert amount.value == 0.01
+        held = 10 * 1_000_000 + 20 * 100_000_000  # the route's dearest prices
+        assert spent.value == held / 10**12
+        assert await adm.budget_spent("erin", "day") == held
+        ticket.request_id, ticket.legs = "s1", (Leg("edge"),)
+        await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=2))
+        (spent,) = {f.name: f for f in adm.collect()}["firsttoken_key_budget_spent"].samples
+        assert spent.value == (10 * 500_000 + 2 * 50_000_000) / 10**12
+
+    asyncio.run(body())

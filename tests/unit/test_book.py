@@ -32,8 +32,9 @@ def ledger() -> Ledger:
 
 def test_the_worst_case_is_the_routes_dearest_prices() -> None:
     book = ledger()
-    # prompt at the dearest prompt-side price (cache_write 0.625), answer at reasoning's 3
-    assert book.worst_cost("chat", 100, 1000) == 100 * 625_000 + 1000 * 3_000_000
+    # prompt at the dearest prompt-side price (cache_write 0.625), and again at the center's
+    # dearest for the hand-off's prefill; answer at reasoning's 3
+    assert book.worst_cost("chat", 100, 1000) == 100 * 2 * 625_000 + 1000 * 3_000_000
     assert book.worst_cost("cheap", 100, 1000) == 100 * 100_000 + 1000 * 200_000
     assert book.worst_cost("unknown", 1, 1) == book.worst_cost("chat", 1, 1)  # the default
 
@@ -83,7 +84,7 @@ def test_metrics_say_spend_and_cost_per_million() -> None:
         trace_id="",
     )
     families = {f.name: f for f in book.collect()}
-    assert families["firsttoken_key_spend"].samples[0].labels == {"key": "open"}
+    assert families["firsttoken_key_spend"].samples[0].labels == {"key": "open", "currency": "EUR"}
     assert families["firsttoken_key_spend"].samples[0].value == 0.15
     cheap = [
         s
@@ -109,3 +110,52 @@ def test_a_ledger_nobody_reads_and_without_prices_counts_nothing() -> None:
     unread.price(parse_routes({"targets": {"t": priced}, "models": {"m": {"targets": ["t"]}}}))
     assert unread.counting  # priced: spend and budgets need the cost
     assert Ledger(read=True).counting and Ledger("sqlite:///x.db", read=False).counting
+
+
+def end(book: Ledger, key: str = "alice", **extra: object) -> int:
+    return book.account(
+        request_id="r1",
+        at=0.0,
+        key=key,
+        model="chat",
+        legs=[Leg("edge"), Leg("center", 5)],
+        usage=TokenCounts(prompt=10, completion=15),
+        outcome="completed",
+        ttft_ms=3.0,
+        duration_ms=9.0,
+        trace_id="t",
+        **extra,  # type: ignore[arg-type]
+    )
+
+
+def test_the_hand_offs_prefill_is_billed_as_a_leg_at_the_centers_prices() -> None:
+    book = ledger()
+    answer = 10 * 100_000 + 5 * 200_000 + 10 * 1_500_000
+    cost = end(book, prefill="center")
+    # The prompt again and one token, at the center's prices.
+    assert cost == answer + 10 * 500_000 + 1 * 1_500_000
+    assert book.spend == {"alice": cost}
+    (record,) = book.writer.queue
+    assert [(leg.target, leg.tokens.prompt, leg.tokens.completion) for leg in record.legs] == [
+        ("edge", 10, 5),
+        ("center", 0, 10),
+        ("center", 10, 1),
+    ]
+    assert record.cost == cost
+
+
+def test_a_currency_change_counts_spend_apart() -> None:
+    book = ledger()
+    euros = end(book)
+    dollars = dict(ROUTES, currency="USD")
+    book.price(parse_routes(dollars))
+    spent = end(book)
+    samples = {
+        (s.labels["key"], s.labels["currency"]): s.value
+        for f in book.collect()
+        if f.name == "firsttoken_key_spend"
+        for s in f.samples
+    }
+    assert samples == {("alice", "USD"): spent / 10**12, ("alice", "EUR"): euros / 10**12}
+    book.price(parse_routes(ROUTES))  # back to euros: that count goes on
+    assert book.spend == {"alice": euros} and book.spend_before == {("alice", "USD"): spent}

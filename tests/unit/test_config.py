@@ -313,10 +313,24 @@ def test_admin_key_env_names_a_variable_that_holds_a_secret(monkeypatch) -> None
     assert refusal("--admin-key-env", "FT_ADMIN_UNSET") == line
     assert "environment variable" in refusal("--admin-key-env", "not a name")
     line = (
-        "--metrics-need-admin: takes effect only with --admin-key-env; --admin-key-env is not set"
+        "--metrics-need-admin: takes effect only with --admin-key-env or --admin-key-file; "
+        "neither is set"
     )
     assert refusal("--metrics-need-admin") == line
     assert parse("--admin-key-env", "FT_ADMIN_SET", "--metrics-need-admin").metrics_need_admin
+
+
+def test_admin_key_file_holds_the_key_and_stands_for_the_variable(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("FT_ADMIN_SET", "s3cret")
+    key, empty = tmp_path / "admin.key", tmp_path / "empty.key"
+    key.write_text("s3cret\n")
+    empty.write_text("\n")
+    settings = parse("--admin-key-file", str(key), "--metrics-need-admin")
+    assert settings.admin_key == str(key) and settings.metrics_need_admin
+    assert refusal("--admin-key-file", str(empty)).endswith("is empty: it must hold the admin key")
+    assert refusal("--admin-key-file", str(tmp_path / "none")).endswith("no such file")
+    both = refusal("--admin-key-file", str(key), "--admin-key-env", "FT_ADMIN_SET")
+    assert both.startswith("--admin-key-file: takes effect only with no --admin-key-env")
 
 
 def test_a_secret_given_where_a_variable_name_goes_is_never_echoed() -> None:

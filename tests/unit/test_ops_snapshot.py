@@ -206,3 +206,36 @@ def test_the_ledger_is_away_at_once_while_its_database_refuses_writes() -> None:
     assert snaps.build(up(1), clock())["deps"]["ledger"] == "up"
     clock.advance(1)
     assert snaps.build(up(0), clock())["deps"]["ledger"] == "away"  # no 10 s wait
+
+
+def test_spend_is_in_the_currency_priced_in_now_and_the_budget_shows_what_is_left() -> None:
+    snap = Snapshots().build(
+        [
+            [
+                "firsttoken_key_spend",
+                "counter",
+                "",
+                [
+                    ["firsttoken_key_spend_total", {"key": "a", "currency": "USD"}, 7.0],
+                    ["firsttoken_key_spend_total", {"key": "a", "currency": "EUR"}, 1.5],
+                ],
+            ],
+            ["firsttoken_currency", "gauge", "", [["firsttoken_currency", {"currency": "EUR"}, 1]]],
+            [
+                "firsttoken_key_budget_amount",
+                "gauge",
+                "",
+                [["firsttoken_key_budget_amount", {"key": "a", "per": "day"}, 10.0]],
+            ],
+            [
+                "firsttoken_key_budget_spent",
+                "gauge",
+                "",
+                [["firsttoken_key_budget_spent", {"key": "a", "per": "day"}, 4.0]],
+            ],
+        ],
+        1000.0,
+    )
+    a = snap["keys"]["a"]
+    assert a["spend"] == 1.5  # the dollars spent before a reload are not added in
+    assert a["budget"] == {"amount": 10.0, "per": "day", "spent": 4.0, "left": 6.0}

@@ -319,3 +319,50 @@ def test_the_start_and_each_reload_warn_of_what_cannot_take_effect(
     assert asyncio.run(r.reload())
     notes = [orjson.loads(m)["note"] for m in caplog.messages if "config.ineffective" in m]
     assert notes == ["key 'a': expires_at is past: every request gets 401 key_expired"]
+
+
+def test_a_currency_change_is_refused_while_a_key_has_a_budget(tmp_path: Path) -> None:
+    budgeted = '[[keys]]\nname = "a"\nkey = "sk-a"\nbudget = { amount = 1, per = "day" }\n'
+    priced = ROUTES.replace('kind = "synthetic"', 'kind = "synthetic"\nprice = { completion = 1 }')
+    (tmp_path / "keys.toml").write_text(budgeted)
+    (tmp_path / "routes.toml").write_text('currency = "USD"\n' + priced)
+    files = ConfigFiles(str(tmp_path / "keys.toml"), str(tmp_path / "routes.toml"))
+    r = reloader(files)
+    ledger = r.gateway.admission.ledger
+
+    async def body() -> None:
+        write(files.routes, 'currency = "EUR"\n' + priced)
+        assert await r.reload() is False  # its amount and its period's spend are in USD
+        assert ledger.currency == "USD" and r.results == {"ok": 0, "failed": 1}
+        write(files.api_keys, KEYS)  # no budget left: the currency may change
+        assert await r.reload() is True
+        assert ledger.currency == "EUR"
+
+    asyncio.run(body())
+
+
+def test_a_reload_reads_the_admin_key_file_again(tmp_path: Path) -> None:
+    from starlette.requests import Request
+
+    def asking(secret: str) -> Request:
+        headers = [(b"authorization", f"Bearer {secret}".encode())]
+        return Request({"type": "http", "headers": headers})
+
+    admin = tmp_path / "admin.key"
+    admin.write_text("old-secret\n")
+    (tmp_path / "keys.toml").write_text(KEYS)
+    app = create_app(Settings(api_keys=str(tmp_path / "keys.toml"), admin_key_file=str(admin)))
+    r: Reloader = app.state.reloader
+    assert r.files.admin_key == str(admin) and str(admin) in r.files.paths()  # watched too
+    assert r.gateway.admin.allows(asking("old-secret"))
+
+    async def body() -> None:
+        admin.write_text("new-secret\n")
+        assert await r.reload() is True
+        assert r.gateway.admin.allows(asking("new-secret"))
+        assert not r.gateway.admin.allows(asking("old-secret"))
+        admin.write_text("")  # a half-written file: refused, the key stays
+        assert await r.reload() is False
+        assert r.gateway.admin.allows(asking("new-secret"))
+
+    asyncio.run(body())

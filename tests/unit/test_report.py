@@ -12,7 +12,7 @@ import pytest
 
 from firsttoken.ledger.report import main, parse_since, render, usage_report
 from firsttoken.ledger.stores import MemoryStore, open_store
-from tests.unit.test_stores import DAY, RECORDS
+from tests.unit.test_stores import DAY, RECORDS, record
 
 
 def test_since_takes_spans_dates_and_all() -> None:
@@ -35,10 +35,11 @@ def anyio_backend() -> str:
 async def test_the_json_shape_has_costs_as_exact_decimal_strings() -> None:
     store = MemoryStore()
     await store.write(RECORDS)
-    report = await usage_report(store, "key", None, "EUR")
-    assert report["currency"] == "EUR"
+    report = await usage_report(store, "key", None, "USD")
+    assert report["currency"] == "USD"
     assert report["rows"][0] == {
         "key": "alice",
+        "currency": "USD",
         "cost": "1.000000000011",
         "requests": 2,
         "prompt_tokens": 14,
@@ -67,6 +68,34 @@ async def test_table_and_csv_list_every_group() -> None:
         ("center", "1.000000000009", "USD"),
         ("edge", "0.000000000007", "USD"),
     ]
+
+
+@pytest.mark.anyio
+async def test_a_currency_change_gives_a_row_and_a_total_per_currency() -> None:
+    store = MemoryStore()
+    euros = record("d", "alice", DAY + 30, ("center", 1, 1, 9), currency="EUR")
+    await store.write([*RECORDS, euros])
+    report = await usage_report(store, "key", None, "EUR")
+    assert [(r["key"], r["currency"], r["cost"]) for r in report["rows"]] == [
+        ("alice", "EUR", "0.000000000009"),
+        ("alice", "USD", "1.000000000011"),
+        ("bob", "USD", "0.000000000005"),
+    ]
+    assert report["total"]["cost"] == "0.000000000009" and report["total"]["requests"] == 1
+    assert [(t["currency"], t["cost"], t["requests"]) for t in report["totals"]] == [
+        ("EUR", "0.000000000009", 1),
+        ("USD", "1.000000000016", 3),
+    ]
+    by_target = await usage_report(store, "target", None, "EUR")
+    assert [(t["currency"], t["requests"]) for t in by_target["totals"]] == [("EUR", 1), ("USD", 3)]
+    table = render(report, "table").splitlines()
+    assert table[0].split()[:4] == ["key", "requests", "cost", "currency"]
+    assert [line.split()[:4] for line in table[-2:]] == [
+        ["total", "1", "0.000000000009", "EUR"],
+        ["total", "3", "1.000000000016", "USD"],
+    ]
+    rows = list(csv.DictReader(io.StringIO(render(report, "csv"))))
+    assert [r["currency"] for r in rows] == ["EUR", "USD", "USD"]
 
 
 def test_the_command_refuses_a_bad_url_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:

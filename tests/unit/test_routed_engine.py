@@ -88,7 +88,12 @@ class Outcome:
 
     @property
     def metas(self) -> list[Any]:
-        return [d.meta for d in self.deltas if d.meta is not None]
+        """The seams' meta events (the prefill's bill: `prefills`)."""
+        return [d.meta for d in self.deltas if d.meta is not None and "prefill" not in d.meta]
+
+    @property
+    def prefills(self) -> list[Any]:
+        return [d.meta["prefill"] for d in self.deltas if d.meta and "prefill" in d.meta]
 
     @property
     def finish(self) -> Delta:
@@ -1060,7 +1065,12 @@ class Timed:
 
     @property
     def metas(self) -> list[Any]:
-        return [d.meta for _, d in self.deltas if d.meta is not None]
+        """The seams' meta events (the prefill's bill: `prefills`)."""
+        return [d.meta for _, d in self.deltas if d.meta is not None and "prefill" not in d.meta]
+
+    @property
+    def prefills(self) -> list[Any]:
+        return [d.meta["prefill"] for _, d in self.deltas if d.meta and "prefill" in d.meta]
 
 
 def timed(engine: RoutedEngine, request: GenerationRequest | None = None) -> Timed:
@@ -1120,6 +1130,10 @@ def test_a_slow_center_takes_over_without_a_pause_when_prefilled_and_paced() -> 
     continued = [r for r in center.requests if "continuation" in r.options]
     assert [r.options["continuation"] for r in continued] == [whole_words(at)]
     assert center.requests[0].request_id == prefill_id("s1")
+    # The prefill is billed: its meta event comes just before the answer's last delta.
+    assert out.prefills == [{"target": "center0"}]
+    assert out.deltas[-2][1].meta == {"prefill": {"target": "center0"}}
+    assert out.deltas[-1][1].finish_reason is not None
     # Not much later than the center alone (0.9 + 59 x 20 ms = 2.08 s).
     assert out.texts[-1] < 2.08 * 1.1
 
@@ -1133,6 +1147,21 @@ def test_a_center_faster_than_the_edge_takes_over_at_the_first_boundary_once_rea
     assert out.metas == [{"handoff": {"from": "edge", "to": "center0", "at_token": 1}}]
 
 
+def test_a_prefill_the_center_refused_is_not_billed() -> None:
+    words = Words(30, ttft_s=0.05, itl_s=0.01)
+
+    def refuses_prefills(request: GenerationRequest) -> list[Any]:
+        if request.max_tokens == 1:
+            return [Fail("upstream_overloaded", retryable=True, status=503)]
+        return words(request)
+
+    edge = Scripted(Words(30, ttft_s=0.1, itl_s=0.015))
+    out = timed(seam_tiers(Scripted(refuses_prefills), edge=edge, after_tokens=8, pace_ms=0))
+    assert out.error is None and out.text == whole_words(30)
+    assert [m["handoff"]["at_token"] for m in out.metas] == [8]  # by count, as no prefill
+    assert out.prefills == []
+
+
 def test_without_prefill_and_pace_the_hand_off_is_after_exactly_n_tokens() -> None:
     edge = Scripted(Words(30, ttft_s=0.1, itl_s=0.015))
     center = Scripted(Words(30, ttft_s=0.9, itl_s=0.02, warm_s=0.1))
@@ -1141,6 +1170,7 @@ def test_without_prefill_and_pace_the_hand_off_is_after_exactly_n_tokens() -> No
     assert out.metas == [{"handoff": {"from": "edge", "to": "center0", "at_token": 8}}]
     assert out.longest_gap() == pytest.approx(0.9)  # the seam: the center's whole delay
     assert [r.request_id for r in center.requests] == ["s1"]
+    assert out.prefills == []  # none asked: none billed
 
 
 def test_the_center_learns_its_delay_and_the_next_answer_hands_off_by_it() -> None:

@@ -25,13 +25,15 @@ from tests.postgres_server import PostgresServer
 DAY = 1796169600.0  # 2026-12-02 00:00 UTC
 
 
-def record(rid: str, key: str, at: float, *legs: tuple[str, int, int, int]) -> UsageRecord:
+def record(
+    rid: str, key: str, at: float, *legs: tuple[str, int, int, int], currency: str = "USD"
+) -> UsageRecord:
     return UsageRecord(
         request_id=rid,
         at=at,
         key=key,
         route="chat",
-        currency="USD",
+        currency=currency,
         outcome="completed",
         ttft_ms=12.5,
         duration_ms=80.0,
@@ -91,8 +93,8 @@ async def test_totals_by_key_add_every_leg_exactly(store: Store) -> None:
     await store.write(RECORDS)
     rows = await store.summary("key", None)
     assert rows == [
-        ("alice", 2, 14, 40, 0, 0, 0, 1_000_000_000_011),
-        ("bob", 1, 2, 2, 0, 0, 0, 5),
+        ("alice", 2, 14, 40, 0, 0, 0, 1_000_000_000_011, "USD"),
+        ("bob", 1, 2, 2, 0, 0, 0, 5, "USD"),
     ]
 
 
@@ -101,8 +103,8 @@ async def test_by_target_counts_each_leg_at_its_target(store: Store) -> None:
     await store.write(RECORDS)
     rows = await store.summary("target", DAY)
     assert rows == [
-        ("center", 2, 4, 35, 0, 0, 0, 1_000_000_000_004),
-        ("edge", 1, 10, 5, 0, 0, 0, 7),
+        ("center", 2, 4, 35, 0, 0, 0, 1_000_000_000_004, "USD"),
+        ("edge", 1, 10, 5, 0, 0, 0, 7, "USD"),
     ]
 
 
@@ -112,8 +114,31 @@ async def test_by_day_and_since(store: Store) -> None:
     days = await store.summary("day", None)
     assert [(r[0], r[1]) for r in days] == [("2026-12-01", 1), ("2026-12-02", 2)]
     assert [r[0] for r in await store.summary("route", DAY)] == ["chat"]
-    assert await store.spent("alice", DAY) == 1_000_000_000_011
-    assert await store.spent("bob", DAY) == 0
+    assert await store.spent("alice", DAY, "USD") == 1_000_000_000_011
+    assert await store.spent("bob", DAY, "USD") == 0
+
+
+@pytest.mark.anyio
+async def test_two_currencies_are_never_added_up(store: Store) -> None:
+    # The routes file's currency went from USD to EUR: alice's spend is two rows, and her
+    # EUR budget counts her EUR spend alone.
+    euros = record("d", "alice", DAY + 30, ("center", 1, 1, 9), currency="EUR")
+    await store.write([*RECORDS, euros])
+    rows = await store.summary("key", None)
+    assert [(r[0], r[-1], r[-2]) for r in rows] == [
+        ("alice", "EUR", 9),
+        ("alice", "USD", 1_000_000_000_011),
+        ("bob", "USD", 5),
+    ]
+    assert [(r[0], r[-1]) for r in await store.summary("target", DAY)] == [
+        ("center", "EUR"),
+        ("center", "USD"),
+        ("edge", "USD"),
+    ]
+    assert await store.spent("alice", DAY, "EUR") == 9
+    assert await store.spent("alice", DAY, "USD") == 1_000_000_000_011
+    mine = await store.summary("route", None, key="bob")  # one key's records alone
+    assert [(r[0], r[1], r[-1]) for r in mine] == [("chat", 1, "USD")]
 
 
 @pytest.mark.anyio

@@ -181,7 +181,10 @@ function renderKeys(keys) {
       render: (td, k) => {
         td.hidden = !spend;
         td.className = 'num spend';
-        setText(td, k.spend === undefined ? '' : `${k.spend.toFixed(4)} (+${k.spend_per_min.toFixed(4)}/min)`);
+        // Since this process started; a budget's own period is shown beside it.
+        const since = k.spend === undefined ? '' : `${k.spend.toFixed(4)} (+${k.spend_per_min.toFixed(4)}/min)`;
+        const b = k.budget;
+        setText(td, b ? `${since} · budget ${b.spent.toFixed(4)} / ${b.amount.toFixed(4)} per ${b.per}` : since);
       },
     },
   ]);
