@@ -47,6 +47,7 @@ class StreamRecord:
     # What another instance needs to continue the stream (its request, key and format; see
     # `api/gateway.py`), stored with it; None: it cannot be taken over.
     handover: bytes | None = None
+    tenant: str = ""  # the key that created it: only that key reads a response back by id
 
 
 LOST_AHEAD = (

@@ -435,7 +435,7 @@ def test_response_base_echoes_the_request() -> None:
         ({"input": "q", "tool_choice": {"type": "web_search"}}, "tool_choice", "allowed_tools"),
         ({"input": "q", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({}, "input", "Field required"),
-        ({"input": "q", "background": True}, "background", "not supported"),
+        ({"input": "q", "background": True, "store": False}, "background", "need store"),
     ],
 )
 def test_refused_requests(body: dict, param: str, words: str) -> None:
