@@ -4,8 +4,9 @@ Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in
   ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model,
                        tenant (the key that created it: who may read a response by id),
                        owner, fence (raised by each takeover; every write of the owner
-                       carries it), takeover (1/0), req (what continuing it needs, `StreamRecord.handover`:
-                       deleted with the end, which leaves nothing to continue), outcome,
+                       carries it), takeover (1/0), req (what continuing it needs,
+                       `StreamRecord.handover`: deleted with the end, which leaves nothing
+                       to continue), outcome,
                        billed (what the answer's owners billed, left at a hand-over:
                        "prompt completion reasoning"; absent: nobody billed any of it yet)
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
@@ -733,9 +734,7 @@ class RedisStore:
         blob: list[bytes] = []
         for rep in reps:
             r = rep.record
-            fields = [
-                f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model, r.tenant)
-            ]
+            fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model, r.tenant)]
             handover = rep.handover()
             fields.append(handover or b"")
             fields.append(rep.end[0].encode() if rep.end is not None else b"")
