@@ -12,6 +12,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+from openai.types.responses import Response
 
 from firsttoken.engines.synthetic import synthetic_tokens
 from tests.redis_server import run_redis
@@ -93,7 +94,7 @@ def replay(server: Server, response_id: str, after: int | None = None) -> bytes:
     return answer.content
 
 
-def poll(server: Server, response_id: str, key: str = "sk-alice") -> openai.types.responses.Response:
+def poll(server: Server, response_id: str, key: str = "sk-alice") -> Response:
     sdk = client(server, key)
     deadline = time.monotonic() + 10
     response = sdk.responses.retrieve(response_id)
