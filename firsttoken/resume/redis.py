@@ -195,8 +195,8 @@ _META_COMMANDS = 4  # per stream (`_meta_commands`)
 # each stream's meta. ARGV[1]: the owner (this instance); ARGV[2]: per stream, ten
 # little-endian uint32s (the TTL; the fence; takeover 0/1; the byte lengths of kind, digest,
 # trace, model, tenant, the stored request and the outcome, 0 for none), then those seven
-# fields' bytes. The owner and fence are set only where missing, as `_meta_commands` does. Returns
-# the streams whose write failed, as (position, error) pairs.
+# fields' bytes. The owner and fence are set only where missing, as `_meta_commands` does.
+# Returns the streams whose write failed, as (position, error) pairs.
 _WRITE_METAS = """
 local blob = ARGV[2]
 local pos = 1
@@ -807,11 +807,12 @@ class RedisStore:
         key = meta_key(r.id)
         handover = rep.handover()
         fields: list[Any] = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id]
-        fields += ("model", r.model, "tenant", r.tenant, "takeover", 0 if handover is None else 1)
+        fields += ("model", r.model, "takeover", 0 if handover is None else 1)
         if handover is not None:
             fields += ("req", handover)
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
+        fields += ("tenant", r.tenant)  # who may read a response back by id
         return [
             ("HSET", key, *fields),
             ("HSETNX", key, "owner", self.instance),
