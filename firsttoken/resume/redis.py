@@ -1103,9 +1103,26 @@ class RedisStore:
             raise _unavailable("streams of other instances cannot be found now") from None
         if meta[0] is None:
             return None
-        kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", meta[:4]))  # raw
-        tenant = (meta[4] or b"").decode()  # none in a meta written before it was kept
+        raw = cast("list[bytes | None]", meta)
+        kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", raw[:4]))
+        tenant = (raw[4] or b"").decode()  # none in a meta written before it was kept
         return StreamRecord(stream_id, kind, digest, trace, model, tenant=tenant)
+
+    async def delete(self, stream_id: str) -> None:
+        rep = self._replicas.get(stream_id)
+        if rep is not None:  # nothing more of it is written from here
+            self._forget(stream_id, rep)
+        keys = (meta_key(stream_id), events_key(stream_id))
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self.redis.delete(*keys)
+                if rep is not None:
+                    # A write of it already in flight lands within a flush: gone after that.
+                    await anyio.sleep(self.flush_interval_s)
+                    await self.redis.delete(*keys)
+        except REDIS_DOWN as exc:
+            self._set_up(False, exc)
+            raise _unavailable("responses cannot be deleted now") from None
 
     async def cancel(self, stream_id: str) -> str | None:
         try:

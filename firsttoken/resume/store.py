@@ -135,6 +135,11 @@ class EventStore(Protocol):
 
     async def cancel(self, stream_id: str) -> str | None: ...
 
+    async def delete(self, stream_id: str) -> None:
+        """Forget an ended stream before its TTL, on every instance that would find it here
+        (`DELETE /v1/responses/{id}`)."""
+        ...
+
     async def has_remote_readers(self, stream_id: str) -> bool: ...
 
     async def tail(
@@ -225,6 +230,9 @@ class MemoryStore:
         return None
 
     async def cancel(self, stream_id: str) -> str | None:
+        return None
+
+    async def delete(self, stream_id: str) -> None:
         return None
 
     async def has_remote_readers(self, stream_id: str) -> bool:

@@ -232,3 +232,30 @@ def test_background_with_store_false_is_refused(single: Server) -> None:
             model="synthetic", input=QUESTION, background=True, store=False
         )
     assert "store" in str(info.value)
+
+
+def test_cancel_and_delete_through_another_instance(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    long = {"seed": 7, "synthetic": {"itl_ms": 20, "answer_tokens": 500}}
+    made_on_a = [
+        client(a).responses.create(
+            model="synthetic", input=QUESTION, background=True, extra_body=long
+        )
+        for _ in range(2)
+    ]
+    time.sleep(0.2)
+    running, ended = made_on_a
+    assert client(b).responses.cancel(ended.id).status == "cancelled"
+    assert poll(a, ended.id).status == "cancelled"  # its owner stopped it
+    for response in (running, ended):  # deleted through b: gone from both
+        client(b).responses.delete(response.id)
+        for server in (a, b):
+            with pytest.raises(openai.NotFoundError):
+                client(server).responses.retrieve(response.id)
+    made_on_b = client(b).responses.create(
+        model="synthetic", input=QUESTION, background=True, extra_body=SLOW
+    )
+    assert poll(a, made_on_b.id).status == "completed"
+    client(b).responses.delete(made_on_b.id)  # by its owner: gone from the other too
+    with pytest.raises(openai.NotFoundError):
+        client(a).responses.retrieve(made_on_b.id)

@@ -117,6 +117,16 @@ async def _response_stream(request: Request) -> Stream:
         or not owns(stream, key.name)
     ):
         raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
+    store = gw.registry.store
+    if store.replicates and stream.ended and not isinstance(stream, Mirror):
+        # Kept here after its end, it may have been deleted through another instance: the
+        # store's record says (while the store answers).
+        try:
+            gone = await store.lookup(stream.id) is None
+        except APIError:
+            gone = False
+        if gone:
+            raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
     return stream
 
 
@@ -140,14 +150,15 @@ async def _current(request: Request, stream: Stream) -> dict[str, Any]:
     return response
 
 
-async def _fill(request: Request, mirror: Mirror) -> None:
-    """Read a mirror's log from the store until it ends or stops growing, then stop it."""
+async def _fill(request: Request, mirror: Mirror, until_end_s: float = 0.0) -> None:
+    """Read a mirror's log from the store until it ends or stops growing (or, given
+    `until_end_s`, until it ends, for that long at most), then stop it."""
     log = mirror.log
     await gateway(request).registry.tail(mirror, 0)
     try:
-        with anyio.move_on_after(1.0):
-            while not log.closed and log.last_seq == 0:
-                await log.wait(0)
+        with anyio.move_on_after(max(1.0, until_end_s)):
+            while not log.closed and (log.last_seq == 0 or until_end_s):
+                await log.wait(log.last_seq)
         while not log.closed:
             seen = log.last_seq
             with anyio.move_on_after(0.1):
@@ -194,13 +205,18 @@ async def cancel_response(request: Request) -> Response:
 
 
 async def delete_response(request: Request) -> Response:
-    """`DELETE /v1/responses/{response_id}`: stopped if it runs, and forgotten here."""
+    """`DELETE /v1/responses/{response_id}`: stopped if it runs, and forgotten here and in
+    the shared store (the instance that made it asks the store before it answers for it)."""
     gw = gateway(request)
     try:
         stream = await _response_stream(request)
+        await gw.registry.cancel(stream)
+        if isinstance(stream, Mirror):
+            # Its owner ends it and writes that end: deleted after, it stays deleted.
+            await _fill(request, stream, until_end_s=2.0)
+        gw.registry.forget(stream)  # the ended stream, before its TTL
+        await gw.registry.store.delete(stream.id)  # and on every other instance
     except APIError as exc:
         return exc.response(trace_id(request))
-    await gw.registry.cancel(stream)
-    gw.registry.forget(stream)  # the ended stream, before its TTL
     response_id = _PREFIX + stream.id
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
