@@ -36,6 +36,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute("POST", "/responses", endpoint(responses.RESPONSES), hot=True),
     ApiRoute("GET", "/responses/{response_id}", responses.retrieve_response, hot=True),
     ApiRoute("POST", "/responses/{response_id}/cancel", responses.cancel_response),
+    ApiRoute("GET", "/responses/{response_id}/input_items", responses.input_items),
     ApiRoute("DELETE", "/responses/{response_id}", responses.delete_response),
     ApiRoute("POST", "/messages", endpoint(anthropic.MESSAGES), hot=True),
     ApiRoute("POST", "/messages/count_tokens", anthropic.count_tokens),

@@ -226,6 +226,20 @@ def test_bad_starting_after_is_a_400_naming_it(single: Server, after: str) -> No
     assert answer.json()["error"]["param"] == "starting_after"
 
 
+def test_input_items_and_previous_response_id_are_refused_saying_why(single: Server) -> None:
+    created = client(single).responses.create(
+        model="synthetic", input=QUESTION, background=True, extra_body={"seed": 7}
+    )
+    with pytest.raises(openai.NotFoundError) as missing:
+        client(single).responses.input_items.list(created.id)
+    assert "not with its input" in str(missing.value)
+    with pytest.raises(openai.BadRequestError) as refused:
+        client(single).responses.create(
+            model="synthetic", input="and then?", previous_response_id=created.id
+        )
+    assert "not with its input" in str(refused.value)
+
+
 def test_background_with_store_false_is_refused(single: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client(single).responses.create(

@@ -286,7 +286,8 @@ class ResponsesRequest(_Body):
     def _stateless(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError(
-                "this server keeps no conversation state: send the whole conversation in "
+                "this server keeps no conversation state (a response is kept as its events, "
+                "to read it back, not with its input): send the whole conversation in "
                 "`input` (the previous output items, then your new items)"
             )
         return value

@@ -33,6 +33,7 @@ __all__ = [
     "as_it_stands",
     "cancel_response",
     "delete_response",
+    "input_items",
     "log_seq",
     "retrieve_response",
     "starting_after",
@@ -185,6 +186,17 @@ async def retrieve_response(request: Request) -> Answer:
     if isinstance(stream, Mirror):
         await gw.registry.tail(stream, after)
     return gw.reader(stream, request, after=after)
+
+
+async def input_items(request: Request) -> Response:
+    """`GET /v1/responses/{response_id}/input_items`: not served, and says why."""
+    return APIError(
+        404,
+        "not_found",
+        "a response is kept as its events, to read it back, not with its input: "
+        "input_items is not served here",
+        param="response_id",
+    ).response(trace_id(request))
 
 
 async def cancel_response(request: Request) -> Response:
