@@ -273,3 +273,20 @@ def test_cancel_and_delete_through_another_instance(pair: tuple[Server, Server])
     client(b).responses.delete(made_on_b.id)  # by its owner: gone from the other too
     with pytest.raises(openai.NotFoundError):
         client(a).responses.retrieve(made_on_b.id)
+
+
+def test_starting_after_past_the_end_through_another_instance(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    created = client(a).responses.create(
+        model="synthetic", input=QUESTION, background=True, extra_body={"seed": 7}
+    )
+    final = poll(a, created.id)
+    last = len(events_of(replay(a, created.id))) - 1  # the last sequence_number
+    assert final.status == "completed" and last > 10
+    headers = {"authorization": "Bearer sk-alice"}
+    url = b.v1 + f"/responses/{created.id}"
+    past = httpx.get(url, params={"stream": "true", "starting_after": last + 1}, headers=headers)
+    assert past.status_code == 400 and past.json()["error"]["param"] == "starting_after"
+    assert f"(sequence_number {last})" in past.json()["error"]["message"]
+    at_end = httpx.get(url, params={"stream": "true", "starting_after": last}, headers=headers)
+    assert at_end.status_code == 200 and at_end.content == b""  # all of it was read

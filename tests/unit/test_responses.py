@@ -518,7 +518,7 @@ def test_starting_after_is_the_log_seq_to_read_after_or_a_400_naming_it() -> Non
         assert info.value.status == 400 and info.value.param == "starting_after"
     with pytest.raises(APIError) as info:
         starting_after("10", 10)  # sequence numbers 0-9: nothing numbered 10 was sent
-    assert "past this response's last event (sequence_number 9)" in info.value.message
+    assert "past this response's last event so far (sequence_number 9)" in info.value.message
 
 
 def test_the_response_as_it_stands_from_its_events() -> None:

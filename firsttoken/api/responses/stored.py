@@ -67,7 +67,7 @@ def starting_after(raw: str | None, last_seq: int | None) -> int:
         raise APIError(
             400,
             "invalid_starting_after",
-            f"starting_after is past this response's last event (sequence_number "
+            f"starting_after is past this response's last event so far (sequence_number "
             f"{max(last_seq - 1, 0)})",
             param="starting_after",
         )
@@ -151,21 +151,19 @@ async def _current(request: Request, stream: Stream) -> dict[str, Any]:
     return response
 
 
-async def _fill(request: Request, mirror: Mirror, until_end_s: float = 0.0) -> None:
-    """Read a mirror's log from the store until it ends or stops growing (or, given
-    `until_end_s`, until it ends, for that long at most), then stop it."""
+async def _fill(request: Request, mirror: Mirror, until_end_s: float = 0.2) -> None:
+    """Read a mirror's log from the store, then stop it: its first event, then until it
+    ends, for `until_end_s` at most (an ended stream's end comes with the backlog, in the
+    tail's first read; a live one's Response is its opening event)."""
     log = mirror.log
     await gateway(request).registry.tail(mirror, 0)
     try:
-        with anyio.move_on_after(max(1.0, until_end_s)):
-            while not log.closed and (log.last_seq == 0 or until_end_s):
+        with anyio.move_on_after(1.0):
+            while not log.closed and log.last_seq == 0:
+                await log.wait(0)
+        with anyio.move_on_after(until_end_s):
+            while not log.closed:
                 await log.wait(log.last_seq)
-        while not log.closed:
-            seen = log.last_seq
-            with anyio.move_on_after(0.1):
-                await log.wait(seen)
-            if log.last_seq == seen:
-                break
     finally:
         mirror.stop(Outcome.DISCONNECTED)
 
@@ -179,13 +177,29 @@ async def retrieve_response(request: Request) -> Answer:
         if request.query_params.get("stream") not in ("true", "1"):
             return JSONResponse(await _current(request, stream))
         raw = request.query_params.get("starting_after")
-        mirror = isinstance(stream, Mirror)
-        after = starting_after(raw, None if mirror else stream.log.last_seq)
+        if isinstance(stream, Mirror):
+            after = starting_after(raw, None)  # its form; its end once the store says
+            await _caught_up(request, stream, after)
+            try:
+                starting_after(raw, stream.log.last_seq)
+            except APIError:
+                stream.stop(Outcome.DISCONNECTED)  # nobody will read it
+                raise
+        else:
+            after = starting_after(raw, stream.log.last_seq)
     except APIError as exc:
         return exc.response(trace_id(request))
-    if isinstance(stream, Mirror):
-        await gw.registry.tail(stream, after)
     return gw.reader(stream, request, after=after)
+
+
+async def _caught_up(request: Request, mirror: Mirror, after: int) -> None:
+    """Follow a mirror from the store's first event until it holds `after` (its owner's
+    readers may be a flush ahead of the store) or ends, for a second at most."""
+    log = mirror.log
+    await gateway(request).registry.tail(mirror, 0)
+    with anyio.move_on_after(1.0):
+        while not log.closed and log.last_seq < max(after, 1):
+            await log.wait(log.last_seq)
 
 
 async def input_items(request: Request) -> Response:
