@@ -290,3 +290,14 @@ def test_starting_after_past_the_end_through_another_instance(pair: tuple[Server
     assert f"(sequence_number {last})" in past.json()["error"]["message"]
     at_end = httpx.get(url, params={"stream": "true", "starting_after": last}, headers=headers)
     assert at_end.status_code == 200 and at_end.content == b""  # all of it was read
+
+
+def test_a_whole_answer_is_not_kept_to_read_back(pair: tuple[Server, Server]) -> None:
+    a, b = pair
+    whole = client(a).responses.create(model="synthetic", input=QUESTION, extra_body=SLOW)
+    assert whole.status == "completed" and whole.store is False
+    for server in (a, b):
+        with pytest.raises(openai.NotFoundError):
+            client(server).responses.retrieve(whole.id)
+        with pytest.raises(openai.NotFoundError):
+            list(client(server).responses.retrieve(whole.id, stream=True))

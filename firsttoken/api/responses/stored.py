@@ -181,6 +181,10 @@ async def retrieve_response(request: Request) -> Answer:
             after = starting_after(raw, None)  # its form; its end once the store says
             await _caught_up(request, stream, after)
             try:
+                first = stream.log.wire(stream.log.first_seq)
+                if first is not None and event_payload(first)[0] != "response.created":
+                    # A whole answer's stream (chat chunks, folded where it ran).
+                    raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
                 starting_after(raw, stream.log.last_seq)
             except APIError:
                 stream.stop(Outcome.DISCONNECTED)  # nobody will read it
