@@ -139,10 +139,11 @@ def _events(log: EventLog) -> list[tuple[str | None, bytes]]:
     return [event_payload(wire) for seq in seqs if (wire := log.wire(seq)) is not None]
 
 
-async def _current(request: Request, stream: Stream) -> dict[str, Any]:
-    """The Response as it stands, from the stream's log (a mirror's from the store)."""
+async def _current(request: Request, stream: Stream, until_end_s: float = 0.2) -> dict[str, Any]:
+    """The Response as it stands, from the stream's log (a mirror's from the store, waiting
+    `until_end_s` at most for its end)."""
     if isinstance(stream, Mirror):
-        await _fill(request, stream)
+        await _fill(request, stream, until_end_s)
     response = as_it_stands(_events(stream.log))
     if response is None and isinstance(stream.renderer, ResponsesRenderer):
         response = response_object(stream.renderer.base, "in_progress", [])
@@ -223,9 +224,9 @@ async def cancel_response(request: Request) -> Response:
     try:
         stream = await _response_stream(request)
         await gateway(request).registry.cancel(stream)
-        if isinstance(stream, Mirror):  # its owner stops it: say what was asked
-            response = await _current(request, stream)
-            if response.get("status") not in _TERMINAL:
+        if isinstance(stream, Mirror):  # its owner stops it, and writes its end
+            response = await _current(request, stream, until_end_s=1.0)
+            if response.get("status") not in _TERMINAL:  # not in the store yet
                 response["status"] = "cancelled"
         else:
             response = await _current(request, stream)
