@@ -139,7 +139,7 @@ def _events(log: EventLog) -> list[tuple[str | None, bytes]]:
     return [event_payload(wire) for seq in seqs if (wire := log.wire(seq)) is not None]
 
 
-async def _current(request: Request, stream: Stream, until_end_s: float = 0.2) -> dict[str, Any]:
+async def _current(request: Request, stream: Stream, until_end_s: float = 0.05) -> dict[str, Any]:
     """The Response as it stands, from the stream's log (a mirror's from the store, waiting
     `until_end_s` at most for its end)."""
     if isinstance(stream, Mirror):
@@ -152,7 +152,7 @@ async def _current(request: Request, stream: Stream, until_end_s: float = 0.2) -
     return response
 
 
-async def _fill(request: Request, mirror: Mirror, until_end_s: float = 0.2) -> None:
+async def _fill(request: Request, mirror: Mirror, until_end_s: float = 0.05) -> None:
     """Read a mirror's log from the store, then stop it: its first event, then until it
     ends, for `until_end_s` at most (an ended stream's end comes with the backlog, in the
     tail's first read; a live one's Response is its opening event)."""
