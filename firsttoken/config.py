@@ -456,6 +456,12 @@ class Settings:
     openai_grace_s: float = _knob(
         0.0, "OpenAI-path streams: keep generating this long after the client left"
     )
+    responses_ttl_s: float = _knob(
+        600.0,
+        "background Responses (`background: true`): keep generating this long with no "
+        "reader (the key's concurrency still counts it)",
+        range=Range(0, 86_400),
+    )
     coalesce: str = _knob(
         "off",
         "default chunking: one event per token, or boundary coalescing",

@@ -113,6 +113,10 @@ class Format(Generic[B]):
         """How long the stream outlives its last reader, waiting for a resume."""
         raise NotImplementedError
 
+    def grace_for(self, body: B, settings: Settings) -> float:
+        """`grace_s`, where a request may ask for its own (a background response)."""
+        return self.grace_s(settings)
+
     def check(self, body: B) -> None:
         """Refuse (raise `APIError`) a valid body this server does not serve."""
 
@@ -187,7 +191,7 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
             generation,
             plan.renderer,
             kind=format.kind,
-            grace_s=format.grace_s(gw.settings),
+            grace_s=format.grace_for(body, gw.settings),
             trace=trace,
             accepted_at=accepted_at,
             ticket=ticket,

@@ -34,7 +34,9 @@ class Mirror(Stream):
     __slots__ = ("ended_there", "resumed")
 
     def __init__(self, record: StreamRecord, *, max_events: int) -> None:
-        request = GenerationRequest(request_id=record.id, prompt="", model=record.model)
+        request = GenerationRequest(
+            request_id=record.id, prompt="", model=record.model, tenant=record.tenant
+        )
         super().__init__(
             request,
             None,

@@ -270,6 +270,7 @@ class Stream:
             self.trace_id,
             self.request.model,
             self.handover,
+            self.request.tenant,
         )
 
     # -- the engine's sink -----------------------------------------------------------------

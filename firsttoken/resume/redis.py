@@ -1,10 +1,12 @@
 """Redis store: streams shared by every gateway instance that points at the same Redis.
 
 Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in one slot):
-  ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model, owner,
-                       fence (raised by each takeover; every write of the owner carries it),
-                       takeover (1/0), req (what continuing it needs, `StreamRecord.handover`:
-                       deleted with the end, which leaves nothing to continue), outcome,
+  ft:{g}:<id>:meta     hash: kind, digest (sha256 of the resume token), trace, model,
+                       tenant (the key that created it: who may read a response by id),
+                       owner, fence (raised by each takeover; every write of the owner
+                       carries it), takeover (1/0), req (what continuing it needs,
+                       `StreamRecord.handover`: deleted with the end, which leaves nothing
+                       to continue), outcome,
                        billed (what the answer's owners billed, left at a hand-over:
                        "prompt completion reasoning"; absent: nobody billed any of it yet)
   ft:{g}:<id>:events   Redis Stream of runs (`runs.py`): entry `<last seq>-0` carries the
@@ -198,11 +200,11 @@ _META_COMMANDS = 5  # per stream (`_meta_commands`)
 
 # New streams' metas, one call for every stream opened in a turn of the loop (four commands a
 # stream before: Redis parsed and ran 4N, the client packed 4N and read 4N replies). KEYS:
-# each stream's meta. ARGV[1]: the owner (this instance); ARGV[2]: per stream, nine
+# each stream's meta. ARGV[1]: the owner (this instance); ARGV[2]: per stream, ten
 # little-endian uint32s (the TTL; the fence; takeover 0/1; the byte lengths of kind, digest,
-# trace, model, the stored request and the outcome, 0 for none), then those six fields'
-# bytes. The owner and fence are set only where missing, as `_meta_commands` does. Returns
-# the streams whose write failed, as (position, error) pairs.
+# trace, model, tenant, the stored request and the outcome, 0 for none), then those seven
+# fields' bytes. The owner and fence are set only where missing, as `_meta_commands` does.
+# Returns the streams whose write failed, as (position, error) pairs.
 _WRITE_METAS = """
 local blob = ARGV[2]
 local pos = 1
@@ -219,13 +221,13 @@ end
 while pos <= #blob do
   i = i + 1
   local meta = KEYS[i]
-  local ttl, fence, takeover, kl, dl, tl, ml, rl, ol
-  ttl, fence, takeover, kl, dl, tl, ml, rl, ol, pos =
-    struct.unpack('<I4I4I4I4I4I4I4I4I4', blob, pos)
-  local kind, digest, trace, model = take(kl), take(dl), take(tl), take(ml)
+  local ttl, fence, takeover, kl, dl, tl, ml, nl, rl, ol
+  ttl, fence, takeover, kl, dl, tl, ml, nl, rl, ol, pos =
+    struct.unpack('<I4I4I4I4I4I4I4I4I4I4', blob, pos)
+  local kind, digest, trace, model, tenant = take(kl), take(dl), take(tl), take(ml), take(nl)
   local req, outcome = take(rl), take(ol)
   local err = failed(redis.pcall('HSET', meta, 'kind', kind, 'digest', digest, 'trace', trace,
-                                 'model', model, 'takeover', takeover))
+                                 'model', model, 'tenant', tenant, 'takeover', takeover))
   if not err and rl > 0 then err = failed(redis.pcall('HSET', meta, 'req', req)) end
   if not err and ol > 0 then err = failed(redis.pcall('HSET', meta, 'outcome', outcome)) end
   err = err or failed(redis.pcall('HSETNX', meta, 'owner', ARGV[1]))
@@ -242,7 +244,7 @@ while pos <= #blob do
 end
 return out
 """
-_META_HEAD = struct.Struct("<9I")
+_META_HEAD = struct.Struct("<10I")
 # A Lua call holds Redis for its whole length: 50 new streams' metas with a 1 MB request each
 # in one call kept every other client waiting 243 ms. Past this many bytes of requests, the
 # metas of a turn go in several calls, one after the other (others' commands run between).
@@ -802,7 +804,7 @@ class RedisStore:
         blob: list[bytes] = []
         for rep in reps:
             r = rep.record
-            fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model)]
+            fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model, r.tenant)]
             handover = rep.handover()
             fields.append(handover or b"")
             fields.append(rep.end[0].encode() if rep.end is not None else b"")
@@ -882,6 +884,7 @@ class RedisStore:
         if rep.end is not None:
             fields += ("outcome", rep.end[0])
             owned = ("SREM", *owned[1:])  # ended before its meta went out: nothing to sweep
+        fields += ("tenant", r.tenant)  # who may read a response back by id
         return [
             ("HSET", key, *fields),
             ("HSETNX", key, "owner", self.instance),
@@ -1166,15 +1169,33 @@ class RedisStore:
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 meta = await self.redis.hmget(
-                    meta_key(stream_id), ["kind", "digest", "trace", "model"]
+                    meta_key(stream_id), ["kind", "digest", "trace", "model", "tenant"]
                 )
         except REDIS_DOWN as exc:
             self._set_up(False, exc)
             raise _unavailable("streams of other instances cannot be found now") from None
         if meta[0] is None:
             return None
-        kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", meta))  # raw
-        return StreamRecord(stream_id, kind, digest, trace, model)
+        raw = cast("list[bytes | None]", meta)
+        kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", raw[:4]))
+        tenant = (raw[4] or b"").decode()  # none in a meta written before it was kept
+        return StreamRecord(stream_id, kind, digest, trace, model, tenant=tenant)
+
+    async def delete(self, stream_id: str) -> None:
+        rep = self._replicas.get(stream_id)
+        if rep is not None:  # nothing more of it is written from here
+            self._forget(stream_id, rep)
+        keys = (meta_key(stream_id), events_key(stream_id))
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                await self.redis.delete(*keys)
+                if rep is not None:
+                    # A write of it already in flight lands within a flush: gone after that.
+                    await anyio.sleep(self.flush_interval_s)
+                    await self.redis.delete(*keys)
+        except REDIS_DOWN as exc:
+            self._set_up(False, exc)
+            raise _unavailable("responses cannot be deleted now") from None
 
     async def cancel(self, stream_id: str) -> str | None:
         try:

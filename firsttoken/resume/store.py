@@ -48,6 +48,7 @@ class StreamRecord:
     # What another instance needs to continue the stream (its request, key and format; see
     # `api/gateway.py`), stored with it; None: it cannot be taken over.
     handover: bytes | None = None
+    tenant: str = ""  # the key that created it: only that key reads a response back by id
 
 
 LOST_AHEAD = (
@@ -157,6 +158,11 @@ class EventStore(Protocol):
 
     async def cancel(self, stream_id: str) -> str | None: ...
 
+    async def delete(self, stream_id: str) -> None:
+        """Forget an ended stream before its TTL, on every instance that would find it here
+        (`DELETE /v1/responses/{id}`)."""
+        ...
+
     async def has_remote_readers(self, stream_id: str) -> bool: ...
 
     async def tail(
@@ -250,6 +256,9 @@ class MemoryStore:
         return None
 
     async def cancel(self, stream_id: str) -> str | None:
+        return None
+
+    async def delete(self, stream_id: str) -> None:
         return None
 
     async def has_remote_readers(self, stream_id: str) -> bool:

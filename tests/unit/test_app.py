@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from typing import Any
 
 from starlette.requests import Request
@@ -106,12 +107,15 @@ def test_the_route_table_builds_both_the_asgi_routes_and_the_direct_dispatch() -
     ] + [("/admin/events", ["GET", "HEAD"])]
     app = HotRouteApp(starlette)
     for route in ROUTES:
-        path = "/v1" + route.path.replace("{stream_id}", "abc").replace("{model_id:path}", "m")
+        path = "/v1" + re.sub(r"\{[a-z_]+\}", "abc", route.path.replace("{model_id:path}", "m"))
         found = app.route(route.method, path)
         assert (found is not None) == route.hot, route.path
         if found is not None:
             assert found[0] is route.endpoint
-            assert found[1] == ({"stream_id": "abc"} if "{" in route.path else None)
+            name = re.search(r"\{([a-z_]+)\}", route.path)
+            assert found[1] == ({name[1]: "abc"} if name else None)
+    assert app.route("GET", "/v1/responses/abc")  # the SDK's retrieve, streamed or not
+    assert app.route("GET", "/v1/responses/abc/input_items") is None  # not a hot one
     assert app.route("GET", "/v1/streams//events") is None
     assert app.route("GET", "/v1/streams/a/b/events") is None
     assert app.route("POST", "/v1/streams/abc/events") is None

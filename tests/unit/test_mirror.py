@@ -72,3 +72,10 @@ def test_a_stopped_tail_s_closed_log_is_not_its_end() -> None:
         assert mirror.log.closed and not mirror.ended_there
 
     virtual_loop.run(body())
+
+
+def test_a_mirror_knows_the_key_that_made_its_stream() -> None:
+    record = StreamRecord("s1", "responses", "d", "t", "synthetic", tenant="alice")
+    assert Mirror(record, max_events=100).request.tenant == "alice"  # who reads it by id
+    unnamed = StreamRecord("s2", "native", "d", "t", "synthetic")  # an open server's
+    assert Mirror(unnamed, max_events=100).request.tenant == ""

@@ -157,6 +157,19 @@ def test_a_native_stream_is_started_and_answered_with_its_handle() -> None:
     assert gw.registry._streams[handle["id"]].grace_s == gw.settings.resume_grace_s
 
 
+def test_a_background_response_is_started_and_answered_queued_with_its_own_grace() -> None:
+    body = {"model": "synthetic", "input": "hi", "background": True}
+    status, headers, data, gw = run(_answer(RESPONSES, body))
+    response = orjson.loads(data)
+    assert status == 200 and response["object"] == "response"
+    assert response["id"] == "resp_" + headers["x-stream-id"]
+    assert response["status"] == "queued" and response["output"] == []
+    assert response["background"] is True and response["store"] is True
+    stream = gw.registry._streams[headers["x-stream-id"]]
+    assert stream.grace_s == gw.settings.responses_ttl_s == 600.0  # no reader, and it runs
+    assert stream.readers == 0 and stream.request.tenant == ""
+
+
 def test_each_format_names_its_own_resume_grace() -> None:
     s = Settings(resume_grace_s=7.0, openai_grace_s=3.0)
     assert STREAMS.grace_s(s) == 7.0

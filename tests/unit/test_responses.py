@@ -14,6 +14,7 @@ from openai.lib.streaming.responses._responses import ResponseStreamState
 from openai.types.responses import Response, ResponseStreamEvent
 from pydantic import TypeAdapter, ValidationError
 
+from firsttoken.api.bodies import APIError
 from firsttoken.api.pipeline import Ending
 from firsttoken.api.responses.adapter import (
     RESPONSES,
@@ -23,10 +24,14 @@ from firsttoken.api.responses.adapter import (
     transcript,
 )
 from firsttoken.api.responses.protocol import ResponsesRequest
-from firsttoken.generation import Delta, ToolCallDelta
+from firsttoken.api.responses.stored import as_it_stands, log_seq, owns, starting_after
+from firsttoken.config import Settings
+from firsttoken.core.stream import Outcome, Stream
+from firsttoken.generation import Delta, GenerationRequest, ToolCallDelta
 from firsttoken.wire.assemble import ChatAnswer, ToolCall
 from firsttoken.wire.render import ChatRenderer
 from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage
+from firsttoken.wire.sse import OWNER_IDS, event_id_of, event_payload
 
 USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)
@@ -435,7 +440,7 @@ def test_response_base_echoes_the_request() -> None:
         ({"input": "q", "tool_choice": {"type": "web_search"}}, "tool_choice", "allowed_tools"),
         ({"input": "q", "max_output_tokens": 0}, "max_output_tokens", "greater than"),
         ({}, "input", "Field required"),
-        ({"input": "q", "background": True}, "background", "not supported"),
+        ({"input": "q", "background": True, "store": False}, "background", "need store"),
     ],
 )
 def test_refused_requests(body: dict, param: str, words: str) -> None:
@@ -457,3 +462,115 @@ def test_the_responses_adapter_plans_a_stream_or_a_folded_response() -> None:
     assert whole.fold is not None
     response = whole.fold(ChatAnswer(content="ok", usage={"prompt_tokens": 3}))
     assert response["id"] == "resp_s1" and response["status"] == "completed"
+
+
+# -- responses read back by id (`stored.py`) ----------------------------------------------
+
+
+def stream_of(r: ResponsesRenderer, tenant: str = "alice") -> Stream:
+    request = GenerationRequest(request_id="k", prompt="hi", model="synthetic", tenant=tenant)
+    return Stream(
+        request,
+        r,
+        kind="responses",
+        trace_id="t",
+        grace_s=0,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=0.0,
+    )
+
+
+def framed(stream: Stream) -> list[tuple[int, int | None, str | None, dict]]:
+    """The log's events: (seq, SSE id, name, data)."""
+    log = stream.log
+    out = []
+    for seq in range(1, log.last_seq + 1):
+        wire = log.wire(seq)
+        assert wire is not None
+        name, data = event_payload(wire)
+        out.append((seq, event_id_of(wire), name, json.loads(data)))
+    return out
+
+
+@pytest.mark.parametrize("fence", [1, 2, 7])
+def test_sequence_number_is_the_log_seq_less_one_whoever_made_the_event(fence: int) -> None:
+    stream = stream_of(renderer())
+    stream.begin()
+    stream.number_as(fence)  # a takeover's ids from here on; the count goes on
+    for text in ("a", "b", "c"):
+        stream.push(text)
+    stream.finish("stop")
+    events = framed(stream)
+    assert len(events) > 8
+    for seq, event_id, _, data in events:
+        assert data["sequence_number"] == seq - 1 and log_seq(data["sequence_number"]) == seq
+        assert event_id == (seq if fence == 1 or seq <= 2 else fence * OWNER_IDS + seq)
+
+
+def test_starting_after_is_the_log_seq_to_read_after_or_a_400_naming_it() -> None:
+    assert starting_after(None, 10) == 0 and starting_after("", None) == 0  # from the start
+    assert starting_after("0", 10) == 1 and starting_after("9", 10) == 10
+    assert starting_after("123456", None) == 123457  # a mirror's end is not known yet
+    for bad, last in (("-1", 10), ("x", 10), ("1.5", 10), ("²", 10), ("9" * 19, None)):
+        with pytest.raises(APIError) as info:
+            starting_after(bad, last)
+        assert info.value.status == 400 and info.value.param == "starting_after"
+    with pytest.raises(APIError) as info:
+        starting_after("10", 10)  # sequence numbers 0-9: nothing numbered 10 was sent
+    assert "past this response's last event so far (sequence_number 9)" in info.value.message
+
+
+def test_the_response_as_it_stands_from_its_events() -> None:
+    stream = stream_of(renderer())
+    stream.begin()
+    stream.push("a")
+    running = as_it_stands(name_data(stream))
+    assert running is not None and running["status"] == "in_progress"
+    assert running["id"] == "resp_k" and running["output"] == []
+    stream.push("b")
+    stream.finish("stop")
+    done = as_it_stands(name_data(stream))
+    assert done is not None and done["status"] == "completed"
+    assert done["output"][0]["content"][0]["text"] == "ab"
+    cut = stream_of(renderer(max_output_tokens=1))
+    cut.begin()
+    cut.push("a")
+    cut.finish("length")
+    assert (as_it_stands(name_data(cut)) or {})["status"] == "incomplete"
+    assert as_it_stands([("ping", b"{}"), (None, b'{"token":"x"}')]) is None  # no Response
+
+
+def test_a_cancelled_response_stands_cancelled_with_what_it_made() -> None:
+    stream = stream_of(renderer())
+    stream.begin()
+    stream.push("a")
+    stream.stop(Outcome.CANCELLED)
+    response = as_it_stands(name_data(stream))
+    assert response is not None and response["status"] == "cancelled"
+    assert response["error"]["code"] == "cancelled"
+    assert response["output"][0]["content"][0]["text"] == "a"
+
+
+def test_only_the_key_that_made_a_response_owns_it() -> None:
+    stream = stream_of(renderer(), tenant="alice")
+    assert owns(stream, "alice") and not owns(stream, "bob") and not owns(stream, "")
+    open_server = stream_of(renderer(), tenant="")
+    assert owns(open_server, "")  # no keys file: every caller is the one unnamed key
+
+
+def test_a_background_request_plans_a_handle_and_its_own_grace() -> None:
+    plan = RESPONSES.plan(request(input="q", background=True), "m", "s1", 3)
+    assert plan.ending is Ending.HANDLE and isinstance(plan.renderer, ResponsesRenderer)
+    streamed = RESPONSES.plan(request(input="q", background=True, stream=True), "m", "s1", 3)
+    assert streamed.ending is Ending.STREAM
+    settings = Settings(openai_grace_s=2.0, responses_ttl_s=50.0)
+    assert RESPONSES.grace_for(request(input="q", background=True), settings) == 50.0
+    assert RESPONSES.grace_for(request(input="q", stream=True), settings) == 2.0
+    base = response_base(request(input="q", background=True), "resp_s1", "m", 1)
+    assert base["background"] is True and base["store"] is True
+    assert response_base(request(input="q"), "resp_s1", "m", 1)["store"] is False
+
+
+def name_data(stream: Stream) -> list[tuple[str | None, bytes]]:
+    return [(name, json.dumps(data).encode()) for _, _, name, data in framed(stream)]

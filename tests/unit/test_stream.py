@@ -403,3 +403,19 @@ def test_a_stream_taken_over_numbers_its_own_events_apart_from_the_old_owners() 
     assert not stream.has_event(last, last)  # the old owner's id of that seq
     assert stream.has_event(last + 2, base + last + 2)  # numbered so when it comes
     assert not stream.has_event(last + 2, last + 2)
+
+
+def test_the_record_a_store_keeps_names_the_key_that_made_the_stream() -> None:
+    stream = Stream(
+        GenerationRequest("s1", "hi", "synthetic", tenant="alice"),
+        NativeRenderer(),
+        kind="responses",
+        trace_id="t",
+        grace_s=0,
+        prompt_tokens=1,
+        max_events=100,
+        accepted_at=0.0,
+    )
+    # Another instance answers a response's reader by id only for that key.
+    assert stream.record().tenant == "alice"
+    assert make().record().tenant == ""  # an open server's caller

@@ -31,6 +31,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from starlette.responses import JSONResponse, Response
+
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
 from firsttoken.api.responses.protocol import (
     FunctionCallItem,
@@ -43,8 +45,9 @@ from firsttoken.api.responses.protocol import (
     ResponsesRequest,
 )
 from firsttoken.config import Settings
+from firsttoken.core.stream import Stream
 from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.responses import ResponsesRenderer, response_from_answer
+from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_object
 
 __all__ = [
     "RESPONSES",
@@ -67,6 +70,10 @@ class ResponsesFormat(Format[ResponsesRequest]):
         # Resumed like a Chat Completions stream (Last-Event-ID on the same kind of POST).
         return settings.openai_grace_s
 
+    def grace_for(self, body: ResponsesRequest, settings: Settings) -> float:
+        # A background response runs with no reader until it ends, or --responses-ttl-s.
+        return settings.responses_ttl_s if body.background else settings.openai_grace_s
+
     def inputs(self, body: ResponsesRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
         lines = transcript(body)
         return Inputs(
@@ -83,12 +90,14 @@ class ResponsesFormat(Format[ResponsesRequest]):
     def plan(self, body: ResponsesRequest, model: str, stream_id: str, prompt_tokens: int) -> Plan:
         created = int(time.time())
         base = response_base(body, "resp_" + stream_id, model, created)
-        if body.stream:
+        if body.stream or body.background:
             options = body.stream_options
             # No progress events: SDKs would parse a named meta event as a response event.
+            # A background response that is not streamed is answered with its handle, the
+            # Response as it starts, and read later by id (`stored.py`).
             return Plan(
                 ResponsesRenderer(base, stream_id),
-                Ending.STREAM,
+                Ending.STREAM if body.stream else Ending.HANDLE,
                 coalesce=options.coalesce if options else None,
             )
         # A whole answer runs the same stream as chat chunks, folded into one Response.
@@ -96,6 +105,16 @@ class ResponsesFormat(Format[ResponsesRequest]):
         return Plan(
             chat, Ending.WHOLE, fold=lambda answer: response_from_answer(base, stream_id, answer)
         )
+
+    def handle(self, stream: Stream, model: str, trace: str) -> Response:
+        """A background response, started: the Response as it stands (queued or in
+        progress), which `GET /v1/responses/{id}` reads on."""
+        renderer = stream.renderer
+        assert isinstance(renderer, ResponsesRenderer)
+        response = response_object(renderer.base, "queued", [])
+        if stream.first_token_at is not None:
+            response["status"] = "in_progress"
+        return JSONResponse(response, headers={"x-stream-id": stream.id, "x-request-id": trace})
 
 
 RESPONSES = ResponsesFormat()
@@ -280,7 +299,7 @@ def response_base(
         "object": "response",
         "created_at": created_at,
         "status": "in_progress",
-        "background": False,
+        "background": bool(req.background),
         "error": None,
         "incomplete_details": None,
         "instructions": req.instructions,
@@ -290,7 +309,9 @@ def response_base(
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
         "previous_response_id": None,
         "reasoning": reasoning,
-        "store": False,  # nothing is kept: GET /v1/responses/{id} does not exist here
+        # A streamed or background response is kept (its events, for --resume-ttl-s after
+        # its end) and read back by id; a whole answer is not.
+        "store": bool(req.stream or req.background),
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": text,
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,

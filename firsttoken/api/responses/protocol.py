@@ -9,7 +9,15 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BeforeValidator, Discriminator, Field, Tag, field_validator, model_validator
+from pydantic import (
+    BeforeValidator,
+    Discriminator,
+    Field,
+    Tag,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from firsttoken.api.protocol import Coalesce, SyntheticKnobs, _Body
 from firsttoken.wire.errors import echo
@@ -278,14 +286,19 @@ class ResponsesRequest(_Body):
     def _stateless(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError(
-                "this server keeps no conversation state: send the whole conversation in "
+                "this server keeps no conversation state (a response is kept as its events, "
+                "to read it back, not with its input): send the whole conversation in "
                 "`input` (the previous output items, then your new items)"
             )
         return value
 
     @field_validator("background")
     @classmethod
-    def _foreground(cls, value: bool | None) -> bool | None:
-        if value:
-            raise ValueError("background responses are not supported: stream, or wait")
+    def _kept_if_background(cls, value: bool | None, info: ValidationInfo) -> bool | None:
+        # `store` is declared before `background`: validated already.
+        if value and info.data.get("store") is False:
+            raise ValueError(
+                "background responses are read back by id (GET /v1/responses/{id}): "
+                "they need store true (or unset)"
+            )
         return value
