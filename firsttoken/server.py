@@ -43,11 +43,11 @@ class _Server(uvicorn.Server):
     `event: error` `server_shutdown` (never a bare close), and uvicorn's own shutdown follows.
     A second signal cuts the drain short.
 
-    With a shared store (Redis) the drain hands over instead of waiting: every stream another
-    instance can continue stops here at once (`StreamRegistry.move_all`), its readers get
-    what was generated and reconnect, and the instance their reconnect reaches goes on with
-    it once this one has written its last events and deleted its liveness key (on its way
-    out, within a second or two).
+    With a shared store (Redis) the streams whose readers resume by themselves (native) are
+    handed over at once (`StreamRegistry.hand_over`): their readers get what was generated
+    and reconnect, and the instance they reach goes on with them once Redis holds their last
+    events and this one's liveness key is gone. The others (an SDK's) finish here, as
+    without Redis.
     """
 
     def __init__(

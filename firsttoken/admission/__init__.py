@@ -429,12 +429,16 @@ class Admission:
                 "missing or unknown API key "
                 "(send Authorization: Bearer <key>, or x-api-key: <key>)",
             )
+        self._refuse_if_unusable(key)
+        return key
+
+    def _refuse_if_unusable(self, key: ApiKey) -> None:
+        """401 for a key that is disabled or expired now."""
         refusal = key.refusal(self.clock())
         if refusal is not None:
             self._rejected()
             why = "was disabled" if refusal == "key_disabled" else "has expired"
             raise APIError(401, refusal, f"the API key {key.name!r} {why}")
-        return key
 
     def recheck(self, key: ApiKey) -> ApiKey:
         """`key`, as the keys are now: a reload may have removed or disabled it while its
@@ -450,11 +454,7 @@ class Admission:
         if now is None:
             self._rejected()
             raise APIError(401, "invalid_api_key", f"the API key {key.name!r} was removed")
-        refusal = now.refusal(self.clock())
-        if refusal is not None:
-            self._rejected()
-            why = "was disabled" if refusal == "key_disabled" else "has expired"
-            raise APIError(401, refusal, f"the API key {now.name!r} {why}")
+        self._refuse_if_unusable(now)
         return now
 
     def revoked(self, stream: Stream) -> EngineError | None:
