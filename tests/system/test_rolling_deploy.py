@@ -34,6 +34,7 @@ from tests.servers import Server, run_server, wait_for
 
 CLIENTS = 6
 ITL_MS = 5
+GENERATED = "firsttoken_tokens_generated_total"
 HOLD_TOKENS = 300  # the whole answer that keeps a draining instance up: ~1.5 s at ITL_MS
 
 
@@ -113,7 +114,10 @@ def test_a_rolling_deploy_through_nginx_refuses_no_client_and_keeps_none_waiting
                 old.proc.send_signal(signal.SIGTERM)
                 assert old.proc.wait(timeout=30) == 0
                 hold.join(timeout=30)
-                servers[i] = stack.enter_context(run_server(*args, "--port", str(port)))
+                new = servers[i] = stack.enter_context(run_server(*args, "--port", str(port)))
+                # docs/deploy.md's recipe: the next SIGTERM only once nginx sends the new
+                # instance work (its predecessor's port is skipped for fail_timeout).
+                wait_for(lambda new=new: new.metric(GENERATED) > 0, timeout=20)
                 created = len(ttfts)
                 wait_for(lambda created=created: len(ttfts) >= created + 10, timeout=20)
         finally:
