@@ -103,7 +103,7 @@ class Handoff:
     at: str = "tokens"  # "tokens": right after N; "sentence": at the first sentence end after N
     fallback: bool = True  # the center cannot take it: the `from` target finishes the answer
     # The center asked for the conversation at the start (one token, thrown away): its prefix
-    # cache warmed, and its answer says when it is ready (routes/seam.py).
+    # cache warmed, and its answer says when it is ready (routing/seam.py).
     prefill: bool = True
     # The edge's text leaves at most one token every pace_ms until the center's text comes;
     # what it holds back covers the center's delay at the seam (0: off).
