@@ -254,7 +254,7 @@ class RoutedEngine(BaseEngine):
         for a short prompt, which the small target answers whole."""
         route = self.routes.get(request.model) or self.table.default
         course, short = plan(route, request, self.targets)
-        if not short:
+        if route.handoff is not None and not short:
             self.handoff.plan(course)
         return course
 
@@ -341,11 +341,12 @@ class RoutedEngine(BaseEngine):
     def _next_target(self, course: Course) -> tuple[Target, bool]:
         """The next leg's target, and whether it is the hand-off's edge (its part ends by
         `Handoffs.hands_off`); raises when no target is left."""
-        edge = self.handoff.first_leg(course)
-        if edge is not None:
-            return edge, True
+        if course.handover is not None:
+            edge = self.handoff.first_leg(course)
+            if edge is not None:
+                return edge, True
         picked = self.failover.next_for(course)
-        if picked is None:
+        if picked is None and course.handover is not None:
             picked = self.handoff.fallback(course)
         if picked is None:
             raise self.failover.none_left(course)
