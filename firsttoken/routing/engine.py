@@ -345,7 +345,9 @@ class RoutedEngine(BaseEngine):
             edge = self.handoff.first_leg(course)
             if edge is not None:
                 return edge, True
-        picked = self.failover.next_for(course)
+        picked = self.failover.pick(
+            course.route, course.order, course.tried, course.splicing, course.session, course.owner
+        )
         if picked is None and course.handover is not None:
             picked = self.handoff.fallback(course)
         if picked is None:

@@ -94,12 +94,6 @@ class Failover:
                 return target
         return None
 
-    def next_for(self, course: Course) -> Target | None:
-        """The next leg's target by the route's order (`pick`), for this answer."""
-        return self.pick(
-            course.route, course.order, course.tried, course.splicing, course.session, course.owner
-        )
-
     def unavailable(self, route: ModelRoute) -> EngineError:
         now = asyncio.get_running_loop().time()
         waits = [max(0.0, self.targets[n].health.held_until - now) for n in route.targets]

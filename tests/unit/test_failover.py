@@ -10,9 +10,8 @@ import pytest
 
 from firsttoken.generation import EngineError, GenerationRequest
 from firsttoken.routing.config import ModelRoute, TargetConfig
-from firsttoken.routing.course import Course, Event, State
+from firsttoken.routing.course import Course, State
 from firsttoken.routing.failover import Failover, failover_meta, for_client
-from firsttoken.routing.splice import Transcript
 from firsttoken.routing.target import Target
 from tests.unit import virtual_loop
 from tests.unit.scripted import Scripted
@@ -217,11 +216,3 @@ def test_with_none_left_the_cut_then_the_last_refusal_then_503() -> None:
 def test_a_clients_own_fault_reaches_it_as_it_is() -> None:
     fault = error("bad_request", status=400, client_fault=True)
     assert for_client(fault) is fault
-
-
-def test_next_for_follows_the_courses_tried_targets() -> None:
-    failover, route, targets, _ = setup("a", "b")
-    course = course_on(route, targets["a"])
-    course.tried.add("a")
-    assert on_loop(lambda: failover.next_for(course)) is targets["b"]
-    assert Transcript().tokens == 0 and course.to(Event.FIRST_DELTA) is State.START
