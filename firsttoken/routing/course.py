@@ -1,23 +1,26 @@
 """One answer's way through its route: the state it is in between and during legs.
 
 An answer is asked of one target after another until one finishes it. Why the next leg is
-asked is the answer's state, and every change of it goes through `advance`:
+asked is the answer's state, and every change of it goes through one table (`advance`;
+`Course.to` moves a course by it):
 
-    START ──first delta──▶ STREAMING ──end──▶ DONE
-      │                     │  │  └──edge's part done──▶ HANDOFF ─┐
-      │                     │  └──broke off (retryable)──▶ SPLICE │
-      └─refused──▶ FAILOVER └──the client's answer──▶ FAILED      │
-    FAILOVER, SPLICE, HANDOFF ──first delta──▶ STREAMING ◀────────┘
+    START ──first delta──▶ STREAMING ──the leg ended──▶ DONE
+      │                     │  └──the edge's part is done──▶ HANDOFF
+      │                     └──broke off (retryable)──▶ SPLICE
+      └──refused──▶ FAILOVER
+    FAILOVER, SPLICE, HANDOFF ──first delta──▶ STREAMING
     FAILOVER, SPLICE, HANDOFF ──refused──▶ themselves (the next target is asked the same way)
+    any of these ──the client's answer──▶ FAILED
 
 "Refused" is a leg that failed before its first delta (down, a 5xx, a deadline, a
-continuation it would not take); "broke off" is one that failed after it. Any state but the
-two last ends in FAILED when what went wrong is the client's answer (not retryable, or no
-target left) and in DONE when a leg ends. A leg that gives nothing at all and ends is DONE.
+continuation it would not take); "broke off" is one that failed after it. "The client's
+answer" is an error no other target would change: not retryable, the client's own fault
+before any text, no splice allowed, no target left. A leg that ends without a delta, and a
+cut exactly at `max_tokens`, are DONE. A client that leaves ends the answer where it is.
 
 Cost: one `Course` per answer on a route (none without routes), its `Handover` only on a
-route that hands off; `advance` is a dict look-up, called once per leg boundary, never per
-delta.
+route that hands off; a transition is a dict look-up (the members hash by identity), two
+per leg (its first delta, its end), never per delta.
 """
 
 from __future__ import annotations
