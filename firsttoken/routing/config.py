@@ -10,7 +10,7 @@ from __future__ import annotations
 import difflib
 import math
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -103,7 +103,7 @@ class Handoff:
     at: str = "tokens"  # "tokens": right after N; "sentence": at the first sentence end after N
     fallback: bool = True  # the center cannot take it: the `from` target finishes the answer
     # The center asked for the conversation at the start (one token, thrown away): its prefix
-    # cache warmed, and its answer says when it is ready (routes/seam.py).
+    # cache warmed, and its answer says when it is ready (routing/seam.py).
     prefill: bool = True
     # The edge's text leaves at most one token every pace_ms until the center's text comes;
     # what it holds back covers the center's delay at the seam (0: off).
@@ -237,96 +237,101 @@ def parse_routes(data: Mapping[str, Any], source: str = "routes") -> RouteTable:
     if not raw_routes:
         raise fail("[models]", "at least one model route is needed")
 
-    targets: dict[str, TargetConfig] = {}
-    for name, raw in raw_targets.items():
-        where = f"[targets.{name}]"
-        _check_name(name, where, fail)
-        if not isinstance(raw, dict):
-            raise fail(where, "must be a table")
-        values = _fields(raw, _TARGET_FIELDS, where, fail)
-        if "price" in values:
-            values["price"] = _price(values["price"], f"{where} price", fail)
-        kind = values.get("kind")
-        if kind is None:
-            raise fail(f"{where} kind", "is required (" + " | ".join(KINDS) + ")")
-        if kind in ("openai", "anthropic") and "url" not in values:
-            raise fail(f"{where} url", f"is required for kind {kind!r}")
-        if kind in ("llamacpp", "synthetic"):
-            if "url" in values:
-                raise fail(f"{where} url", f"kind {kind!r} runs in this process: no url")
-            given = values.pop("continuation", "native")
-            if given not in ("none", "native"):
-                raise fail(
-                    f"{where} continuation",
-                    f"kind {kind!r} continues natively; only 'none' turns that off",
-                )
-            values["continuation"] = given
-        elif "continuation" not in values:
-            values["continuation"] = "anthropic" if kind == "anthropic" else "none"
-        elif kind == "anthropic" and values["continuation"] not in ("anthropic", "none"):
-            raise fail(f"{where} continuation", "kind 'anthropic' continues by 'anthropic' prefill")
-        elif kind == "openai" and values["continuation"] == "anthropic":
+    targets = {name: _target(name, raw, fail) for name, raw in raw_targets.items()}
+    routes = {name: _route(name, raw, targets, fail) for name, raw in raw_routes.items()}
+    return RouteTable(targets=targets, routes=routes, currency=_currency(data, fail))
+
+
+# Where and what went wrong, as the error to raise (`parse_routes`'s `fail`).
+_Fail = Callable[[str, str], RoutesError]
+
+
+def _target(name: str, raw: Any, fail: _Fail) -> TargetConfig:
+    """One `[targets.NAME]` table."""
+    where = f"[targets.{name}]"
+    _check_name(name, where, fail)
+    if not isinstance(raw, dict):
+        raise fail(where, "must be a table")
+    values = _fields(raw, _TARGET_FIELDS, where, fail)
+    if "price" in values:
+        values["price"] = _price(values["price"], f"{where} price", fail)
+    kind = values.get("kind")
+    if kind is None:
+        raise fail(f"{where} kind", "is required (" + " | ".join(KINDS) + ")")
+    if kind in ("openai", "anthropic") and "url" not in values:
+        raise fail(f"{where} url", f"is required for kind {kind!r}")
+    if kind in ("llamacpp", "synthetic"):
+        if "url" in values:
+            raise fail(f"{where} url", f"kind {kind!r} runs in this process: no url")
+        given = values.pop("continuation", "native")
+        if given not in ("none", "native"):
             raise fail(
                 f"{where} continuation",
-                "kind 'openai' continues by 'vllm' or 'completions' (a prefill is 'anthropic's)",
+                f"kind {kind!r} continues natively; only 'none' turns that off",
             )
-        if kind != "synthetic":
-            for own in ("ttft_ms", "itl_ms"):
-                if own in values:
-                    raise fail(f"{where} {own}", "applies to kind 'synthetic' only")
-        if kind in ("llamacpp", "synthetic") and values.get("health_check_interval_s"):
-            raise fail(f"{where} health_check_interval_s", f"kind {kind!r} has no URL to check")
-        if kind == "llamacpp" and "model" in values and not Path(values["model"]).is_file():
-            raise fail(f"{where} model", f"no such GGUF file: {values['model']!r}")
-        targets[name] = TargetConfig(name=name, **values)
+        values["continuation"] = given
+    elif "continuation" not in values:
+        values["continuation"] = "anthropic" if kind == "anthropic" else "none"
+    elif kind == "anthropic" and values["continuation"] not in ("anthropic", "none"):
+        raise fail(f"{where} continuation", "kind 'anthropic' continues by 'anthropic' prefill")
+    elif kind == "openai" and values["continuation"] == "anthropic":
+        raise fail(
+            f"{where} continuation",
+            "kind 'openai' continues by 'vllm' or 'completions' (a prefill is 'anthropic's)",
+        )
+    if kind != "synthetic":
+        for own in ("ttft_ms", "itl_ms"):
+            if own in values:
+                raise fail(f"{where} {own}", "applies to kind 'synthetic' only")
+    if kind in ("llamacpp", "synthetic") and values.get("health_check_interval_s"):
+        raise fail(f"{where} health_check_interval_s", f"kind {kind!r} has no URL to check")
+    if kind == "llamacpp" and "model" in values and not Path(values["model"]).is_file():
+        raise fail(f"{where} model", f"no such GGUF file: {values['model']!r}")
+    return TargetConfig(name=name, **values)
 
-    routes: dict[str, ModelRoute] = {}
-    for name, raw in raw_routes.items():
-        where = f"[models.{name}]"
-        _check_name(name, where, fail)
-        if not isinstance(raw, dict):
-            raise fail(where, "must be a table")
-        values = _fields(raw, _ROUTE_FIELDS, where, fail)
-        listed = values.get("targets")
-        if not listed:
-            raise fail(f"{where} targets", "must list at least one target")
-        for item in listed:
-            if not isinstance(item, str):
-                raise fail(f"{where} targets", "must be a list of target names")
-            if item not in targets:
-                known = ", ".join(targets)
-                raise fail(f"{where} targets", f"no target named {item!r} (targets: {known})")
-        if len(set(listed)) != len(listed):
-            raise fail(f"{where} targets", "lists a target twice")
-        values["targets"] = tuple(listed)
-        if "handoff" in values:
-            raw_handoff = _fields(values["handoff"], _HANDOFF_FIELDS, f"{where} handoff", fail)
-            # Not `source`: that names the file in `fail`.
-            edge = _known_target(raw_handoff.get("from"), targets, f"{where} handoff.from", fail)
-            if "after_tokens" not in raw_handoff:
-                raise fail(f"{where} handoff.after_tokens", "is required")
-            if edge in listed:
-                raise fail(f"{where} handoff.from", "hands off to the route's targets: not one")
-            values["handoff"] = Handoff(
-                source=edge,
-                after_tokens=raw_handoff["after_tokens"],
-                at=raw_handoff.get("at", "tokens"),
-                fallback=raw_handoff.get("fallback", True),
-                prefill=raw_handoff.get("prefill", True),
-                pace_ms=raw_handoff.get("pace_ms", 50.0),
-            )
-        if "short_prompts" in values:
-            raw_short = _fields(
-                values["short_prompts"], _SHORT_FIELDS, f"{where} short_prompts", fail
-            )
-            _known_target(raw_short.get("target"), targets, f"{where} short_prompts.target", fail)
-            if "max_prompt_tokens" not in raw_short:
-                raise fail(f"{where} short_prompts.max_prompt_tokens", "is required")
-            values["short_prompts"] = ShortPrompts(
-                raw_short["target"], raw_short["max_prompt_tokens"]
-            )
-        routes[name] = ModelRoute(name=name, **values)
-    return RouteTable(targets=targets, routes=routes, currency=_currency(data, fail))
+
+def _route(name: str, raw: Any, targets: Mapping[str, TargetConfig], fail: _Fail) -> ModelRoute:
+    """One `[models.NAME]` table, over `targets`."""
+    where = f"[models.{name}]"
+    _check_name(name, where, fail)
+    if not isinstance(raw, dict):
+        raise fail(where, "must be a table")
+    values = _fields(raw, _ROUTE_FIELDS, where, fail)
+    listed = values.get("targets")
+    if not listed:
+        raise fail(f"{where} targets", "must list at least one target")
+    for item in listed:
+        if not isinstance(item, str):
+            raise fail(f"{where} targets", "must be a list of target names")
+        if item not in targets:
+            known = ", ".join(targets)
+            raise fail(f"{where} targets", f"no target named {item!r} (targets: {known})")
+    if len(set(listed)) != len(listed):
+        raise fail(f"{where} targets", "lists a target twice")
+    values["targets"] = tuple(listed)
+    if "handoff" in values:
+        raw_handoff = _fields(values["handoff"], _HANDOFF_FIELDS, f"{where} handoff", fail)
+        # Not `source`: that names the file in `fail`.
+        edge = _known_target(raw_handoff.get("from"), targets, f"{where} handoff.from", fail)
+        if "after_tokens" not in raw_handoff:
+            raise fail(f"{where} handoff.after_tokens", "is required")
+        if edge in listed:
+            raise fail(f"{where} handoff.from", "hands off to the route's targets: not one")
+        values["handoff"] = Handoff(
+            source=edge,
+            after_tokens=raw_handoff["after_tokens"],
+            at=raw_handoff.get("at", "tokens"),
+            fallback=raw_handoff.get("fallback", True),
+            prefill=raw_handoff.get("prefill", True),
+            pace_ms=raw_handoff.get("pace_ms", 50.0),
+        )
+    if "short_prompts" in values:
+        raw_short = _fields(values["short_prompts"], _SHORT_FIELDS, f"{where} short_prompts", fail)
+        _known_target(raw_short.get("target"), targets, f"{where} short_prompts.target", fail)
+        if "max_prompt_tokens" not in raw_short:
+            raise fail(f"{where} short_prompts.max_prompt_tokens", "is required")
+        values["short_prompts"] = ShortPrompts(raw_short["target"], raw_short["max_prompt_tokens"])
+    return ModelRoute(name=name, **values)
 
 
 _PRICE_FIELDS = ("prompt", "completion", "cached_prompt", "cache_write", "reasoning")

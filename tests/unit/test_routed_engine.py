@@ -997,20 +997,6 @@ def test_a_short_prompt_is_answered_whole_by_the_small_target_even_with_a_handof
     assert out.text == WHOLE and out.metas == [] and center.requests == []
 
 
-def test_a_conversation_keeps_its_session_from_the_first_turn_on() -> None:
-    from firsttoken.routing.engine import _session_key
-
-    q = {"role": "user", "content": "What are tides?"}
-    turn1 = replace(chat(), messages=(q,))
-    turn2 = replace(
-        chat(),
-        messages=(q, {"role": "assistant", "content": "..."}, {"role": "user", "content": "Why?"}),
-    )
-    assert _session_key(turn1) == _session_key(turn2)
-    system = {"role": "system", "content": "Be brief."}
-    assert _session_key(replace(turn1, messages=(system, q))) != _session_key(turn1)
-
-
 # -- the seam: a prefill at the start, the edge's text paced, the hand-off by time -------------
 
 
