@@ -102,8 +102,8 @@ def synthetic_moderations(request: EmbeddingRequest, count: Callable[[str], int]
                 "category_applied_input_types": applied,
             }
         )
-    digest = hashlib.sha256(request.request_id.encode()).hexdigest()[:24]
-    answer = {"id": f"modr-{digest}", "model": request.model, "results": results}
+    answer_id = "modr-" + hashlib.sha256(request.request_id.encode()).hexdigest()[:24]
+    answer = {"id": answer_id, "model": request.model, "results": results}
     tokens = sum(count(item) if isinstance(item, str) else len(item) for item in request.inputs)
     return Embeddings(answer, tokens)
 

@@ -92,9 +92,7 @@ def routed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Server, S
 
 
 def usage(server: Server, **params: str) -> dict[str, Any]:
-    r = httpx.get(
-        server.v1 + "/usage", params=params, headers={"authorization": f"Bearer {ADMIN}"}
-    )
+    r = httpx.get(server.v1 + "/usage", params=params, headers={"authorization": f"Bearer {ADMIN}"})
     assert r.status_code == 200, r.text
     return r.json()  # type: ignore[no-any-return]
 
