@@ -94,7 +94,7 @@ async def _resume(http: httpx.AsyncClient, base: str, one: One) -> None:
     url = f"{base}/responses/{one.id}"
     async with http.stream("GET", url, params={"stream": "true", "starting_after": after}) as got:
         if got.status_code != 200:
-            one.error = f"resume {got.status_code}"
+            one.error = f"resume {got.status_code}: {(await got.aread())[:200]!r}"
             return
         async for chunk in got.aiter_raw():
             buffer += chunk
@@ -168,8 +168,8 @@ async def _run_mode(
     return result
 
 
-def _spec(name: str, redis_url: str | None) -> ServerSpec:
-    extra: tuple[str, ...] = (*OPEN, "--responses-ttl-s", "120")
+def _spec(name: str, redis_url: str | None, more: str = "") -> ServerSpec:
+    extra: tuple[str, ...] = (*OPEN, "--responses-ttl-s", "120", *more.split())
     if redis_url is not None:
         extra += ("--redis", redis_url)
     return ServerSpec(name, name, "firsttoken", has_metrics=True, extra=extra)
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     raise_fd_limit(args.streams * 4 + 256)
     report: dict[str, Any] = {"args": {k: str(v) for k, v in vars(args).items()}}
     if "memory" in args.modes:
-        server = _launch(_spec("memory", None), out, args.ttft_ms, args.itl_ms)
+        server = _launch(_spec("memory", None, args.server_args), out, args.ttft_ms, args.itl_ms)
         try:
             before = server.rss_bytes()
             result = asyncio.run(_run_mode(args, server, server))
@@ -216,8 +216,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if "redis" in args.modes:
         store = RedisProcess.start(out / "redis.log")
         try:
-            a = _launch(_spec("redis-a", store.url), out, args.ttft_ms, args.itl_ms)
-            b = _launch(_spec("redis-b", store.url), out, args.ttft_ms, args.itl_ms)
+            a = _launch(
+                _spec("redis-a", store.url, args.server_args), out, args.ttft_ms, args.itl_ms
+            )
+            b = _launch(
+                _spec("redis-b", store.url, args.server_args), out, args.ttft_ms, args.itl_ms
+            )
             try:
                 result = asyncio.run(_run_mode(args, a, b))  # made on a, resumed through b
                 result["bytes_per_response_redis"] = _redis_bytes(store.url, result.pop("ids"))
@@ -243,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--drop-after", type=int, default=10, help="events read before the drop")
     parser.add_argument("--pause-s", type=float, default=0.3, help="from the drops to the resumes")
     parser.add_argument("--modes", default="memory,redis")
+    parser.add_argument("--server-args", default="", help="more `serve` options, one string")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = parser.parse_args(argv)
     args.modes = tuple(args.modes.split(","))

@@ -221,12 +221,18 @@ async def _whole_answer(request: Request) -> dict[str, Any] | None:
     return kept.response
 
 
+# How long a resume through another instance waits for the store to hold the event it
+# names: the owner's readers are a flush (`--redis-flush-ms`) ahead of the store, more under
+# load (500 streams resumed at once on 2 busy cores: over a second, `bench/responses.py`).
+CATCH_UP_S = 5.0
+
+
 async def _caught_up(request: Request, mirror: Mirror, after: int) -> None:
     """Follow a mirror from the store's first event until it holds `after` (its owner's
-    readers may be a flush ahead of the store) or ends, for a second at most."""
+    readers may be ahead of the store) or ends, for `CATCH_UP_S` at most."""
     log = mirror.log
     await gateway(request).registry.tail(mirror, 0)
-    with anyio.move_on_after(1.0):
+    with anyio.move_on_after(CATCH_UP_S):
         while not log.closed and log.last_seq < max(after, 1):
             await log.wait(log.last_seq)
 
