@@ -463,7 +463,7 @@ class Settings:
         range=Range(0, 86_400),
     )
     responses_max_per_key: int = _knob(
-        10_000,
+        100_000,
         "stored Responses (their input, for input_items and previous_response_id) one key "
         "holds at once; one more is refused with 429 (counted per instance)",
         range=AT_LEAST_1,

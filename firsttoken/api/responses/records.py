@@ -29,6 +29,7 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from firsttoken.api.gateway import gateway
+from firsttoken.resume.redis import RedisStore
 from firsttoken.wire.errors import APIError
 
 __all__ = ["Kept", "ResponseRecords", "response_records"]
@@ -185,7 +186,7 @@ def response_records(request: Request) -> ResponseRecords:
         kept = ResponseRecords(
             settings.responses_max_per_key,
             settings.responses_max_bytes_per_key,
-            redis=getattr(store, "redis", None) if store.replicates else None,
+            redis=store.redis if isinstance(store, RedisStore) else None,
         )
         state.response_records = kept
     return kept
