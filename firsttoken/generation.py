@@ -184,7 +184,11 @@ class EmbeddingRequest:
 
 
 # The endpoints an `EmbeddingRequest` may name, and their paths under an upstream's /v1.
-ENDPOINTS = {"embeddings": "/embeddings", "moderations": "/moderations"}
+ENDPOINTS = {
+    "embeddings": "/embeddings",
+    "moderations": "/moderations",
+    "images": "/images/generations",
+}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,7 +10,16 @@ from typing import Any, NamedTuple
 
 from starlette.requests import Request
 
-from firsttoken.api import anthropic, embeddings, moderations, native, openai, responses, usage
+from firsttoken.api import (
+    anthropic,
+    embeddings,
+    images,
+    moderations,
+    native,
+    openai,
+    responses,
+    usage,
+)
 from firsttoken.api.pipeline import Answer, Format, serve
 from firsttoken.wire.errors import echo
 
@@ -43,6 +52,7 @@ ROUTES: tuple[ApiRoute, ...] = (
     ApiRoute("POST", "/messages/count_tokens", anthropic.count_tokens),
     ApiRoute("POST", "/embeddings", embeddings.embeddings),
     ApiRoute("POST", "/moderations", moderations.moderations),
+    ApiRoute("POST", "/images/generations", images.generations),
     ApiRoute("GET", "/models", openai.models),
     ApiRoute("GET", "/models/{model_id:path}", openai.model),
     ApiRoute("POST", "/streams", endpoint(native.STREAMS), hot=True),
@@ -54,13 +64,14 @@ ROUTES: tuple[ApiRoute, ...] = (
 
 SERVED = (
     "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/embeddings, /v1/moderations, /v1/models and /v1/streams "
+    "/v1/messages/count_tokens, /v1/embeddings, /v1/moderations, /v1/images/generations, "
+    "/v1/models and /v1/streams "
     "(docs/endpoints.md)"
 )
 # OpenAI's endpoints this gateway does not serve, and why: the 404 says it.
 _WHY_NOT = (
     ("/v1/audio/", "audio (multipart uploads in, binary speech out) is not relayed"),
-    ("/v1/images/", "images are not relayed"),
+    ("/v1/images/", "image edits and variations (multipart uploads) are not relayed"),
     ("/v1/files", "files need a file store, which this gateway does not keep"),
     ("/v1/uploads", "uploads need a file store, which this gateway does not keep"),
     ("/v1/batches", "batches need files and a job store, which this gateway does not keep"),

@@ -130,7 +130,7 @@ class RelayEngine(RemoteEngine):
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
             raise _bad_response(f"{endpoint} that are not JSON (or over 64 MiB)") from None
-        listed = "results" if endpoint == "moderations" else "data"
+        listed = "results" if endpoint == "moderations" else "data"  # embeddings', images'
         if not isinstance(answer, dict) or not isinstance(answer.get(listed), list):
             raise _bad_response(f"{endpoint} without a `{listed}` list")
         usage = answer.get("usage")

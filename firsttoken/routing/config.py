@@ -188,7 +188,7 @@ _TARGET_FIELDS: dict[str, tuple[Any, Any]] = {
     "price": (dict, None),
     "serves": (list, None),
 }
-SERVES = ("embeddings", "moderations")
+SERVES = ("embeddings", "moderations", "images")
 _ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
     "targets": (list, None),
     "max_splices": (int, _non_negative),
@@ -374,8 +374,8 @@ def _currency(data: Mapping[str, Any], fail: Any) -> str:
 
 
 def _serves(listed: list[Any], kind: str, where: str, fail: Any) -> tuple[str, ...]:
-    """`serves = ["embeddings", "moderations"]`: an OpenAI-compatible upstream's endpoints
-    (the synthetic engine answers both itself; the others none)."""
+    """`serves = ["embeddings", "moderations", "images"]`: an OpenAI-compatible upstream's
+    endpoints (the synthetic engine answers them all itself; the others none)."""
     if kind != "openai":
         raise fail(where, "applies to kind 'openai' only")
     for item in listed:

@@ -7,12 +7,14 @@ from __future__ import annotations
 import base64
 import math
 import struct
+from dataclasses import replace
 
 import pytest
 
 from firsttoken.engines.embeddings import (
     CATEGORIES,
     DEFAULT_DIMENSIONS,
+    png,
     synthetic_answer,
     synthetic_embeddings,
     vector,
@@ -70,7 +72,18 @@ def test_a_moderation_flags_the_categories_its_input_names_and_nothing_else() ->
 
 
 def test_an_endpoint_the_synthetic_engine_has_not_is_a_404_naming_it() -> None:
-    asked = EmbeddingRequest("i1", "synthetic", ("a cat",), {}, endpoint="images")
+    asked = EmbeddingRequest("a1", "synthetic", ("a cat",), {}, endpoint="audio")
     with pytest.raises(EngineError) as info:
         synthetic_answer(asked, count_words)
-    assert info.value.status == 404 and info.value.code == "images_not_served"
+    assert info.value.status == 404 and info.value.code == "audio_not_served"
+
+
+def test_an_image_is_a_png_of_the_prompt_alone() -> None:
+    asked = EmbeddingRequest("i1", "synthetic", ("a red fox",), {"n": 2}, endpoint="images")
+    answer = synthetic_answer(asked, count_words)
+    first, second = (base64.b64decode(d["b64_json"]) for d in answer.body["data"])
+    assert first.startswith(b"\x89PNG\r\n\x1a\n") and first != second  # each its own colour
+    again = synthetic_answer(replace(asked, request_id="i2"), count_words)
+    assert again.body["data"] == answer.body["data"]
+    assert answer.prompt_tokens == count_words("a red fox")
+    assert png(b"\x00\x00\x00")[16:24] == struct.pack(">II", 16, 16)  # IHDR: 16 × 16
