@@ -21,10 +21,10 @@ from firsttoken.pricing import Price, parse_money
 __all__ = [
     "CONTINUATIONS",
     "KINDS",
+    "SERVES",
     "Handoff",
     "ModelRoute",
     "RouteTable",
-    "SERVES",
     "RoutesError",
     "ShortPrompts",
     "TargetConfig",

@@ -409,7 +409,10 @@ def test_an_openai_target_serves_embeddings_unless_it_names_more() -> None:
 @pytest.mark.parametrize(
     ("target", "says"),
     [
-        ({**GOOD_TARGET, "serves": ["audio"]}, "'audio' is not one of embeddings, moderations, images"),
+        (
+            {**GOOD_TARGET, "serves": ["audio"]},
+            "'audio' is not one of embeddings, moderations, images",
+        ),
         ({**GOOD_TARGET, "serves": "moderations"}, "must be a list"),
         ({**GOOD_TARGET, "serves": ["moderations"] * 2}, "names an endpoint twice"),
         ({"kind": "synthetic", "serves": ["moderations"]}, "applies to kind 'openai' only"),
