@@ -201,3 +201,31 @@ def test_a_key_over_its_stored_responses_cap_is_refused_whole(
         with pytest.raises(openai.BadRequestError) as large:
             client(server, "sk-bob").responses.create(model="synthetic", input="x" * 5000)
         assert large.value.body["param"] == "input"  # type: ignore[index]
+
+
+def test_a_relayed_upstream_gets_the_whole_conversation(tmp_path: Path) -> None:
+    with run_server(*ARGS) as upstream:
+        routes = tmp_path / "routes.toml"
+        routes.write_text(
+            f'[targets.up]\nkind = "openai"\nurl = "{upstream.v1}"\nmodel = "synthetic"\n\n'
+            '[models.relayed]\ntargets = ["up"]\n'
+        )
+        with run_server("--routes", str(routes)) as gateway:
+            sdk = client(gateway)
+            first = sdk.responses.create(model="relayed", input="My name is Ada.", extra_body=SEED)
+            second = sdk.responses.create(
+                model="relayed",
+                input="What is my name?",
+                previous_response_id=first.id,
+                extra_body=SEED,
+            )
+            direct = client(upstream).chat.completions.create(
+                model="synthetic",
+                messages=[
+                    {"role": "user", "content": "My name is Ada."},
+                    {"role": "assistant", "content": first.output_text},
+                    {"role": "user", "content": "What is my name?"},
+                ],
+                seed=SEED["seed"],
+            )
+            assert second.output_text == direct.choices[0].message.content
