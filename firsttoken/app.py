@@ -22,7 +22,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from firsttoken.admission import Admission
 from firsttoken.admission.admin import AdminKey
 from firsttoken.api.gateway import Gateway, gateway, trace_id
-from firsttoken.api.routes import ROUTES, ApiRoute, Endpoint
+from firsttoken.api.routes import ROUTES, ApiRoute, Endpoint, not_served
 from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
@@ -38,7 +38,7 @@ from firsttoken.telemetry.metrics import Metrics, log_event
 from firsttoken.telemetry.runtime import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
-from firsttoken.wire.errors import APIError, echo
+from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
     from firsttoken.telemetry.otel import Telemetry
@@ -419,20 +419,12 @@ async def _crashed(request: Request, exc: Exception) -> Response:
     return APIError(500, "internal_error", "internal error").response(trace)
 
 
-# What a 404 under /v1 names, so that a client of an endpoint this gateway does not serve
-# (embeddings, files, ...) reads why, not "Not Found" as if its object were missing.
-_SERVED = (
-    "this gateway serves /v1/chat/completions, /v1/completions, /v1/responses, /v1/messages, "
-    "/v1/messages/count_tokens, /v1/embeddings, /v1/models and /v1/streams "
-    '(README, "HTTP API")'
-)
-
-
 async def _http_error(request: Request, exc: HTTPException) -> Response:
     code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code, "http_error")
     headers = dict(exc.headers) if exc.headers is not None else None
     message = str(exc.detail)
     path = request.url.path
     if exc.status_code == 404 and path.startswith("/v1/"):
-        message = f"{request.method} {echo(path)} is not an endpoint of this gateway: {_SERVED}"
+        # Why, not "Not Found" as if its object were missing (`api.routes.not_served`).
+        message = not_served(request.method, path)
     return APIError(exc.status_code, code, message, headers=headers).response(trace_id(request))

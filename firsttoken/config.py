@@ -462,6 +462,18 @@ class Settings:
         "reader (the key's concurrency still counts it)",
         range=Range(0, 86_400),
     )
+    responses_max_per_key: int = _knob(
+        100_000,
+        "stored Responses (their input, for input_items and previous_response_id) one key "
+        "holds at once; one more is refused with 429 (counted per instance)",
+        range=AT_LEAST_1,
+    )
+    responses_max_bytes_per_key: int = _knob(
+        64 * 1024 * 1024,
+        "bytes of stored Responses' input and output one key holds at once; one more is "
+        "refused with 429, one larger than this alone with 400 (counted per instance)",
+        range=AT_LEAST_1,
+    )
     coalesce: str = _knob(
         "off",
         "default chunking: one event per token, or boundary coalescing",

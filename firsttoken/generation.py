@@ -13,6 +13,7 @@ from firsttoken.delta import Delta, ToolCallDelta
 
 __all__ = [
     "DEFAULT_ANSWER_TOKENS",
+    "ENDPOINTS",
     "TARGET_FAULTS",
     "BaseEngine",
     "Delta",
@@ -170,7 +171,8 @@ class EngineError(Exception):
 class EmbeddingRequest:
     """`POST /v1/embeddings`, as the engine gets it: the inputs (each a text, or token ids),
     and the client's body as sent (what a relay forwards: `dimensions`, `encoding_format`,
-    `user`...), with `model` the name the engine knows."""
+    `user`...), with `model` the name the engine knows. `endpoint` says which of OpenAI's
+    one-body-in, one-body-out endpoints it is (`ENDPOINTS`): each goes the same way."""
 
     request_id: str
     model: str
@@ -178,6 +180,15 @@ class EmbeddingRequest:
     body: Mapping[str, Any]
     tenant: str = ""
     trace_id: str = ""
+    endpoint: str = "embeddings"
+
+
+# The endpoints an `EmbeddingRequest` may name, and their paths under an upstream's /v1.
+ENDPOINTS = {
+    "embeddings": "/embeddings",
+    "moderations": "/moderations",
+    "images": "/images/generations",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,13 +281,13 @@ class BaseEngine:
         return True  # no queue of its own: a started request's prompt is being read
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        raise not_embedding(request.model)
+        raise not_embedding(request.model, request.endpoint)
 
 
-def not_embedding(model: str) -> EngineError:
+def not_embedding(model: str, endpoint: str = "embeddings") -> EngineError:
     return EngineError(
-        "embeddings_not_served",
-        f"model {model!r} is served here for text, not for embeddings",
+        f"{endpoint}_not_served",
+        f"model {model!r} is served here for text, not for {endpoint}",
         type_="invalid_request_error",
         status=404,
         client_fault=True,
@@ -321,4 +332,3 @@ class StepEngine(Engine, Protocol):
     Engines that only offer `generate()` are pulled by a task per request instead."""
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation: ...
-

@@ -2,11 +2,12 @@
 any request: its inputs are its prompt (the target's `prompt` price), and it holds one of its
 key's concurrent slots while it runs. The engine answers (`Engine.embed`): the synthetic
 engine's deterministic vectors, or a route's targets in order, the next one taking over from
-one that is down or fails before it answered (`RoutedEngine.embed`)."""
+one that is down or fails before it answered (`RoutedEngine.embed`). `/v1/moderations`
+(`moderations.py`) goes the same way (`answer_once`)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Protocol, cast
 
 from pydantic import Field, field_validator
 from starlette.requests import Request
@@ -19,7 +20,7 @@ from firsttoken.generation import EmbeddingRequest, EngineError
 from firsttoken.pricing import Leg
 from firsttoken.wire.errors import APIError
 
-__all__ = ["EmbeddingBody", "embeddings"]
+__all__ = ["EmbeddingBody", "answer_once", "embeddings"]
 
 MAX_INPUTS = 2048  # OpenAI's bound on one request's inputs
 MAX_DIMENSIONS = 8192
@@ -57,12 +58,25 @@ class EmbeddingBody(_Body):
         return tuple(item if isinstance(item, str) else tuple(item) for item in value)  # type: ignore[union-attr]
 
 
+class OneCallBody(Protocol):
+    """A body of one of the endpoints answered in one call (`ENDPOINTS`)."""
+
+    def inputs(self) -> tuple[str | tuple[int, ...], ...]: ...
+
+
 async def embeddings(request: Request) -> Response:
+    return await answer_once(request, EmbeddingBody, "embeddings")
+
+
+async def answer_once(request: Request, kind: type[_Body], endpoint: str) -> Response:
+    """One call to the engine (`Engine.embed`) for `endpoint`'s body of `kind`, behind the
+    key, its limits and budget, and in the ledger: its inputs are its prompt; the engine's
+    count of them is billed, or ours where it gives none (an upstream's moderations)."""
     gw = gateway(request)
     trace = trace_id(request)
     try:
-        body, raw, model, key = await gw.accept_raw(request, EmbeddingBody)
-        inputs = body.inputs()
+        body, raw, model, key = await gw.accept_raw(request, kind)
+        inputs = cast(OneCallBody, body).inputs()
         count = gw.engine.prompt_tokens
         tokens = sum(count(item) if isinstance(item, str) else len(item) for item in inputs)
         ticket = await gw.admission.admit(key, tokens, 0, model)
@@ -71,7 +85,7 @@ async def embeddings(request: Request) -> Response:
     ticket.prompt_tokens = tokens
     ticket.request_id = new_stream_id()
     ticket.trace_id = trace
-    asked = EmbeddingRequest(ticket.request_id, model, inputs, raw, key.name, trace)
+    asked = EmbeddingRequest(ticket.request_id, model, inputs, raw, key.name, trace, endpoint)
     outcome, used = Outcome.DISCONNECTED, None  # until the engine answered
     try:
         answer = await gw.engine.embed(asked)
@@ -83,7 +97,7 @@ async def embeddings(request: Request) -> Response:
     else:
         if answer.target is not None:
             ticket.legs = (Leg(answer.target),)
-        outcome, used = Outcome.COMPLETED, Usage(answer.prompt_tokens)
+        outcome, used = Outcome.COMPLETED, Usage(answer.prompt_tokens or tokens)
         answer.body["model"] = model  # the name the client asked by, not the target's
         return JSONResponse(answer.body, headers={"x-request-id": trace})
     finally:

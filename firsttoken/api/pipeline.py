@@ -24,7 +24,7 @@ streamed chat requests, against the four handlers this replaced), under 1% of it
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from enum import Enum
 from functools import partial
@@ -120,6 +120,17 @@ class Format(Generic[B]):
     def check(self, body: B) -> None:
         """Refuse (raise `APIError`) a valid body this server does not serve."""
 
+    async def prepare(self, request: Request, key: ApiKey, body: B) -> B:
+        """The body completed from what is stored (Responses' `previous_response_id`), and
+        what storing it would take of the key's caps checked: before admission."""
+        return body
+
+    async def opened(self, request: Request, key: ApiKey, body: B, stream: Stream) -> None:
+        """The request's stream is open: keep what the format stores beside it."""
+
+    async def folded(self, request: Request, key: ApiKey, body: B, answer: Any) -> None:
+        """A whole answer's body, folded, as it is sent."""
+
     def inputs(self, body: B, raw: dict[str, Any] | None, model: str) -> Inputs:
         """The body as the engine's inputs; `raw` is the body as the client sent it."""
         raise NotImplementedError
@@ -182,6 +193,7 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
     try:
         body, raw, model, key = await gw.accept_raw(request, format.body)
         format.check(body)
+        body = await format.prepare(request, key, body)
         stream_id = new_stream_id()
         generation = format.generation(body, model, stream_id, key, raw)
         ticket = await gw.admit(key, generation)
@@ -201,6 +213,7 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
             traceparent=traceparent(request),
             takeover=ending is not Ending.WHOLE,  # nobody could resume a whole answer
         )
+        await format.opened(request, key, body, stream)
     except APIError as exc:
         return format.refused(exc, trace)
     if ending is Ending.STREAM:
@@ -209,12 +222,20 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
             headers[format.trace_header] = trace
         return gw.reader(stream, request, headers=headers, start=True, timestamps=plan.timestamps)
     if ending is Ending.WHOLE:
-        return await _fold(gw, format, request, stream, plan, trace)
+        return await _fold(
+            gw, format, request, stream, plan, trace, partial(format.folded, request, key, body)
+        )
     return await _start(gw, format, stream, model, trace)
 
 
 async def _fold(
-    gw: Gateway, format: Format[Any], request: Request, stream: Stream, plan: Plan, trace: str
+    gw: Gateway,
+    format: Format[Any],
+    request: Request,
+    stream: Stream,
+    plan: Plan,
+    trace: str,
+    folded: Callable[[Any], Awaitable[None]],
 ) -> Response:
     """A whole answer: the same lifecycle, read by a collector, folded into one body."""
     headers = {"x-request-id": trace}
@@ -228,7 +249,9 @@ async def _fold(
     if answer is None:
         return Response(status_code=499)  # nobody is left to read it
     assert plan.fold is not None
-    return Response(orjson.dumps(plan.fold(answer)), media_type="application/json", headers=headers)
+    body = plan.fold(answer)
+    await folded(body)
+    return Response(orjson.dumps(body), media_type="application/json", headers=headers)
 
 
 async def _start(

@@ -27,7 +27,7 @@ import anyio
 from anyio.abc import TaskGroup
 
 from firsttoken.config import Settings
-from firsttoken.engines.embeddings import synthetic_embeddings
+from firsttoken.engines.embeddings import synthetic_answer
 from firsttoken.engines.steps import pull
 from firsttoken.engines.synthetic import (
     MODEL_ID,
@@ -98,7 +98,7 @@ class BatchingEngine(BaseEngine):
         self.faults = Faults(settings.synthetic_fail_rate)
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        return synthetic_embeddings(request, self._words.prompt_tokens)
+        return synthetic_answer(request, self._words.prompt_tokens)
 
     # -- lifecycle -------------------------------------------------------------------------
 

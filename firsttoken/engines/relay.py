@@ -24,6 +24,7 @@ from firsttoken.engines.upstream import (
 )
 from firsttoken.engines.upstream_errors import generic, shaped_message
 from firsttoken.generation import (
+    ENDPOINTS,
     TARGET_FAULTS,
     Delta,
     EmbeddingRequest,
@@ -31,6 +32,7 @@ from firsttoken.generation import (
     EngineError,
     GenerationRequest,
     ToolCallDelta,
+    not_embedding,
 )
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
@@ -85,6 +87,7 @@ class RelayEngine(RemoteEngine):
         read_timeout_s: float = 60.0,
         completions_template: str | None = None,
         errors: str = "pass",
+        serves: tuple[str, ...] = ("embeddings",),
     ) -> None:
         super().__init__(
             url,
@@ -95,6 +98,7 @@ class RelayEngine(RemoteEngine):
             errors=errors,
         )
         self._template = completions_template
+        self.serves = serves  # OpenAI's other endpoints the upstream answers (`ENDPOINTS`)
 
     # -- the Engine protocol ---------------------------------------------------------------
 
@@ -102,8 +106,12 @@ class RelayEngine(RemoteEngine):
         return self._stream(request)
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        """`POST /embeddings` with the client's body under the name the upstream knows: its
-        answer as it came, counted by its own `usage`."""
+        """`POST /embeddings` (or the request's other endpoint, where the target `serves`
+        it) with the client's body under the name the upstream knows: its answer as it
+        came, counted by its own `usage`."""
+        endpoint = request.endpoint
+        if endpoint not in self.serves:
+            raise not_embedding(request.model, endpoint)
         model = self.model or request.model
         call = GenerationRequest(
             request.request_id, "", model, tenant=request.tenant, trace_id=request.trace_id
@@ -111,19 +119,20 @@ class RelayEngine(RemoteEngine):
         resp: UpstreamResponse | None = None
         try:
             body = orjson.dumps({**request.body, "model": model})
-            resp = await self.send(call, "/embeddings", body, _refused)
+            resp = await self.send(call, ENDPOINTS[endpoint], body, _refused)
             raw = await resp.read_bounded(MAX_EMBEDDINGS_BYTES)
         except (EngineError, UpstreamError) as exc:
             self.settle(exc, call)
-            raise EngineError("upstream_error", "the embeddings request was cut") from exc
+            raise EngineError("upstream_error", f"the {endpoint} request was cut") from exc
         finally:
             self.done(call.request_id, resp)
         try:
             answer = orjson.loads(raw)
         except orjson.JSONDecodeError:
-            raise _bad_response("embeddings that are not JSON (or over 64 MiB)") from None
-        if not isinstance(answer, dict) or not isinstance(answer.get("data"), list):
-            raise _bad_response("embeddings without a `data` list")
+            raise _bad_response(f"{endpoint} that are not JSON (or over 64 MiB)") from None
+        listed = "results" if endpoint == "moderations" else "data"  # embeddings', images'
+        if not isinstance(answer, dict) or not isinstance(answer.get(listed), list):
+            raise _bad_response(f"{endpoint} without a `{listed}` list")
         usage = answer.get("usage")
         tokens = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         return Embeddings(answer, tokens if isinstance(tokens, int) and tokens >= 0 else 0)

@@ -19,7 +19,7 @@ from typing import Any
 
 import orjson
 
-from firsttoken.engines.embeddings import synthetic_embeddings
+from firsttoken.engines.embeddings import synthetic_answer
 from firsttoken.engines.steps import pull
 from firsttoken.engines.styles import styled_pieces
 from firsttoken.engines.text import StopCut, count_words
@@ -662,7 +662,7 @@ class SyntheticEngine(BaseEngine):
         return pull(self, request)
 
     async def embed(self, request: EmbeddingRequest) -> Embeddings:
-        return synthetic_embeddings(request, count_words)
+        return synthetic_answer(request, count_words)
 
     def _prefill(self, request: GenerationRequest, ttft: float, itl: float, now: float) -> float:
         """The time to a first token with the prefix cache (`prefix_cache`): the TTFT stands

@@ -145,6 +145,7 @@ def engine_of(
             read_timeout_s=read_timeout,
             completions_template="chatml" if cfg.continuation == "completions" else None,
             errors=settings.upstream_errors,
+            serves=cfg.serves,
         )
     from firsttoken.engines.anthropic_relay import AnthropicRelay
 

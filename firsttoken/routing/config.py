@@ -21,6 +21,7 @@ from firsttoken.pricing import Price, parse_money
 __all__ = [
     "CONTINUATIONS",
     "KINDS",
+    "SERVES",
     "Handoff",
     "ModelRoute",
     "RouteTable",
@@ -67,6 +68,9 @@ class TargetConfig:
     ttft_ms: float | None = None
     itl_ms: float | None = None
     price: Price | None = None  # None: no price given, its tokens cost 0
+    # kind openai: OpenAI's other endpoints it answers (`SERVES`); one it does not name is
+    # refused here, never sent to an upstream that would 404 it (docs/endpoints.md).
+    serves: tuple[str, ...] = ("embeddings",)
 
     def api_key(self, env: Mapping[str, str]) -> str | None:
         return env.get(self.api_key_env) if self.api_key_env else None
@@ -182,7 +186,9 @@ _TARGET_FIELDS: dict[str, tuple[Any, Any]] = {
     "ttft_ms": (_NUMBER, _non_negative),
     "itl_ms": (_NUMBER, _non_negative),
     "price": (dict, None),
+    "serves": (list, None),
 }
+SERVES = ("embeddings", "moderations", "images")
 _ROUTE_FIELDS: dict[str, tuple[Any, Any]] = {
     "targets": (list, None),
     "max_splices": (int, _non_negative),
@@ -285,6 +291,8 @@ def _target(name: str, raw: Any, fail: _Fail) -> TargetConfig:
                 raise fail(f"{where} {own}", "applies to kind 'synthetic' only")
     if kind in ("llamacpp", "synthetic") and values.get("health_check_interval_s"):
         raise fail(f"{where} health_check_interval_s", f"kind {kind!r} has no URL to check")
+    if "serves" in values:
+        values["serves"] = _serves(values["serves"], kind, f"{where} serves", fail)
     if kind == "llamacpp" and "model" in values and not Path(values["model"]).is_file():
         raise fail(f"{where} model", f"no such GGUF file: {values['model']!r}")
     return TargetConfig(name=name, **values)
@@ -363,6 +371,19 @@ def _currency(data: Mapping[str, Any], fail: Any) -> str:
     if not isinstance(currency, str) or not 1 <= len(currency) <= 16 or not currency.isalnum():
         raise fail("currency", f'must be a currency code such as "USD", not {currency!r}')
     return currency
+
+
+def _serves(listed: list[Any], kind: str, where: str, fail: Any) -> tuple[str, ...]:
+    """`serves = ["embeddings", "moderations", "images"]`: an OpenAI-compatible upstream's
+    endpoints (the synthetic engine answers them all itself; the others none)."""
+    if kind != "openai":
+        raise fail(where, "applies to kind 'openai' only")
+    for item in listed:
+        if item not in SERVES:
+            raise fail(where, f"{item!r} is not one of " + ", ".join(SERVES))
+    if len(set(listed)) != len(listed):
+        raise fail(where, "names an endpoint twice")
+    return tuple(listed)
 
 
 def _known_target(name: Any, targets: Mapping[str, Any], where: str, fail: Any) -> str:

@@ -162,8 +162,11 @@ def test_body_over_limit_is_413() -> None:
 def test_unknown_route_and_method(server: Server) -> None:
     check(httpx.get(server.url + "/v1/nothing", timeout=10), 404, "not_found")
     # An OpenAI endpoint this gateway does not serve names itself, and says what is served.
-    err = check(httpx.post(server.v1 + "/moderations", json={}, timeout=10), 404, "not_found")
-    assert "POST '/v1/moderations'" in err["message"] and "/v1/chat/completions" in err["message"]
+    err = check(httpx.post(server.v1 + "/files", json={}, timeout=10), 404, "not_found")
+    assert "POST '/v1/files'" in err["message"] and "/v1/chat/completions" in err["message"]
+    assert "file store" in err["message"]  # and why it is not
+    err = check(httpx.post(server.v1 + "/audio/speech", json={}, timeout=10), 404, "not_found")
+    assert "audio" in err["message"] and "/v1/moderations" in err["message"]
     check(httpx.get(server.v1 + "/chat/completions", timeout=10), 405, "method_not_allowed")
 
 

@@ -262,9 +262,9 @@ def test_non_streaming_engine_error_is_an_http_error(server: Server) -> None:
 def test_refusals_are_4xx_in_the_openai_shape(server: Server) -> None:
     c = client(server)
     with pytest.raises(openai.BadRequestError) as info:
-        c.responses.create(model="synthetic", input=QUESTION, previous_response_id="resp_1")
-    assert info.value.param == "previous_response_id"
-    assert "no conversation state" in info.value.message
+        c.responses.create(model="synthetic", input=QUESTION, conversation="conv_1")
+    assert info.value.param == "conversation"
+    assert "previous_response_id" in info.value.message
     with pytest.raises(openai.BadRequestError) as info:
         c.responses.create(model="synthetic", input=QUESTION, tools=[{"type": "web_search"}])
     assert "function tools only" in info.value.message

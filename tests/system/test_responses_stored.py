@@ -226,20 +226,6 @@ def test_bad_starting_after_is_a_400_naming_it(single: Server, after: str) -> No
     assert answer.json()["error"]["param"] == "starting_after"
 
 
-def test_input_items_and_previous_response_id_are_refused_saying_why(single: Server) -> None:
-    created = client(single).responses.create(
-        model="synthetic", input=QUESTION, background=True, extra_body={"seed": 7}
-    )
-    with pytest.raises(openai.NotFoundError) as missing:
-        client(single).responses.input_items.list(created.id)
-    assert "not with its input" in str(missing.value)
-    with pytest.raises(openai.BadRequestError) as refused:
-        client(single).responses.create(
-            model="synthetic", input="and then?", previous_response_id=created.id
-        )
-    assert "not with its input" in str(refused.value)
-
-
 def test_background_with_store_false_is_refused(single: Server) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         client(single).responses.create(
@@ -292,12 +278,21 @@ def test_starting_after_past_the_end_through_another_instance(pair: tuple[Server
     assert at_end.status_code == 200 and at_end.content == b""  # all of it was read
 
 
-def test_a_whole_answer_is_not_kept_to_read_back(pair: tuple[Server, Server]) -> None:
+def test_a_whole_answer_is_kept_to_read_back_and_delete(pair: tuple[Server, Server]) -> None:
     a, b = pair
     whole = client(a).responses.create(model="synthetic", input=QUESTION, extra_body=SLOW)
-    assert whole.status == "completed" and whole.store is False
+    assert whole.status == "completed" and whole.store is True
+    for server in (a, b):  # its record, in the shared store
+        assert client(server).responses.retrieve(whole.id) == whole
+        with pytest.raises(openai.NotFoundError):  # no events to stream: it had none
+            list(client(server).responses.retrieve(whole.id, stream=True))
+    with pytest.raises(openai.NotFoundError):
+        client(a, "sk-bob").responses.retrieve(whole.id)
+    client(b).responses.delete(whole.id)
     for server in (a, b):
         with pytest.raises(openai.NotFoundError):
             client(server).responses.retrieve(whole.id)
-        with pytest.raises(openai.NotFoundError):
-            list(client(server).responses.retrieve(whole.id, stream=True))
+    unkept = client(a).responses.create(model="synthetic", input=QUESTION, store=False)
+    assert unkept.store is False
+    with pytest.raises(openai.NotFoundError):
+        client(a).responses.retrieve(unkept.id)

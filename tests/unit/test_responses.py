@@ -424,11 +424,7 @@ def test_response_base_echoes_the_request() -> None:
 @pytest.mark.parametrize(
     ("body", "param", "words"),
     [
-        (
-            {"input": "q", "previous_response_id": "resp_1"},
-            "previous_response_id",
-            "no conversation state",
-        ),
+        ({"input": "q", "conversation": "conv_1"}, "conversation", "not kept here"),
         ({"input": "q", "tools": [{"type": "web_search"}]}, "tools.0", "function tools only"),
         ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "item_reference"),
         ({"input": [{"type": "computer_call_output"}]}, "input", "unsupported input item"),
@@ -569,7 +565,10 @@ def test_a_background_request_plans_a_handle_and_its_own_grace() -> None:
     assert RESPONSES.grace_for(request(input="q", stream=True), settings) == 2.0
     base = response_base(request(input="q", background=True), "resp_s1", "m", 1)
     assert base["background"] is True and base["store"] is True
-    assert response_base(request(input="q"), "resp_s1", "m", 1)["store"] is False
+    assert response_base(request(input="q"), "resp_s1", "m", 1)["store"] is True
+    assert response_base(request(input="q", store=False), "resp_s1", "m", 1)["store"] is False
+    chained = response_base(request(input="q", previous_response_id="resp_a"), "resp_b", "m", 1)
+    assert chained["previous_response_id"] == "resp_a"
 
 
 def name_data(stream: Stream) -> list[tuple[str | None, bytes]]:

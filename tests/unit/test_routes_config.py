@@ -397,3 +397,27 @@ def test_a_misspelt_currency_is_named() -> None:
         "routes.toml: curency: unknown field (known: currency, [targets.*], [models.*]); "
         "did you mean currency?"
     )
+
+
+def test_an_openai_target_serves_embeddings_unless_it_names_more() -> None:
+    assert parse_routes(table()).targets["a"].serves == ("embeddings",)
+    named = parse_routes(table({**GOOD_TARGET, "serves": ["moderations", "embeddings"]}))
+    assert named.targets["a"].serves == ("moderations", "embeddings")
+    assert parse_routes(table({**GOOD_TARGET, "serves": []})).targets["a"].serves == ()
+
+
+@pytest.mark.parametrize(
+    ("target", "says"),
+    [
+        (
+            {**GOOD_TARGET, "serves": ["audio"]},
+            "'audio' is not one of embeddings, moderations, images",
+        ),
+        ({**GOOD_TARGET, "serves": "moderations"}, "must be a list"),
+        ({**GOOD_TARGET, "serves": ["moderations"] * 2}, "names an endpoint twice"),
+        ({"kind": "synthetic", "serves": ["moderations"]}, "applies to kind 'openai' only"),
+    ],
+)
+def test_a_bad_serves_is_refused_naming_it(target: dict[str, Any], says: str) -> None:
+    line = refused(table(target))
+    assert "[targets.a] serves: " in line and says in line

@@ -31,9 +31,12 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from firsttoken.admission.keys import ApiKey
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
+from firsttoken.api.responses import conversation
 from firsttoken.api.responses.protocol import (
     FunctionCallItem,
     FunctionCallOutputItem,
@@ -73,6 +76,24 @@ class ResponsesFormat(Format[ResponsesRequest]):
     def grace_for(self, body: ResponsesRequest, settings: Settings) -> float:
         # A background response runs with no reader until it ends, or --responses-ttl-s.
         return settings.responses_ttl_s if body.background else settings.openai_grace_s
+
+    async def prepare(
+        self, request: Request, key: ApiKey, body: ResponsesRequest
+    ) -> ResponsesRequest:
+        # `previous_response_id`'s conversation prepended; the key's stored-response caps.
+        return await conversation.prepare(request, key, body)
+
+    async def opened(
+        self, request: Request, key: ApiKey, body: ResponsesRequest, stream: Stream
+    ) -> None:
+        if body.store is not False:
+            await conversation.keep_input(request, key, body, stream)
+
+    async def folded(
+        self, request: Request, key: ApiKey, body: ResponsesRequest, answer: Any
+    ) -> None:
+        if body.store is not False:
+            await conversation.keep_answer(request, key, body, answer)
 
     def inputs(self, body: ResponsesRequest, raw: dict[str, Any] | None, model: str) -> Inputs:
         lines = transcript(body)
@@ -307,11 +328,11 @@ def response_base(
         "model": model,
         "output": [],
         "parallel_tool_calls": True if req.parallel_tool_calls is None else req.parallel_tool_calls,
-        "previous_response_id": None,
+        "previous_response_id": req.previous_response_id,
         "reasoning": reasoning,
-        # A streamed or background response is kept (its events, for --resume-ttl-s after
-        # its end) and read back by id; a whole answer is not.
-        "store": bool(req.stream or req.background),
+        # Kept unless `store: false` (OpenAI's default): a stream's events and its input, a
+        # whole answer's Response and its input (`conversation.py`).
+        "store": req.store is not False,
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": text,
         "tool_choice": "auto" if req.tool_choice is None else req.tool_choice,

@@ -1,7 +1,7 @@
 """Wire-format models of the OpenAI Responses API request (`POST /v1/responses`).
 
 Unknown fields are ignored, as in `api/protocol.py`, so newer SDKs keep working; what this
-server cannot honour (stored conversations, hosted tools, item references) is refused with a
+server cannot honour (conversation objects, hosted tools, item references) is refused with a
 clear 400 before the first byte, never silently dropped.
 """
 
@@ -13,6 +13,7 @@ from pydantic import (
     BeforeValidator,
     Discriminator,
     Field,
+    PrivateAttr,
     Tag,
     ValidationInfo,
     field_validator,
@@ -281,14 +282,18 @@ class ResponsesRequest(_Body):
     seed: int | None = None
     synthetic: SyntheticKnobs | None = None
 
-    @field_validator("previous_response_id", "conversation")
+    # What `previous_response_id` prepended (`conversation.prepare`): the stored items, and
+    # where the request's own items start in `input`.
+    _earlier: list[dict[str, Any]] = PrivateAttr(default_factory=list)
+    _own: int = PrivateAttr(0)
+
+    @field_validator("conversation")
     @classmethod
-    def _stateless(cls, value: Any) -> Any:
+    def _no_conversations(cls, value: Any) -> Any:
         if value is not None:
             raise ValueError(
-                "this server keeps no conversation state (a response is kept as its events, "
-                "to read it back, not with its input): send the whole conversation in "
-                "`input` (the previous output items, then your new items)"
+                "conversation objects are not kept here: continue a stored response with "
+                "previous_response_id, or send the whole conversation in `input`"
             )
         return value
 

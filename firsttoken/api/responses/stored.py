@@ -1,6 +1,7 @@
 """Responses that outlive their connection, read back by id: `GET /v1/responses/{id}` (the
 Response as it stands, or with `?stream=true&starting_after=N` its events from the stream's
-log, then live), `POST /v1/responses/{id}/cancel` and `DELETE /v1/responses/{id}`.
+log, then live), `POST /v1/responses/{id}/cancel` and `DELETE /v1/responses/{id}`. A whole
+(non-streamed) answer is read back and deleted from its record (`records.py`).
 
 A response is its stream: `resp_<stream id>`, kept like any stream (live, then
 `--resume-ttl-s` after its end; with `--redis`, any instance finds it). Its events'
@@ -23,6 +24,7 @@ from starlette.responses import JSONResponse, Response
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import gateway, trace_id
 from firsttoken.api.pipeline import Answer
+from firsttoken.api.responses.records import response_records
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.eventlog import EventLog
@@ -32,15 +34,16 @@ from firsttoken.wire.sse import event_payload
 __all__ = [
     "as_it_stands",
     "cancel_response",
+    "current",
     "delete_response",
-    "input_items",
+    "find_response",
     "log_seq",
     "retrieve_response",
     "starting_after",
 ]
 
-_PREFIX = "resp_"
-_TERMINAL = frozenset(("completed", "incomplete", "failed", "cancelled"))
+PREFIX = "resp_"
+TERMINAL = frozenset(("completed", "incomplete", "failed", "cancelled"))
 _DIGITS = 18  # as Last-Event-ID's: under 2**63
 
 
@@ -84,7 +87,7 @@ def as_it_stands(events: Iterable[tuple[str | None, bytes]]) -> dict[str, Any] |
         response = orjson.loads(data).get("response")
         if not isinstance(response, dict):
             continue
-        if response.get("status") in _TERMINAL:
+        if response.get("status") in TERMINAL:
             return response
         if opened is None:
             opened = response
@@ -103,21 +106,28 @@ _NOT_FOUND = "no response with this id (it may have expired, or been deleted)"
 
 
 async def _response_stream(request: Request) -> Stream:
+    key = gateway(request).admission.authenticate(request)
+    stream = await find_response(request, request.path_params["response_id"], key.name)
+    if stream is None:
+        raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
+    return stream
+
+
+async def find_response(request: Request, response_id: str, key_name: str) -> Stream | None:
+    """The stream of the response `response_id` of the key named `key_name`; None for one
+    unknown, another format's, a whole answer's (not kept as events) or another key's: all
+    alike."""
     gw = gateway(request)
-    key = gw.admission.authenticate(request)
-    response_id = request.path_params["response_id"]
     stream: Stream | None = None
-    if response_id.startswith(_PREFIX):
-        stream = await gw.registry.find(response_id[len(_PREFIX) :])
-    # Unknown, another format's, a whole answer's (not kept as events), or another key's:
-    # all alike.
+    if response_id.startswith(PREFIX):
+        stream = await gw.registry.find(response_id[len(PREFIX) :])
     if (
         stream is None
         or stream.kind != "responses"
         or not (isinstance(stream, Mirror) or isinstance(stream.renderer, ResponsesRenderer))
-        or not owns(stream, key.name)
+        or not owns(stream, key_name)
     ):
-        raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
+        return None
     store = gw.registry.store
     if store.replicates and stream.ended and not isinstance(stream, Mirror):
         # Kept here after its end, it may have been deleted through another instance: the
@@ -127,7 +137,7 @@ async def _response_stream(request: Request) -> Stream:
         except APIError:
             gone = False
         if gone:
-            raise APIError(404, "not_found", _NOT_FOUND, param="response_id")
+            return None
     return stream
 
 
@@ -139,7 +149,7 @@ def _events(log: EventLog) -> list[tuple[str | None, bytes]]:
     return [event_payload(wire) for seq in seqs if (wire := log.wire(seq)) is not None]
 
 
-async def _current(request: Request, stream: Stream, until_end_s: float = 0.05) -> dict[str, Any]:
+async def current(request: Request, stream: Stream, until_end_s: float = 0.05) -> dict[str, Any]:
     """The Response as it stands, from the stream's log (a mirror's from the store, waiting
     `until_end_s` at most for its end)."""
     if isinstance(stream, Mirror):
@@ -174,9 +184,13 @@ async def retrieve_response(request: Request) -> Answer:
     after `starting_after`, then live."""
     gw = gateway(request)
     try:
+        streamed = request.query_params.get("stream") in ("true", "1")
+        whole = None if streamed else await _whole_answer(request)
+        if whole is not None:
+            return JSONResponse(whole)
         stream = await _response_stream(request)
-        if request.query_params.get("stream") not in ("true", "1"):
-            return JSONResponse(await _current(request, stream))
+        if not streamed:
+            return JSONResponse(await current(request, stream))
         raw = request.query_params.get("starting_after")
         if isinstance(stream, Mirror):
             after = starting_after(raw, None)  # its form; its end once the store says
@@ -197,25 +211,30 @@ async def retrieve_response(request: Request) -> Answer:
     return gw.reader(stream, request, after=after)
 
 
+async def _whole_answer(request: Request) -> dict[str, Any] | None:
+    """A whole answer's Response, kept with its record (`records.py`): None for a stream's,
+    or one not this key's."""
+    key = gateway(request).admission.authenticate(request)
+    kept = await response_records(request).find(request.path_params["response_id"])
+    if kept is None or kept.tenant != key.name:
+        return None
+    return kept.response
+
+
+# How long a resume through another instance waits for the store to hold the event it
+# names: the owner's readers are a flush (`--redis-flush-ms`) ahead of the store, more under
+# load (500 streams resumed at once on 2 busy cores: over a second, `bench/responses.py`).
+CATCH_UP_S = 5.0
+
+
 async def _caught_up(request: Request, mirror: Mirror, after: int) -> None:
     """Follow a mirror from the store's first event until it holds `after` (its owner's
-    readers may be a flush ahead of the store) or ends, for a second at most."""
+    readers may be ahead of the store) or ends, for `CATCH_UP_S` at most."""
     log = mirror.log
     await gateway(request).registry.tail(mirror, 0)
-    with anyio.move_on_after(1.0):
+    with anyio.move_on_after(CATCH_UP_S):
         while not log.closed and log.last_seq < max(after, 1):
             await log.wait(log.last_seq)
-
-
-async def input_items(request: Request) -> Response:
-    """`GET /v1/responses/{response_id}/input_items`: not served, and says why."""
-    return APIError(
-        404,
-        "not_found",
-        "a response is kept as its events, to read it back, not with its input: "
-        "input_items is not served here",
-        param="response_id",
-    ).response(trace_id(request))
 
 
 async def cancel_response(request: Request) -> Response:
@@ -225,11 +244,11 @@ async def cancel_response(request: Request) -> Response:
         stream = await _response_stream(request)
         await gateway(request).registry.cancel(stream)
         if isinstance(stream, Mirror):  # its owner stops it, and writes its end
-            response = await _current(request, stream, until_end_s=1.0)
-            if response.get("status") not in _TERMINAL:  # not in the store yet
+            response = await current(request, stream, until_end_s=1.0)
+            if response.get("status") not in TERMINAL:  # not in the store yet
                 response["status"] = "cancelled"
         else:
-            response = await _current(request, stream)
+            response = await current(request, stream)
     except APIError as exc:
         return exc.response(trace_id(request))
     return JSONResponse(response)
@@ -239,7 +258,12 @@ async def delete_response(request: Request) -> Response:
     """`DELETE /v1/responses/{response_id}`: stopped if it runs, and forgotten here and in
     the shared store (the instance that made it asks the store before it answers for it)."""
     gw = gateway(request)
+    response_id = request.path_params["response_id"]
+    records = response_records(request)
     try:
+        if await _whole_answer(request) is not None:
+            await records.forget(response_id)
+            return JSONResponse({"id": response_id, "object": "response", "deleted": True})
         stream = await _response_stream(request)
         await gw.registry.cancel(stream)
         if isinstance(stream, Mirror):
@@ -247,7 +271,7 @@ async def delete_response(request: Request) -> Response:
             await _fill(request, stream, until_end_s=2.0)
         gw.registry.forget(stream)  # the ended stream, before its TTL
         await gw.registry.store.delete(stream.id)  # and on every other instance
+        await records.forget(response_id)  # its input
     except APIError as exc:
         return exc.response(trace_id(request))
-    response_id = _PREFIX + stream.id
     return JSONResponse({"id": response_id, "object": "response", "deleted": True})
