@@ -1,6 +1,6 @@
 """What a new stream's meta costs in Redis mode: four commands a stream (as a Redis Cluster
-still writes them) against one Lua call per batch (`_WRITE_METAS`), in process, against a
-real redis-server, batches interleaved.
+still writes them) against one Lua call per batch (`WRITE_METAS` in `resume/metas.py`), in
+process, against a real redis-server, batches interleaved.
 
     .venv/bin/python -m bench.redis_metas [--batch 100] [--rounds 60]
 

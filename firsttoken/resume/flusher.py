@@ -333,6 +333,7 @@ class Flusher:
 
     def _build(self, batch: list[Replica]) -> _Flush:
         flush = _Flush(batch)
+        calls, cluster = flush.calls, self.cluster
         for rep in batch:
             if not rep.meta_done:
                 flush.metas.append(rep)
@@ -343,10 +344,10 @@ class Flusher:
                 if rep.trimmed < first - 1:  # a gap: not to be stitched to what follows
                     flush.trims.append((rep, first - 1))
                     flush.before.append(("XTRIM", rep.key, "MINID", f"{first}-0"))
-            group = tag_of(rep.key) if self.cluster else ""
-            call = flush.calls.get(group)
+            group = tag_of(rep.key) if cluster else ""
+            call = calls.get(group)
             if call is None:
-                call = flush.calls[group] = Call()
+                call = calls[group] = Call()
             self.pack(rep, call)
         return flush
 
@@ -395,9 +396,26 @@ class Flusher:
         elif not rep.ttl_done and rep.sent:
             ttl = int(rep.ttl_s + LIVE_EXTRA_S)
         minid = max(1, rep.sent - self.max_events + 1)
-        lengths = (len(w), len(n), len(t), len(outcome), len(billed))
-        head = _HEAD.pack(rep.sent, minid, first, *lengths, end, ttl, rep.fence)
-        call.blob += (head, w, n, t, outcome, billed)
+        call.blob += (
+            _HEAD.pack(
+                rep.sent,
+                minid,
+                first,
+                len(w),
+                len(n),
+                len(t),
+                len(outcome),
+                len(billed),
+                end,
+                ttl,
+                rep.fence,
+            ),
+            w,
+            n,
+            t,
+            outcome,
+            billed,
+        )
 
     def confirm(
         self,
@@ -419,8 +437,9 @@ class Flusher:
             failed = self._confirm_call(reps, refused, fenced) or failed
         for rep in fenced:
             self._fenced(rep)
+        owned = self.replicas.by_id  # the dict, not `Replicas.__contains__`: once a stream
         for rep in batch:
-            if rep.dirty() and rep.record.id in self.replicas:
+            if rep.dirty() and rep.record.id in owned:
                 self.replicas.mark(rep)
         if failed is not None:  # e.g. OOM: Redis answers but takes nothing; back off
             raise RedisError(f"Redis refused a replication write: {failed!r}")
@@ -482,7 +501,9 @@ class Flusher:
                     fenced.append(rep)
                 else:
                     failed = failed or said
-            rep.unsent()
+            rep.sent = 0  # as `rep.unsent()`, inline: once per stream per flush
+            rep.end_sent = False
+            rep.billed_sent = False
         return failed
 
     def _fenced(self, rep: Replica) -> None:
