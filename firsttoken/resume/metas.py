@@ -164,7 +164,6 @@ class MetaWriter:
         self._batch: _MetaBatch | None = None  # streams opened since the last write
         self._wake = anyio.Event()
         self._opening: dict[str, _MetaBatch] = {}  # until `registered` is awaited
-        replicas.on_forget = self.forget
 
     async def load(self) -> None:
         """The first burst's call finds the script (none on a cluster: commands there)."""
@@ -181,6 +180,7 @@ class MetaWriter:
         self._opening[rep.record.id] = batch
 
     def forget(self, stream_id: str) -> None:
+        """Nothing waits for the stream's meta any more (it finished, or was forgotten)."""
         self._opening.pop(stream_id, None)
 
     async def registered(self, stream_id: str) -> None:

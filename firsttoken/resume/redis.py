@@ -137,6 +137,7 @@ class RedisStore:
             presence_ms=_PRESENCE_MS,
             owner_gone_s=OWNER_GONE_S,
         )
+        self._replicas.on_forget = self._metas.forget
         self._heartbeat.before_beat = self._replicas.expire
         self._heartbeat.on_beat = self._beat_answered
 
