@@ -47,8 +47,8 @@ async def run(streams: int, events: int, rounds: int, out: Path) -> dict[str, fl
             store.open(StreamRecord(f"s{i:06d}", "openai", "d", "t", "m"), 60.0, log)
             logs.append(log)
         store.up = True
-        while store._dirty:
-            await store._flush_batch()
+        while store._replicas.dirty:
+            await store._flusher.flush_batch()
         bare_logs = [EventLog(8192) for _ in range(streams)]
         watched, bare, flush = [], [], []
         for _ in range(rounds):
@@ -62,8 +62,8 @@ async def run(streams: int, events: int, rounds: int, out: Path) -> dict[str, fl
                     log.append(WIRE, 1)
             t2 = time.perf_counter()
             c0 = time.process_time()
-            while store._dirty:
-                await store._flush_batch()
+            while store._replicas.dirty:
+                await store._flusher.flush_batch()
             c1 = time.process_time()
             bare.append((t1 - t0) / (streams * events) * 1e6)
             watched.append((t2 - t1) / (streams * events) * 1e6)

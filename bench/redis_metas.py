@@ -1,6 +1,6 @@
 """What a new stream's meta costs in Redis mode: four commands a stream (as a Redis Cluster
-still writes them) against one Lua call per batch (`_WRITE_METAS`), in process, against a
-real redis-server, batches interleaved.
+still writes them) against one Lua call per batch (`WRITE_METAS` in `resume/metas.py`), in
+process, against a real redis-server, batches interleaved.
 
     .venv/bin/python -m bench.redis_metas [--batch 100] [--rounds 60]
 
@@ -23,6 +23,7 @@ import uvloop
 
 from bench.procs import RedisProcess
 from firsttoken.eventlog import EventLog
+from firsttoken.resume.metas import send
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
 
@@ -43,12 +44,13 @@ async def measure(url: str, redis: RedisProcess, batch: int, rounds: int) -> dic
                     record = StreamRecord(
                         f"b{n}", "openai", "d" * 64, "t" * 32, "synthetic", b"r" * 600
                     )
-                    reps.append(store._replica(record, 300.0, EventLog(8)))
+                    reps.append(store._replicas.add(record, 300.0, EventLog(8), hold=False))
                 c0, s0 = time.process_time(), redis.cpu_seconds()
                 if way == "lua":
-                    errors = await store._meta_call(reps)
+                    errors = await store._metas.call(reps)
                 else:
-                    replies = await store._send([c for p in reps for c in store._meta_commands(p)])
+                    commands = [c for p in reps for c in store._metas.commands(p)]
+                    replies = await send(store.redis, False, commands)
                     errors = [x for x in replies if isinstance(x, BaseException)]
                 c1, s1 = time.process_time(), redis.cpu_seconds()
                 if errors:
@@ -57,7 +59,7 @@ async def measure(url: str, redis: RedisProcess, batch: int, rounds: int) -> dic
                     spent[way][0] += c1 - c0
                     spent[way][1] += s1 - s0
                 for rep in reps:
-                    store._forget(rep.record.id, rep)
+                    store._replicas.forget(rep.record.id, rep)
         tg.cancel_scope.cancel()
     streams = (rounds - WARM_ROUNDS) * batch
     return {

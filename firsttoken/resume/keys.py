@@ -64,8 +64,8 @@ def readers_key(stream_id: str) -> str:
 
 def owned_key(tag: str, instance: str) -> str:
     """The set of the streams of group `tag` that `instance` owns and has not ended: what a
-    survivor bills if that instance dies (`RedisStore._sweep`). Its members are added and
-    removed by the Lua calls that write the metas and ends (`redis.py`), in the same slot."""
+    survivor bills if that instance dies (`sweeper.py`). Its members are added and removed
+    by the Lua calls that write the metas and ends (`metas.py`, `flusher.py`), in the same slot."""
     return f"ft:{{{tag}}}:owned:{instance}"
 
 

@@ -99,7 +99,7 @@ class Claim:
 @dataclass(frozen=True, slots=True)
 class Orphaned:
     """A stream of a dead instance that no reader took over, ended in the store by the one
-    survivor that swept it (`RedisStore._sweep`): what is left to bill of it."""
+    survivor that swept it (`Sweeper.sweep`, `sweeper.py`): what is left to bill of it."""
 
     id: str
     trace_id: str

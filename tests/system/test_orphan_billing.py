@@ -21,8 +21,9 @@ import pytest
 import redis
 
 from firsttoken.resume.keys import events_key, meta_key, owned_key, tag_of
-from firsttoken.resume.redis import _CLAIM, _SWEEP
 from firsttoken.resume.runs import encode_run
+from firsttoken.resume.sweeper import SWEEP
+from firsttoken.resume.takeover import CLAIM
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import wait_for
@@ -142,7 +143,7 @@ def test_a_sweep_and_a_claim_take_a_dead_owners_stream_once(redis_url: str) -> N
     r = redis.Redis.from_url(redis_url)
     meta, events = meta_key("s1"), events_key("s1")
     owned = owned_key(tag_of(meta), "dead")
-    sweep, claim = r.register_script(_SWEEP), r.register_script(_CLAIM)
+    sweep, claim = r.register_script(SWEEP), r.register_script(CLAIM)
 
     def dead_owners_stream() -> None:
         r.delete(meta, events, owned)
