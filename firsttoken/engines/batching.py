@@ -34,7 +34,7 @@ from firsttoken.engines.synthetic import (
     Failure,
     Faults,
     Part,
-    Plan,
+    Script,
     SyntheticEngine,
     finish_empty,
     options,
@@ -61,7 +61,7 @@ _CHUNK = 64  # parts a sequence takes from its plan at a time
 class _Seq:
     engine: BatchingEngine
     request_id: str
-    plan: Plan
+    plan: Script
     failure: Failure | None
     sink: Sink
     chunk: list[Part] = field(default_factory=list)
@@ -147,7 +147,7 @@ class BatchingEngine(BaseEngine):
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         opts = options(request)
-        plan = Plan.of(request, opts, self._words.style)
+        plan = Script.of(request, opts, self._words.style)
         seq = _Seq(self, request.request_id, plan, self.faults.draw(opts), sink)
         if plan.finish is not None and (seq.failure is None or seq.failure.client_fault):
             finish_empty(sink, plan.finish, plan.usage())  # an empty answer

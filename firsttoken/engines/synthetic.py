@@ -39,7 +39,7 @@ from firsttoken.generation import (
 __all__ = [
     "CACHE_BYTES",
     "MAX_KNOB_TOKENS",
-    "Plan",
+    "Script",
     "SyntheticEngine",
     "SyntheticOptions",
     "answer_parts",
@@ -133,8 +133,8 @@ def answer_parts(
     request: GenerationRequest, opts: SyntheticOptions, style: str = "prose"
 ) -> tuple[list[Part], str]:
     """What the engine emits for this request, one part per step, and the finish reason
-    (`Plan`, read whole)."""
-    plan = Plan.of(request, opts, style)
+    (`Script`, read whole)."""
+    plan = Script.of(request, opts, style)
     parts = plan.take(sys.maxsize)
     assert plan.finish is not None
     return parts, plan.finish
@@ -163,12 +163,12 @@ def finish_empty(sink: Sink, finish: str, usage: Mapping[str, Any] | None) -> No
         sink.push_delta(Delta("", finish, usage=usage))
 
 
-# ---- the plan: what one request gets ----------------------------------------------------------
+# ---- the script: what one request gets ----------------------------------------------------------
 
 _END: Any = object()
 
 
-class Plan:
+class Script:
     """The parts one request gets, made as they are read, and its finish reason.
 
     First reasoning (`reasoning_tokens`), then the answer: its text or one tool call
@@ -198,7 +198,7 @@ class Plan:
         self.taken = 0
 
     @classmethod
-    def of(cls, request: GenerationRequest, opts: SyntheticOptions, style: str) -> Plan:
+    def of(cls, request: GenerationRequest, opts: SyntheticOptions, style: str) -> Script:
         """The plan for `request`; EngineError (the client's fault) for a continuation that
         is not a prefix of the answer, or tool-call arguments that do not serialise."""
         plan = cls()
@@ -284,7 +284,7 @@ class Plan:
             self.finish = "length" if self.cut else self._finish
 
 
-def _upto(parts: Iterator[Part], limit: int, plan: Plan) -> Iterator[Part]:
+def _upto(parts: Iterator[Part], limit: int, plan: Script) -> Iterator[Part]:
     """The first `limit` parts; marks the plan cut when there were more."""
     yield from islice(parts, limit)
     if next(parts, _END) is not _END:
@@ -464,7 +464,7 @@ class _Answers:
 _ANSWERS = _Answers(CACHE_BYTES)
 
 
-def _text(answer: _Answer, limit: int | None = None, plan: Plan | None = None) -> Iterator[str]:
+def _text(answer: _Answer, limit: int | None = None, plan: Script | None = None) -> Iterator[str]:
     """The answer's tokens, built as they are read: the first `limit`, and `plan` is marked
     cut when there were more."""
     tokens = answer.tokens
@@ -637,13 +637,13 @@ class SyntheticEngine(BaseEngine):
         sent (a continuation that is not the answer's prefix): the API answers it as a 4xx."""
         opts = options(request)
         if opts.tool_call or request.options.get("continuation") is not None:
-            Plan.of(request, opts, self.style)  # nothing else can fail (and this costs µs)
+            Script.of(request, opts, self.style)  # nothing else can fail (and this costs µs)
 
     def open(self, request: GenerationRequest, sink: Sink) -> Generation:
         opts = options(request)
         ttft = (self.ttft_ms if opts.ttft_ms is None else opts.ttft_ms) / 1000
         itl = (self.itl_ms if opts.itl_ms is None else opts.itl_ms) / 1000
-        plan = Plan.of(request, opts, self.style)
+        plan = Script.of(request, opts, self.style)
         if self._loop is None:
             self._loop = asyncio.get_running_loop()
         loop = self._loop
@@ -774,7 +774,7 @@ class _Run:
         self,
         engine: SyntheticEngine,
         request_id: str,
-        plan: Plan,
+        plan: Script,
         itl: float,
         failure: Failure | None,
         sink: Sink,

@@ -18,7 +18,7 @@ import anyio
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import Store, open_store
+from firsttoken.ledger.stores import LedgerStore, open_store
 from firsttoken.ledger.writer import LedgerWriter
 from firsttoken.pricing import FREE, PICOS, Leg, LegCost, Price, TokenCounts, answer_cost
 from firsttoken.routing.config import ModelRoute, RouteTable
@@ -36,7 +36,7 @@ class Ledger:
         # and /ops. Without either, and without prices (every cost 0), a request's record
         # would be kept for nobody: `counting` is False and nothing is accounted.
         self.read = read or url is not None
-        self.store: Store = open_store(url)
+        self.store: LedgerStore = open_store(url)
         self.writer = LedgerWriter(self.store, max_records=max_records)
         self.currency = "USD"
         self.prices: dict[str, Price] = {}

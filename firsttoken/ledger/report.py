@@ -32,7 +32,7 @@ import anyio
 from firsttoken.config import Parser, usage_db_problem, usage_error
 from firsttoken.ledger.record import TOKEN_COLUMNS
 from firsttoken.ledger.schema import GROUPS
-from firsttoken.ledger.stores import SQLITE, Store, open_store, sqlite_path
+from firsttoken.ledger.stores import SQLITE, LedgerStore, open_store, sqlite_path
 from firsttoken.pricing import money_text
 
 __all__ = ["main", "parse_since", "usage_report"]
@@ -69,7 +69,7 @@ def parse_since(value: str | None, now: float | None = None, name: str = "--sinc
 
 
 async def usage_report(
-    store: Store,
+    store: LedgerStore,
     by: str,
     since: float | None,
     currency: str = "USD",

@@ -28,11 +28,11 @@ from firsttoken.ledger.schema import (
 )
 
 __all__ = [
-    "MemoryStore",
-    "PostgresStore",
-    "SQLiteStore",
-    "Store",
-    "StoreError",
+    "LedgerStore",
+    "LedgerStoreError",
+    "MemoryLedgerStore",
+    "PostgresLedgerStore",
+    "SQLiteLedgerStore",
     "open_store",
     "record_fault",
     "sqlite_path",
@@ -46,7 +46,7 @@ _SQLITE_RULE = (
 )
 
 
-class StoreError(Exception):
+class LedgerStoreError(Exception):
     """The store cannot be used as given; `str()` is the line a person reads."""
 
 
@@ -54,7 +54,7 @@ class StoreError(Exception):
 Row = tuple[Any, ...]
 
 
-class Store(Protocol):
+class LedgerStore(Protocol):
     shown: str  # the URL without a password, for log lines
 
     async def open(self) -> None: ...
@@ -91,15 +91,15 @@ def sqlite_path(url: str) -> str:
     return url[len(SQLITE) :]
 
 
-def open_store(url: str | None) -> Store:
+def open_store(url: str | None) -> LedgerStore:
     if not url:
-        return MemoryStore()
+        return MemoryLedgerStore()
     if url.startswith(SQLITE):
-        return SQLiteStore(sqlite_path(url))
-    return PostgresStore(url)
+        return SQLiteLedgerStore(sqlite_path(url))
+    return PostgresLedgerStore(url)
 
 
-class MemoryStore:
+class MemoryLedgerStore:
     """The newest `limit` records of this process's life: a server without `--usage-db` runs
     for months, and a record is ~0.5 KiB (a million would be ~0.5 GiB)."""
 
@@ -157,7 +157,7 @@ class MemoryStore:
         return None
 
 
-class SQLiteStore:
+class SQLiteLedgerStore:
     def __init__(self, path: str) -> None:
         self.path = path
         self.shown = f"sqlite:///{path}"
@@ -185,7 +185,7 @@ class SQLiteStore:
     async def open(self) -> None:
         missing = self.missing()
         if missing is not None:
-            raise StoreError(missing)
+            raise LedgerStoreError(missing)
         await anyio.to_thread.run_sync(self._call, _migrate_sqlite)
 
     async def write(self, records: Sequence[UsageRecord]) -> None:
@@ -247,7 +247,7 @@ def _read(db: sqlite3.Connection, sql: str, args: tuple[Any, ...]) -> list[Any]:
     return db.execute(sql, args).fetchall()
 
 
-class PostgresStore:
+class PostgresLedgerStore:
     """One connection, made again after a failure (the writer retries the batch), and one
     transaction at a time on it: the writer's and a report's share it."""
 

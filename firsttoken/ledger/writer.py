@@ -25,7 +25,7 @@ from itertools import islice
 import anyio
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import Store, record_fault
+from firsttoken.ledger.stores import LedgerStore, record_fault
 from firsttoken.telemetry.metrics import log_event
 
 __all__ = ["LedgerWriter"]
@@ -40,7 +40,7 @@ _WRITE_TIMEOUT_S = 10.0
 class LedgerWriter:
     def __init__(
         self,
-        store: Store,
+        store: LedgerStore,
         max_records: int = 100_000,
         interval_s: float = 0.1,
         clock: Callable[[], float] = time.monotonic,

@@ -15,7 +15,7 @@ from anyio.abc import TaskStatus
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis
 from firsttoken.resume.health import OP_TIMEOUT_S, RETRY_MIN_S, Health, unavailable
-from firsttoken.resume.keys import meta_key
+from firsttoken.resume.redis_keys import meta_key
 
 __all__ = ["CANCEL", "Cancels"]
 

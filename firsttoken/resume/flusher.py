@@ -31,8 +31,8 @@ from redis.exceptions import NoScriptError, RedisError, ResponseError
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, pack, resp_arg, roundtrip
 from firsttoken.resume.health import OP_TIMEOUT_S, RETRY_MAX_S, RETRY_MIN_S, Health
-from firsttoken.resume.keys import tag_of
 from firsttoken.resume.metas import LIVE_EXTRA_S, META_COMMANDS, MetaWriter, send
+from firsttoken.resume.redis_keys import tag_of
 from firsttoken.resume.replicas import Replica, Replicas, ahead
 from firsttoken.resume.runs import pack_counts, pack_lengths
 from firsttoken.telemetry.metrics import log_event

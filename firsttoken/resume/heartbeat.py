@@ -20,7 +20,7 @@ import anyio
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, Liveness
 from firsttoken.resume.health import OP_TIMEOUT_S, Health
-from firsttoken.resume.keys import TAGS, owned_key
+from firsttoken.resume.redis_keys import TAGS, owned_key
 
 __all__ = ["INSTANCES", "OWNER_GONE_S", "Heartbeat", "instance_key"]
 

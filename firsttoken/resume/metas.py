@@ -21,7 +21,7 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, pack, resp_arg, roundtrip
 from firsttoken.resume.health import OP_TIMEOUT_S, Health
-from firsttoken.resume.keys import meta_key, owned_key, tag_of
+from firsttoken.resume.redis_keys import meta_key, owned_key, tag_of
 from firsttoken.resume.replicas import Replica, Replicas
 
 __all__ = ["LIVE_EXTRA_S", "META_COMMANDS", "MetaWriter", "meta_commands", "send"]

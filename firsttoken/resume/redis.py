@@ -70,8 +70,8 @@ from firsttoken.resume.evictions import Evictions
 from firsttoken.resume.flusher import FLUSH_INTERVAL_S, Flusher
 from firsttoken.resume.health import OP_TIMEOUT_S, Health, unavailable
 from firsttoken.resume.heartbeat import OWNER_GONE_S, Heartbeat, instance_key
-from firsttoken.resume.keys import events_key, meta_key, readers_key
 from firsttoken.resume.metas import MetaWriter
+from firsttoken.resume.redis_keys import events_key, meta_key, readers_key
 from firsttoken.resume.redis_metrics import RedisFigures, redis_metrics
 from firsttoken.resume.replicas import Replicas
 from firsttoken.resume.runs import run_first

@@ -19,7 +19,7 @@ import anyio
 
 from firsttoken.eventlog import EventLog
 from firsttoken.redisclient import resp_arg
-from firsttoken.resume.keys import events_key, meta_key
+from firsttoken.resume.redis_keys import events_key, meta_key
 from firsttoken.resume.store import StreamRecord
 
 __all__ = ["Replica", "Replicas", "ahead"]

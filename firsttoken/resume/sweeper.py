@@ -22,7 +22,7 @@ from anyio.abc import TaskGroup
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
 from firsttoken.resume.health import OP_TIMEOUT_S, Health
 from firsttoken.resume.heartbeat import INSTANCES, OWNER_GONE_S, instance_key
-from firsttoken.resume.keys import TAGS, events_key, meta_key, owned_key
+from firsttoken.resume.redis_keys import TAGS, events_key, meta_key, owned_key
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.resume.store import BillOrphaned, Orphaned
 from firsttoken.telemetry.metrics import log_event

@@ -31,7 +31,7 @@ from redis.typing import KeyT, StreamIdT
 
 from firsttoken.eventlog import EventLog
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
-from firsttoken.resume.keys import tag_of
+from firsttoken.resume.redis_keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.resume.store import LOST_AHEAD, Resumed
 from firsttoken.wire.errors import error_body

@@ -16,7 +16,7 @@ import anyio
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
 from firsttoken.resume.health import OP_TIMEOUT_S, Health
-from firsttoken.resume.keys import events_key, meta_key
+from firsttoken.resume.redis_keys import events_key, meta_key
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.resume.store import Claim
 from firsttoken.resume.tailer import entry_id

@@ -27,7 +27,7 @@ from firsttoken.generation import Delta, EngineError, GenerationRequest
 from firsttoken.routing.config import ModelRoute
 from firsttoken.routing.course import Course, State
 from firsttoken.routing.failover import Said, rendezvous, source
-from firsttoken.routing.seam import Pacer, Seam, prefill_request
+from firsttoken.routing.seam import EdgePacer, Seam, prefill_request
 from firsttoken.routing.splice import Transcript, continuation
 from firsttoken.routing.target import Target
 
@@ -53,7 +53,7 @@ class Handover:
         "seam",
     )
 
-    def __init__(self, edge: Target, seam: Seam, pacer: Pacer | None) -> None:
+    def __init__(self, edge: Target, seam: Seam, pacer: EdgePacer | None) -> None:
         self.edge: Target | None = edge  # the first target, until its leg starts
         self.handing: Target | None = None  # the target whose part is done (HANDOFF)
         self.fell_back = False  # the edge was asked to finish what the center could not take
@@ -95,7 +95,7 @@ class Handoffs:
         if not (edge.has_room() and edge.health.acquire(now, course.owner)):
             return
         seam = Seam(handoff.after_tokens, sentence=handoff.at == "sentence", prefill=False)
-        pacer = Pacer(handoff.pace_ms / 1000) if handoff.pace_ms > 0 else None
+        pacer = EdgePacer(handoff.pace_ms / 1000) if handoff.pace_ms > 0 else None
         handover = course.handover = Handover(edge, seam, pacer)
         center = self.likely_center(course)
         if center is None:
@@ -331,7 +331,7 @@ def _sentence_end(text: str) -> bool:
     return bool(_SENTENCE_END.search(text))
 
 
-async def paced(pacer: Pacer, answer: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:
+async def paced(pacer: EdgePacer, answer: AsyncIterator[Delta]) -> AsyncGenerator[Delta, None]:
     """`answer`'s deltas, in order, the edge's text let out by `pacer` while the answer is
     read as fast as it comes (the edge's leg is never slowed by the pace); once the next
     leg's text comes, straight through."""

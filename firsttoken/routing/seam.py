@@ -9,7 +9,7 @@ to its first token on the continuation. Three things hide it:
   continuation later pays only for the edge's few tokens, and its answer says when the center
   is ready;
 - the edge writes faster than anyone reads, so part of its text is held back and let out at
-  an even pace (`Pacer`): the text held is time in hand;
+  an even pace (`EdgePacer`): the text held is time in hand;
 - the hand-off is timed (`Seam`): it happens at the first token boundary where the time in
   hand covers the center's expected delay, `after_tokens` being the latest point; a center
   that is ready before the edge has said much takes over at the next token boundary, and so
@@ -32,12 +32,12 @@ from typing import Any
 
 from firsttoken.generation import Delta, GenerationRequest
 
-__all__ = ["Pacer", "Seam", "prefill_id", "prefill_request"]
+__all__ = ["EdgePacer", "Seam", "prefill_id", "prefill_request"]
 
 _LIMITS = ("max_tokens", "max_completion_tokens", "max_output_tokens")
 
 
-class Pacer:
+class EdgePacer:
     """The edge's deltas on their way to the client, one text delta every `pace_s` at most.
 
     Every delta goes through in order; only text deltas are paced (a meta event or a bare

@@ -20,7 +20,7 @@ import openai
 import pytest
 import redis
 
-from firsttoken.resume.keys import events_key, meta_key, owned_key, tag_of
+from firsttoken.resume.redis_keys import events_key, meta_key, owned_key, tag_of
 from firsttoken.resume.runs import encode_run
 from firsttoken.resume.sweeper import SWEEP
 from firsttoken.resume.takeover import CLAIM

@@ -23,7 +23,7 @@ from redis.crc import key_slot
 
 from firsttoken.engines import synthetic_tokens
 from firsttoken.redisclient import redis_client
-from firsttoken.resume.keys import events_key, group_of, meta_key
+from firsttoken.resume.redis_keys import events_key, group_of, meta_key
 from tests.events import tokens_of
 from tests.rawhttp import RawStream
 from tests.redis_server import RedisClusterServers, redis_cluster, run_redis

@@ -8,8 +8,8 @@ import anyio
 import redis
 
 from firsttoken.eventlog import EventLog
-from firsttoken.resume.keys import meta_key
 from firsttoken.resume.redis import RedisStore
+from firsttoken.resume.redis_keys import meta_key
 from firsttoken.resume.store import StreamRecord
 from tests.redis_server import run_redis
 

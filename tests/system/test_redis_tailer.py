@@ -20,8 +20,8 @@ from anyio.abc import TaskGroup, TaskStatus
 
 import firsttoken.resume.tailer as tailer_module
 from firsttoken.eventlog import EventLog
-from firsttoken.resume.keys import events_key
 from firsttoken.resume.redis import RedisStore
+from firsttoken.resume.redis_keys import events_key
 from firsttoken.resume.store import StreamRecord
 from tests.redis_server import RedisServer, redis_server
 

@@ -18,7 +18,7 @@ import pytest
 import redis
 
 from firsttoken.engines.synthetic import synthetic_tokens
-from firsttoken.resume.keys import events_key, meta_key
+from firsttoken.resume.redis_keys import events_key, meta_key
 from firsttoken.resume.runs import decode_run
 from firsttoken.wire.sse import EventDecoder
 from tests.proxy import CuttableProxy
@@ -247,9 +247,10 @@ def test_an_owner_cut_off_from_redis_finds_its_stream_taken_when_it_is_back(
     port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
     proxy = CuttableProxy(port)
     through = f"redis://127.0.0.1:{proxy.port}/0"
-    with run_server("--redis", through, *COMMON, "--durable") as a, run_server(
-        "--redis", redis_url, *COMMON, "--durable"
-    ) as b:
+    with (
+        run_server("--redis", through, *COMMON, "--durable") as a,
+        run_server("--redis", redis_url, *COMMON, "--durable") as b,
+    ):
         created = create(a, "partitioned owner", itl_ms=100)
         stream = RawStream(a.port, "GET", created["events_url"])
         read_until(stream, 5)

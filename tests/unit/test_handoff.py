@@ -14,7 +14,7 @@ from firsttoken.generation import Delta, EngineError, GenerationRequest
 from firsttoken.routing.config import Handoff, ModelRoute, TargetConfig
 from firsttoken.routing.course import Course, Event, State, plan
 from firsttoken.routing.handoff import Handoffs, Handover, paced, prefill_meta
-from firsttoken.routing.seam import Pacer, Seam, prefill_id
+from firsttoken.routing.seam import EdgePacer, Seam, prefill_id
 from firsttoken.routing.splice import Transcript
 from firsttoken.routing.target import Target
 from tests.unit import virtual_loop
@@ -308,7 +308,7 @@ def test_the_edges_text_leaves_at_the_pace_while_it_is_read_as_fast_as_it_comes(
         loop = asyncio.get_running_loop()
         out = []
         answer = deltas(Delta("a"), Delta("b"), Delta("c"), 1.0, Delta("", "stop"))
-        async for delta in paced(Pacer(0.1), answer):
+        async for delta in paced(EdgePacer(0.1), answer):
             out.append((round(loop.time() - START, 6), delta.text))
         return out
 
@@ -319,7 +319,7 @@ def test_the_edges_text_leaves_at_the_pace_while_it_is_read_as_fast_as_it_comes(
 def test_once_released_the_deltas_go_straight_through() -> None:
     async def body() -> list[float]:
         loop = asyncio.get_running_loop()
-        pacer = Pacer(0.1)
+        pacer = EdgePacer(0.1)
         pacer.release()
         return [loop.time() - START async for _ in paced(pacer, deltas(Delta("a"), Delta("b")))]
 
@@ -330,7 +330,7 @@ def test_what_the_edge_said_reaches_the_client_before_its_error() -> None:
     async def body() -> tuple[list[str], str]:
         out: list[str] = []
         try:
-            async for delta in paced(Pacer(0.1), deltas(Delta("a"), Delta("b"), Fail())):
+            async for delta in paced(EdgePacer(0.1), deltas(Delta("a"), Delta("b"), Fail())):
                 out.append(delta.text)
         except EngineError as exc:
             return out, exc.code

@@ -12,7 +12,7 @@ import anyio
 import pytest
 
 from firsttoken.ledger.record import UsageRecord
-from firsttoken.ledger.stores import MemoryStore, SQLiteStore
+from firsttoken.ledger.stores import MemoryLedgerStore, SQLiteLedgerStore
 from firsttoken.ledger.writer import LedgerWriter
 from firsttoken.pricing import LegCost, TokenCounts
 
@@ -23,7 +23,7 @@ def record(i: int) -> UsageRecord:
     )
 
 
-class FlakyStore(MemoryStore):
+class FlakyStore(MemoryLedgerStore):
     """A memory store that refuses writes while `away`."""
 
     def __init__(self) -> None:
@@ -60,7 +60,7 @@ async def test_records_wait_in_the_queue_while_the_store_is_away_and_none_are_lo
 
 @pytest.mark.anyio
 async def test_past_its_bound_the_queue_drops_and_counts() -> None:
-    writer = LedgerWriter(MemoryStore(), max_records=3)
+    writer = LedgerWriter(MemoryLedgerStore(), max_records=3)
     for i in range(5):
         writer.submit(record(i))
     assert len(writer.queue) == 3
@@ -138,7 +138,7 @@ async def test_a_record_the_table_refuses_is_dropped_and_never_blocks_the_others
 ) -> None:
     # A cost past BIGINT (the real SQLite raises OverflowError for it): retried as a batch,
     # it would wedge every record behind it for good.
-    store = SQLiteStore(str(tmp_path / "ledger.db"))
+    store = SQLiteLedgerStore(str(tmp_path / "ledger.db"))
     await store.open()
     writer = LedgerWriter(store)
     for i in range(5):

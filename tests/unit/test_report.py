@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from firsttoken.ledger.report import main, parse_since, render, usage_report
-from firsttoken.ledger.stores import MemoryStore, open_store
+from firsttoken.ledger.stores import MemoryLedgerStore, open_store
 from tests.unit.test_stores import DAY, RECORDS, record
 
 
@@ -33,7 +33,7 @@ def anyio_backend() -> str:
 
 @pytest.mark.anyio
 async def test_the_json_shape_has_costs_as_exact_decimal_strings() -> None:
-    store = MemoryStore()
+    store = MemoryLedgerStore()
     await store.write(RECORDS)
     report = await usage_report(store, "key", None, "USD")
     assert report["currency"] == "USD"
@@ -57,7 +57,7 @@ async def test_the_json_shape_has_costs_as_exact_decimal_strings() -> None:
 
 @pytest.mark.anyio
 async def test_table_and_csv_list_every_group() -> None:
-    store = MemoryStore()
+    store = MemoryLedgerStore()
     await store.write(RECORDS)
     report = await usage_report(store, "target", None)
     table = render(report, "table")
@@ -72,7 +72,7 @@ async def test_table_and_csv_list_every_group() -> None:
 
 @pytest.mark.anyio
 async def test_a_currency_change_gives_a_row_and_a_total_per_currency() -> None:
-    store = MemoryStore()
+    store = MemoryLedgerStore()
     euros = record("d", "alice", DAY + 30, ("center", 1, 1, 9), currency="EUR")
     await store.write([*RECORDS, euros])
     report = await usage_report(store, "key", None, "EUR")

@@ -8,9 +8,9 @@ import pytest
 from redis.exceptions import NoScriptError, RedisError
 
 from firsttoken.eventlog import EventLog
-from firsttoken.resume.keys import events_key, meta_key
 from firsttoken.resume.metas import META_COMMANDS
 from firsttoken.resume.redis import RedisStore
+from firsttoken.resume.redis_keys import events_key, meta_key
 from tests.unit.clock import FakeClock
 from tests.unit.replicated import TTL_S, confirm, events_of, flush, replicate, store
 

@@ -1,10 +1,10 @@
-"""The Redis key layout (`firsttoken/resume/keys.py`): one slot per group, groups spread."""
+"""The Redis key layout (`firsttoken/resume/redis_keys.py`): one slot per group, groups spread."""
 
 from __future__ import annotations
 
 from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
 
-from firsttoken.resume.keys import (
+from firsttoken.resume.redis_keys import (
     GROUPS,
     TAGS,
     events_key,

@@ -10,8 +10,8 @@ import anyio
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.health import OP_TIMEOUT_S
-from firsttoken.resume.keys import meta_key, owned_key, tag_of
 from firsttoken.resume.metas import _META_CALL_BYTES, LIVE_EXTRA_S, by_request_bytes
+from firsttoken.resume.redis_keys import meta_key, owned_key, tag_of
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
 from tests.unit.replicated import TTL_S, confirm, flush, replicate, store

@@ -7,7 +7,7 @@ from __future__ import annotations
 from functools import partial
 
 from firsttoken.eventlog import EventLog
-from firsttoken.resume.keys import events_key, meta_key
+from firsttoken.resume.redis_keys import events_key, meta_key
 from firsttoken.resume.replicas import Replicas
 from firsttoken.resume.store import StreamRecord
 from tests.unit.clock import FakeClock

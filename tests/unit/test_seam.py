@@ -4,11 +4,11 @@ hand, and the hand-off decision by time, bounded by `after_tokens` and sentence 
 from __future__ import annotations
 
 from firsttoken.generation import Delta, GenerationRequest
-from firsttoken.routing.seam import Pacer, Seam, prefill_id, prefill_request
+from firsttoken.routing.seam import EdgePacer, Seam, prefill_id, prefill_request
 from tests.unit.clock import FakeClock
 
 
-def drain(pacer: Pacer, clock: FakeClock, until: float) -> list[tuple[float, str]]:
+def drain(pacer: EdgePacer, clock: FakeClock, until: float) -> list[tuple[float, str]]:
     """Let the held deltas out as their times come, up to `until`: (time, text) each."""
     out: list[tuple[float, str]] = []
     while True:
@@ -21,7 +21,7 @@ def drain(pacer: Pacer, clock: FakeClock, until: float) -> list[tuple[float, str
 
 def test_the_first_delta_leaves_at_once_and_the_rest_at_the_pace() -> None:
     clock = FakeClock(0.0)
-    pacer = Pacer(0.05)
+    pacer = EdgePacer(0.05)
     for i in range(4):
         pacer.hold(Delta(f"t{i}"))
     times = [round(t, 6) for t, _ in drain(pacer, clock, until=10.0)]
@@ -31,7 +31,7 @@ def test_the_first_delta_leaves_at_once_and_the_rest_at_the_pace() -> None:
 
 def test_a_meta_event_or_bare_finish_is_not_paced_but_keeps_its_place() -> None:
     clock = FakeClock(0.0)
-    pacer = Pacer(0.05)
+    pacer = EdgePacer(0.05)
     pacer.hold(Delta("a"))
     pacer.hold(Delta(meta={"handoff": {}}))
     pacer.hold(Delta("b"))
@@ -43,7 +43,7 @@ def test_a_meta_event_or_bare_finish_is_not_paced_but_keeps_its_place() -> None:
 
 def test_time_in_hand_counts_the_held_text_at_the_pace() -> None:
     clock = FakeClock(0.0)
-    pacer = Pacer(0.05)
+    pacer = EdgePacer(0.05)
     assert pacer.in_hand(0.0) == 0.0
     pacer.hold(Delta("a"))
     drain(pacer, clock, until=0.0)  # "a" left at 0.0
@@ -56,7 +56,7 @@ def test_time_in_hand_counts_the_held_text_at_the_pace() -> None:
 
 def test_after_the_hand_off_the_held_text_is_spread_over_the_expected_delay() -> None:
     clock = FakeClock(0.0)
-    pacer = Pacer(0.05)
+    pacer = EdgePacer(0.05)
     pacer.hold(Delta("a"))
     drain(pacer, clock, until=0.0)
     for i in range(3):
@@ -73,7 +73,7 @@ def test_after_the_hand_off_the_held_text_is_spread_over_the_expected_delay() ->
 
 def test_released_everything_leaves_at_once() -> None:
     clock = FakeClock(0.0)
-    pacer = Pacer(0.05)
+    pacer = EdgePacer(0.05)
     for i in range(5):
         pacer.hold(Delta(f"t{i}"))
     drain(pacer, clock, until=0.0)

@@ -12,11 +12,11 @@ import pytest
 
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import (
-    MemoryStore,
-    PostgresStore,
-    SQLiteStore,
-    Store,
-    StoreError,
+    LedgerStore,
+    LedgerStoreError,
+    MemoryLedgerStore,
+    PostgresLedgerStore,
+    SQLiteLedgerStore,
     open_store,
 )
 from firsttoken.pricing import LegCost, TokenCounts
@@ -55,14 +55,14 @@ RECORDS = [
 @asynccontextmanager
 async def _opened(
     kind: str, request: pytest.FixtureRequest, tmp_path: Path
-) -> AsyncIterator[Store]:
+) -> AsyncIterator[LedgerStore]:
     if kind == "memory":
-        s: Store = MemoryStore()
+        s: LedgerStore = MemoryLedgerStore()
     elif kind == "sqlite":
-        s = SQLiteStore(str(tmp_path / "usage.db"))
+        s = SQLiteLedgerStore(str(tmp_path / "usage.db"))
     else:
         pg: PostgresServer = request.getfixturevalue("postgres")
-        s = PostgresStore(pg.new_database())
+        s = PostgresLedgerStore(pg.new_database())
     await s.open()
     try:
         yield s
@@ -71,13 +71,13 @@ async def _opened(
 
 
 @pytest.fixture(params=["memory", "sqlite", "postgres"])
-async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+async def store(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LedgerStore]:
     async with _opened(request.param, request, tmp_path) as s:
         yield s
 
 
 @pytest.fixture(params=["sqlite", "postgres"])
-async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Store]:
+async def database(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[LedgerStore]:
     """A store that writes to a database (memory keeps what it is given: nothing retries)."""
     async with _opened(request.param, request, tmp_path) as s:
         yield s
@@ -89,7 +89,7 @@ def anyio_backend() -> str:
 
 
 @pytest.mark.anyio
-async def test_totals_by_key_add_every_leg_exactly(store: Store) -> None:
+async def test_totals_by_key_add_every_leg_exactly(store: LedgerStore) -> None:
     await store.write(RECORDS)
     rows = await store.summary("key", None)
     assert rows == [
@@ -99,7 +99,7 @@ async def test_totals_by_key_add_every_leg_exactly(store: Store) -> None:
 
 
 @pytest.mark.anyio
-async def test_by_target_counts_each_leg_at_its_target(store: Store) -> None:
+async def test_by_target_counts_each_leg_at_its_target(store: LedgerStore) -> None:
     await store.write(RECORDS)
     rows = await store.summary("target", DAY)
     assert rows == [
@@ -109,7 +109,7 @@ async def test_by_target_counts_each_leg_at_its_target(store: Store) -> None:
 
 
 @pytest.mark.anyio
-async def test_by_day_and_since(store: Store) -> None:
+async def test_by_day_and_since(store: LedgerStore) -> None:
     await store.write(RECORDS)
     days = await store.summary("day", None)
     assert [(r[0], r[1]) for r in days] == [("2026-12-01", 1), ("2026-12-02", 2)]
@@ -119,7 +119,7 @@ async def test_by_day_and_since(store: Store) -> None:
 
 
 @pytest.mark.anyio
-async def test_two_currencies_are_never_added_up(store: Store) -> None:
+async def test_two_currencies_are_never_added_up(store: LedgerStore) -> None:
     # The routes file's currency went from USD to EUR: alice's spend is two rows, and her
     # EUR budget counts her EUR spend alone.
     euros = record("d", "alice", DAY + 30, ("center", 1, 1, 9), currency="EUR")
@@ -142,7 +142,7 @@ async def test_two_currencies_are_never_added_up(store: Store) -> None:
 
 
 @pytest.mark.anyio
-async def test_a_batch_written_twice_is_counted_once(database: Store) -> None:
+async def test_a_batch_written_twice_is_counted_once(database: LedgerStore) -> None:
     await database.write(RECORDS)
     await database.write(RECORDS)  # a retry after a commit whose answer was lost
     rows = await database.summary("key", None)
@@ -152,11 +152,11 @@ async def test_a_batch_written_twice_is_counted_once(database: Store) -> None:
 @pytest.mark.anyio
 async def test_migrating_again_keeps_the_records(tmp_path: Path) -> None:
     path = str(tmp_path / "usage.db")
-    first = SQLiteStore(path)
+    first = SQLiteLedgerStore(path)
     await first.open()
     await first.write(RECORDS)
     await first.close()
-    again = SQLiteStore(path)
+    again = SQLiteLedgerStore(path)
     await again.open()
     assert len(await again.summary("key", None)) == 2
     await again.close()
@@ -166,7 +166,7 @@ async def test_migrating_again_keeps_the_records(tmp_path: Path) -> None:
 async def test_postgres_away_fails_the_write_and_the_next_one_reconnects(
     postgres: PostgresServer,
 ) -> None:
-    store = PostgresStore(postgres.new_database())
+    store = PostgresLedgerStore(postgres.new_database())
     await store.open()
     postgres.stop()
     try:
@@ -186,7 +186,7 @@ async def test_a_read_after_postgres_restarted_makes_a_new_connection_at_once(
 ) -> None:
     """The kept connection died with the restart, unseen: the next read is answered on a new
     one, not failed (a usage report right after an outage got 503)."""
-    store = PostgresStore(postgres.new_database())
+    store = PostgresLedgerStore(postgres.new_database())
     await store.open()
     await store.write(RECORDS)
     postgres.stop()
@@ -197,7 +197,7 @@ async def test_a_read_after_postgres_restarted_makes_a_new_connection_at_once(
 
 
 @pytest.mark.anyio
-async def test_a_report_read_while_a_batch_is_written_waits_its_turn(database: Store) -> None:
+async def test_a_report_read_while_a_batch_is_written_waits_its_turn(database: LedgerStore) -> None:
     """The writer and a report share the database's one connection (PostgreSQL): their
     transactions go one after the other, never one inside the other."""
     for _ in range(10):
@@ -208,7 +208,7 @@ async def test_a_report_read_while_a_batch_is_written_waits_its_turn(database: S
 
 
 @pytest.mark.anyio
-async def test_the_records_say_their_currency(store: Store) -> None:
+async def test_the_records_say_their_currency(store: LedgerStore) -> None:
     assert await store.currency() is None
     await store.write(RECORDS)
     assert await store.currency() == "USD"
@@ -216,10 +216,12 @@ async def test_the_records_say_their_currency(store: Store) -> None:
 
 @pytest.mark.anyio
 async def test_memory_keeps_only_the_newest_records() -> None:
-    store = MemoryStore(limit=2)
+    store = MemoryLedgerStore(limit=2)
     await store.write(RECORDS)
     assert [r.request_id for r in store.records] == ["b", "c"]
-    assert MemoryStore().records.maxlen == 10_000  # a server without --usage-db runs for months
+    assert (
+        MemoryLedgerStore().records.maxlen == 10_000
+    )  # a server without --usage-db runs for months
 
 
 def test_a_password_is_never_shown_in_the_user_part_or_the_query() -> None:
@@ -233,7 +235,7 @@ def test_a_sqlite_ledger_in_a_missing_directory_says_where_its_path_led(
 ) -> None:
     monkeypatch.chdir(tmp_path)
     store = open_store("sqlite:///var/lib/ledger.db")
-    with pytest.raises(StoreError) as refused:
+    with pytest.raises(LedgerStoreError) as refused:
         anyio.run(store.open)
     assert str(refused.value).startswith(f"no directory {tmp_path / 'var/lib'} for ")
     assert "sqlite:////var/lib/firsttoken/ledger.db (four slashes) is absolute" in str(
