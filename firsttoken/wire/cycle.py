@@ -17,13 +17,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 if TYPE_CHECKING:
     from uvicorn._types import HTTPScope
 
-__all__ = ["Arrival", "DirectCycle", "DirectRoutes"]
+__all__ = ["Arrival", "DirectCycle", "DirectRoutes", "Flow"]
 
 _LOGGER = logging.getLogger("uvicorn.error")  # what uvicorn's own cycle logs a crash to
 
@@ -68,6 +67,44 @@ class Arrival:
         return True
 
 
+class Flow:
+    """A connection's flow control, as uvicorn's protocol and cycle use it (`read_paused`,
+    `write_paused`, `drain` and the four switches): its own, with an `Arrival` where
+    uvicorn's keeps an `asyncio.Event` (a 64-slot waiter deque on every connection)."""
+
+    __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.read_paused = False
+        self.write_paused = False
+        self._writable = Arrival()
+        self._writable.set()
+
+    async def drain(self) -> None:
+        await self._writable.wait()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            self._writable.set()
+
+
 class DirectCycle(RequestResponseCycle):
     """uvicorn's `RequestResponseCycle` for a request the protocol serves itself."""
 
@@ -75,7 +112,7 @@ class DirectCycle(RequestResponseCycle):
         self,
         scope: HTTPScope,
         transport: asyncio.Transport,
-        flow: FlowControl,
+        flow: Flow,
         default_headers: list[tuple[bytes, bytes]],
         keep_alive: bool,
         on_response: Callable[[], None],
@@ -84,7 +121,7 @@ class DirectCycle(RequestResponseCycle):
         # (such a request goes the ASGI way) and a lighter arrival flag.
         self.scope = scope
         self.transport = transport
-        self.flow = flow
+        self.flow = flow  # type: ignore[assignment]  # uvicorn's type says FlowControl
         self.logger = _LOGGER
         self.access_logger = _LOGGER
         self.access_log = False
