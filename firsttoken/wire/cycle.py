@@ -7,6 +7,9 @@ per request) is paid once per new stream. Our protocol
 (`connection.StreamingProtocol`) hands a hot route's request to `DirectRoutes.serve` with this
 cycle's `receive` and `send`: uvicorn's own (it is uvicorn's class, pinned at 0.54), so the
 ASGI messages, bodies and keep-alive bookkeeping are the same; only the set-up is lighter.
+
+Also the connection's flow control (`Flow`, what uvicorn's `FlowControl` is to its protocol
+and cycle) and the arrival flag both use (`Arrival`).
 """
 
 from __future__ import annotations
@@ -117,24 +120,19 @@ class DirectCycle(RequestResponseCycle):
         keep_alive: bool,
         on_response: Callable[[], None],
     ) -> None:
-        # uvicorn's __init__, with no access log (ours is off), no `expect: 100-continue`
-        # (such a request goes the ASGI way) and a lighter arrival flag.
-        self.scope = scope
-        self.transport = transport
-        self.flow = flow  # type: ignore[assignment]  # uvicorn's type says FlowControl
-        self.logger = _LOGGER
-        self.access_logger = _LOGGER
-        self.access_log = False
-        self.default_headers = default_headers
-        # A lighter flag with asyncio.Event's shape, where uvicorn's type says Event.
-        self.message_event = Arrival()  # type: ignore[assignment]
-        self.on_response = on_response
-        self.disconnected = False
-        self.keep_alive = keep_alive
-        self.waiting_for_100_continue = False
-        self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.chunked_encoding = None
-        self.expected_content_length = 0
+        # uvicorn's own, with no access log (ours is off), no `expect: 100-continue` (such a
+        # request goes the ASGI way) and a lighter arrival flag than asyncio.Event, both
+        # through its constructor's fields (their types say FlowControl and Event).
+        super().__init__(
+            scope,
+            transport,
+            flow,  # type: ignore[arg-type]
+            _LOGGER,
+            _LOGGER,
+            False,
+            default_headers,
+            Arrival(),  # type: ignore[arg-type]
+            False,
+            keep_alive,
+            on_response,
+        )
