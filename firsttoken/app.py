@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, cast
 
 import anyio
 from starlette.applications import Starlette
@@ -15,7 +15,7 @@ from starlette.middleware import Middleware
 from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import FileResponse, JSONResponse, Response
-from starlette.routing import Mount, Route, Router
+from starlette.routing import BaseRoute, Mount, Route, Router
 from starlette.staticfiles import StaticFiles
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -43,7 +43,14 @@ from firsttoken.wire.errors import APIError
 if TYPE_CHECKING:
     from firsttoken.telemetry.otel import Telemetry
 
-__all__ = ["HotRouteApp", "asgi_app", "create_app", "direct_routes"]
+__all__ = [
+    "HotPathSkips",
+    "HotRouteApp",
+    "asgi_app",
+    "create_app",
+    "direct_routes",
+    "hot_path_gzip",
+]
 
 WEB_DIR = Path(__file__).parent / "web"
 
@@ -55,22 +62,7 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         tokens_generated=lambda: engine.tokens_generated,
         engine_counter=lambda name: engine.counters().get(name, 0),
     )
-    store = open_store(
-        settings.redis,
-        max_events=settings.resume_max_events,
-        max_connections=settings.redis_max_connections,
-        cluster=settings.redis_cluster,
-        flush_interval_s=settings.redis_flush_ms / 1000,
-        durable=settings.durable,
-    )
-    registry = StreamRegistry(
-        engine,
-        metrics,
-        ttl_s=settings.resume_ttl_s,
-        store=store,
-        max_events=settings.resume_max_events,
-    )
-    registry.max_response_bytes = settings.max_response_bytes
+    registry = _registry(settings, engine, metrics)
     admission = Admission(settings, metrics)
     per_key = admission.keys.resume_limits() if admission.keys is not None else {}
     registry.budget = ResumeBudget(settings.resume_max_bytes, per_key)
@@ -80,27 +72,14 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
     routed = routes_in(engine)  # the routes' metrics, under a cache too
     telemetry = _telemetry(settings, registry, routed)
     _price(admission, routed)
+    store = registry.store
     parts = (store, admission.limits, RuntimeCollector(), registry.pacer, registry.budget, routed)
     budgets = admission if admission.keys is not None else None  # firsttoken_key_budget_*
     for part in (*parts, telemetry, admission.ledger, budgets):
         if part is not None:
             # prometheus_client types a collector as its ABC; ours have its shape only.
             metrics.registry.register(part)  # type: ignore[arg-type]
-    gw = Gateway(
-        settings=settings,
-        engine=engine,
-        registry=registry,
-        metrics=metrics,
-        admission=admission,
-        admin=AdminKey.of(settings.admin_key_env, settings.admin_key_file),
-    )
-    registry.reopen = gw.reopen
-    if store.replicates:  # a dead instance's streams nobody took over are billed by a survivor
-        store.on_orphaned = gw.bill_orphaned
-        store.orphan_grace_s = max(settings.resume_grace_s, settings.openai_grace_s)
-        store.orphan_ttl_s = registry.ttl_s
-    if admission.keys is not None:  # nothing to ask per stream without a keys file
-        registry.revoked = admission.revoked
+    gw = _gateway(settings, engine, registry, metrics, admission)
     # SIGHUP (server.py) and --watch-config reload the files; the metrics count the reloads.
     files = ConfigFiles(
         settings.api_keys, settings.routes, settings.canned_answers, settings.admin_key_file
@@ -123,11 +102,79 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         if telemetry is not None:
             await telemetry.close()  # after the drain ended every stream: their spans go too
 
+    app = Starlette(
+        routes=_routes(ops),
+        lifespan=lifespan,
+        # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to
+        # it). The hot routes get what this list says too (`HotRouteApp`, which refuses a
+        # middleware it would not apply).
+        middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
+        # Starlette calls each handler with its own class of exception only, but types every
+        # handler as taking any Exception. The hot routes answer from this table too.
+        exception_handlers={
+            HTTPException: _http_error,  # type: ignore[dict-item]
+            APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
+            Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
+        },
+    )
+    app.state.gateway = gw
+    app.state.reloader = reloader
+    return app
+
+
+def _registry(settings: Settings, engine: Engine, metrics: Metrics) -> StreamRegistry:
+    """The streams, over the store their events are kept in (memory, or Redis)."""
+    store = open_store(
+        settings.redis,
+        max_events=settings.resume_max_events,
+        max_connections=settings.redis_max_connections,
+        cluster=settings.redis_cluster,
+        flush_interval_s=settings.redis_flush_ms / 1000,
+        durable=settings.durable,
+    )
+    registry = StreamRegistry(
+        engine,
+        metrics,
+        ttl_s=settings.resume_ttl_s,
+        store=store,
+        max_events=settings.resume_max_events,
+    )
+    registry.max_response_bytes = settings.max_response_bytes
+    return registry
+
+
+def _gateway(
+    settings: Settings,
+    engine: Engine,
+    registry: StreamRegistry,
+    metrics: Metrics,
+    admission: Admission,
+) -> Gateway:
+    gw = Gateway(
+        settings=settings,
+        engine=engine,
+        registry=registry,
+        metrics=metrics,
+        admission=admission,
+        admin=AdminKey.of(settings.admin_key_env, settings.admin_key_file),
+    )
+    registry.reopen = gw.reopen
+    store = registry.store
+    if store.replicates:  # a dead instance's streams nobody took over are billed by a survivor
+        store.on_orphaned = gw.bill_orphaned
+        store.orphan_grace_s = max(settings.resume_grace_s, settings.openai_grace_s)
+        store.orphan_ttl_s = registry.ttl_s
+    if admission.keys is not None:  # nothing to ask per stream without a keys file
+        registry.revoked = admission.revoked
+    return gw
+
+
+def _routes(ops: OpsView) -> list[BaseRoute]:
     api = [
         *(Route(r.path, r.endpoint, methods=[r.method]) for r in ROUTES),
         *ops.api_routes(),
     ]
-    routes = [
+    return [
         # A mount of its own, so /v1 paths answer 404/405 in JSON, never from the web files;
         # no slash redirects: a 307 for `/v1/usage/` would tell a prober the admin path is there.
         Mount("/v1", app=Router(routes=api, redirect_slashes=False)),
@@ -138,22 +185,6 @@ def create_app(settings: Settings | None = None, engine: Engine | None = None) -
         *ops.page_routes(),
         Mount("/", WebFiles(directory=WEB_DIR, html=True, check_dir=False), name="web"),
     ]
-    app = Starlette(
-        routes=routes,
-        lifespan=lifespan,
-        # For JSON and /metrics only: GZip leaves text/event-stream alone (a test holds it to it).
-        middleware=[Middleware(GZipResponses, minimum_size=settings.compression_min_bytes)],
-        # Starlette calls each handler with its own class of exception only, but types every
-        # handler as taking any Exception.
-        exception_handlers={
-            HTTPException: _http_error,  # type: ignore[dict-item]
-            APIError: _api_error,  # type: ignore[dict-item]  # e.g. 503 store_unavailable
-            Exception: _crashed,  # a bug: a 500 in the error shape, not Starlette's text
-        },
-    )
-    app.state.gateway = gw
-    app.state.reloader = reloader
-    return app
 
 
 def _price(admission: Admission, routed: RoutedEngine | LiveRoutes | None) -> None:
@@ -252,12 +283,15 @@ class HotRouteApp:
       past the middleware (see `connection.RAW_SEND_KEY`).
     - The streaming endpoints skip Starlette's router and middleware stack (`HOT_ROUTES`):
       those layers cost ~150 µs per request, as much as the stream's own set-up. They get the
-      same handlers, gzip for whole answers and the same API error answers.
+      same handlers, and what the app's middleware and error table say: the gzip of whole
+      answers as its `GZipResponses` entry sets it, the answer of its handler for an error.
+      A middleware this layer does not apply is refused at start (`HotPathSkips`), so one
+      added to the app cannot silently miss the hot routes.
     """
 
     def __init__(self, app: Starlette) -> None:
         self.app = app
-        self.gzip_min = app.state.gateway.settings.compression_min_bytes
+        self.gzip_min = hot_path_gzip(app)
 
     def __call__(self, scope: Scope, receive: Receive, send: Send) -> Awaitable[None]:
         # A plain `def`: no frame of its own kept per open stream.
@@ -270,6 +304,8 @@ class HotRouteApp:
                 return refusal.response()(scope, receive, send)
             scope[RAW_SEND_KEY] = send
             return self._other(scope, receive, send)
+        if scope["type"] == "lifespan":
+            hot_path_gzip(self.app)  # again: a middleware added since this layer was made
         return self.app(scope, receive, send)
 
     # `wire.cycle.DirectRoutes`: our protocol serves these without uvicorn's ASGI layers.
@@ -301,12 +337,14 @@ class HotRouteApp:
         try:
             try:
                 response = await endpoint(request)
-            except APIError as exc:  # e.g. 503 store_unavailable from a Redis call
-                response = exc.response(trace_id(request))
-            except Exception as exc:  # a bug: still the error shape, before the first byte
-                response = await _crashed(request, exc)
+            except Exception as exc:  # APIError (e.g. 503 store_unavailable), a bug: the
+                # app's handler answers, in the error shape, before the first byte
+                response = await _handler(self.app, exc)(request, exc)
             del request  # a waiting stream's frame need not keep it
-            await GZipResponses(response, self.gzip_min)(scope, receive, send)
+            if self.gzip_min is not None:
+                await GZipResponses(response, self.gzip_min)(scope, receive, send)
+            else:
+                await response(scope, receive, send)
         finally:
             _let_go(scope)
 
@@ -315,6 +353,44 @@ class HotRouteApp:
             await self.app(scope, receive, send)
         finally:
             _let_go(scope)
+
+
+class HotPathSkips(RuntimeError):
+    """The app has a middleware the hot routes would not go through (`HotRouteApp`)."""
+
+
+def hot_path_gzip(app: Starlette) -> int | None:
+    """The `minimum_size` of the app's `GZipResponses` (None: no gzip), which the hot routes
+    apply themselves. Any other middleware of the app is refused: the hot routes skip the
+    app's middleware stack, so it would not see them. Wrap the outer app instead (as CORS
+    is, `asgi_app`; the direct path then steps aside), or apply it in `HotRouteApp._serve`
+    and let it through here."""
+    gzip_min: int | None = None
+    for middleware in app.user_middleware:
+        if middleware.cls is GZipResponses:  # made as Starlette makes it, for its setting
+            gzip = middleware.cls(app, *middleware.args, **middleware.kwargs)
+            gzip_min = cast(GZipResponses, gzip).minimum_size
+            continue
+        name = getattr(middleware.cls, "__name__", repr(middleware.cls))
+        raise HotPathSkips(
+            f"middleware {name} would not see the hot routes (/v1/chat/completions, ...): "
+            "wrap the app in asgi_app or apply it in HotRouteApp (firsttoken/app.py)"
+        )
+    return gzip_min
+
+
+ErrorHandler = Callable[[Request, Exception], Awaitable[Response]]
+
+
+def _handler(app: Starlette, exc: Exception) -> ErrorHandler:
+    """The app's handler for `exc`, found as Starlette finds it (the nearest class in its
+    MRO); the table ends with `Exception`."""
+    handlers = app.exception_handlers
+    for cls in type(exc).__mro__:
+        handler = handlers.get(cls)
+        if handler is not None:
+            return handler  # type: ignore[return-value]  # ours are all async
+    return _crashed
 
 
 def _let_go(scope: Scope) -> None:

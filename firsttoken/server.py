@@ -27,7 +27,7 @@ from firsttoken.config import Settings, unknown_variables
 from firsttoken.preflight import StartupError, describe, preflight
 from firsttoken.reload import Reloader
 from firsttoken.telemetry.metrics import configure_logging, flush_logs, log_event
-from firsttoken.wire.connection import StreamingProtocol
+from firsttoken.wire.connection import ConnectionOptions, StreamingProtocol
 from firsttoken.workers import Supervisor
 
 __all__ = ["serve"]
@@ -51,9 +51,15 @@ class _Server(uvicorn.Server):
     """
 
     def __init__(
-        self, config: uvicorn.Config, url: str, gateway: Gateway | None, drain_timeout_s: float
+        self,
+        config: uvicorn.Config,
+        url: str,
+        gateway: Gateway | None,
+        drain_timeout_s: float,
+        connection: ConnectionOptions | None = None,
     ) -> None:
         super().__init__(config)
+        self.connection = connection or ConnectionOptions()
         self.url = url
         self.gateway = gateway
         self.drain_timeout_s = drain_timeout_s
@@ -71,12 +77,13 @@ class _Server(uvicorn.Server):
             return
         config, loop = self.config, asyncio.get_running_loop()
         protocol = partial(
-            config.http_protocol_class,
+            StreamingProtocol,
             config=config,
             server_state=self.server_state,
             app_state=self.lifespan.state,
+            options=self.connection,
         )
-        handshake_s = StreamingProtocol.header_timeout_s if config.ssl else None
+        handshake_s = self.connection.header_timeout_s if config.ssl else None
         for sock in sockets or ():
             server = await loop.create_server(
                 protocol,
@@ -289,8 +296,6 @@ def _startup_failed(settings: Settings, exc: BaseException) -> NoReturn:
 
 
 def _run(settings: Settings, sock: socket.socket, url: str) -> None:
-    StreamingProtocol.header_timeout_s = settings.header_timeout_s
-    StreamingProtocol.send_buffer_bytes = settings.socket_send_buffer
     try:
         starlette = create_app(settings)
         outer = asgi_app(starlette)
@@ -304,7 +309,7 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         app,
         loop="uvloop",
         interface="asgi3",  # the outer layers are plain callables: don't let uvicorn guess
-        http=StreamingProtocol,
+        http=StreamingProtocol,  # what `_Server.startup` serves each connection with
         lifespan="on",
         access_log=False,
         log_config=None,  # uvicorn's lines go through _UvicornLog
@@ -319,11 +324,16 @@ def _run(settings: Settings, sock: socket.socket, url: str) -> None:
         ssl_certfile=settings.ssl_certfile,
         ssl_keyfile=settings.ssl_keyfile,
     )
-    # Our config sets neither `root_path` nor `limit_concurrency`, which the direct path skips.
-    StreamingProtocol.direct = direct_routes(outer)
+    connection = ConnectionOptions(
+        header_timeout_s=settings.header_timeout_s,
+        send_buffer_bytes=settings.socket_send_buffer,
+        # Our config sets neither `root_path` nor `limit_concurrency`, which the direct path
+        # skips.
+        direct=direct_routes(outer),
+    )
     _tune_gc()
     try:
-        server = _Server(config, url, starlette.state.gateway, settings.drain_timeout_s)
+        server = _Server(config, url, starlette.state.gateway, settings.drain_timeout_s, connection)
         server.reloader = starlette.state.reloader
         server.run(sockets=[sock])
     except SystemExit:

@@ -3,18 +3,20 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import socket
 import time
+from dataclasses import dataclass
 from functools import partial
-from typing import Any, ClassVar, NoReturn, Protocol
+from typing import Any, NoReturn, Protocol
 
 import httptools
-from starlette.types import Scope, Send
-from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT, FlowControl
+from starlette.types import Message, Scope, Send
+from uvicorn.config import Config
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.server import ServerState
 
-from firsttoken.wire.cycle import DirectCycle, DirectRoutes
+from firsttoken.wire.cycle import Arrival, DirectCycle, DirectRoutes, Flow
 
 __all__ = [
     "ABORT_KEY",
@@ -22,11 +24,11 @@ __all__ = [
     "CONNECTION_KEY",
     "RAW_SEND_KEY",
     "ConnectionListener",
+    "ConnectionOptions",
     "Held",
+    "RequestTransport",
     "StreamingProtocol",
     "body_arrived",
-    "held_send",
-    "lean_event",
 ]
 
 # The scope key under which the app's outermost layer leaves the server's own `send`.
@@ -50,6 +52,24 @@ class ConnectionListener(Protocol):
     def connection_lost(self) -> None: ...
 
 
+@dataclass(frozen=True, slots=True)
+class ConnectionOptions:
+    """What the server sets for every connection (`--header-timeout-s`,
+    `--socket-send-buffer`), and the app's hot routes when the connection may serve them."""
+
+    # From accept (a TLS handshake included) to a request's whole head.
+    header_timeout_s: float = 10.0
+    # SO_SNDBUF; 0 leaves the kernel's autotuning.
+    send_buffer_bytes: int = 65536
+    # Served past uvicorn's per-request ASGI layers: None when something must wrap the hot
+    # routes (CORS does) or uvicorn would add something to them (`root_path`,
+    # `limit_concurrency`: the server sets neither).
+    direct: DirectRoutes | None = None
+
+
+_DEFAULTS = ConnectionOptions()
+
+
 class StreamingProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol, plus what streaming needs from the connection:
 
@@ -69,12 +89,16 @@ class StreamingProtocol(HttpToolsProtocol):
     - `scope["firsttoken.wire.connection"]` and `listener`: an event stream writes to the
       transport itself and hears pause, resume and loss as callbacks, with no task waiting
       on `receive()` or on uvicorn's drain;
-    - `direct`: the app's hot routes are served from here (`cycle.DirectCycle`), past
-      uvicorn's per-request ASGI layers.
+    - `options.direct`: the app's hot routes are served from here (`cycle.DirectCycle`),
+      past uvicorn's per-request ASGI layers;
+    - what a response's cycle writes goes through `RequestTransport`, which can hold it back
+      (`send_held`): a stream's head leaves with its first events, in one system call.
+
+    What a stream's writer needs of it is asked through its methods (`answering`,
+    `chunked`, `send_held`, `flow`, `socket_transport`): only this module and `cycle.py`
+    know uvicorn's classes.
     """
 
-    header_timeout_s = 10.0
-    send_buffer_bytes = 65536
     write_buffer_high = 8192
     # httptools keeps every header byte it is given: a head past this is cut off while it is
     # parsed. Below it, a head over the API's limits is answered in full (requestlimits.py).
@@ -88,12 +112,28 @@ class StreamingProtocol(HttpToolsProtocol):
     linger_s = 2.0
     # Slots for ours: uvicorn's attributes fill the instance dict's shared keys, and one more
     # turned it into a table of its own (~1.5 KiB per connection).
-    __slots__ = ("_accepted", "_deaf", "_head_bytes", "_header_timer", "_reading", "listener")
-    # Set by the server when nothing must wrap the app's hot routes (CORS does) and uvicorn
-    # would add nothing to them (no `root_path`, no `limit_concurrency`).
-    direct: ClassVar[DirectRoutes | None] = None
+    __slots__ = (
+        "_accepted",
+        "_deaf",
+        "_head_bytes",
+        "_header_timer",
+        "_reading",
+        "listener",
+        "options",
+    )
+    # What the cycles write to (uvicorn's `transport`, typed as asyncio's).
+    transport: RequestTransport  # type: ignore[assignment]
+    flow: Flow  # type: ignore[assignment]
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+        options: ConnectionOptions = _DEFAULTS,
+    ) -> None:
+        self.options = options
         self._header_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         # The request whose head or body is being read: `cycle` (the one being answered),
@@ -102,7 +142,7 @@ class StreamingProtocol(HttpToolsProtocol):
         # Nothing more is read into a request (see `_stop_reading`).
         self._deaf = False
         self.listener: ConnectionListener | None = None
-        super().__init__(*args, **kwargs)
+        super().__init__(config, server_state, app_state, _loop)
         # Made at accept: under TLS, connection_made comes after the handshake.
         self._accepted = self.loop.time()
 
@@ -110,12 +150,13 @@ class StreamingProtocol(HttpToolsProtocol):
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         # TCP_NODELAY is the event loop's own doing: uvloop and asyncio set it on every TCP
         # transport (a test holds it), so no system call of ours per connection for it.
-        sock = transport.get_extra_info("socket") if self.send_buffer_bytes > 0 else None
+        options = self.options
+        sock = transport.get_extra_info("socket") if options.send_buffer_bytes > 0 else None
         if sock is not None:
             try:
                 # A fixed kernel buffer (no autotuning up to MBs): a stalled reader holds a
                 # bounded amount, and the stream's backpressure starts soon enough.
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self.send_buffer_bytes)
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, options.send_buffer_bytes)
             except OSError:
                 pass
         # uvicorn's own connection_made (0.54), with the addresses the event loop already
@@ -127,13 +168,14 @@ class StreamingProtocol(HttpToolsProtocol):
         # write request (~0.7 KiB of bookkeeping in uvloop and libuv for ~100 bytes of data):
         # at the default 64 KiB a stalled reader of a live stream held ~1.4 MiB, here ~0.2.
         transport.set_write_buffer_limits(high=self.write_buffer_high)
-        self.transport = transport
-        self.flow = FlowControl(transport)
-        lean_event(self.flow._is_writable_event)
+        self.transport = RequestTransport(transport)
+        # uvicorn's FlowControl, with a waiter made only when a send waits for the drain:
+        # its asyncio.Event took a 64-slot deque up front (~620 B per connection).
+        self.flow = Flow(transport)
         self.server = _address(transport.get_extra_info("sockname"))
         self.client = _address(transport.get_extra_info("peername"))
         self.scheme = "https" if transport.get_extra_info("sslcontext") else "http"
-        self._arm_header_timer(self._accepted + self.header_timeout_s - self.loop.time())
+        self._arm_header_timer(self._accepted + options.header_timeout_s - self.loop.time())
 
     def data_received(self, data: bytes) -> None:
         # uvicorn's, but an upgrade is never handed over (see `on_headers_complete`).
@@ -153,12 +195,12 @@ class StreamingProtocol(HttpToolsProtocol):
     def on_message_begin(self) -> None:
         super().on_message_begin()
         # Keys of ours in uvicorn's scope, which its TypedDict does not list.
-        self.scope[ABORT_KEY] = self.transport.abort  # type: ignore[literal-required]
+        self.scope[ABORT_KEY] = self.transport.real.abort  # type: ignore[literal-required]
         self.scope[CONNECTION_KEY] = self  # type: ignore[literal-required]
         # The request's first byte: where TTFT starts (an outside client's clock starts there).
         self.scope[ARRIVED_KEY] = time.perf_counter()  # type: ignore[literal-required]
         if self._header_timer is None:  # still armed from connection_made on a first request
-            self._arm_header_timer(self.header_timeout_s)
+            self._arm_header_timer(self.options.header_timeout_s)
 
     def on_url(self, url: bytes) -> None:
         self._head_bytes += len(url)
@@ -186,10 +228,13 @@ class StreamingProtocol(HttpToolsProtocol):
             self.pipeline[0][0].keep_alive = False
             self._stop_reading()
             raise _StopParsing
-        if answering is not None or self.direct is None or not self._serve_direct(self.direct):
+        direct = self.options.direct
+        if answering is not None or direct is None or not self._serve_direct(direct):
             # Started, or queued behind `answering` (uvicorn's pipeline, reading paused).
             super().on_headers_complete()
-            lean_event(self.cycle.message_event)
+            # The cycle's arrival flag, without asyncio.Event's up-front waiter deque (the
+            # constructor's `message_event`; its task has not run yet).
+            self.cycle.message_event = Arrival()  # type: ignore[assignment]
         self._reading = self.cycle
         if answering is not None:
             self.cycle = answering  # still the connection's until its answer ends
@@ -292,7 +337,7 @@ class StreamingProtocol(HttpToolsProtocol):
         scope["query_string"] = query
         cycle = DirectCycle(
             scope,
-            self.transport,
+            self.transport,  # type: ignore[arg-type]  # has what the cycle calls
             self.flow,
             self.server_state.default_headers,
             parser.should_keep_alive(),
@@ -323,6 +368,35 @@ class StreamingProtocol(HttpToolsProtocol):
         if self.listener is not None:
             self.listener.resume_writing()
 
+    # What a stream's writer asks of its connection (`transport.DirectExchange`).
+
+    @property
+    def socket_transport(self) -> asyncio.Transport:
+        """The event loop's transport: a stream's events are written to it directly."""
+        return self.transport.real
+
+    def answering(self) -> bool:
+        """Whether a response is under way here (started, not ended): the request it answers
+        owns the connection until it ends, a pipelined one behind it included."""
+        cycle = self.cycle
+        return cycle is not None and cycle.response_started and not cycle.response_complete
+
+    def chunked(self) -> bool:
+        """Whether the response under way is framed in HTTP/1.1 chunks."""
+        return bool(self.cycle.chunked_encoding)
+
+    async def send_held(self, send: Send, message: Message) -> bytes:
+        """Send `message` through `send` (the cycle's own, or a middleware's around it),
+        keeping back the bytes the cycle writes for it: the caller writes them with its own,
+        or already has."""
+        transport = self.transport
+        transport.hold()
+        try:
+            await send(message)
+        finally:
+            held = transport.release()
+        return held
+
     def _arm_header_timer(self, delay: float) -> None:
         """Close the connection after `delay`, unless a request's head is in by then."""
         if self._header_timer is not None:
@@ -346,7 +420,7 @@ class StreamingProtocol(HttpToolsProtocol):
         if cycle is not None and not cycle.response_complete:
             # A head behind an unfinished answer: reading waits for that answer, and so
             # does the head's deadline.
-            self._arm_header_timer(self.header_timeout_s)
+            self._arm_header_timer(self.options.header_timeout_s)
             return
         if not self.transport.is_closing():
             self.transport.close()
@@ -354,14 +428,6 @@ class StreamingProtocol(HttpToolsProtocol):
 
 class _StopParsing(Exception):
     """Raised from a parser callback to stop parsing the data in hand."""
-
-
-def lean_event(event: asyncio.Event) -> None:
-    """An Event's waiters in a list instead of a deque. A deque takes a 64-slot block up front
-    (~620 B), and every connection has two Events that are hardly ever waited on. asyncio's
-    Event only appends to, removes from and iterates this queue (3.11; tested)."""
-    if type(getattr(event, "_waiters", None)) is collections.deque and not event._waiters:
-        event._waiters = []  # type: ignore[assignment]  # typeshed: a deque (see above)
 
 
 def _address(info: object) -> tuple[str, int] | None:
@@ -381,8 +447,8 @@ _HEAD_TOO_LARGE = (
 
 
 def body_arrived(scope: Scope) -> bool:
-    """Whether uvicorn holds this request's whole body already: one `receive()` returns it
-    without waiting (no deadline needed for a slow body). False when unknown."""
+    """Whether the connection holds this request's whole body already: one `receive()`
+    returns it without waiting (no deadline needed for a slow body). False when unknown."""
     connection = scope.get(CONNECTION_KEY)
     cycle = getattr(connection, "cycle", None)
     return (
@@ -393,38 +459,62 @@ def body_arrived(scope: Scope) -> bool:
     )
 
 
-async def held_send(
-    raw_send: Send, send: Send, message: dict[str, Any], cycle: Any = None
-) -> bytes:
-    """Send `message` through `send`, keeping the bytes uvicorn's cycle (behind `raw_send`,
-    or `cycle` when a middleware wrapped its `send`) would write: the caller writes them
-    with its own, or already has. Elsewhere than uvicorn's httptools cycle the message is
-    just sent, and b"" comes back."""
-    if cycle is None:
-        cycle = uvicorn_cycle(raw_send)
-    if cycle is None:
-        await send(message)
-        return b""
-    real = cycle.transport
-    held = cycle.transport = Held(real)  # a close still goes through
-    try:
-        await send(message)
-    finally:
-        cycle.transport = real
-    return b"".join(held.parts)
+class RequestTransport:
+    """The transport that the connection's response cycles (and uvicorn's protocol) write to:
+    the event loop's, with writes that can be held back (`hold`, `release`)."""
 
+    __slots__ = ("_held", "real")
 
-def uvicorn_cycle(raw_send: Send) -> Any:
-    """uvicorn's request-response cycle behind its own `send` (pinned: uvicorn 0.54)."""
-    cycle = getattr(raw_send, "__self__", None)
-    if cycle is None or not hasattr(cycle, "transport") or not hasattr(cycle, "response_started"):
-        return None
-    return cycle
+    def __init__(self, real: asyncio.Transport) -> None:
+        self.real = real
+        self._held: list[bytes] | None = None
+
+    def hold(self) -> None:
+        self._held = []
+
+    def release(self) -> bytes:
+        """Stop holding; what was held comes back, unwritten."""
+        held, self._held = self._held, None
+        return b"".join(held) if held else b""
+
+    def write(self, data: bytes) -> None:
+        held = self._held
+        if held is None:
+            self.real.write(data)
+        else:
+            held.append(data)
+
+    def close(self) -> None:
+        self.real.close()  # what is held goes nowhere: the connection is over
+
+    def abort(self) -> None:
+        self.real.abort()
+
+    def is_closing(self) -> bool:
+        return self.real.is_closing()
+
+    def can_write_eof(self) -> bool:
+        return self.real.can_write_eof()
+
+    def write_eof(self) -> None:
+        self.real.write_eof()
+
+    def pause_reading(self) -> None:
+        self.real.pause_reading()
+
+    def resume_reading(self) -> None:
+        self.real.resume_reading()
+
+    def get_extra_info(self, name: str, default: Any = None) -> Any:
+        return self.real.get_extra_info(name, default)
+
+    def get_write_buffer_size(self) -> int:
+        return self.real.get_write_buffer_size()
 
 
 class Held:
     """A transport stand-in that keeps what is written, to leave in one system call later
-    (`held_send`; `transport.Body.hold`)."""
+    (`transport.Body.hold`)."""
 
     __slots__ = ("parts", "real", "size")
 

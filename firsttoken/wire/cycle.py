@@ -7,6 +7,9 @@ per request) is paid once per new stream. Our protocol
 (`connection.StreamingProtocol`) hands a hot route's request to `DirectRoutes.serve` with this
 cycle's `receive` and `send`: uvicorn's own (it is uvicorn's class, pinned at 0.54), so the
 ASGI messages, bodies and keep-alive bookkeeping are the same; only the set-up is lighter.
+
+Also the connection's flow control (`Flow`, what uvicorn's `FlowControl` is to its protocol
+and cycle) and the arrival flag both use (`Arrival`).
 """
 
 from __future__ import annotations
@@ -17,13 +20,12 @@ from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from starlette.types import Receive, Scope, Send
-from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 if TYPE_CHECKING:
     from uvicorn._types import HTTPScope
 
-__all__ = ["Arrival", "DirectCycle", "DirectRoutes"]
+__all__ = ["Arrival", "DirectCycle", "DirectRoutes", "Flow"]
 
 _LOGGER = logging.getLogger("uvicorn.error")  # what uvicorn's own cycle logs a crash to
 
@@ -68,6 +70,44 @@ class Arrival:
         return True
 
 
+class Flow:
+    """A connection's flow control, as uvicorn's protocol and cycle use it (`read_paused`,
+    `write_paused`, `drain` and the four switches): its own, with an `Arrival` where
+    uvicorn's keeps an `asyncio.Event` (a 64-slot waiter deque on every connection)."""
+
+    __slots__ = ("_transport", "_writable", "read_paused", "write_paused")
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self.read_paused = False
+        self.write_paused = False
+        self._writable = Arrival()
+        self._writable.set()
+
+    async def drain(self) -> None:
+        await self._writable.wait()
+
+    def pause_reading(self) -> None:
+        if not self.read_paused:
+            self.read_paused = True
+            self._transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if self.read_paused:
+            self.read_paused = False
+            self._transport.resume_reading()
+
+    def pause_writing(self) -> None:
+        if not self.write_paused:
+            self.write_paused = True
+            self._writable.clear()
+
+    def resume_writing(self) -> None:
+        if self.write_paused:
+            self.write_paused = False
+            self._writable.set()
+
+
 class DirectCycle(RequestResponseCycle):
     """uvicorn's `RequestResponseCycle` for a request the protocol serves itself."""
 
@@ -75,29 +115,24 @@ class DirectCycle(RequestResponseCycle):
         self,
         scope: HTTPScope,
         transport: asyncio.Transport,
-        flow: FlowControl,
+        flow: Flow,
         default_headers: list[tuple[bytes, bytes]],
         keep_alive: bool,
         on_response: Callable[[], None],
     ) -> None:
-        # uvicorn's __init__, with no access log (ours is off), no `expect: 100-continue`
-        # (such a request goes the ASGI way) and a lighter arrival flag.
-        self.scope = scope
-        self.transport = transport
-        self.flow = flow
-        self.logger = _LOGGER
-        self.access_logger = _LOGGER
-        self.access_log = False
-        self.default_headers = default_headers
-        # A lighter flag with asyncio.Event's shape, where uvicorn's type says Event.
-        self.message_event = Arrival()  # type: ignore[assignment]
-        self.on_response = on_response
-        self.disconnected = False
-        self.keep_alive = keep_alive
-        self.waiting_for_100_continue = False
-        self.body = bytearray()
-        self.more_body = True
-        self.response_started = False
-        self.response_complete = False
-        self.chunked_encoding = None
-        self.expected_content_length = 0
+        # uvicorn's own, with no access log (ours is off), no `expect: 100-continue` (such a
+        # request goes the ASGI way) and a lighter arrival flag than asyncio.Event, both
+        # through its constructor's fields (their types say FlowControl and Event).
+        super().__init__(
+            scope,
+            transport,
+            flow,  # type: ignore[arg-type]
+            _LOGGER,
+            _LOGGER,
+            False,
+            default_headers,
+            Arrival(),  # type: ignore[arg-type]
+            False,
+            keep_alive,
+            on_response,
+        )

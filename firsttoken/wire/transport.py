@@ -1,21 +1,22 @@
 """The transport of an event stream: what the core's writer (`core.writer`) asks of the HTTP
-connection it writes to, and the only place that knows how (uvicorn's internals, HTTP/1.1
-chunk framing, ASGI messages).
+connection it writes to, and how (our connection's methods, HTTP/1.1 chunk framing, ASGI
+messages).
 
 Two protocols, each with its implementations here:
 
 - `Body`: where the response's body goes, framed for its connection. `ChunkedBody` writes
-  HTTP/1.1 chunks straight to uvicorn's transport (the hot path: one `write` per event);
+  HTTP/1.1 chunks straight to the connection's transport (the hot path: one `write` per event);
   `RawBody` writes unframed bytes (a response uvicorn did not chunk); `AsgiBody` queues
   them for ASGI `send` under another server. Each can hold set-up's writes back for one
   system call (`hold`, `release`).
 - `Exchange`: the response around the body: its head, the connection's pause, resume and
   loss callbacks (`attached`), its last message (`end`), and how a stalled reader is cut
-  (`abort`). `open_exchange` picks `DirectExchange` (uvicorn's connection, reached through
-  our protocol's scope key) or `AsgiExchange` (anything else).
+  (`abort`). `open_exchange` picks `DirectExchange` (our connection, reached through its
+  scope key) or `AsgiExchange` (anything else).
 
-Pinned: `connection.py` and `cycle.py` copy uvicorn 0.54's internals (`UVICORN_MINOR`, a test
-holds the installed uvicorn to it).
+Pinned: `connection.py` and `cycle.py` subclass uvicorn 0.54's protocol and cycle
+(`UVICORN_MINOR`, a test holds the installed uvicorn to it); this module asks the connection
+only.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from firsttoken.wire.connection import (
     RAW_SEND_KEY,
     ConnectionListener,
     Held,
-    held_send,
+    StreamingProtocol,
 )
 
 __all__ = [
@@ -50,7 +51,7 @@ __all__ = [
     "open_exchange",
 ]
 
-# The uvicorn release whose internals `connection.py` and `cycle.py` copy (pyproject pins it).
+# The uvicorn release `connection.py` and `cycle.py` subclass (pyproject pins it).
 UVICORN_MINOR = (0, 54)
 _CHUNK = b"%x\r\n%b\r\n"  # one HTTP/1.1 chunk: its size in hex, its bytes
 
@@ -135,13 +136,14 @@ class _TransportBody:
 
 
 class RawBody(_TransportBody):
-    """Unframed: a response uvicorn sends without chunks (it ends with the connection)."""
+    """Unframed: a response sent without chunks (it ends with the connection)."""
 
     __slots__ = ()
 
 
 class ChunkedBody(_TransportBody):
-    """HTTP/1.1 chunks, the framing uvicorn chose for our responses: one write per event."""
+    """HTTP/1.1 chunks, the framing the connection chose for our responses: one write per
+    event."""
 
     __slots__ = ()
     ends_body = True
@@ -231,7 +233,7 @@ class Exchange(Protocol):
 
 
 class DirectExchange:
-    """Over our uvicorn protocol (`connection.StreamingProtocol`): the body is written to the
+    """Over our protocol (`connection.StreamingProtocol`): the body is written to the
     transport in the engine's step, and the connection's callbacks drive the writer.
 
     The exchange is its own body (`open`: a `ChunkedBody` or a `RawBody` with these methods
@@ -240,18 +242,19 @@ class DirectExchange:
     __slots__ = ()
     scope: Scope
     send: Send
-    connection: Any
+    connection: StreamingProtocol
     real: Any
     transport: Any
 
     @staticmethod
-    def open(scope: Scope, send: Send, connection: Any, head: bytes) -> DirectExchange:
-        chunked = bool(connection.cycle.chunked_encoding)
-        exchange = (_ChunkedExchange if chunked else _RawExchange)()
+    def open(
+        scope: Scope, send: Send, connection: StreamingProtocol, head: bytes
+    ) -> DirectExchange:
+        exchange = (_ChunkedExchange if connection.chunked() else _RawExchange)()
         exchange.scope = scope
         exchange.send = send
         exchange.connection = connection
-        exchange.transport = exchange.real = transport = connection.transport
+        exchange.transport = exchange.real = transport = connection.socket_transport
         if not transport.is_closing():
             exchange.body.hold(head)  # the head leaves with the first events (`release`)
         return exchange
@@ -274,17 +277,15 @@ class DirectExchange:
 
     async def end(self, tail: bytes, timeout_s: float, terminated: bool = False) -> bool:
         last = {"type": "http.response.body", "body": tail, "more_body": False}
+        connection = self.connection
         sent: Awaitable[Any]
         if terminated:
-            # The bytes are out: uvicorn's cycle is told, and writes nothing.
-            connection = _connection(self.scope)  # its cycle, when CORS wrapped `send`
-            cycle = connection.cycle if connection is not None else None
-            sent = held_send(self.send, self.send, last, cycle)
+            # The bytes are out: the cycle is told, and what it writes is dropped.
+            sent = connection.send_held(self.send, last)
         else:
             sent = self.send(last)
-        flow = getattr(self.connection, "flow", None)
-        if flow is None or flow.write_paused:
-            # uvicorn's send waits for a paused transport to drain, with no limit of its
+        if connection.flow.write_paused:
+            # The cycle's send waits for a paused transport to drain, with no limit of its
             # own. Only then: a cancel scope costs every stream ~10 µs.
             with anyio.move_on_after(timeout_s) as waited:
                 await sent
@@ -351,28 +352,15 @@ async def open_exchange(
     # they only act on the start message.
     body_send: Send = scope.get(RAW_SEND_KEY, send)
     start = {"type": "http.response.start", "status": 200, "headers": headers}
-    head = b""
-    if scope.get(CONNECTION_KEY) is not None:  # the writer can reach the connection
-        head = await held_send(body_send, send, start)
-    else:
+    connection: StreamingProtocol | None = scope.get(CONNECTION_KEY)
+    if connection is None:  # another server: ASGI all the way
         await send(start)
+        return AsgiExchange(receive, body_send)
+    head = await connection.send_held(send, start)
     del start  # a waiting stream's frame keeps neither the message nor its headers
-    connection = _connection(scope)
-    if connection is None:
+    if not connection.answering():  # the client left before the head went out
         return AsgiExchange(receive, body_send)
     return DirectExchange.open(scope, body_send, connection, head)
-
-
-def _connection(scope: Scope) -> Any:
-    connection = scope.get(CONNECTION_KEY)
-    if connection is None:
-        return None
-    cycle = connection.cycle
-    # Only while this request's response is the connection's current one: a pipelined
-    # request behind it would already own `cycle`, with no response started yet.
-    if cycle is None or not cycle.response_started or cycle.response_complete:
-        return None
-    return connection
 
 
 async def client_gone(receive: Receive) -> None:

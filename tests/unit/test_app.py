@@ -7,20 +7,20 @@ import json
 import re
 from typing import Any
 
+import pytest
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware.trustedhost import TrustedHostMiddleware
 from starlette.requests import Request
 from starlette.routing import Mount
 
 from firsttoken.api.routes import ROUTES
-from firsttoken.app import HotRouteApp, create_app
+from firsttoken.app import HotPathSkips, HotRouteApp, asgi_app, create_app
 from firsttoken.config import Settings
 
 
-def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
-    app = HotRouteApp(create_app(Settings()))
-
-    async def crash(request: Request) -> Any:
-        raise RuntimeError("a bug")
-
+def _serve_hot(app: HotRouteApp, endpoint: Any) -> tuple[int, dict[str, Any]]:
+    """Serve one hot-route request with `endpoint`: its status and JSON error."""
     sent: list[dict[str, Any]] = []
 
     async def send(message: dict[str, Any]) -> None:
@@ -36,12 +36,56 @@ def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
         "headers": [(b"x-request-id", b"trace-1")],
         "query_string": b"",
     }
-    asyncio.run(app._serve(crash, scope, receive, send))
+    asyncio.run(app._serve(endpoint, scope, receive, send))
     start, body = sent[0], sent[1]
-    assert start["status"] == 500
-    error = json.loads(body["body"])["error"]
+    return start["status"], json.loads(body["body"])["error"]
+
+
+def test_a_crashing_hot_route_answers_500_in_the_error_shape() -> None:
+    async def crash(request: Request) -> Any:
+        raise RuntimeError("a bug")
+
+    status, error = _serve_hot(HotRouteApp(create_app(Settings())), crash)
+    assert status == 500
     assert (error["code"], error["message"]) == ("internal_error", "internal error")
     assert set(error) == {"code", "message", "type", "param"}
+
+
+def test_a_hot_route_answers_an_error_with_the_apps_own_handler() -> None:
+    """The hot routes used to copy two of the app's handlers: anything else was a 500."""
+
+    async def refuse(request: Request) -> Any:
+        raise HTTPException(405)
+
+    status, error = _serve_hot(HotRouteApp(create_app(Settings())), refuse)
+    assert status == 405 and error["code"] == "method_not_allowed"
+
+
+def test_a_middleware_the_hot_routes_would_skip_is_refused_at_start() -> None:
+    """It used to wrap every route but the streaming ones, silently."""
+    added = create_app(Settings())
+    added.add_middleware(TrustedHostMiddleware, allowed_hosts=["example.com"])
+    with pytest.raises(HotPathSkips, match="TrustedHostMiddleware"):
+        asgi_app(added)
+
+    late = create_app(Settings())
+    outer = asgi_app(late)  # the app's own GZip entry goes through
+    late.add_middleware(TrustedHostMiddleware, allowed_hosts=["example.com"])
+
+    async def nothing() -> dict[str, Any]:
+        raise AssertionError("not reached")
+
+    async def lifespan() -> None:
+        await outer({"type": "lifespan"}, nothing, nothing)
+
+    with pytest.raises(HotPathSkips):
+        asyncio.run(lifespan())
+
+
+def test_the_hot_routes_gzip_as_the_apps_middleware_says() -> None:
+    """Its setting is read from the app's middleware entry; without one, no gzip."""
+    assert HotRouteApp(create_app(Settings(compression_min_bytes=1234))).gzip_min == 1234
+    assert HotRouteApp(Starlette()).gzip_min is None
 
 
 def test_the_hot_routes_are_found_by_method_and_path() -> None:

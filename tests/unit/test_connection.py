@@ -11,7 +11,13 @@ import uvicorn
 import uvloop
 from uvicorn.server import ServerState
 
-from firsttoken.wire.connection import CONNECTION_KEY, StreamingProtocol, lean_event
+from firsttoken.wire.connection import (
+    CONNECTION_KEY,
+    ConnectionOptions,
+    RequestTransport,
+    StreamingProtocol,
+)
+from firsttoken.wire.cycle import Flow
 
 
 async def _app(scope: Any, receive: Any, send: Any) -> None:
@@ -19,10 +25,11 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+_PLAIN = ConnectionOptions()
 Made = tuple[StreamingProtocol, tuple[Any, ...], tuple[Any, ...], tuple[int, int]]
 
 
-def _made(host: str) -> Made:
+def _made(host: str, given: ConnectionOptions = _PLAIN) -> Made:
     """A connection to a StreamingProtocol: the protocol, the client's view of both ends, and
     the server socket's (TCP_NODELAY, SO_SNDBUF)."""
 
@@ -31,7 +38,7 @@ def _made(host: str) -> Made:
         made: list[StreamingProtocol] = []
 
         def factory() -> StreamingProtocol:
-            protocol = StreamingProtocol(config, ServerState(), {})
+            protocol = StreamingProtocol(config, ServerState(), {}, options=given)
             made.append(protocol)
             return protocol
 
@@ -67,33 +74,67 @@ def test_the_scope_gets_both_ends_of_the_connection(host: str) -> None:
 def test_every_connection_is_tcp_nodelay_with_a_fixed_send_buffer() -> None:
     nodelay, send_buffer = _made("127.0.0.1")[3]
     assert nodelay
-    assert send_buffer == 2 * StreamingProtocol.send_buffer_bytes  # Linux doubles what is set
+    assert send_buffer == 2 * _PLAIN.send_buffer_bytes  # Linux doubles what is set
 
 
-def test_a_lean_event_still_wakes_its_waiters() -> None:
-    async def main() -> tuple[bool, type]:
-        event = asyncio.Event()
-        lean_event(event)
-        waiter = asyncio.ensure_future(event.wait())
-        await asyncio.sleep(0)
-        event.set()
-        woken = await asyncio.wait_for(waiter, 1)
-        event.clear()
-        late = asyncio.ensure_future(event.wait())
-        await asyncio.sleep(0)
-        late.cancel()  # a cancelled waiter leaves the list
-        await asyncio.gather(late, return_exceptions=True)
-        assert not event._waiters
-        return woken, type(event._waiters)
-
-    woken, queue = uvloop.run(main())
-    assert woken
-    assert queue is list  # asyncio's Event still keeps a deque there: the swap applies
+def test_the_send_buffer_is_each_connections_option() -> None:
+    """It was a class attribute the server overwrote (one value per process, set by mutation)."""
+    send_buffer = _made("127.0.0.1", ConnectionOptions(send_buffer_bytes=32768))[3][1]
+    assert send_buffer == 2 * 32768
 
 
-def test_a_connection_keeps_both_of_its_events_lean() -> None:
-    protocol = _made("127.0.0.1")[0]
-    assert type(protocol.flow._is_writable_event._waiters) is list
+def test_a_send_waits_for_a_paused_writer_to_resume() -> None:
+    class Reading:
+        paused = 0
+
+        def pause_reading(self) -> None:
+            self.paused += 1
+
+        def resume_reading(self) -> None:
+            self.paused -= 1
+
+    async def main() -> tuple[bool, bool, int]:
+        reading = Reading()
+        flow = Flow(reading)  # type: ignore[arg-type]
+        await asyncio.wait_for(flow.drain(), 1)  # writable: no wait
+        flow.pause_writing()
+        drained = asyncio.ensure_future(flow.drain())
+        await asyncio.sleep(0.01)
+        waited = not drained.done()
+        flow.resume_writing()
+        await asyncio.wait_for(drained, 1)
+        flow.pause_reading()
+        flow.pause_reading()  # once to the transport, however often asked
+        return waited, flow.read_paused, reading.paused
+
+    waited, read_paused, paused = uvloop.run(main())
+    assert waited and read_paused and paused == 1
+
+
+class _Written:
+    def __init__(self) -> None:
+        self.parts: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.parts.append(data)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_held_writes_come_back_unwritten_and_later_ones_go_through() -> None:
+    real = _Written()
+    transport = RequestTransport(real)  # type: ignore[arg-type]
+    transport.hold()
+    transport.write(b"head ")
+    transport.write(b"more")
+    assert transport.release() == b"head more" and real.parts == []
+    transport.write(b"after")
+    assert real.parts == [b"after"] and transport.release() == b""
+    transport.hold()
+    transport.close()  # a close while held still closes
+    assert real.closed
 
 
 class _Hot:
@@ -119,12 +160,12 @@ async def _exchange(hot: _Hot, raw: bytes, replies: int) -> bytes:
     until the server closes)."""
     config = uvicorn.Config(_app, lifespan="off", log_config=None)
     state = ServerState()
-
-    class Protocol(StreamingProtocol):
-        direct = hot
+    options = ConnectionOptions(direct=hot)
 
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: Protocol(config, state, {}), "127.0.0.1", 0)
+    server = await loop.create_server(
+        lambda: StreamingProtocol(config, state, {}, options=options), "127.0.0.1", 0
+    )
     port = server.sockets[0].getsockname()[1]
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     writer.write(raw)
@@ -172,13 +213,11 @@ def test_a_hot_route_is_served_from_the_connection_and_keeps_it_alive() -> None:
 
     async def one_after_another() -> list[bytes]:
         config = uvicorn.Config(_app, lifespan="off", log_config=None)
-
-        class Protocol(StreamingProtocol):
-            direct = hot
+        options = ConnectionOptions(direct=hot)
 
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+            lambda: StreamingProtocol(config, ServerState(), {}, options=options), "127.0.0.1", 0
         )
         port = server.sockets[0].getsockname()[1]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -314,12 +353,12 @@ def test_an_answer_before_the_body_is_in_closes_after_a_short_linger() -> None:
         config = uvicorn.Config(_app, lifespan="off", log_config=None)
 
         class Protocol(StreamingProtocol):
-            direct = _Early()
             linger_s = 0.5
 
+        options = ConnectionOptions(direct=_Early())
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+            lambda: Protocol(config, ServerState(), {}, options=options), "127.0.0.1", 0
         )
         port = server.sockets[0].getsockname()[1]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
@@ -367,13 +406,10 @@ def test_a_slow_head_behind_an_answer_waits_for_it_then_has_its_deadline() -> No
     async def main() -> tuple[bytes, float]:
         config = uvicorn.Config(_app, lifespan="off", log_config=None)
 
-        class Protocol(StreamingProtocol):
-            direct = Slower()
-            header_timeout_s = 0.3
-
+        options = ConnectionOptions(header_timeout_s=0.3, direct=Slower())
         loop = asyncio.get_running_loop()
         server = await loop.create_server(
-            lambda: Protocol(config, ServerState(), {}), "127.0.0.1", 0
+            lambda: StreamingProtocol(config, ServerState(), {}, options=options), "127.0.0.1", 0
         )
         port = server.sockets[0].getsockname()[1]
         reader, writer = await asyncio.open_connection("127.0.0.1", port)

@@ -1,5 +1,5 @@
 """The event stream's transport (`wire/transport.py`): the body's framing, set-up's held
-writes, the ASGI fallback, and the uvicorn release whose internals wire/ copies."""
+writes, the ASGI fallback, and the uvicorn release wire/ subclasses."""
 
 from __future__ import annotations
 
@@ -43,8 +43,8 @@ class Transport:
         self.closing = True
 
 
-def test_the_installed_uvicorn_is_the_release_whose_internals_are_copied() -> None:
-    """wire/connection.py and wire/cycle.py copy uvicorn 0.54's protocol and cycle: another
+def test_the_installed_uvicorn_is_the_release_whose_classes_are_subclassed() -> None:
+    """wire/connection.py and wire/cycle.py subclass uvicorn 0.54's protocol and cycle: another
     minor release may change them under us, so this fails on it (and pyproject pins it)."""
     installed = tuple(int(part) for part in uvicorn.__version__.split(".")[:2])
     assert installed == UVICORN_MINOR
