@@ -121,7 +121,9 @@ def synthetic_tokens(
     style: str = "prose",
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
-    request = GenerationRequest("", prompt, MODEL_ID, max_tokens=max_tokens, seed=seed)
+    request = GenerationRequest(
+        request_id="", prompt=prompt, model=MODEL_ID, max_tokens=max_tokens, seed=seed
+    )
     parts, finish = answer_parts(request, SyntheticOptions(answer_tokens=answer_tokens), style)
     return parts, finish  # type: ignore[return-value]  # text only: no reasoning, no tool
 

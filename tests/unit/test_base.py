@@ -41,7 +41,9 @@ def test_a_request_without_inputs_keeps_every_other_field() -> None:
 
 
 def test_a_request_as_admitted_changes_only_what_admission_decided() -> None:
-    given = GenerationRequest("r1", "a prompt", "m", max_tokens=100_000, body={"x": 1})
+    given = GenerationRequest(
+        request_id="r1", prompt="a prompt", model="m", max_tokens=100_000, body={"x": 1}
+    )
     admitted = given.admitted(995, 2, "t1", None, "00-" + "1" * 32 + "-" + "2" * 16 + "-01")
     changed = {"max_tokens", "prompt_tokens", "trace_id", "linked_traceparent"}
     for f in dataclasses.fields(GenerationRequest):

@@ -26,9 +26,9 @@ MESSAGES = ({"role": "user", "content": "hi"},)
 
 def original(renderer=None, **fields) -> tuple[Stream, GenerationRequest]:
     generation = GenerationRequest(
-        "s1",
-        "user: hi",
-        "synthetic",
+        request_id="s1",
+        prompt="user: hi",
+        model="synthetic",
         max_tokens=10,
         seed=3,
         messages=MESSAGES,
