@@ -150,7 +150,7 @@ def push_part(
         push_part(sink, part)
         return sink.push_delta(Delta("", finish, usage=usage))
     if part.__class__ is str:
-        return sink.push(part, finish)  # type: ignore[arg-type]
+        return sink.push(part, finish)
     assert isinstance(part, Delta)
     if finish is not None:
         part = Delta(part.text, finish, part.reasoning, part.tool_calls, part.refusal)
