@@ -117,9 +117,10 @@ class GenerationRequest:
 _NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
 
 # `admitted` and `without_inputs` run once per stream each: they copy the request slot by
-# slot and set what differs by name, ~2 µs, where keywords through `__init__` take ~3.5 and
-# `dataclasses.replace` ~3.6 (it reads every field by name). Only ever on a fresh copy: the
-# request is frozen to everyone else.
+# slot and set what differs by name: ~1.9 µs each, about the positional constructor they
+# replace (~1.8), where keywords through `__init__` take ~2.4 and `dataclasses.replace` ~3.9
+# (`timeit` on `time.thread_time`, CPython 3.11). Only ever on a fresh copy: the request is
+# frozen to everyone else.
 _SLOTS = {f.name: GenerationRequest.__dict__[f.name] for f in fields(GenerationRequest)}
 _SET: dict[str, Callable[[GenerationRequest, Any], None]] = {
     name: slot.__set__ for name, slot in _SLOTS.items()
@@ -131,7 +132,8 @@ _new = object.__new__
 
 def _copy(request: GenerationRequest) -> GenerationRequest:
     copy = _new(GenerationRequest)
-    for set_, value in zip(_SETTERS, _VALUES(request), strict=True):
+    # One list of fields gives both: the lengths match (`strict` costs ~0.2 µs a copy).
+    for set_, value in zip(_SETTERS, _VALUES(request), strict=False):
         set_(copy, value)
     return copy
 
