@@ -146,7 +146,7 @@ class Metrics:
         self.tokens_generated = tokens_generated
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.registry.register(self)
         self.share = WorkerShare(*_share_as, self.registry) if _share_as is not None else None
 
     def collect(self) -> Iterator[Metric]:
@@ -427,7 +427,7 @@ class WorkerShare:
         return merge_families(parts)
 
     def render(self) -> bytes:
-        return generate_latest(_Fixed(self.merged()))  # type: ignore[arg-type]
+        return generate_latest(_Fixed(self.merged()))
 
     def close(self) -> None:
         """Stop answering (siblings then read this worker as dead)."""
