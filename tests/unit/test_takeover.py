@@ -146,3 +146,30 @@ def test_an_orphaned_stream_is_billed_what_its_clients_received_beyond_its_owner
     assert [(r.request_id.split(":")[0], r.outcome) for r in queue] == [("s1", "orphaned")] * 2
     tokens = [(r.tokens()["prompt_tokens"], r.tokens()["completion_tokens"]) for r in queue]
     assert tokens == [(2, 3), (0, 2)]
+
+
+# `original()`'s handover as the version before this one wrote it (257db56's tree, the
+# Gateway's own `_handover`): instances of two versions take over each other's streams in a
+# rolling deploy, so this one writes exactly these bytes and reads them back.
+HANDOVER_BEFORE = (
+    b'{"request":{"prompt":"user: hi","model":"synthetic","max_tokens":10,"seed":3,'
+    b'"temperature":null,"stop":[],"messages":[{"role":"user","content":"hi"}],'
+    b'"body":{"model":"synthetic","messages":[{"role":"user","content":"hi"}],'
+    b'"max_tokens":10},"options":{"synthetic":{"itl_ms":5}},"tenant":""},'
+    b'"renderer":{"format":"chat.completion.chunk","head":"{\\"id\\":\\"chatcmpl-s1\\",'
+    b'\\"object\\":\\"chat.completion.chunk\\",\\"created\\":1,\\"model\\":\\"synthetic\\"",'
+    b'"usage":true},"prompt_tokens":2,"grace_s":5.0,"coalesce":null,"meta_interval_s":null,'
+    b'"held":{},"key_sha256":""}'
+)
+
+
+def test_a_handover_is_what_the_version_before_wrote_and_reads_back_the_same() -> None:
+    takeover = create_app(Settings()).state.gateway.takeover
+    first, generation = original()
+    assert takeover.handover(first, generation, None) == HANDOVER_BEFORE
+    events = [(e.seq, e.wire, e.tokens) for e in first.log.after(0)]
+    record = StreamRecord("s1", "openai", first.token_digest, "t", "synthetic")
+    claim = Claim(2, "a", HANDOVER_BEFORE, events)
+    stream, following, _ = asyncio.run(takeover.reopen(claim, Mirror(record, max_events=100)))
+    assert following is not None and following.options["continuation"] == "Hello you"
+    assert (following.max_tokens, following.seed, stream.request.max_tokens) == (7, 3, 10)
