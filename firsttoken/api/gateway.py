@@ -65,8 +65,8 @@ def retry_headers(error: EngineError) -> dict[str, str]:
 @dataclass(slots=True)
 class Gateway:
     """The request's steps, over the parts app.py built (one of each per app, read by the
-    handlers through `gateway(request)`). Outside api/, the server, a reload and the ops page
-    read the parts they need from here, by name, not through one another."""
+    handlers through `gateway(request)`). What moves a stream between instances is
+    `takeover`'s; what the server reads of the usage ledger, `usage_store`."""
 
     settings: Settings
     engine: Engine
