@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Mapping
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Callable, Mapping
+from dataclasses import dataclass, field, fields
+from operator import attrgetter
 from types import MappingProxyType
 from typing import Any, Protocol
 
@@ -26,7 +27,9 @@ __all__ = [
     "Sink",
     "StepEngine",
     "ToolCallDelta",
+    "from_stored",
     "not_embedding",
+    "stored_request",
 ]
 
 
@@ -41,8 +44,13 @@ DEFAULT_ANSWER_TOKENS = 1024
 TARGET_FAULTS = frozenset({401, 403, 404})
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GenerationRequest:
+    """One request as an engine gets it. Built by keyword only: `max_tokens` and `seed` (both
+    `int | None`), and the three strings that open it, are each other's type; by position a
+    swap would pass unnoticed. `stored_request` / `from_stored` are its JSON (a takeover's).
+    """
+
     request_id: str
     prompt: str
     model: str
@@ -86,54 +94,96 @@ class GenerationRequest:
         linked_traceparent: str | None,
     ) -> GenerationRequest:
         """This request as admitted: its answer's limit, its prompt's count, its trace."""
-        # Spelled out, as `without_inputs`, once per request.
-        return GenerationRequest(
-            self.request_id,
-            self.prompt,
-            self.model,
-            max_tokens,
-            self.seed,
-            self.temperature,
-            self.stop,
-            self.messages,
-            self.body,
-            self.options,
-            self.tenant,
-            self.priority,
-            self.weight,
-            traceparent,
-            prompt_tokens,
-            trace_id,
-            linked_traceparent,
-        )
+        request = _copy(self)
+        _SET["max_tokens"](request, max_tokens)
+        _SET["prompt_tokens"](request, prompt_tokens)
+        _SET["trace_id"](request, trace_id)
+        _SET["traceparent"](request, traceparent)
+        _SET["linked_traceparent"](request, linked_traceparent)
+        return request
 
     def without_inputs(self) -> GenerationRequest:
         """This request less what only its engine reads (prompt, messages, raw body, options):
         what a stream keeps once the engine has the request. A waiting stream would otherwise
         hold ~2 KiB of parsed body for its whole life."""
-        # Spelled out: `dataclasses.replace` reads every field by name (~3.6 µs against ~1).
-        return GenerationRequest(
-            self.request_id,
-            "",
-            self.model,
-            self.max_tokens,
-            self.seed,
-            self.temperature,
-            self.stop,
-            None,
-            None,
-            _NO_OPTIONS,
-            self.tenant,
-            self.priority,
-            self.weight,
-            self.traceparent,
-            self.prompt_tokens,
-            self.trace_id,
-            self.linked_traceparent,
-        )
+        request = _copy(self)
+        _SET["prompt"](request, "")
+        _SET["messages"](request, None)
+        _SET["body"](request, None)
+        _SET["options"](request, _NO_OPTIONS)
+        return request
 
 
 _NO_OPTIONS: Mapping[str, Any] = MappingProxyType({})
+
+# `admitted` and `without_inputs` run once per stream each: they copy the request slot by
+# slot and set what differs by name: ~1.9 µs each, about the positional constructor they
+# replace (~1.8), where keywords through `__init__` take ~2.4 and `dataclasses.replace` ~3.9
+# (`timeit` on `time.thread_time`, CPython 3.11). Only ever on a fresh copy: the request is
+# frozen to everyone else.
+_SLOTS = {f.name: GenerationRequest.__dict__[f.name] for f in fields(GenerationRequest)}
+_SET: dict[str, Callable[[GenerationRequest, Any], None]] = {
+    name: slot.__set__ for name, slot in _SLOTS.items()
+}
+_SETTERS = tuple(_SET.values())
+_VALUES = attrgetter(*_SLOTS)
+_new = object.__new__
+
+
+def _copy(request: GenerationRequest) -> GenerationRequest:
+    copy = _new(GenerationRequest)
+    # One list of fields gives both: the lengths match (`strict` costs ~0.2 µs a copy).
+    for set_, value in zip(_SETTERS, _VALUES(request), strict=False):
+        set_(copy, value)
+    return copy
+
+
+def stored_request(request: GenerationRequest) -> dict[str, Any]:
+    """What another instance needs of `request` to continue its stream (a takeover, a
+    background response read elsewhere), as JSON: the inverse of `from_stored`. The field
+    names are the stored format: instances of two versions take over each other's streams
+    in a rolling deploy, so a name never changes, and a new field is optional to read."""
+    return {
+        "prompt": request.prompt,
+        "model": request.model,
+        "max_tokens": request.max_tokens,
+        "seed": request.seed,
+        "temperature": request.temperature,
+        "stop": request.stop,
+        "messages": request.messages,
+        "body": request.body,
+        "options": request.options,
+        "tenant": request.tenant,
+    }
+
+
+def from_stored(
+    stored: Mapping[str, Any],
+    *,
+    request_id: str,
+    model: str,
+    tenant: str,
+    priority: int,
+    weight: float,
+) -> GenerationRequest:
+    """The request `stored_request` stored, as `request_id` here: `model` as this instance
+    names it, and the key it is admitted under here (its name, priority and weight)."""
+    messages = stored["messages"]
+    return GenerationRequest(
+        request_id=request_id,
+        prompt=stored["prompt"],
+        model=model,
+        max_tokens=stored["max_tokens"],
+        seed=stored["seed"],
+        temperature=stored["temperature"],
+        stop=tuple(stored["stop"]),
+        messages=tuple(messages) if messages is not None else None,
+        body=stored["body"],
+        options=stored["options"],
+        tenant=tenant,
+        priority=priority,
+        weight=weight,
+    )
 
 
 class EngineError(Exception):

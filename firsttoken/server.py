@@ -98,7 +98,7 @@ class _Server(uvicorn.Server):
             # SIGHUP reloads the keys, routes and canned answers files (firsttoken/reload.py),
             # in the loop's own time: the handler only asks.
             signal.signal(signal.SIGHUP, lambda *_: loop.call_soon_threadsafe(reloader.request))
-        usage = self.gateway.admission.ledger.store.shown if self.gateway is not None else None
+        usage = self.gateway.usage_store if self.gateway is not None else None
         fields: dict[str, str] = {"usage_db": usage} if usage else {}
         if usage == "memory":  # no --usage-db
             fields["note"] = "usage records are kept in memory only: budgets reset on restart"

@@ -53,9 +53,14 @@ class EmbeddingBody(_Body):
         value = self.input
         if isinstance(value, str):
             return (value,)
-        if value and isinstance(value[0], int):
-            return (tuple(value),)  # type: ignore[arg-type]  # one input of token ids
-        return tuple(item if isinstance(item, str) else tuple(item) for item in value)  # type: ignore[union-attr]
+        # Validated: all of one shape (never empty). The `isinstance`s tell the type checker.
+        if isinstance(value[0], int):  # one input of token ids
+            return (tuple(item for item in value if isinstance(item, int)),)
+        return tuple(
+            item if isinstance(item, str) else tuple(item)
+            for item in value
+            if not isinstance(item, int)
+        )
 
 
 class OneCallBody(Protocol):

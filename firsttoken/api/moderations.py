@@ -52,7 +52,7 @@ class ModerationBody(_Body):
         if isinstance(value, str):
             return (value,)
         if isinstance(value[0], str):
-            return tuple(value)  # type: ignore[arg-type]
+            return tuple(value)
         return (" ".join(part.text for part in value if isinstance(part, TextPart)),)
 
 

@@ -157,19 +157,19 @@ class Format(Generic[B]):
         i = self.inputs(body, raw, model)
         key = key or _OPEN
         return GenerationRequest(
-            stream_id,
-            i.prompt,
-            model,
-            i.max_tokens,
-            i.seed,
-            i.temperature,
-            i.stop,
-            i.messages,
-            i.body,
-            i.options,
-            key.name,
-            key.priority,
-            key.weight,
+            request_id=stream_id,
+            prompt=i.prompt,
+            model=model,
+            max_tokens=i.max_tokens,
+            seed=i.seed,
+            temperature=i.temperature,
+            stop=i.stop,
+            messages=i.messages,
+            body=i.body,
+            options=i.options,
+            tenant=key.name,
+            priority=key.priority,
+            weight=key.weight,
         )
 
     # -- the error shape: OpenAI's unless a format has its own ------------------------------

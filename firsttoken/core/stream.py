@@ -64,7 +64,10 @@ class Renderer(Protocol):
 
     def opening(self) -> Sequence[tuple[str | None, bytes]]: ...
 
-    token_event: str | None  # the event name of token events (None: plain `data:`)
+    @property
+    def token_event(self) -> str | None:
+        """The event name of token events (None: plain `data:`)."""
+        ...
 
     def begin_text(self) -> Sequence[tuple[str | None, bytes]]:
         """What goes before answer text that follows something else (or nothing): e.g. a
@@ -105,14 +108,19 @@ class Usage(NamedTuple):
 
 
 class _Named(Protocol):
-    name: str
+    @property
+    def name(self) -> str: ...
 
 
 class AdmissionTicket(Protocol):
     """What admission hands a stream: told of its first token and of its end."""
 
     client_fault: bool  # set when the stream's error was the request's own doing
-    key: _Named  # the API key it was admitted for (its name goes into log lines)
+
+    @property
+    def key(self) -> _Named:
+        """The API key it was admitted for (its name goes into log lines)."""
+        ...
 
     def first_token(self, ttft_s: float) -> None: ...
 

@@ -287,7 +287,7 @@ def _trim_prefill(turns: list[dict[str, Any]]) -> str:
     last = blocks[-1]
     if last["type"] != "text":
         return ""
-    text = last["text"]
+    text: str = last["text"]
     kept = text.rstrip()
     if kept:
         blocks[-1] = {**last, "text": kept}
@@ -333,8 +333,9 @@ def _metadata_user(chat: Mapping[str, Any]) -> str | None:
     """The end user's id: Messages' `metadata` takes only `user_id` (it refuses the other keys
     of Chat Completions' `metadata`, which is about stored completions)."""
     metadata = chat.get("metadata")
-    if isinstance(metadata, Mapping) and isinstance(metadata.get("user_id"), str):
-        return metadata["user_id"]
+    user_id = metadata.get("user_id") if isinstance(metadata, Mapping) else None
+    if isinstance(user_id, str):
+        return user_id
     user = chat.get("user")
     return user if isinstance(user, str) else None
 

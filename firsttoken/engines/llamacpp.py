@@ -403,7 +403,7 @@ class LlamaCppEngine(BaseEngine):
             else:
                 rendered = self._chat(messages=given).prompt
             # The template writes BOS itself when the model has one.
-            tokens = llm.tokenize(rendered.encode(), add_bos=False, special=True)
+            tokens: list[int] = llm.tokenize(rendered.encode(), add_bos=False, special=True)
         else:
             tokens = llm.tokenize(prompt.encode(), add_bos=True, special=False)
         if not tokens:

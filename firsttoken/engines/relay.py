@@ -31,9 +31,9 @@ from firsttoken.generation import (
     Embeddings,
     EngineError,
     GenerationRequest,
-    ToolCallDelta,
     not_embedding,
 )
+from firsttoken.wire.chunks import BadChunk, chunk_delta
 from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]
@@ -114,7 +114,11 @@ class RelayEngine(RemoteEngine):
             raise not_embedding(request.model, endpoint)
         model = self.model or request.model
         call = GenerationRequest(
-            request.request_id, "", model, tenant=request.tenant, trace_id=request.trace_id
+            request_id=request.request_id,
+            prompt="",
+            model=model,
+            tenant=request.tenant,
+            trace_id=request.trace_id,
         )
         resp: UpstreamResponse | None = None
         try:
@@ -313,63 +317,8 @@ def _bad_response(what: str) -> EngineError:
     return EngineError("upstream_bad_response", f"the upstream sent {what}", retryable=True)
 
 
-# Delta fields with a place in `Delta`; any other field is passed through as it came.
-_KNOWN = frozenset(("role", "content", "reasoning_content", "reasoning", "tool_calls", "refusal"))
 _OWN_STREAM_OPTIONS = ("coalesce", "meta", "timestamps")
-_PLAIN = frozenset(("content", "role"))  # a chunk of answer text alone
 _BOM = "\ufeff".encode()
-
-
-def _chunk_delta(obj: dict[str, Any], chat: bool) -> tuple[Delta | None, str | None]:
-    """One streamed chunk as a delta (None when it carries nothing: the role chunk, a
-    usage-only chunk) and its finish reason."""
-    choices = obj.get("choices")
-    if not choices:
-        return None, None
-    try:
-        choice = choices[0]
-        finish = choice.get("finish_reason")
-        logprobs = choice.get("logprobs")
-        if not chat:
-            text = choice.get("text")
-            _check(obj, isinstance(text, str | None) and isinstance(finish, str | None))
-            return (Delta(text, logprobs=logprobs) if text else None), finish
-        fields = choice.get("delta") or {}
-        text = fields.get("content")
-        if (
-            type(text) is str
-            and not logprobs
-            and fields.keys() <= _PLAIN
-            and (finish is None or type(finish) is str)
-        ):
-            return (Delta(text) if text else None), finish  # the usual chunk, checked at once
-        reasoning = fields.get("reasoning_content") or fields.get("reasoning")
-        refusal = fields.get("refusal")
-        _check(
-            obj,
-            isinstance(fields, dict)
-            and all(isinstance(v, str | None) for v in (text, reasoning, refusal, finish)),
-        )
-        calls = tuple(_tool_call(obj, c) for c in fields.get("tool_calls") or ())
-        extra = {k: v for k, v in fields.items() if k not in _KNOWN and v is not None}
-    except (AttributeError, IndexError, KeyError, TypeError):
-        raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}") from None
-    if not (text or reasoning or refusal or calls or extra or logprobs):
-        return None, finish
-    delta = Delta(text or "", None, reasoning or "", calls, refusal or "", logprobs, extra or None)
-    return delta, finish
-
-
-def _tool_call(obj: dict[str, Any], call: Any) -> ToolCallDelta:
-    function = call.get("function") or {}
-    index, arguments = call.get("index", 0), function.get("arguments") or ""
-    _check(obj, isinstance(index, int) and isinstance(arguments, str))
-    return ToolCallDelta(index, call.get("id"), function.get("name"), arguments)
-
-
-def _check(obj: dict[str, Any], ok: bool) -> None:
-    if not ok:
-        raise _bad_response(f"a chunk of the wrong shape: {orjson.dumps(obj)[:200]!r}")
 
 
 class _ChunkReader(EventDecoder):
@@ -460,7 +409,10 @@ class _ChunkReader(EventDecoder):
         usage = obj.get("usage")
         if isinstance(usage, dict):
             self.usage = usage
-        delta, finished = _chunk_delta(obj, self.chat)
+        try:
+            delta, finished = chunk_delta(obj, self.chat)
+        except BadChunk as exc:
+            raise _bad_response(str(exc)) from None
         if delta is not None:
             out.append(delta)
         if finished:

@@ -255,7 +255,7 @@ def _quote(rng: random.Random) -> str:
     return f"> {_sentence(rng)}\n> {_sentence(rng, inline=False)}\n\n"
 
 
-def _markdown_blocks(rng: random.Random):
+def _markdown_blocks(rng: random.Random) -> Iterator[str]:
     """Endless sections: each has every construct, in an order and sizes drawn from `rng`."""
     first = True
     while True:
@@ -301,7 +301,7 @@ _PAYLOADS = (
 )
 
 
-def _hostile_blocks(rng: random.Random):
+def _hostile_blocks(rng: random.Random) -> Iterator[str]:
     """First every payload once, in order (so even a short answer has a `<script>`), then
     payloads drawn at random between prose, in paragraphs, list items and code fences."""
     yield f"Here it is: {_PAYLOADS[1]}\n\n"

@@ -121,7 +121,9 @@ def synthetic_tokens(
     style: str = "prose",
 ) -> tuple[list[str], str]:
     """The tokens the engine emits for this request, and the finish reason."""
-    request = GenerationRequest("", prompt, MODEL_ID, max_tokens=max_tokens, seed=seed)
+    request = GenerationRequest(
+        request_id="", prompt=prompt, model=MODEL_ID, max_tokens=max_tokens, seed=seed
+    )
     parts, finish = answer_parts(request, SyntheticOptions(answer_tokens=answer_tokens), style)
     return parts, finish  # type: ignore[return-value]  # text only: no reasoning, no tool
 
@@ -148,7 +150,7 @@ def push_part(
         push_part(sink, part)
         return sink.push_delta(Delta("", finish, usage=usage))
     if part.__class__ is str:
-        return sink.push(part, finish)  # type: ignore[arg-type]
+        return sink.push(part, finish)
     assert isinstance(part, Delta)
     if finish is not None:
         part = Delta(part.text, finish, part.reasoning, part.tool_calls, part.refusal)

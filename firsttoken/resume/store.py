@@ -46,7 +46,7 @@ class StreamRecord:
     trace_id: str
     model: str
     # What another instance needs to continue the stream (its request, key and format; see
-    # `api/gateway.py`), stored with it; None: it cannot be taken over.
+    # `api/takeover.py`), stored with it; None: it cannot be taken over.
     handover: bytes | None = None
     tenant: str = ""  # the key that created it: only that key reads a response back by id
 
@@ -109,7 +109,7 @@ class Orphaned:
     complete: bool  # the store holds its events from its first (none trimmed)
 
 
-# Bills an `Orphaned` stream (the API's: `Gateway.bill_orphaned`).
+# Bills an `Orphaned` stream (the API's: `Takeover.bill_orphaned`).
 BillOrphaned = Callable[[Orphaned], Awaitable[None]]
 
 

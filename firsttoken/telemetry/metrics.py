@@ -146,10 +146,17 @@ class Metrics:
         self.tokens_generated = tokens_generated
         self.engine_counter = engine_counter  # e.g. "failovers" of the relay, "cache_hits"
         self.registry = CollectorRegistry(auto_describe=False)
-        self.registry.register(self)  # type: ignore[arg-type]
+        self.registry.register(self)
         self.share = WorkerShare(*_share_as, self.registry) if _share_as is not None else None
 
     def collect(self) -> Iterator[Metric]:
+        yield from self._timings()
+        yield from self._tokens()
+        yield from self._streams()
+        yield from self._readers()
+        yield from self._shares()
+
+    def _timings(self) -> Iterator[Metric]:
         yield self.ttft.family("firsttoken_ttft_seconds", "Request accepted to first token sent.")
         yield self.inter_chunk.family(
             "firsttoken_inter_chunk_seconds", "Gap between consecutive content events sent."
@@ -159,6 +166,8 @@ class Metrics:
             "How late the event loop ran work scheduled for a given time (sampled every "
             f"{LOOP_LAG_SAMPLE_S * 1000:g} ms): requests wait about as long to be read.",
         )
+
+    def _tokens(self) -> Iterator[Metric]:
         yield _one(
             CounterMetricFamily,
             "firsttoken_tokens_generated",
@@ -177,6 +186,9 @@ class Metrics:
             ("canned_hits", "firsttoken_canned_answers", "Greetings served canned answers."),
         ):
             yield _one(CounterMetricFamily, name, doc, self.engine_counter(attr))
+
+    def _streams(self) -> Iterator[Metric]:
+        """Streams by outcome, and the state that decides whether new ones are taken."""
         yield _labelled(
             CounterMetricFamily,
             "firsttoken_streams",
@@ -212,6 +224,9 @@ class Metrics:
             "Resident memory of the process.",
             self.memory_rss_bytes,
         )
+
+    def _readers(self) -> Iterator[Metric]:
+        """Readers held back or cut off, and streams that moved between instances."""
         yield _one(
             GaugeMetricFamily,
             "firsttoken_readers_paused",
@@ -239,6 +254,9 @@ class Metrics:
             "at shutdown, or a takeover of a stream it still generated).",
             self.streams_moved,
         )
+
+    def _shares(self) -> Iterator[Metric]:
+        """Per API key and per route: tokens billed, streams started and running."""
         per_key = CounterMetricFamily(
             "firsttoken_key_tokens",
             "Tokens billed to each API key, by kind (completion includes reasoning; cached and "
@@ -409,7 +427,7 @@ class WorkerShare:
         return merge_families(parts)
 
     def render(self) -> bytes:
-        return generate_latest(_Fixed(self.merged()))  # type: ignore[arg-type]
+        return generate_latest(_Fixed(self.merged()))
 
     def close(self) -> None:
         """Stop answering (siblings then read this worker as dead)."""

@@ -36,6 +36,7 @@ from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
+from opentelemetry.metrics import Meter
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader, PeriodicExportingMetricReader
 from opentelemetry.sdk.resources import Resource
@@ -239,7 +240,18 @@ class Telemetry:
             resource=resource, metric_readers=[metric_reader], shutdown_on_exit=False
         )
         self.tracer = self.tracer_provider.get_tracer("firsttoken", __version__)
-        meter = self.meter_provider.get_meter("firsttoken", __version__)
+        self._measures(self.meter_provider.get_meter("firsttoken", __version__))
+        self.clock = clock  # the streams' clock (perf_counter): accepted_at, first_token_at
+        self.loop_clock = loop_clock  # the legs' clock: the loop's time
+        self._live: dict[str, _Trace] = {}
+        self._attrs: dict[tuple[str, str], dict[str, str]] = {}
+        self._legs: dict[tuple[str, str], dict[str, str]] = {}
+        self._addresses: dict[str, dict[str, Any]] = {}
+        # One line per outage from our exporter instead of one per batch from the SDK's.
+        logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
+
+    def _measures(self, meter: Meter) -> None:
+        """The GenAI semantic conventions' histograms, with their bucket advice."""
 
         def histogram(name: str, unit: str, description: str, buckets: Sequence[float]) -> Any:
             return meter.create_histogram(
@@ -278,14 +290,6 @@ class Telemetry:
         self.client_duration = histogram(
             "gen_ai.client.operation.duration", "s", "Upstream leg duration", _DURATION_BUCKETS
         )
-        self.clock = clock  # the streams' clock (perf_counter): accepted_at, first_token_at
-        self.loop_clock = loop_clock  # the legs' clock: the loop's time
-        self._live: dict[str, _Trace] = {}
-        self._attrs: dict[tuple[str, str], dict[str, str]] = {}
-        self._legs: dict[tuple[str, str], dict[str, str]] = {}
-        self._addresses: dict[str, dict[str, Any]] = {}
-        # One line per outage from our exporter instead of one per batch from the SDK's.
-        logging.getLogger("opentelemetry").setLevel(logging.CRITICAL)
 
     # -- the registry's hooks (StreamTracer) --------------------------------------------------
 

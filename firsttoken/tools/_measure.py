@@ -13,6 +13,7 @@ import socket
 import ssl
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -539,19 +540,7 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
                 code = str(resp.status_code) if resp.status_code != 200 else "not_a_stream"
                 result.error = _answer_error(raw.decode("utf-8", "replace"), code)
                 return result
-            decoder = _Body(resp.headers.get("content-encoding", ""), result)
-            # `diag --packet-loss` is told which reads carried content, so that its gaps are
-            # inter-chunk gaps, not the wait for the first token.
-            mark = content_marker(resp.extensions.get("network_stream"))
-            seen = 0
-            async for raw in resp.aiter_raw():
-                t = rel()
-                data = decoder.decode(raw)
-                decoder.feed(t, data)
-                result.reads.append(Read(t=t, done_t=rel(), wire=len(raw), decoded=len(data)))
-                if mark is not None and decoder.content_events > seen:
-                    mark(seen == 0)
-                    seen = decoder.content_events
+            await _read_events(resp, result, rel)
     except httpx.TimeoutException as exc:
         result.error = {"code": "timeout", "message": f"{type(exc).__name__}: {exc}"}
     except httpx.HTTPError as exc:
@@ -563,3 +552,22 @@ async def measure_stream(client: httpx.AsyncClient, spec: RequestSpec) -> Stream
     if result.error is None and result.status == 200 and not result.done:
         result.error = {"code": "no_done", "message": "stream ended without [DONE]"}
     return result
+
+
+async def _read_events(
+    resp: httpx.Response, result: StreamResult, rel: Callable[[], float]
+) -> None:
+    """An event stream's body as it arrives: each read's time and sizes, its events decoded."""
+    decoder = _Body(resp.headers.get("content-encoding", ""), result)
+    # `diag --packet-loss` is told which reads carried content, so that its gaps are
+    # inter-chunk gaps, not the wait for the first token.
+    mark = content_marker(resp.extensions.get("network_stream"))
+    seen = 0
+    async for raw in resp.aiter_raw():
+        t = rel()
+        data = decoder.decode(raw)
+        decoder.feed(t, data)
+        result.reads.append(Read(t=t, done_t=rel(), wire=len(raw), decoded=len(data)))
+        if mark is not None and decoder.content_events > seen:
+            mark(seen == 0)
+            seen = decoder.content_events

@@ -39,6 +39,13 @@ def build_parser() -> Parser:
         description="Measure an SSE endpoint (OpenAI-compatible or native): TTFT, inter-chunk "
         "times, [DONE], id gaps, heartbeats, anti-buffering headers, and a buffering verdict.",
     )
+    _request_options(p)
+    _run_options(p)
+    return p
+
+
+def _request_options(p: Parser) -> None:
+    """What each stream asks for, and how."""
     p.add_argument("url", help="…/chat/completions, …/completions, …/v1/streams, or any SSE URL")
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help="prompt text (default: %(default)r)")
     p.add_argument(
@@ -77,6 +84,10 @@ def build_parser() -> Parser:
         default="auto",
         help="request shape (default: auto, from the URL path)",
     )
+
+
+def _run_options(p: Parser) -> None:
+    """How many streams, how long to wait, and what to make of what arrives."""
     p.add_argument("--concurrency", type=int, default=1, help="streams at once (default: 1)")
     p.add_argument(
         "--requests", type=int, default=None, help="streams in all (default: the concurrency)"
@@ -119,7 +130,6 @@ def build_parser() -> Parser:
         default="auto",
         help="progress bar in load mode (default: auto, when stderr is a terminal)",
     )
-    return p
 
 
 def build_spec(args: argparse.Namespace) -> RequestSpec:

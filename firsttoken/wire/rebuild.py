@@ -20,6 +20,7 @@ import orjson
 from firsttoken.delta import Delta, ToolCallDelta
 from firsttoken.wire.anthropic import MessagesRenderer, error_type
 from firsttoken.wire.anthropic import error_body as anthropic_error_body
+from firsttoken.wire.chunks import chunk_delta
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.render import (
     DONE,
@@ -121,31 +122,9 @@ def _native(event: str | None, data: bytes) -> Delta | None:
 
 
 def _openai(format: str, data: bytes) -> Delta | None:
-    choices = orjson.loads(data).get("choices") or ()
-    if not choices or choices[0].get("finish_reason") is not None:
-        return None
-    if format == CompletionRenderer.object:
-        text = choices[0].get("text")
-        return Delta(text) if text else None
-    fields = choices[0].get("delta") or {}
-    if fields.get("tool_calls"):
-        calls = tuple(
-            ToolCallDelta(
-                c.get("index", 0),
-                c.get("id"),
-                (c.get("function") or {}).get("name"),
-                (c.get("function") or {}).get("arguments") or "",
-            )
-            for c in fields["tool_calls"]
-        )
-        return Delta(tool_calls=calls)
-    if fields.get("reasoning_content"):
-        return Delta(reasoning=fields["reasoning_content"])
-    if fields.get("refusal"):
-        return Delta(refusal=fields["refusal"])
-    if fields.get("content"):
-        return Delta(fields["content"])
-    return None
+    # The relay's own decoder (`wire/chunks.py`): what the renderer wrote, logprobs and all.
+    delta, _ = chunk_delta(orjson.loads(data), chat=format == ChatRenderer.object)
+    return delta
 
 
 def _responses(event: str | None, data: bytes, calls: int) -> tuple[Delta | None, int]:

@@ -37,7 +37,9 @@ def client(server: Server, **kwargs: Any) -> anthropic.Anthropic:
 
 def expected_parts(prompt: str, max_tokens: int, **knobs: Any) -> tuple[str, str]:
     """The synthetic engine's (thinking, text) for this request."""
-    request = GenerationRequest("x", prompt, "synthetic", max_tokens=max_tokens)
+    request = GenerationRequest(
+        request_id="x", prompt=prompt, model="synthetic", max_tokens=max_tokens
+    )
     parts, _ = answer_parts(request, SyntheticOptions.from_mapping(knobs))
     thinking = "".join(p.reasoning for p in parts if not isinstance(p, str))
     return thinking, "".join(p for p in parts if isinstance(p, str))
@@ -140,9 +142,10 @@ def test_count_tokens_is_the_input_a_message_would_use(server: Server) -> None:
         answered = sdk.messages.create(model="synthetic", max_tokens=3, **kwargs)
         assert counted.input_tokens == answered.usage.input_tokens > 0
     longer = sdk.messages.count_tokens(model="synthetic", messages=conversation)
-    assert longer.input_tokens > sdk.messages.count_tokens(
-        model="synthetic", messages=MESSAGES
-    ).input_tokens
+    assert (
+        longer.input_tokens
+        > sdk.messages.count_tokens(model="synthetic", messages=MESSAGES).input_tokens
+    )
     with pytest.raises(anthropic.NotFoundError) as info:
         sdk.messages.count_tokens(model="claude-9", messages=MESSAGES)
     assert info.value.body["type"] == "error"  # type: ignore[index]

@@ -32,7 +32,7 @@ T = TypeVar("T")
 
 def request(rid: str = "s1", **body: Any) -> GenerationRequest:
     chat = {"model": "synthetic", "messages": MESSAGES, **body}
-    return GenerationRequest(rid, "", "synthetic", body=chat)
+    return GenerationRequest(request_id=rid, prompt="", model="synthetic", body=chat)
 
 
 def with_relay(url: str, use: Callable[[AnthropicRelay], Awaitable[T]], **kwargs: Any) -> T:

@@ -168,7 +168,7 @@ def test_abort_stops_the_thread_within_one_token() -> None:
         try:
             ask = "Write a very long story about a dragon."
             request = GenerationRequest(
-                "abort-me", ask, MODEL, max_tokens=500, temperature=0,
+                request_id="abort-me", prompt=ask, model=MODEL, max_tokens=500, temperature=0,
                 messages=({"role": "user", "content": ask},),
             )  # fmt: skip
             seen = 0

@@ -94,7 +94,7 @@ def test_create_stream_event_sequence(server: Server) -> None:
 
 
 def reasoning_parts(seed: int = 0) -> tuple[str, str]:
-    request = GenerationRequest("x", PROMPT, "synthetic", seed=seed)
+    request = GenerationRequest(request_id="x", prompt=PROMPT, model="synthetic", seed=seed)
     parts, _ = answer_parts(request, SyntheticOptions(reasoning_tokens=6, answer_tokens=12))
     reasoning = "".join(p.reasoning for p in parts if not isinstance(p, str))
     return reasoning, "".join(p for p in parts if isinstance(p, str))

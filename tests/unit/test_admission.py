@@ -577,7 +577,13 @@ def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() 
             ):
                 assert key is not None
                 stream = Stream(
-                    GenerationRequest(stream_id, "hi", "synthetic", max_tokens=5, tenant=key.name),
+                    GenerationRequest(
+                        request_id=stream_id,
+                        prompt="hi",
+                        model="synthetic",
+                        max_tokens=5,
+                        tenant=key.name,
+                    ),
                     NativeRenderer(),
                     kind="native",
                     trace_id="t",

@@ -27,7 +27,7 @@ _EVENT = TypeAdapter(RawMessageStreamEvent)
 def make(max_events: int = 200) -> Stream:
     renderer = MessagesRenderer("msg_s1", "synthetic", input_tokens=3)
     stream = Stream(
-        GenerationRequest("s1", "hi", "synthetic", max_tokens=50),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic", max_tokens=50),
         renderer,
         kind="anthropic",
         trace_id="t",
@@ -476,7 +476,9 @@ def test_cache_control_markers_reach_an_anthropic_target_unchanged() -> None:
         }
     )
     chat = chat_body(body)
-    upstream = messages_body(GenerationRequest("r", "", "claude", body=chat)).body
+    upstream = messages_body(
+        GenerationRequest(request_id="r", prompt="", model="claude", body=chat)
+    ).body
     assert upstream["system"] == [
         {"type": "text", "text": "a long system prompt", "cache_control": marker}
     ]

@@ -25,7 +25,9 @@ from firsttoken.generation import Delta, EngineError, GenerationRequest, ToolCal
 
 
 def body_of(chat: dict[str, Any], model: str | None = None, **fields: Any) -> dict[str, Any]:
-    request = GenerationRequest("r1", "", chat.get("model", "route"), body=chat, **fields)
+    request = GenerationRequest(
+        request_id="r1", prompt="", model=chat.get("model", "route"), body=chat, **fields
+    )
     return messages_body(request, model).body
 
 
@@ -320,7 +322,12 @@ def test_thinking_given_wins_over_reasoning_effort() -> None:
 
 def test_a_request_without_a_body_sends_its_prompt() -> None:
     request = GenerationRequest(
-        "r1", "hello there", "m", max_tokens=5, stop=("x",), options={"synthetic": {"itl_ms": 1}}
+        request_id="r1",
+        prompt="hello there",
+        model="m",
+        max_tokens=5,
+        stop=("x",),
+        options={"synthetic": {"itl_ms": 1}},
     )
     body = messages_body(request).body
     assert body["messages"] == [
@@ -341,7 +348,11 @@ def test_a_native_streams_continuation_is_its_prompt_then_a_prefill() -> None:
     # What a splice asks of a prompt without a body: the answer so far is the assistant's
     # prefill, not lost (the model would answer the prompt from the start again).
     request = GenerationRequest(
-        "r1", "Tell me.", "m", max_tokens=5, options={"continuation": " The throu"}
+        request_id="r1",
+        prompt="Tell me.",
+        model="m",
+        max_tokens=5,
+        options={"continuation": " The throu"},
     )
     call = messages_body(request)
     assert call.body["messages"] == [
@@ -389,7 +400,9 @@ def continuation(prefix: str) -> dict[str, Any]:
 
 
 def test_a_continuation_is_a_prefill_without_its_trailing_whitespace() -> None:
-    request = GenerationRequest("r1", "", "m", body=continuation("one two \n"))
+    request = GenerationRequest(
+        request_id="r1", prompt="", model="m", body=continuation("one two \n")
+    )
     call = messages_body(request)
     assert call.body["messages"][-1] == {
         "role": "assistant",
@@ -400,7 +413,9 @@ def test_a_continuation_is_a_prefill_without_its_trailing_whitespace() -> None:
 
 
 def test_a_whitespace_only_prefill_goes_whole() -> None:
-    call = messages_body(GenerationRequest("r1", "", "m", body=continuation("  ")))
+    call = messages_body(
+        GenerationRequest(request_id="r1", prompt="", model="m", body=continuation("  "))
+    )
     assert [m["role"] for m in call.body["messages"]] == ["user"] and call.trimmed == "  "
 
 
@@ -434,7 +449,9 @@ def test_prefill_then_continuation_sees_no_character_twice_or_missing() -> None:
     full = "one two \n three four"
     for cut in range(1, len(full)):
         prefix, rest = full[:cut], full[cut:]  # the client holds `prefix`
-        call = messages_body(GenerationRequest("r1", "", "m", body=continuation(prefix)))
+        call = messages_body(
+            GenerationRequest(request_id="r1", prompt="", model="m", body=continuation(prefix))
+        )
         sent = call.body["messages"][-1]["content"][0]["text"] if prefix.strip() else ""
         # The model continues the prefill it was given: what it says is the full answer's rest
         # after the trimmed prefill, in word-ish pieces.

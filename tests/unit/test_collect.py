@@ -26,7 +26,7 @@ class _Generation:
 
 def _stream() -> Stream:
     return Stream(
-        GenerationRequest("s1", "hi", "synthetic"),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         ChatRenderer("chatcmpl-s1", "synthetic", 0, True),
         kind="openai",
         trace_id="t",

@@ -103,7 +103,9 @@ def test_no_hand_off_for_a_continuation_or_an_edge_that_cannot_take_it() -> None
     async def body() -> list[Handover | None]:
         handovers = [
             tiers.course(
-                GenerationRequest("s2", "p", "chat", options={"continuation": "x"})
+                GenerationRequest(
+                    request_id="s2", prompt="p", model="chat", options={"continuation": "x"}
+                )
             ).handover
         ]
         tiers.targets["edge"].health.hold(START, 5.0)

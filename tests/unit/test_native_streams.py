@@ -13,7 +13,7 @@ from firsttoken.wire.render import NativeRenderer
 
 def _stream() -> Stream:
     return Stream(
-        GenerationRequest("s1", "hi", "synthetic"),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         NativeRenderer(),
         kind="native",
         trace_id="t",

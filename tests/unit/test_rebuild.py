@@ -83,3 +83,16 @@ def test_the_events_read_back_as_the_answers_text(name: str) -> None:
 def test_an_unknown_format_is_refused() -> None:
     with pytest.raises(ValueError, match="no renderer"):
         rebuild({"format": "nope"})
+
+
+@pytest.mark.parametrize("name", ["chat", "completion"])
+def test_an_openai_chunk_reads_back_whole_as_the_relay_reads_it(name: str) -> None:
+    """The relay's decoder (`wire/chunks.py`): a chunk's logprobs, and every field the
+    renderer put in one chunk, come back in one delta."""
+    renderer = renderers()[name]
+    scored = {"content": [{"token": "Hel", "logprob": -0.5, "top_logprobs": []}]}
+    given = [Delta("Hel", logprobs=scored)]
+    if name == "chat":
+        given.append(Delta("lo", reasoning="so", extra={"annotations": [1]}))
+    events = [*render(renderer, given), *renderer.closing("stop", USAGE)]
+    assert list(decode(renderer.spec()["format"], iter(events))) == given

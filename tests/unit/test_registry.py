@@ -147,7 +147,14 @@ ENGINES: dict[str, Callable[[], Engine]] = {
 
 def _stream(stream_id: str = "s1") -> Stream:
     return Stream(
-        GenerationRequest(stream_id, "hi", "synthetic", max_tokens=10, seed=1, temperature=0),
+        GenerationRequest(
+            request_id=stream_id,
+            prompt="hi",
+            model="synthetic",
+            max_tokens=10,
+            seed=1,
+            temperature=0,
+        ),
         NativeRenderer(),
         kind="native",
         trace_id="t",
@@ -233,7 +240,7 @@ def test_five_failed_opens_leave_no_stream_active() -> None:
 def _finished(registry: StreamRegistry, stream_id: str, tenant: str, tokens: int) -> Stream:
     """A stream that ran to its end, as `start` would register it, with `tokens` events."""
     stream = Stream(
-        GenerationRequest(stream_id, "", "synthetic", tenant=tenant),
+        GenerationRequest(request_id=stream_id, prompt="", model="synthetic", tenant=tenant),
         NativeRenderer(),
         kind="native",
         trace_id="t",
@@ -407,7 +414,7 @@ async def _reopen(claim: Claim, mirror: Stream) -> tuple[Stream, GenerationReque
     for _, wire, tokens in claim.events:
         stream.log.append(wire, tokens)
     stream.ticket = _Ticket()
-    following = GenerationRequest("s1", "hi", "synthetic", max_tokens=7)
+    following = GenerationRequest(request_id="s1", prompt="hi", model="synthetic", max_tokens=7)
     return stream, following, 3
 
 
@@ -569,7 +576,7 @@ def test_end_where_ends_only_the_live_streams_it_picks_with_their_error() -> Non
     streams = {}
     for stream_id, tenant in (("a1", "alice"), ("a2", "alice"), ("b1", "bob")):
         stream = Stream(
-            GenerationRequest(stream_id, "", "synthetic", tenant=tenant),
+            GenerationRequest(request_id=stream_id, prompt="", model="synthetic", tenant=tenant),
             NativeRenderer(),
             kind="native",
             trace_id="t",

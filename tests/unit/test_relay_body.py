@@ -24,7 +24,9 @@ def relayed(request: GenerationRequest) -> tuple[str, dict]:
 
 
 def test_a_native_streams_continuation_grows_the_prompt_and_names_the_seam() -> None:
-    request = GenerationRequest("n1", "Tell me about streams.", "chat", max_tokens=10)
+    request = GenerationRequest(
+        request_id="n1", prompt="Tell me about streams.", model="chat", max_tokens=10
+    )
     follow = continuation(request, sent(" The", " throu"))
     assert follow is not None
     path, body = relayed(follow)
@@ -39,7 +41,10 @@ def test_a_native_streams_continuation_grows_the_prompt_and_names_the_seam() -> 
 
 def test_a_completions_body_is_sent_as_the_splice_grew_it() -> None:
     request = GenerationRequest(
-        "c1", "Once upon", "chat", body={"model": "chat", "prompt": "Once upon"}
+        request_id="c1",
+        prompt="Once upon",
+        model="chat",
+        body={"model": "chat", "prompt": "Once upon"},
     )
     follow = continuation(request, sent(" a", " time"))
     assert follow is not None

@@ -25,7 +25,7 @@ from tests.unit.clock import FakeClock
 
 def make(grace_s: float = 0.0) -> Stream:
     stream = Stream(
-        GenerationRequest("s1", "hi", "synthetic", max_tokens=10),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic", max_tokens=10),
         NativeRenderer(),
         kind="native",
         trace_id="t",
@@ -209,9 +209,9 @@ def test_text_after_a_structured_delta_takes_the_template_again() -> None:
 
 def _full_request() -> GenerationRequest:
     return GenerationRequest(
-        "s1",
-        "user: hi",
-        "synthetic",
+        request_id="s1",
+        prompt="user: hi",
+        model="synthetic",
         max_tokens=10,
         messages=({"role": "user", "content": "hi"},),
         body={"model": "synthetic", "messages": [{"role": "user", "content": "hi"}]},
@@ -407,7 +407,7 @@ def test_a_stream_taken_over_numbers_its_own_events_apart_from_the_old_owners() 
 
 def test_the_record_a_store_keeps_names_the_key_that_made_the_stream() -> None:
     stream = Stream(
-        GenerationRequest("s1", "hi", "synthetic", tenant="alice"),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic", tenant="alice"),
         NativeRenderer(),
         kind="responses",
         trace_id="t",

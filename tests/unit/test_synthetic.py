@@ -64,7 +64,11 @@ def start(
     sink = Sink()
     sink.clock = clock
     request = GenerationRequest(
-        "r1", "hello", "synthetic", max_tokens=20, options={"synthetic": synthetic}
+        request_id="r1",
+        prompt="hello",
+        model="synthetic",
+        max_tokens=20,
+        options={"synthetic": synthetic},
     )
     return engine, clock, sink, engine.open(request, sink)
 
@@ -91,7 +95,10 @@ def test_streams_due_in_the_same_millisecond_share_one_timer() -> None:
     for i in range(10):
         sink = Sink()
         sink.clock = clock
-        engine.open(GenerationRequest(f"r{i}", "hi", "synthetic", max_tokens=3), sink)
+        engine.open(
+            GenerationRequest(request_id=f"r{i}", prompt="hi", model="synthetic", max_tokens=3),
+            sink,
+        )
     assert len(clock.timers) == 1
 
 
@@ -131,7 +138,10 @@ def test_a_long_ttft_waits_in_its_slot_and_is_on_time() -> None:
         sink = Sink()
         sink.clock = clock
         sinks.append(sink)
-        engine.open(GenerationRequest(f"r{i}", "hi", "synthetic", max_tokens=3), sink)
+        engine.open(
+            GenerationRequest(request_id=f"r{i}", prompt="hi", model="synthetic", max_tokens=3),
+            sink,
+        )
         clock.advance(0.0001)
     assert len(clock.timers) == 1
     clock.advance(119.990)
@@ -159,7 +169,7 @@ def test_fault_injection_fails_after_n_tokens() -> None:
 def test_reasoning_then_a_tool_call_in_fragments() -> None:
     arguments = {"city": "Zürich", "days": [1, 2]}
     opts = SyntheticOptions(reasoning_tokens=5, tool_call={"name": "f", "arguments": arguments})
-    request = GenerationRequest("r", "user: hi", "synthetic", seed=3)
+    request = GenerationRequest(request_id="r", prompt="user: hi", model="synthetic", seed=3)
     parts, finish = answer_parts(request, opts)
     assert finish == "tool_calls"
     assert all(isinstance(p, Delta) and p.reasoning for p in parts[:5])
@@ -174,7 +184,7 @@ def test_reasoning_then_a_tool_call_in_fragments() -> None:
 
 def test_max_tokens_counts_reasoning_too() -> None:
     opts = SyntheticOptions(reasoning_tokens=5)
-    request = GenerationRequest("r", "user: hi", "synthetic", max_tokens=7)
+    request = GenerationRequest(request_id="r", prompt="user: hi", model="synthetic", max_tokens=7)
     parts, finish = answer_parts(request, opts)
     assert finish == "length" and len(parts) == 7
     assert [type(p) for p in parts] == [Delta] * 5 + [str] * 2
@@ -187,9 +197,9 @@ def continued(
     prompt: str, prefix: str, max_tokens: int | None = None, seed: int = 5, **knobs: Any
 ) -> tuple[list[Part], str]:
     request = GenerationRequest(
-        "r",
-        prompt,
-        "synthetic",
+        request_id="r",
+        prompt=prompt,
+        model="synthetic",
         max_tokens=max_tokens,
         seed=seed,
         options={"continuation": prefix},
@@ -198,7 +208,9 @@ def continued(
 
 
 def whole(prompt: str, max_tokens: int | None = None, seed: int = 5, **knobs: Any):
-    request = GenerationRequest("r", prompt, "synthetic", max_tokens=max_tokens, seed=seed)
+    request = GenerationRequest(
+        request_id="r", prompt=prompt, model="synthetic", max_tokens=max_tokens, seed=seed
+    )
     return answer_parts(request, SyntheticOptions(**knobs))
 
 
@@ -246,13 +258,15 @@ def test_stop_strings_hold_across_the_splice() -> None:
         whole("user: stop here", max_tokens=None)[0],
         "stop",
     )
-    request = GenerationRequest("r", "user: stop here", "synthetic", seed=5, stop=(stop,))
+    request = GenerationRequest(
+        request_id="r", prompt="user: stop here", model="synthetic", seed=5, stop=(stop,)
+    )
     cut, cut_finish = answer_parts(request, SyntheticOptions())
     assert len(cut) <= 31 and cut_finish == finish and "".join(expected).startswith("".join(cut))  # type: ignore[arg-type]
     request = GenerationRequest(
-        "r",
-        "user: stop here",
-        "synthetic",
+        request_id="r",
+        prompt="user: stop here",
+        model="synthetic",
         seed=5,
         stop=(stop,),
         options={"continuation": "".join(cut[:5])},  # type: ignore[arg-type]
@@ -305,9 +319,9 @@ def test_a_continuation_reports_usage_as_vllm_counts_it() -> None:
     sink = Sink()
     sink.clock = clock
     request = GenerationRequest(
-        "r",
-        "user: usage",
-        "synthetic",
+        request_id="r",
+        prompt="user: usage",
+        model="synthetic",
         max_tokens=30,
         seed=2,
         options={"continuation": "".join(full[:20])},
@@ -325,18 +339,22 @@ def test_a_continuation_reports_usage_as_vllm_counts_it() -> None:
 
 def test_the_check_refuses_what_open_would_fail() -> None:
     engine = SyntheticEngine()
-    good = GenerationRequest("r", "p", "synthetic", options={"continuation": ""})
+    good = GenerationRequest(
+        request_id="r", prompt="p", model="synthetic", options={"continuation": ""}
+    )
     engine.check(good)
-    bad = GenerationRequest("r", "p", "synthetic", options={"continuation": "nope"})
+    bad = GenerationRequest(
+        request_id="r", prompt="p", model="synthetic", options={"continuation": "nope"}
+    )
     with pytest.raises(EngineError):
         engine.check(bad)
     deep: Any = {}
     for _ in range(300):
         deep = {"a": deep}
     nested = GenerationRequest(
-        "r",
-        "p",
-        "synthetic",
+        request_id="r",
+        prompt="p",
+        model="synthetic",
         options={"synthetic": {"tool_call": {"name": "f", "arguments": deep}}},
     )
     with pytest.raises(EngineError) as info:
@@ -366,7 +384,10 @@ def test_a_long_answer_is_built_as_it_is_read() -> None:
     sink = Sink()
     sink.clock = clock
     request = GenerationRequest(
-        "r", "user: long read", "synthetic", options={"synthetic": {"answer_tokens": 50_000}}
+        request_id="r",
+        prompt="user: long read",
+        model="synthetic",
+        options={"synthetic": {"answer_tokens": 50_000}},
     )
     engine.open(request, sink)
     clock.advance(0.1)
@@ -405,7 +426,10 @@ def test_the_fail_rate_fails_that_share_as_engine_faults() -> None:
         sink = Sink()
         sink.clock = clock
         sinks.append(sink)
-        engine.open(GenerationRequest(f"r{i}", "hi", "synthetic", max_tokens=30), sink)
+        engine.open(
+            GenerationRequest(request_id=f"r{i}", prompt="hi", model="synthetic", max_tokens=30),
+            sink,
+        )
     clock.advance(1.0)
     failed = [s for s in sinks if s.error is not None]
     assert 70 <= len(failed) <= 130
@@ -429,7 +453,9 @@ def test_a_fail_rate_of_one_fails_even_a_short_answer() -> None:
     engine._loop = clock  # type: ignore[assignment]
     sink = Sink()
     sink.clock = clock
-    engine.open(GenerationRequest("r", "hi", "synthetic", max_tokens=1), sink)
+    engine.open(
+        GenerationRequest(request_id="r", prompt="hi", model="synthetic", max_tokens=1), sink
+    )
     clock.advance(1.0)
     assert sink.error is not None and sink.finished is None and not sink.error.client_fault
 
@@ -439,7 +465,9 @@ def test_a_fail_rate_of_one_fails_even_a_short_answer() -> None:
 
 def turn(messages: list[dict[str, Any]], call: dict[str, Any]) -> tuple[list[Part], str]:
     body = {"model": "synthetic", "messages": messages}
-    request = GenerationRequest("r", "user: weather", "synthetic", seed=1, body=body)
+    request = GenerationRequest(
+        request_id="r", prompt="user: weather", model="synthetic", seed=1, body=body
+    )
     return answer_parts(request, SyntheticOptions(reasoning_tokens=3, tool_call=call))
 
 
@@ -516,7 +544,9 @@ def test_with_prefix_cache_a_continuation_waits_only_for_its_conversations_prefi
         options: dict[str, Any] = {"synthetic": knobs}
         if prefix is not None:
             options["continuation"] = prefix
-        request = GenerationRequest("r", prompt, "synthetic", max_tokens=3, options=options)
+        request = GenerationRequest(
+            request_id="r", prompt=prompt, model="synthetic", max_tokens=3, options=options
+        )
         engine.open(request, sink)
         return sink
 

@@ -49,7 +49,7 @@ def setup(
     registry = StreamRegistry(SyntheticEngine(), Metrics(), ttl_s=10)
     registry.schedule = Schedule(clock=clock, call_at=clock.call_at)
     stream = Stream(
-        GenerationRequest("s1", "hi", "synthetic"),
+        GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         renderer or NativeRenderer(),
         kind=kind,
         trace_id="t",
