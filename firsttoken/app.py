@@ -158,10 +158,10 @@ def _gateway(
         admission=admission,
         admin=AdminKey.of(settings.admin_key_env, settings.admin_key_file),
     )
-    registry.reopen = gw.reopen
+    registry.reopen = gw.takeover.reopen
     store = registry.store
     if store.replicates:  # a dead instance's streams nobody took over are billed by a survivor
-        store.on_orphaned = gw.bill_orphaned
+        store.on_orphaned = gw.takeover.bill_orphaned
         store.orphan_grace_s = max(settings.resume_grace_s, settings.openai_grace_s)
         store.orphan_ttl_s = registry.ttl_s
     if admission.keys is not None:  # nothing to ask per stream without a keys file

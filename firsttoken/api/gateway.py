@@ -28,7 +28,6 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.resume import Claim, Orphaned
 from firsttoken.telemetry.metrics import Metrics, key_label, log_event
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
@@ -84,16 +83,6 @@ class Gateway:
 
     def __post_init__(self) -> None:
         self.takeover = Takeover(self.settings, self.engine, self.admission)
-
-    # app.py wires the takeover's two entries from the gateway it builds: until it names
-    # `gateway.takeover` itself, they are forwarded.
-    async def reopen(
-        self, claim: Claim, mirror: Stream
-    ) -> tuple[Stream, GenerationRequest | None, int]:
-        return await self.takeover.reopen(claim, mirror)
-
-    async def bill_orphaned(self, orphaned: Orphaned) -> None:
-        await self.takeover.bill_orphaned(orphaned)
 
     @property
     def usage_store(self) -> str:
