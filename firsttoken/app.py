@@ -34,7 +34,8 @@ from firsttoken.resume import open_store
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.routing import RoutedEngine, build_engine, routes_in
 from firsttoken.routing.live import LiveRoutes
-from firsttoken.telemetry.metrics import Metrics, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import Metrics
 from firsttoken.telemetry.runtime import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY

@@ -39,7 +39,8 @@ from firsttoken.engines.cache import CachedEngine, load_canned
 from firsttoken.pricing import money_text
 from firsttoken.routing import RouteTable, load_routes
 from firsttoken.routing.live import LiveRoutes
-from firsttoken.telemetry.metrics import key_label, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import key_label
 
 __all__ = [
     "ConfigFiles",

@@ -26,7 +26,7 @@ from firsttoken.app import asgi_app, create_app, direct_routes
 from firsttoken.config import Settings, unknown_variables
 from firsttoken.preflight import StartupError, describe, preflight
 from firsttoken.reload import Reloader
-from firsttoken.telemetry.metrics import configure_logging, flush_logs, log_event
+from firsttoken.telemetry.log import configure_logging, flush_logs, log_event
 from firsttoken.wire.connection import ConnectionOptions, StreamingProtocol
 from firsttoken.workers import Supervisor
 

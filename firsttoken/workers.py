@@ -29,7 +29,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NoReturn
 
-from firsttoken.telemetry.metrics import flush_logs, fold_worker, log_event, share_across_workers
+from firsttoken.telemetry.log import flush_logs, log_event
+from firsttoken.telemetry.metrics import fold_worker, share_across_workers
 
 __all__ = ["Supervisor"]
 

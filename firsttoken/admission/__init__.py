@@ -48,7 +48,8 @@ from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.generation import DEFAULT_ANSWER_TOKENS, EngineError
 from firsttoken.ledger import Ledger
 from firsttoken.pricing import PICOS, Leg, TokenCounts, money_text
-from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label
 from firsttoken.wire.errors import APIError
 
 __all__ = [

@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 
 from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits, Reservation
 from firsttoken.redisclient import REDIS_DOWN, redis_client
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["RedisLimits"]
 

@@ -17,7 +17,7 @@ import anyio
 
 from firsttoken.admission.spend import Budget, MemorySpend, SpendHold, period_of
 from firsttoken.redisclient import REDIS_DOWN
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["RedisSpend"]
 

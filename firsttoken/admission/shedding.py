@@ -18,7 +18,8 @@ from pathlib import Path
 import anyio
 
 from firsttoken.config import Settings
-from firsttoken.telemetry.metrics import Metrics, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import Metrics
 
 __all__ = ["BreakerState", "LoadShedder", "memory_limit_bytes", "rss_bytes"]
 

@@ -28,7 +28,8 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
-from firsttoken.telemetry.metrics import Metrics, key_label, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
 from firsttoken.wire.errors import echo

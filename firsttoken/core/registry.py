@@ -32,13 +32,8 @@ from firsttoken.generation import Delta, Engine, EngineError, GenerationRequest
 from firsttoken.resume import LOST_AHEAD, Claim, EventStore, MemoryStore, Orphan
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.resume.tailer import fail
-from firsttoken.telemetry.metrics import (
-    LOOP_LAG_SAMPLE_S,
-    Metrics,
-    key_label,
-    log_enabled,
-    log_event,
-)
+from firsttoken.telemetry.log import log_enabled, log_event
+from firsttoken.telemetry.metrics import LOOP_LAG_SAMPLE_S, Metrics, key_label
 
 __all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
 

@@ -40,7 +40,8 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import SELF_RESUMING, Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
-from firsttoken.telemetry.metrics import Metrics, key_label, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
 from firsttoken.wire.rebuild import error_events

@@ -22,7 +22,7 @@ from firsttoken.engines.upstream import (
 )
 from firsttoken.engines.upstream_errors import generic
 from firsttoken.generation import BaseEngine, Delta, EngineError, GenerationRequest
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["WARM_CONNECTIONS", "RemoteEngine", "upstream_base"]
 

@@ -22,7 +22,7 @@ from firsttoken.ledger.stores import LedgerStore, open_store
 from firsttoken.ledger.writer import LedgerWriter
 from firsttoken.pricing import FREE, PICOS, Leg, LegCost, Price, TokenCounts, answer_cost
 from firsttoken.routing.config import ModelRoute, RouteTable
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["Ledger"]
 

@@ -26,7 +26,7 @@ import anyio
 
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import LedgerStore, record_fault
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["LedgerWriter"]
 

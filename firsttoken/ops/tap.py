@@ -1,6 +1,6 @@
 """The log lines the operator's feed forwards as they happen, and the last errors.
 
-`telemetry.metrics.log_event` hands every line to `LogTap.heard` (`tap_log_events`): a few dict
+`telemetry.log.log_event` hands every line to `LogTap.heard` (`tap_log_events`): a few dict
 lookups for the lines nobody watches (most of them: `stream.finished` of a completed stream),
 and for the others a small dict kept or queued. Nothing here is per token.
 

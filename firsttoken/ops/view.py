@@ -21,7 +21,7 @@ from firsttoken.ops.gauges import LimitGauges
 from firsttoken.ops.snapshot import Family
 from firsttoken.ops.tap import LogTap, read_errors
 from firsttoken.routing import routes_in
-from firsttoken.telemetry.metrics import tap_log_events
+from firsttoken.telemetry.log import tap_log_events
 from firsttoken.wire.errors import APIError
 
 __all__ = ["STATIC_DIR", "OpsView"]

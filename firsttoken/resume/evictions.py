@@ -17,7 +17,7 @@ from redis.exceptions import ResponseError
 
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, eviction_risk
 from firsttoken.resume.health import OP_TIMEOUT_S
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["EVERY", "Evictions", "values_of"]
 

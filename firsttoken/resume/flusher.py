@@ -35,7 +35,7 @@ from firsttoken.resume.metas import LIVE_EXTRA_S, META_COMMANDS, MetaWriter, sen
 from firsttoken.resume.redis_keys import tag_of
 from firsttoken.resume.replicas import Replica, Replicas, ahead
 from firsttoken.resume.runs import pack_counts, pack_lengths
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["FENCED", "FLUSH_INTERVAL_S", "Call", "Flusher", "server_run_id"]
 

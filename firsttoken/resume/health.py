@@ -17,7 +17,7 @@ import anyio
 
 from firsttoken.redisclient import REDIS_DOWN
 from firsttoken.resume.replicas import Replicas
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 from firsttoken.wire.errors import APIError
 
 __all__ = [

@@ -25,7 +25,7 @@ from firsttoken.resume.heartbeat import INSTANCES, OWNER_GONE_S, instance_key
 from firsttoken.resume.redis_keys import TAGS, events_key, meta_key, owned_key
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.resume.store import BillOrphaned, Orphaned
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["SWEEP", "Sweeper", "dead_instances", "tokens_held"]
 

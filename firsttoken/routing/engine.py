@@ -54,7 +54,7 @@ from firsttoken.routing.hedge import Reader, Spare, race
 from firsttoken.routing.leg import Leg, LegWatch, RouteObserver
 from firsttoken.routing.splice import continuation, spliced_usage
 from firsttoken.routing.target import Target
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = [
     "KNOWN_FIELDS",

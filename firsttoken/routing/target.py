@@ -18,7 +18,8 @@ from firsttoken.generation import (
 from firsttoken.routing.config import TargetConfig
 from firsttoken.routing.health import TargetHealth
 from firsttoken.routing.queue import FairQueue, Waiter
-from firsttoken.telemetry.metrics import TTFT_BUCKETS, Histogram, log_event
+from firsttoken.telemetry.log import log_event
+from firsttoken.telemetry.metrics import TTFT_BUCKETS, Histogram
 
 __all__ = ["HEDGE_MIN_S", "QUEUE_WAIT_BUCKETS", "SILENT_S", "Target"]
 

@@ -1,4 +1,4 @@
-"""Metrics and structured logs. Stages call into this module; it calls nobody.
+"""Metrics. Stages call into this module; it calls only the log (`telemetry/log.py`).
 
 Per-token metrics are plain integer arithmetic (no locks, no label lookups): the event loop is
 single-threaded, and prometheus-client's own Histogram walks its buckets linearly under a lock.
@@ -12,14 +12,10 @@ once a second), never work per token.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
-import logging
 import os
 import socket
-import sys
 import threading
-import time
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -34,7 +30,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from firsttoken.telemetry.logsink import LineSink
+from firsttoken.telemetry.log import add_log_field
 
 __all__ = [
     "KEY_TOKEN_KINDS",
@@ -42,14 +38,9 @@ __all__ = [
     "Histogram",
     "Metrics",
     "WorkerShare",
-    "configure_logging",
-    "flush_logs",
     "fold_worker",
     "key_label",
-    "log_enabled",
-    "log_event",
     "share_across_workers",
-    "tap_log_events",
 ]
 
 OUTCOMES = ("completed", "cancelled", "disconnected", "error", "rejected")
@@ -336,7 +327,6 @@ def _labelled(
 
 
 _share_as: tuple[Path, str] | None = None
-_log_fields: dict[str, Any] = {}
 
 SHARE_INTERVAL_S = 1.0
 ASK_TIMEOUT_S = 0.25
@@ -352,7 +342,7 @@ def share_across_workers(directory: Path, name: str) -> None:
     `directory` under `name`, and every log line carries this worker's pid."""
     global _share_as
     _share_as = (directory, name)
-    _log_fields["pid"] = os.getpid()
+    add_log_field("pid", os.getpid())
 
 
 class WorkerShare:
@@ -527,71 +517,3 @@ def _write_json(path: Path, value: Any) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
     tmp.write_bytes(orjson.dumps(value))
     os.replace(tmp, path)
-
-
-_logger = logging.getLogger("firsttoken")
-# Set by configure_logging (the server): lines go straight to stdout's descriptor, a write per
-# turn of the event loop (`LineSink`). Through `logging` a line cost ~40 µs (a LogRecord,
-# getpid, a lock, a flush), three times per stream.
-_sink: LineSink | None = None
-_LEVELS = {level: logging.getLevelName(level).lower() for level in (10, 20, 30, 40, 50)}
-
-
-def configure_logging(level: str = "info") -> None:
-    global _sink
-    handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(message)s"))
-    _logger.handlers[:] = [handler]
-    _logger.setLevel(level.upper())
-    _logger.propagate = False
-    sys.stdout.flush()
-    if _sink is not None:
-        _sink.flush()
-    _sink = LineSink(sys.stdout.fileno())
-
-
-def flush_logs() -> None:
-    """Write the lines still waiting for the end of the loop's turn (before the loop ends)."""
-    if _sink is not None:
-        _sink.flush()
-
-
-atexit.register(flush_logs)
-# A forked worker must not write its parent's pending lines a second time.
-os.register_at_fork(before=flush_logs)
-
-
-def log_enabled(level: int) -> bool:
-    """Whether a line at `level` would be written: a caller checks it before building the
-    fields of a line that is usually off (debug)."""
-    return _logger.isEnabledFor(level)
-
-
-LogTap = Callable[[str, int, dict[str, Any]], None]
-_tap: LogTap | None = None
-
-
-def tap_log_events(tap: LogTap | None) -> None:
-    """Hand every `log_event` (at any level, logged or not) to `tap` too: the operator's
-    feed (firsttoken/ops) sees errors, ejections and reloads as they are said. One slot: the
-    last app built in a process holds it."""
-    global _tap
-    _tap = tap
-
-
-def log_event(event: str, level: int = logging.INFO, **fields: Any) -> None:
-    """One JSON line: {"ts", "level", "event", ...fields}."""
-    if _tap is not None:
-        _tap(event, level, fields)
-    if _logger.isEnabledFor(level):
-        record = {
-            "ts": round(time.time(), 6),
-            "level": _LEVELS.get(level) or logging.getLevelName(level).lower(),
-            "event": event,
-            **_log_fields,
-            **fields,
-        }
-        if _sink is not None:
-            _sink(orjson.dumps(record, default=str, option=orjson.OPT_APPEND_NEWLINE))
-        else:
-            _logger.log(level, orjson.dumps(record, default=str).decode())

@@ -57,7 +57,7 @@ from prometheus_client.core import CounterMetricFamily, Metric
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.generation import EngineError, GenerationRequest
 from firsttoken.routing.config import TargetConfig
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 from firsttoken.version import __version__
 
 __all__ = ["ERROR_TYPES", "FLUSH_TIMEOUT_S", "Telemetry", "error_type"]

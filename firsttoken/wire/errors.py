@@ -12,7 +12,7 @@ from collections.abc import Callable
 import orjson
 from starlette.responses import Response
 
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = ["APIError", "RefusalLog", "echo", "error_body"]
 

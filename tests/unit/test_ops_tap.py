@@ -1,5 +1,5 @@
 """The log tap: last errors with their target, failovers per target, lines forwarded live
-(capped per second), and the hook in `telemetry.metrics.log_event`."""
+(capped per second), and the hook in `telemetry.log.log_event`."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from firsttoken.ops.tap import MAX_FORWARD_PER_S, RECENT_ERRORS, LogTap, read_errors
-from firsttoken.telemetry import metrics as observability
+from firsttoken.telemetry import log as observability
 from tests.unit.clock import FakeClock
 
 

@@ -24,7 +24,7 @@ from firsttoken.api.responses.protocol import InputItem, MessageItem, ResponsesR
 from firsttoken.api.responses.records import Kept, response_records
 from firsttoken.api.responses.stored import PREFIX, TERMINAL, current, find_response
 from firsttoken.core.stream import Stream
-from firsttoken.telemetry.metrics import log_event
+from firsttoken.telemetry.log import log_event
 
 __all__ = [
     "input_items",
