@@ -37,7 +37,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Stream
 from firsttoken.core.writer import EventWriter
 from firsttoken.engines import GenerationRequest
-from firsttoken.engines.synthetic import Plan, SyntheticEngine, _Run
+from firsttoken.engines.synthetic import Script, SyntheticEngine, _Run
 from firsttoken.resume import EventLog
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.render import ChatRenderer
@@ -132,7 +132,7 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
     engine._loop = _NoTimers()  # type: ignore[assignment]
 
     def engine_step() -> int:
-        run = _Run(engine, "r", Plan(), 0.02, None, _NullSink(), 0.0)
+        run = _Run(engine, "r", Script(), 0.02, None, _NullSink(), 0.0)
         run.tokens, run.stop_at = list(tokens), len(tokens)  # the plan's parts, taken already
         for _ in range(len(tokens) - 1):
             run.step(0.0)
@@ -200,7 +200,7 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
             compressor=None,
         )
         stream.log.attach(writer)
-        run = _Run(engine, "s", Plan(), 0.02, None, stream, 0.0)
+        run = _Run(engine, "s", Script(), 0.02, None, stream, 0.0)
         run.tokens, run.stop_at = list(tokens), len(tokens)
         for _ in range(len(tokens) - 1):
             run.step(0.0)
