@@ -9,11 +9,11 @@ import anyio
 import pytest
 from starlette.requests import Request
 
-import firsttoken.admission as admission_module
 from firsttoken.admission import Admission, ApiKey, KeyRing, billed, sets_own_latency, shedding
+from firsttoken.admission import gate as gate_module
 from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.shedding import LoadShedder
-from firsttoken.admission.spend import Budget, MemorySpend, parse_budget
+from firsttoken.admission.spend import Budget, LocalSpend, MemorySpend, parse_budget
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.pricing import Leg
@@ -60,16 +60,16 @@ def test_a_probe_whose_client_leaves_gives_the_probe_back(clock: FakeClock) -> N
         assert refused.value.status == 503
         clock.advance(10.0)
         probe = await adm.admit(ANYONE)
-        assert probe.probe
+        assert probe.admitted.probe
         with pytest.raises(APIError):  # one probe at a time
             await adm.admit(ANYONE)
         await probe.release(Outcome.DISCONNECTED)  # left before its first token
         again = await adm.admit(ANYONE)  # not wedged: a new probe
-        assert again.probe
+        assert again.admitted.probe
         await again.release(Outcome.COMPLETED)
         assert adm.shedder.breaker == LoadShedder.CLOSED
         healthy = await adm.admit(ANYONE)
-        assert not healthy.probe
+        assert not healthy.admitted.probe
 
     asyncio.run(body())
 
@@ -129,7 +129,7 @@ def test_a_probe_that_fails_by_its_own_request_gives_the_probe_back(clock: FakeC
         await probe.release(Outcome.ERROR)
         assert adm.shedder.breaker == LoadShedder.HALF_OPEN  # undecided, not reopened
         again = await adm.admit(ANYONE)
-        assert again.probe
+        assert again.admitted.probe
 
     asyncio.run(body())
 
@@ -138,15 +138,15 @@ def test_a_latency_the_request_set_does_not_trip_the_ttft_guard(clock: FakeClock
     async def body() -> None:
         adm = guarded()
         for _ in range(20):  # e.g. synthetic ttft_ms 700
-            ticket = await adm.admit(ANYONE)
-            ticket.own_latency = sets_own_latency({"synthetic": {"ttft_ms": 700}})
+            ticket = await adm.admit(
+                ANYONE, own_latency=sets_own_latency({"synthetic": {"ttft_ms": 700}})
+            )
             ticket.first_token(0.7)
             await ticket.release(Outcome.COMPLETED)
         clock.advance(0.2)
         assert adm.shedder.refusal() is None
         for _ in range(20):  # the engine's own slowness still does
-            ticket = await adm.admit(ANYONE)
-            ticket.own_latency = sets_own_latency({"synthetic": None})
+            ticket = await adm.admit(ANYONE, own_latency=sets_own_latency({"synthetic": None}))
             ticket.first_token(0.7)
             await ticket.release(Outcome.COMPLETED)
         clock.advance(0.2)
@@ -200,10 +200,10 @@ def test_no_max_tokens_holds_the_default_answer_or_what_is_left(clock: FakeClock
         roomy = ApiKey(name="erin", tokens_per_minute=10_000)
         ticket = await adm.admit(roomy, prompt_tokens=5)
         assert adm.limits.budgets.used("erin") == 5 + 1024
-        assert ticket.max_tokens == 10_000 - 5  # it may run to what was left
+        assert ticket.admitted.max_tokens == 10_000 - 5  # it may run to what was left
         ticket = await adm.admit(DAVE, prompt_tokens=5)
         assert adm.limits.budgets.used("dave") == 100  # the default is more than is left
-        assert ticket.max_tokens == 95
+        assert ticket.admitted.max_tokens == 95
 
     asyncio.run(body())
 
@@ -219,13 +219,13 @@ def test_a_max_tokens_that_does_not_fit_is_refused_never_lowered(clock: FakeCloc
             await adm.admit(frank, prompt_tokens=5, max_tokens=100_000)
         assert never.value.status == 400 and never.value.param == "max_tokens"
         ticket = await adm.admit(frank, prompt_tokens=5, max_tokens=995)
-        assert ticket.max_tokens == 995
+        assert ticket.admitted.max_tokens == 995
         assert adm.limits.budgets.used("frank") == 1000
         with pytest.raises(APIError) as refused:
             await adm.admit(frank, prompt_tokens=5, max_tokens=1)
         assert refused.value.status == 429
         unlimited = await adm.admit(ANYONE, prompt_tokens=5, max_tokens=100_000)
-        assert unlimited.max_tokens == 100_000  # no budget: as asked
+        assert unlimited.admitted.max_tokens == 100_000  # no budget: as asked
 
     asyncio.run(body())
 
@@ -300,7 +300,7 @@ def test_a_moved_streams_hold_is_settled_once_by_the_instance_that_took_it_over(
         assert "reservation" not in held  # held in this process: it dies with it
         await ticket.release(Outcome.MOVED, Usage(prompt=5, completion=10))
         assert adm.limits.budgets.used("dave") == 55  # still held
-        r = ticket.reservation
+        r = ticket.admitted.reservation
         assert r is not None
         shared = {"reservation": [r.key, r.tokens, r.window]}  # as Redis mode holds it
         await adm.settle_taken(shared, used=5 + 12)
@@ -328,16 +328,15 @@ def test_a_taken_over_ticket_is_priced_at_its_routes_target_and_spends_the_keys_
 
     async def body() -> None:
         adm = admission()
-        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.spend = LocalSpend(MemorySpend(clock=lambda: 1_800_000_000.0))
         adm.ledger.price(parse_routes(ROUTES))
         key = ApiKey(name="erin", budget=Budget(10**12 // 100, "day"))  # $0.01 a day
-        ticket = await adm.admit(key, 0, 200, "chat")  # what the continuation may still make
-        ticket.request_id = "s1:taken"
-        adm.taken_legs(ticket, "chat")
+        # What the continuation may still make.
+        ticket = await adm.admit(key, 0, 200, "chat", request_id="s1:taken", taken_over=True)
         await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=300))
         (record,) = adm.ledger.writer.queue
         assert [leg.target for leg in record.legs] == ["edge"] and record.cost == TAKEN
-        assert adm.spend.spent("erin", "day") == TAKEN > key.budget.amount  # type: ignore[union-attr]
+        assert adm.spend.local.spent("erin", "day") == TAKEN > key.budget.amount  # type: ignore[union-attr]
         with pytest.raises(APIError) as refused:  # the whole answer counted: nothing left
             await adm.admit(key, 0, 10, "chat")
         assert refused.value.code == "budget_exceeded"
@@ -354,18 +353,18 @@ def test_a_dead_owners_money_hold_is_given_back_by_the_taker_unless_the_owner_se
 
     async def body() -> None:
         adm = admission()
-        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.spend = LocalSpend(MemorySpend(clock=lambda: 1_800_000_000.0))
         adm.ledger.price(parse_routes(ROUTES))
         key = ApiKey(name="erin", budget=Budget(10**12 // 100, "day"))
         ticket = await adm.admit(key, 10, 300, "chat")
-        hold = ticket.spend_hold
-        assert hold is not None and adm.spend.spent("erin", "day") == hold.picos > 0
+        hold = ticket.admitted.spend_hold
+        assert hold is not None and adm.spend.local.spent("erin", "day") == hold.picos > 0
         shared = {"spend": [hold.key, hold.per, hold.period, hold.picos]}  # as Redis holds it
         assert adm.held(ticket) == {}  # held in this process: it dies with it
         await adm.settle_taken(shared, 0, owner_billed=True)
-        assert adm.spend.spent("erin", "day") == hold.picos
+        assert adm.spend.local.spent("erin", "day") == hold.picos
         await adm.settle_taken(shared, 0, owner_billed=False)
-        assert adm.spend.spent("erin", "day") == 0
+        assert adm.spend.local.spent("erin", "day") == 0
 
     asyncio.run(body())
 
@@ -469,7 +468,7 @@ def test_the_time_admission_waited_on_shared_limits_does_not_trip_the_ttft_guard
     """Redis stopped answering: each admission waits its 1 s timeout, then falls back to
     this instance's limits. That second is the store's; the guard judges the engine."""
     counter = FakeClock()
-    monkeypatch.setattr(admission_module.time, "perf_counter", counter)
+    monkeypatch.setattr(gate_module.time, "perf_counter", counter)
 
     async def body() -> None:
         adm = guarded()
@@ -503,7 +502,7 @@ def priced(clock: FakeClock) -> Admission:
         }
     )
     adm.ledger.price(table)
-    adm.spend = MemorySpend(clock)
+    adm.spend = LocalSpend(MemorySpend(clock))
     return adm
 
 
@@ -514,24 +513,24 @@ def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -
         assert cent.budget is not None and cent.budget.amount == CENT
         # Five at once, none naming max_tokens, each answer as long as the engine likes
         # (20,000 tokens): each is capped to what its share of the money left buys.
-        tickets = [await adm.admit(cent, 100, None, "chat") for _ in range(5)]
-        caps = [t.max_tokens for t in tickets]
+        tickets = [await adm.admit(cent, 100, None, "chat", request_id=f"r{i}") for i in range(5)]
+        caps = [t.admitted.max_tokens for t in tickets]
         assert all(cap is not None and 0 < cap < 1024 for cap in caps), caps
-        for i, ticket in enumerate(tickets):
-            ticket.request_id, ticket.legs = f"r{i}", (Leg("gpu"),)
-            ran = min(20_000, ticket.max_tokens or 20_000)  # the engine stops at its cap
+        for ticket in tickets:
+            ticket.legs = (Leg("gpu"),)
+            ran = min(20_000, ticket.admitted.max_tokens or 20_000)  # the engine stops at its cap
             await ticket.release(Outcome.COMPLETED, Usage(prompt=100, completion=ran))
-        assert adm.spend.spent("carol", "day") <= CENT
+        assert adm.spend.local.spent("carol", "day") <= CENT
         # One after another, each to its cap, until nothing is left: at most one over.
         with pytest.raises(APIError) as refused:
             for i in range(100):
-                ticket = await adm.admit(cent, 100, None, "chat")
-                ticket.request_id, ticket.legs = f"s{i}", (Leg("gpu"),)
-                usage = Usage(prompt=100, completion=ticket.max_tokens or 20_000)
+                ticket = await adm.admit(cent, 100, None, "chat", request_id=f"s{i}")
+                ticket.legs = (Leg("gpu"),)
+                usage = Usage(prompt=100, completion=ticket.admitted.max_tokens or 20_000)
                 await ticket.release(Outcome.COMPLETED, usage)
         assert refused.value.code == "budget_exceeded"
         one_reservation = 100 * 10**6 + 10**7  # the prompt and one token, in picos
-        assert adm.spend.spent("carol", "day") <= CENT + one_reservation
+        assert adm.spend.local.spent("carol", "day") <= CENT + one_reservation
 
     asyncio.run(body())
 
@@ -614,11 +613,10 @@ def test_a_prompt_read_before_the_client_left_is_priced_at_the_target_that_read_
         adm = priced(clock)
         adm.serving = lambda request_id: "gpu"  # the route's answer while the leg is open
         payer = ApiKey(name="paula", budget=parse_budget({"amount": 1}, "b"))
-        ticket = await adm.admit(payer, 902, 100, "chat")
-        ticket.request_id = "r1"
+        ticket = await adm.admit(payer, 902, 100, "chat", request_id="r1")
         ticket.prompt_read()  # the registry, as the stream ends before its first token
         await ticket.release(Outcome.DISCONNECTED, Usage(prompt=902))
-        assert adm.spend.spent("paula", "day") == 902 * 10**6  # 1 a million prompt tokens
+        assert adm.spend.local.spent("paula", "day") == 902 * 10**6  # 1 a million prompt tokens
         assert adm.ledger.spend["paula"] == 902 * 10**6
 
     asyncio.run(body())
@@ -632,11 +630,11 @@ def test_the_hand_offs_prefill_is_billed_with_the_request_and_spends_the_budget(
 
     async def body() -> None:
         adm = admission()
-        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.spend = LocalSpend(MemorySpend(clock=lambda: 1_800_000_000.0))
         adm.ledger.price(parse_routes(ROUTES))
         key = ApiKey(name="erin", budget=Budget(10**12, "day"))
-        ticket = await adm.admit(key, 10, 20, "chat")
-        ticket.request_id, ticket.legs = "s1", (Leg("edge"),)
+        ticket = await adm.admit(key, 10, 20, "chat", request_id="s1")
+        ticket.legs = (Leg("edge"),)
         ticket.seam({"prefill": {"target": "center"}})
         await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=20))
         (record,) = adm.ledger.writer.queue
@@ -644,7 +642,7 @@ def test_the_hand_offs_prefill_is_billed_with_the_request_and_spends_the_budget(
         prefill = 10 * 1_000_000 + 1 * 100_000_000
         assert [leg.target for leg in record.legs] == ["edge", "center"]
         assert record.cost == answer + prefill
-        assert adm.spend.spent("erin", "day") == answer + prefill
+        assert adm.spend.local.spent("erin", "day") == answer + prefill
 
     asyncio.run(body())
 
@@ -653,7 +651,7 @@ def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: Fake
     async def body() -> None:
         adm = admission()
         assert list(adm.collect()) == []  # no keys file: nothing
-        adm.spend = MemorySpend(clock=lambda: 1_800_000_000.0)
+        adm.spend = LocalSpend(MemorySpend(clock=lambda: 1_800_000_000.0))
         adm.ledger.price(parse_routes(ROUTES))
         budget = Budget(10**12 // 100, "day")
         adm.keys = KeyRing(
@@ -662,7 +660,8 @@ def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: Fake
         assert adm.keys is not None
         erin = adm.keys.find("sk-e")
         assert erin is not None
-        ticket = await adm.admit(erin, 10, 20, "chat")  # its hold counts while it runs
+        # Its hold counts while it runs.
+        ticket = await adm.admit(erin, 10, 20, "chat", request_id="s1")
         families = {f.name: f for f in adm.collect()}
         (amount,) = families["firsttoken_key_budget_amount"].samples
         (spent,) = families["firsttoken_key_budget_spent"].samples
@@ -671,7 +670,7 @@ def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: Fake
         held = 10 * 1_000_000 + 20 * 100_000_000  # the route's dearest prices
         assert spent.value == held / 10**12
         assert await adm.budget_spent("erin", "day") == held
-        ticket.request_id, ticket.legs = "s1", (Leg("edge"),)
+        ticket.legs = (Leg("edge"),)
         await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=2))
         (spent,) = {f.name: f for f in adm.collect()}["firsttoken_key_budget_spent"].samples
         assert spent.value == (10 * 500_000 + 2 * 50_000_000) / 10**12
