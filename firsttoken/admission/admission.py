@@ -91,7 +91,7 @@ class Admission:
             self.spend = LocalSpend()
         # The gate's limits (gate.py): every request's, and those a key may have of its own;
         # with no keys file and no bucket (--rate-limit-per-s 0), no slots to ask.
-        shedding, slots, probe = Shedding(self), Slots(self), Probe(self)
+        shedding, slots, probe = Shedding(self.shedder), Slots(self), Probe(self.shedder)
         self._plain: tuple[Limit, ...] = (shedding, slots, probe)
         self._open = self._plain if settings.rate_limit_per_s > 0 else (shedding, probe)
         self._own = (RequestRate(self), TokenRate(self), MoneyBudget(self))

@@ -180,13 +180,13 @@ class Limit(Protocol):
 class Shedding:
     """503 while the server sheds load (shedding.py); holds nothing."""
 
-    __slots__ = ("admission",)
+    __slots__ = ("shedder",)
 
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
+    def __init__(self, shedder: LoadShedder) -> None:
+        self.shedder = shedder
 
     def take(self, draft: Draft) -> None:
-        refusal = self.admission.shedder.refusal()
+        refusal = self.shedder.refusal()
         if refusal is not None:
             code, message, retry = refusal
             raise APIError(503, code, message, headers=retry_after(retry))
@@ -342,13 +342,13 @@ class Probe:
     stream: the breaker may have changed while the limits were asked, and a probe taken
     earlier would be lost. The stream becomes the probe, or is refused (503)."""
 
-    __slots__ = ("admission",)
+    __slots__ = ("shedder",)
 
-    def __init__(self, admission: Admission) -> None:
-        self.admission = admission
+    def __init__(self, shedder: LoadShedder) -> None:
+        self.shedder = shedder
 
     def take(self, draft: Draft) -> None:
-        shedder = self.admission.shedder
+        shedder = self.shedder
         if shedder.breaker == LoadShedder.CLOSED:
             return
         refusal = shedder.refusal()
