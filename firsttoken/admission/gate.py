@@ -24,8 +24,9 @@ The limits, in this order (`Admission.limits_for` picks those a key has):
 Cost: a request pays for the limits configured. With no keys file it passes Shedding and
 Probe, and Slots only with --rate-limit-per-s above 0 (the server's bucket; no slots and no
 lease without keys): it holds nothing, and no undo stack is made. A limit that decides at
-once (Shedding, Probe) is a plain call, not a coroutine (~0.3 µs each); one that may ask a
-shared store (Redis) is an `async def take`, awaited. A key pays only for the limits it has.
+once (Shedding, Probe) is a plain call, not a coroutine (one costs ~0.3 µs to make and
+await); one that may ask a shared store (Redis) is an `async def take`, awaited. A key pays
+only for the limits it has.
 """
 
 from __future__ import annotations
