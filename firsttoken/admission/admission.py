@@ -92,9 +92,15 @@ class Admission:
         # The gate's limits (gate.py): every request's, and those a key may have of its own;
         # with no keys file and no bucket (--rate-limit-per-s 0), no slots to ask.
         shedding, slots, probe = Shedding(self.shedder), Slots(self), Probe(self.shedder)
-        self._plain: tuple[Limit, ...] = (shedding, slots, probe)
-        self._open = self._plain if settings.rate_limit_per_s > 0 else (shedding, probe)
-        self._own = (RequestRate(self), TokenRate(self), MoneyBudget(self))
+        self._open: tuple[Limit, ...] = (shedding, probe)
+        if settings.rate_limit_per_s > 0:
+            self._open = (shedding, slots, probe)
+        # By which of its own limits a key has (requests, tokens, money: bits 4, 2, 1).
+        own = ((4, RequestRate(self)), (2, TokenRate(self)), (1, MoneyBudget(self)))
+        self._keyed = tuple(
+            (shedding, *(limit for bit, limit in own if has & bit), slots, probe)
+            for has in range(8)
+        )
         self.budget_seen: dict[str, int] = {}  # with Redis: `watch_budgets`' last reading
         # The target answering a request now, by request id (the routes say; None without).
         self.serving: Callable[[str], str | None] = lambda request_id: None
@@ -363,17 +369,14 @@ class Admission:
     def limits_for(self, key: ApiKey) -> tuple[Limit, ...]:
         """The limits a request of `key` passes (gate.py): the server's always, and the ones
         the key has of its own."""
-        if not (key.requests_per_minute or key.tokens_per_minute or key.budget is not None):
-            # No keys file: no slots to ask (the open key's), and no bucket at rate 0.
-            return self._open if self.keys is None else self._plain
-        requests, tokens, money = self._own
-        own = (
-            (requests,) * bool(key.requests_per_minute)
-            + (tokens,) * bool(key.tokens_per_minute)
-            + (money,) * (key.budget is not None)
+        if key is _OPEN and self.keys is None:
+            return self._open  # no keys file: no slots to ask, and no bucket at rate 0
+        has = (
+            4 * bool(key.requests_per_minute)
+            + 2 * bool(key.tokens_per_minute)
+            + (key.budget is not None)
         )
-        shedding, slots, probe = self._plain
-        return (shedding, *own, slots, probe)
+        return self._keyed[has]
 
     async def admit(
         self,

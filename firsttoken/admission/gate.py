@@ -2,11 +2,12 @@
 
 Each limit (`Limit`) refuses, raising the `APIError` its client gets (429 or 503 with
 Retry-After; 400 for what could never fit), or grants; and what it grants it may hold: a
-token reservation, a money hold, a stream slot. Each hold goes on the request's undo stack
-(`Draft.hold`: an `AsyncExitStack`, made at its first hold): a later limit's refusal gives
-back, last first, everything held before it (`Draft.give_back`); an admission that passes
-keeps it all, frozen in its `Admitted` (`Draft.passed`), and its `Ticket` gives it back when
-the stream ends. `Admission.admit` runs them, in one loop.
+token reservation, a money hold, a stream slot. Each hold is noted with how to give it back
+(`Draft.hold`): a later limit's refusal puts those on an `AsyncExitStack` and closes it, so
+everything held before it goes back, last first, each even if one before it failed
+(`Draft.give_back`); an admission that passes keeps it all, frozen in its `Admitted`
+(`Draft.passed`), and its `Ticket` gives it back when the stream ends. `Admission.admit`
+runs them, in one loop.
 
 The limits, in this order (`Admission.limits_for` picks those a key has):
 
@@ -117,19 +118,27 @@ class Draft:
         self.reservation: Reservation | None = None
         self.spend_hold: SpendHold | None = None
         self.probe = False
-        self.undo: AsyncExitStack | None = None  # made at the first hold
+        # How to give back each hold, in the order taken (None: nothing held). A list, not
+        # the exit stack itself: making one and pushing two holds costs ~1.4 µs, a list
+        # ~0.1, and nearly every admission passes, when it is never closed.
+        self.undo: list[tuple[Callable[..., Awaitable[None]], tuple[object, ...]]] | None = None
 
     def hold(self, give_back: Callable[..., Awaitable[None]], *args: object) -> None:
         """Something taken: `give_back(*args)` returns it should a later limit refuse."""
         if self.undo is None:
-            self.undo = AsyncExitStack()
-        self.undo.push_async_callback(give_back, *args)
+            self.undo = []
+        self.undo.append((give_back, args))
 
     async def give_back(self) -> None:
         """A limit refused (or the request was cancelled): what the limits before it hold
-        goes back, last first."""
-        if self.undo is not None:
-            await self.undo.aclose()
+        goes back, last first (the exit stack's order), each also when one failed."""
+        if self.undo is None:
+            return
+        stack = AsyncExitStack()
+        for give_back, args in self.undo:
+            stack.push_async_callback(give_back, *args)
+        self.undo = None
+        await stack.aclose()
 
     def passed(
         self,

@@ -89,7 +89,7 @@ class LoadShedder:
         self._failures += failed
         self._trim_outcomes(now)
         total = len(self._outcomes)
-        if self.breaker == self.CLOSED and total >= self.s.breaker_min_streams:
+        if total >= self.s.breaker_min_streams:
             if self._failures / total > self.s.breaker_error_rate:
                 self._set_breaker(self.OPEN, now)
 
@@ -124,15 +124,18 @@ class LoadShedder:
         now = time.monotonic()
         if self.draining:
             return "server_draining", "the server is shutting down; retry on another instance", 5.0
-        if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
-            self._set_breaker(self.HALF_OPEN, now)
-            self._probing = False
-        if self.breaker == self.OPEN:
-            wait = self.s.breaker_open_s - (now - self._opened_at)
-            return "engine_unavailable", "the engine is failing; the breaker is open", wait
-        if self.breaker == self.HALF_OPEN and self._probing:  # one probe at a time decides
-            return "engine_unavailable", "the breaker is probing the engine", 1.0
+        if self.breaker is not self.CLOSED:  # asked per new stream: closed, one check
+            if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
+                self._set_breaker(self.HALF_OPEN, now)
+                self._probing = False
+            if self.breaker == self.OPEN:
+                wait = self.s.breaker_open_s - (now - self._opened_at)
+                return "engine_unavailable", "the engine is failing; the breaker is open", wait
+            if self.breaker == self.HALF_OPEN and self._probing:  # one probe at a time decides
+                return "engine_unavailable", "the breaker is probing the engine", 1.0
         self._update_ttft(now)
+        if not self.reasons:
+            return None
         if "ttft" in self.reasons:
             return "overloaded", f"TTFT p99 is over {self.s.ttft_slo_ms:.0f} ms", 5.0
         if "memory" in self.reasons:

@@ -117,7 +117,10 @@ class Ticket:
         admission, admitted = self.admission, self.admitted
         used = billed(outcome, usage)
         admission.metrics.count_key_tokens(key_label(self.key.name), used)
-        cost = self._account(outcome, used)
+        # Nobody could read a record with no ledger, and it costs nothing: none is made.
+        cost = 0
+        if admitted.request_id and admission.ledger.counting:
+            cost = self._account(outcome, used)
         # A fenced stream (moved with no usage) leaves its money hold to the instance that
         # took it over, which settles it as it does a SIGKILLed owner's (`settle_taken`).
         fenced = outcome is Outcome.MOVED and usage is None
@@ -134,16 +137,13 @@ class Ticket:
         if admitted.probe:
             admission.shedder.probe_done(ran, failed)
         elif ran:
-            admission.shedder.record_outcome(failed=failed)
+            admission.shedder.record_outcome(failed)
         if admitted.lease is not None:
             await admission.limits.release(admitted.lease)
 
     def _account(self, outcome: Outcome, used: Usage) -> int:
-        """The ledger's record of this request, and its cost in picos (none: nobody could read
-        it and it costs nothing)."""
+        """The ledger's record of this request, and its cost in picos."""
         admitted = self.admitted
-        if not admitted.request_id or not self.admission.ledger.counting:
-            return 0
         ttft = self.ttft_s
         return self.admission.ledger.account(
             request_id=admitted.request_id,
