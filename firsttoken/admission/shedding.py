@@ -85,10 +85,12 @@ class LoadShedder:
         now = time.monotonic()
         if self.breaker != self.CLOSED:
             return
-        self._outcomes.append((now, failed))
+        outcomes = self._outcomes
+        outcomes.append((now, failed))
         self._failures += failed
-        self._trim_outcomes(now)
-        total = len(self._outcomes)
+        if outcomes[0][0] < now - self.s.breaker_window_s:  # else none is past the window
+            self._trim_outcomes(now)
+        total = len(outcomes)
         if total >= self.s.breaker_min_streams:
             if self._failures / total > self.s.breaker_error_rate:
                 self._set_breaker(self.OPEN, now)
@@ -113,9 +115,13 @@ class LoadShedder:
             self._failures = 0
 
     def record_ttft(self, seconds: float) -> None:
+        if self.s.ttft_slo_ms <= 0:
+            return  # the guard is off: nothing reads them (`_update_ttft`)
         now = time.monotonic()
-        self._ttfts.append((now, seconds))
-        self._trim(self._ttfts, now)
+        ttfts = self._ttfts
+        ttfts.append((now, seconds))
+        if ttfts[0][0] < now - self.s.breaker_window_s:  # else none is past the window
+            self._trim(ttfts, now)
 
     # Decisions.
 

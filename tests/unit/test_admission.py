@@ -363,3 +363,13 @@ def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: Fake
         assert spent.value == (10 * 500_000 + 2 * 50_000_000) / 10**12
 
     asyncio.run(body())
+
+
+def test_with_the_ttft_guard_off_no_ttft_is_kept(clock: FakeClock) -> None:
+    """A deployment pays only for what it configures: --ttft-slo-ms 0 keeps no window of
+    first-token times for a guard that never reads it."""
+    off = admission().shedder  # ttft_slo_ms=0
+    on = guarded().shedder
+    for shedder in (off, on):
+        shedder.record_ttft(0.7)
+    assert len(off._ttfts) == 0 and len(on._ttfts) == 1
