@@ -31,6 +31,7 @@ from starlette.requests import Request
 
 from firsttoken.admission.gate import (
     Admitted,
+    Bucket,
     Draft,
     Limit,
     MoneyBudget,
@@ -93,8 +94,9 @@ class Admission:
         # with no keys file and no bucket (--rate-limit-per-s 0), no slots to ask.
         shedding, slots, probe = Shedding(self.shedder), Slots(self), Probe(self.shedder)
         self._open: tuple[Limit, ...] = (shedding, probe)
-        if settings.rate_limit_per_s > 0:
-            self._open = (shedding, slots, probe)
+        if settings.rate_limit_per_s > 0:  # the bucket alone; in this process, at once
+            bucket = Bucket(self.limits) if isinstance(self.limits, MemoryLimits) else slots
+            self._open = (shedding, bucket, probe)
         # By which of its own limits a key has (requests, tokens, money: bits 4, 2, 1).
         own = ((4, RequestRate(self)), (2, TokenRate(self)), (1, MoneyBudget(self)))
         self._keyed = tuple(

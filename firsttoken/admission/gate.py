@@ -18,16 +18,17 @@ The limits, in this order (`Admission.limits_for` picks those a key has):
                  fit, else 429; an answer naming no max_tokens runs to what is left
     MoneyBudget  the key's money budget (spend.py): 429; an open-ended answer runs to the
                  tokens its share of the money left buys
-    Slots        the key's max_streams, then the server's new-stream bucket: 429
+    Slots        the key's max_streams, then the server's new-stream bucket: 429 (no keys
+                 file, in this process: `Bucket`, the bucket alone, decided at once)
     Probe        a breaker not closed: this stream becomes its probe, or 503; last, as
                  nothing after it may refuse the stream its probe is
 
 Cost: a request pays for the limits configured. With no keys file it passes Shedding and
-Probe, and Slots only with --rate-limit-per-s above 0 (the server's bucket; no slots and no
-lease without keys): it holds nothing, and no undo stack is made. A limit that decides at
-once (Shedding, Probe) is a plain call, not a coroutine (one costs ~0.3 µs to make and
-await); one that may ask a shared store (Redis) is an `async def take`, awaited. A key pays
-only for the limits it has.
+Probe, and the server's bucket only with --rate-limit-per-s above 0 (no slots and no lease
+without keys; `Bucket`, or `Slots` with Redis): it holds nothing, and no undo is noted. A
+limit that decides at once (Shedding, Bucket, Probe) is a plain call, not a coroutine (one
+costs ~0.3 µs to make and await); one that may ask a shared store (Redis) is an `async def
+take`, awaited. A key pays only for the limits it has.
 """
 
 from __future__ import annotations
@@ -39,7 +40,14 @@ from contextlib import AsyncExitStack
 from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 from firsttoken.admission.keys import ApiKey, KeyRing
-from firsttoken.admission.limits import RATE, SLOTS, Lease, Reservation, seconds_to_next_minute
+from firsttoken.admission.limits import (
+    RATE,
+    SLOTS,
+    Lease,
+    MemoryLimits,
+    Reservation,
+    seconds_to_next_minute,
+)
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import SpendHold, period_of
 from firsttoken.generation import DEFAULT_ANSWER_TOKENS
@@ -51,6 +59,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "Admitted",
+    "Bucket",
     "Draft",
     "Limit",
     "MoneyBudget",
@@ -59,6 +68,7 @@ __all__ = [
     "Shedding",
     "Slots",
     "TokenRate",
+    "over_rate",
     "retry_after",
 ]
 
@@ -326,12 +336,7 @@ class Slots:
             key.name if admission.keys is not None else None, limit
         )
         if verdict == RATE:
-            raise APIError(
-                429,
-                "rate_limit_exceeded",
-                f"over the server's limit of {settings.rate_limit_per_s:g} new streams per second",
-                headers=retry_after(wait),
-            )
+            raise over_rate(settings.rate_limit_per_s, wait)
         if verdict == SLOTS:
             own = f"its max_streams = {limit}" if key.max_streams else None
             raise APIError(
@@ -345,6 +350,21 @@ class Slots:
         if lease is not None:
             draft.hold(limits.release, lease)
             draft.lease = lease
+
+
+class Bucket:
+    """The server's new-stream bucket alone (no keys file: no slots, no lease), in this
+    process: decided at once, as `Slots` would with the open key, without its coroutine."""
+
+    __slots__ = ("limits",)
+
+    def __init__(self, limits: MemoryLimits) -> None:
+        self.limits = limits
+
+    def take(self, draft: Draft) -> None:
+        wait = self.limits.take_rate()
+        if wait is not None:
+            raise over_rate(self.limits.rate, wait)
 
 
 class Probe:
@@ -371,6 +391,16 @@ class Probe:
             1.0,
         )
         raise APIError(503, code, message, headers=retry_after(retry))
+
+
+def over_rate(rate: float, wait: float) -> APIError:
+    """The refusal of a stream over the server's --rate-limit-per-s."""
+    return APIError(
+        429,
+        "rate_limit_exceeded",
+        f"over the server's limit of {rate:g} new streams per second",
+        headers=retry_after(wait),
+    )
 
 
 def retry_after(seconds: float) -> dict[str, str]:

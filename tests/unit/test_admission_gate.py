@@ -9,6 +9,7 @@ import pytest
 
 from firsttoken.admission import Admission, ApiKey, KeyRing, shedding
 from firsttoken.admission.gate import (
+    Bucket,
     Draft,
     MoneyBudget,
     Probe,
@@ -240,7 +241,7 @@ def test_with_no_keys_file_and_no_bucket_a_request_asks_for_no_slot() -> None:
     anyone = open_.taken_key("")  # the one key there is without a keys file
     assert anyone is not None and limits(open_, anyone) == [Shedding, Probe]
     bucket = Admission(Settings(rate_limit_per_s=100), Metrics())
-    assert limits(bucket, anyone) == [Shedding, Slots, Probe]
+    assert limits(bucket, anyone) == [Shedding, Bucket, Probe]  # in this process: at once
     keyed = admission()
     keyed.keys = KeyRing({"sk-dave": DAVE})
     assert limits(keyed, ApiKey(name="plain")) == [Shedding, Slots, Probe]
@@ -259,3 +260,21 @@ def test_with_no_keys_file_and_no_bucket_a_request_asks_for_no_slot() -> None:
         Probe,
     ]
     assert limits(open_, DAVE) == [Shedding, TokenRate, Slots, Probe]
+
+
+def test_the_servers_bucket_refuses_the_open_key_as_it_refuses_any() -> None:
+    """Without a keys file the bucket is asked alone, at once (`Bucket`): the same 429."""
+
+    async def body() -> None:
+        adm = Admission(Settings(rate_limit_per_s=1, rate_limit_burst=1), Metrics())
+        anyone = adm.taken_key("")
+        assert anyone is not None
+        await adm.admit(anyone)
+        with pytest.raises(APIError) as refused:
+            await adm.admit(anyone)
+        error = refused.value
+        assert (error.status, error.code) == (429, "rate_limit_exceeded")
+        assert error.message == "over the server's limit of 1 new streams per second"
+        assert error.headers == {"retry-after": "1"} and adm.metrics.streams["rejected"] == 1
+
+    asyncio.run(body())
