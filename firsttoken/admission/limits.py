@@ -156,18 +156,27 @@ class MemoryLimits:
         held = self._held.get(key, 0) if key is not None else 0
         if key is not None and held >= limit:
             return SLOTS, 1.0, None
-        if self.rate > 0:
-            now = time.monotonic()
-            self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
-            self._stamp = now
-            if self._tokens < 1:
-                return RATE, (1 - self._tokens) / self.rate, None
-            self._tokens -= 1
+        wait = self.take_rate()
+        if wait is not None:
+            return RATE, wait, None
         if key is None:
             return OK, 0.0, None
         self._held[key] = held + 1
         self._next += 1
         return OK, 0.0, Lease(key, str(self._next))
+
+    def take_rate(self) -> float | None:
+        """One new stream from the server's bucket: None, or the seconds until there is one
+        (and none is taken). Without keys that is all `admit` asks, at once."""
+        if self.rate <= 0:
+            return None
+        now = time.monotonic()
+        self._tokens = min(self.burst, self._tokens + (now - self._stamp) * self.rate)
+        self._stamp = now
+        if self._tokens < 1:
+            return (1 - self._tokens) / self.rate
+        self._tokens -= 1
+        return None
 
     async def reserve(self, key: str, budget: int, prompt: int, answer: int) -> Reservation | None:
         return self.budgets.reserve(key, budget, prompt, answer)

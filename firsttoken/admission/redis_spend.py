@@ -62,6 +62,8 @@ def _spend_key(key: str, period: str) -> str:
 
 
 class RedisSpend:
+    shared = True  # the periods' counts are every instance's: a scrape reads them back
+
     def __init__(self, redis: Any, local: MemorySpend | None = None) -> None:
         self.redis = redis
         self.local = local or MemorySpend()

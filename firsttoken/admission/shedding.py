@@ -86,11 +86,13 @@ class LoadShedder:
         now = time.monotonic()
         if self.breaker != self.CLOSED:
             return
-        self._outcomes.append((now, failed))
+        outcomes = self._outcomes
+        outcomes.append((now, failed))
         self._failures += failed
-        self._trim_outcomes(now)
-        total = len(self._outcomes)
-        if self.breaker == self.CLOSED and total >= self.s.breaker_min_streams:
+        if outcomes[0][0] < now - self.s.breaker_window_s:  # else none is past the window
+            self._trim_outcomes(now)
+        total = len(outcomes)
+        if total >= self.s.breaker_min_streams:
             if self._failures / total > self.s.breaker_error_rate:
                 self._set_breaker(self.OPEN, now)
 
@@ -114,9 +116,13 @@ class LoadShedder:
             self._failures = 0
 
     def record_ttft(self, seconds: float) -> None:
+        if self.s.ttft_slo_ms <= 0:
+            return  # the guard is off: nothing reads them (`_update_ttft`)
         now = time.monotonic()
-        self._ttfts.append((now, seconds))
-        self._trim(self._ttfts, now)
+        ttfts = self._ttfts
+        ttfts.append((now, seconds))
+        if ttfts[0][0] < now - self.s.breaker_window_s:  # else none is past the window
+            self._trim(ttfts, now)
 
     # Decisions.
 
@@ -125,15 +131,18 @@ class LoadShedder:
         now = time.monotonic()
         if self.draining:
             return "server_draining", "the server is shutting down; retry on another instance", 5.0
-        if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
-            self._set_breaker(self.HALF_OPEN, now)
-            self._probing = False
-        if self.breaker == self.OPEN:
-            wait = self.s.breaker_open_s - (now - self._opened_at)
-            return "engine_unavailable", "the engine is failing; the breaker is open", wait
-        if self.breaker == self.HALF_OPEN and self._probing:  # one probe at a time decides
-            return "engine_unavailable", "the breaker is probing the engine", 1.0
+        if self.breaker is not self.CLOSED:  # asked per new stream: closed, one check
+            if self.breaker == self.OPEN and now - self._opened_at >= self.s.breaker_open_s:
+                self._set_breaker(self.HALF_OPEN, now)
+                self._probing = False
+            if self.breaker == self.OPEN:
+                wait = self.s.breaker_open_s - (now - self._opened_at)
+                return "engine_unavailable", "the engine is failing; the breaker is open", wait
+            if self.breaker == self.HALF_OPEN and self._probing:  # one probe at a time decides
+                return "engine_unavailable", "the breaker is probing the engine", 1.0
         self._update_ttft(now)
+        if not self.reasons:
+            return None
         if "ttft" in self.reasons:
             return "overloaded", f"TTFT p99 is over {self.s.ttft_slo_ms:.0f} ms", 5.0
         if "memory" in self.reasons:

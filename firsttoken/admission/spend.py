@@ -27,13 +27,16 @@ import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
+from typing import Protocol
 
 from firsttoken.pricing import parse_money, to_picos
 
 __all__ = [
     "PERIODS",
     "Budget",
+    "LocalSpend",
     "MemorySpend",
+    "Spend",
     "SpendHold",
     "parse_budget",
     "period_of",
@@ -165,3 +168,51 @@ class MemorySpend:
         changes its `per`): raised to it, never lowered (what it counts may hold more)."""
         if self.spent(key, per) < picos:
             self.add(key, per, picos - self.spent(key, per))
+
+
+class Spend(Protocol):
+    """Where admission holds and settles money: in this process (`LocalSpend`) or shared by
+    every instance (`redis_spend.RedisSpend`). One interface, so admission never asks which;
+    `local` is this process's own count (the clock, and with Redis what it holds while Redis
+    is away)."""
+
+    local: MemorySpend
+    shared: bool  # with other instances: the periods' counts live elsewhere (read back)
+
+    async def reserve(
+        self, key: str, budget: Budget, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None: ...
+
+    async def settle(self, hold: SpendHold, cost: int) -> None: ...
+
+    async def spent(self, key: str, per: str) -> int: ...
+
+    async def seed(self, key: str, per: str, picos: int) -> None: ...
+
+    async def at_least(self, key: str, per: str, picos: int) -> None: ...
+
+
+class LocalSpend:
+    """`MemorySpend` as a `Spend`: this process's count, awaited like a shared one's."""
+
+    shared = False
+
+    def __init__(self, local: MemorySpend | None = None) -> None:
+        self.local = local or MemorySpend()
+
+    async def reserve(
+        self, key: str, budget: Budget, picos: int, per_token: int = 0, share: int = 1
+    ) -> SpendHold | None:
+        return self.local.reserve(key, budget, picos, per_token, share)
+
+    async def settle(self, hold: SpendHold, cost: int) -> None:
+        self.local.settle(hold, cost)
+
+    async def spent(self, key: str, per: str) -> int:
+        return self.local.spent(key, per)
+
+    async def seed(self, key: str, per: str, picos: int) -> None:
+        self.local.seed(key, per, picos)
+
+    async def at_least(self, key: str, per: str, picos: int) -> None:
+        self.local.at_least(key, per, picos)

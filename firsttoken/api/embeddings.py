@@ -84,13 +84,13 @@ async def answer_once(request: Request, kind: type[_Body], endpoint: str) -> Res
         inputs = cast(OneCallBody, body).inputs()
         count = gw.engine.prompt_tokens
         tokens = sum(count(item) if isinstance(item, str) else len(item) for item in inputs)
-        ticket = await gw.admission.admit(key, tokens, 0, model)
+        request_id = new_stream_id()
+        ticket = await gw.admission.admit(
+            key, tokens, 0, model, request_id=request_id, trace_id=trace
+        )
     except APIError as exc:
         return exc.response(trace)
-    ticket.prompt_tokens = tokens
-    ticket.request_id = new_stream_id()
-    ticket.trace_id = trace
-    asked = EmbeddingRequest(ticket.request_id, model, inputs, raw, key.name, trace, endpoint)
+    asked = EmbeddingRequest(request_id, model, inputs, raw, key.name, trace, endpoint)
     outcome, used = Outcome.DISCONNECTED, None  # until the engine answered
     try:
         answer = await gw.engine.embed(asked)

@@ -108,16 +108,18 @@ class Gateway:
         model = self.model(getattr(body, "model", None), key)
         return body, raw, model, key
 
-    async def admit(self, key: ApiKey, generation: GenerationRequest) -> Ticket:
+    async def admit(self, key: ApiKey, generation: GenerationRequest, trace: str) -> Ticket:
         """Admit the request once its prompt and limits are known: the key's token budget
         holds its prompt (counted here, once) plus its `max_tokens`."""
-        prompt_tokens = self.engine.prompt_tokens(generation.prompt)
-        ticket = await self.admission.admit(
-            key, prompt_tokens, generation.max_tokens, generation.model
+        return await self.admission.admit(
+            key,
+            self.engine.prompt_tokens(generation.prompt),
+            generation.max_tokens,
+            generation.model,
+            request_id=generation.request_id,  # the ledger's record of it
+            trace_id=trace,
+            own_latency=sets_own_latency(generation.options),
         )
-        ticket.prompt_tokens = prompt_tokens
-        ticket.request_id = generation.request_id  # the ledger's record of it
-        return ticket
 
     def open_stream(
         self,
@@ -135,18 +137,19 @@ class Gateway:
         takeover: bool = True,
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings, for
-        the request as admitted (`Ticket.max_tokens`, the prompt's count); `grace_s` is how
-        long it outlives its last reader (its format's choice). `traceparent`
+        the request as admitted (`Ticket.admitted`: its answer's limit, the prompt's count);
+        `grace_s` is how long it outlives its last reader (its format's choice). `traceparent`
         (the client's) goes with the request, to its span and its upstream, with
         --trust-trace-headers; else the span only links to it. With a shared store, what
         another instance needs to continue it goes with it (`takeover`: False for a whole
         answer, which nobody could resume)."""
         s = self.settings
-        limit = generation.max_tokens if ticket.max_tokens is None else ticket.max_tokens
+        admitted = ticket.admitted
+        limit = generation.max_tokens if admitted.max_tokens is None else admitted.max_tokens
         trusted = s.trust_trace_headers
         generation = generation.admitted(
             limit,
-            ticket.prompt_tokens,
+            admitted.prompt_tokens,
             trace,
             traceparent if trusted else None,
             None if trusted else traceparent,
@@ -159,7 +162,7 @@ class Gateway:
                 kind=kind,
                 trace_id=trace,
                 grace_s=grace_s,
-                prompt_tokens=ticket.prompt_tokens,
+                prompt_tokens=admitted.prompt_tokens,
                 max_events=s.resume_max_events,
                 accepted_at=accepted_at,
                 window=s.stream_buffer_events,
@@ -175,8 +178,6 @@ class Gateway:
             )
             raise APIError(500, "internal_error", "the stream could not be set up") from None
         stream.ticket = ticket
-        ticket.trace_id = trace
-        ticket.own_latency = sets_own_latency(generation.options)
         stream.coalesce = self.coalesce_policy(coalesce)
         if meta:
             stream.meta_interval_s = s.meta_interval_ms / 1000

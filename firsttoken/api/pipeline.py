@@ -196,8 +196,8 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
         body = await format.prepare(request, key, body)
         stream_id = new_stream_id()
         generation = format.generation(body, model, stream_id, key, raw)
-        ticket = await gw.admit(key, generation)
-        plan = format.plan(body, model, stream_id, ticket.prompt_tokens)
+        ticket = await gw.admit(key, generation, trace)
+        plan = format.plan(body, model, stream_id, ticket.admitted.prompt_tokens)
         ending = plan.ending
         stream = gw.open_stream(
             generation,

@@ -148,10 +148,8 @@ class Takeover:
         name = r["tenant"]
         key = self.admission.taken_key(name, spec.get("key_sha256", ""))
         key = key or self.admission.taken_key(name) or ApiKey(name=name)  # its secret gone
-        ticket = self.admission.taken_ticket(key, r["model"])
-        ticket.request_id = f"{stream_id}:{secrets.token_hex(4)}"
-        ticket.trace_id = trace_id
-        ticket.prompt_tokens = spec["prompt_tokens"]
+        request_id = f"{stream_id}:{secrets.token_hex(4)}"
+        ticket = self.admission.taken_ticket(key, r["model"], request_id, trace_id)
         await ticket.release(outcome, usage)
 
     def _request(self, spec: dict[str, Any], stream_id: str) -> tuple[GenerationRequest, ApiKey]:
@@ -218,18 +216,24 @@ class Takeover:
         remaining = following.max_tokens if following is not None else 0
         stream.billed_before = before
         try:
-            ticket = await self.admission.admit(key, 0, remaining, generation.model)
+            ticket = await self.admission.admit(
+                key,
+                0,
+                remaining,
+                generation.model,
+                # The ledger's record of the part billed here (an owner handed over recorded
+                # its own).
+                request_id=f"{mirror.id}:{secrets.token_hex(4)}",
+                trace_id=mirror.trace_id,
+                own_latency=sets_own_latency(generation.options),
+                taken_over=True,
+            )
         except APIError as exc:
             raise EngineError(exc.code, exc.message) from None
         stream.ticket = ticket
-        # The ledger's record of the part billed here (an owner handed over recorded its own).
-        ticket.request_id = f"{mirror.id}:{secrets.token_hex(4)}"
-        self.admission.taken_legs(ticket, generation.model)
-        ticket.trace_id = mirror.trace_id
-        ticket.prompt_tokens = spec["prompt_tokens"]
-        ticket.own_latency = sets_own_latency(generation.options)
+        cap = ticket.admitted.max_tokens
         if following is not None:  # what the key's budget left it, as a new request's
-            limit = following.max_tokens if ticket.max_tokens is None else ticket.max_tokens
+            limit = following.max_tokens if cap is None else cap
             following = following.admitted(
                 limit, spec["prompt_tokens"], mirror.trace_id, None, None
             )

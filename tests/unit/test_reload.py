@@ -239,8 +239,8 @@ def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
         assert adm.keys is not None
         key = adm.keys.find("sk-a")
         assert key is not None
-        ticket = await adm.admit(key, 0, 1, "chat")
-        ticket.request_id, ticket.legs = "r1", (Leg("s"),)
+        ticket = await adm.admit(key, 0, 1, "chat", request_id="r1")
+        ticket.legs = (Leg("s"),)
         await ticket.release(Outcome.COMPLETED, Usage(completion=1))  # a cent: all of it
         for per in ("month", "total", "day"):  # each a budget of its own, until now
             write(files.api_keys, keys.format(per=per))

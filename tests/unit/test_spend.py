@@ -3,12 +3,14 @@ requests racing for the last cents can go over."""
 
 from __future__ import annotations
 
+import asyncio
 import calendar
 
 import pytest
 
 from firsttoken.admission.spend import (
     Budget,
+    LocalSpend,
     MemorySpend,
     parse_budget,
     period_of,
@@ -152,3 +154,22 @@ def test_each_period_kind_counts_apart_and_a_reload_raises_the_new_one_to_the_le
     assert s.spent("alice", "month") == 45 * CENT
     s.settle(day, 10 * CENT)  # a request of the old period ends: its own count only
     assert s.spent("alice", "month") == 45 * CENT and s.spent("alice", "day") == 10 * CENT
+
+
+def test_local_spend_is_awaited_as_a_shared_one_and_counts_in_memory() -> None:
+    """Admission awaits one interface whatever holds the money (`Spend`): in memory it is
+    `MemorySpend`'s count, the same as its own."""
+    memory, _ = spend()
+    local = LocalSpend(memory)
+    budget = Budget(CENT, "day")
+
+    async def body() -> None:
+        assert not local.shared and local.local is memory
+        hold = await local.reserve("carol", budget, CENT // 2)
+        assert hold is not None and await local.spent("carol", "day") == CENT // 2
+        await local.settle(hold, CENT // 4)
+        await local.seed("carol", "day", CENT // 4)
+        await local.at_least("carol", "day", CENT // 4)  # never lowered
+        assert await local.spent("carol", "day") == memory.spent("carol", "day") == CENT // 2
+
+    asyncio.run(body())
