@@ -41,7 +41,7 @@ from firsttoken.admission.gate import (
     Slots,
     TokenRate,
 )
-from firsttoken.admission.keys import ApiKey, KeyRing
+from firsttoken.admission.keys import ANONYMOUS, ApiKey, KeyRing
 from firsttoken.admission.limits import Lease, MemoryLimits, Reservation
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import LocalSpend, Spend, SpendHold, period_of, period_start
@@ -59,7 +59,6 @@ from firsttoken.wire.errors import APIError
 __all__ = ["Admission", "key_revoked"]
 
 BUDGET_READ_S = 5.0  # with Redis: how often firsttoken_key_budget_spent is read back
-_OPEN = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
 
 
 class Admission:
@@ -225,7 +224,7 @@ class Admission:
         if self.keys is None:
             if not self._warned_open:
                 self._warn_if_proxied_from_afar(request)
-            return _OPEN
+            return ANONYMOUS
         auth = request.headers.get("authorization", "")
         secret = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         # Anthropic's clients send the key as `x-api-key`.
@@ -319,7 +318,7 @@ class Admission:
         this instance has no such entry (its secret was removed: the stream ends, as on its
         owner it would have)."""
         if self.keys is None:
-            return _OPEN if name == "" else None
+            return ANONYMOUS if name == "" else None
         if not sha256:
             return self.keys.named(name)
         try:
@@ -372,7 +371,7 @@ class Admission:
     def limits_for(self, key: ApiKey) -> tuple[Limit, ...]:
         """The limits a request of `key` passes (gate.py): the server's always, and the ones
         the key has of its own."""
-        if key is _OPEN and self.keys is None:
+        if key is ANONYMOUS and self.keys is None:
             return self._open  # no keys file: no slots to ask, and no bucket at rate 0
         has = (
             4 * bool(key.requests_per_minute)

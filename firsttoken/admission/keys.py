@@ -25,7 +25,15 @@ from typing import Any
 
 from firsttoken.admission.spend import Budget, parse_budget
 
-__all__ = ["ApiKey", "KeyRing", "digest_hex", "new_secret", "pattern_problem", "rotate"]
+__all__ = [
+    "ANONYMOUS",
+    "ApiKey",
+    "KeyRing",
+    "digest_hex",
+    "new_secret",
+    "pattern_problem",
+    "rotate",
+]
 
 # `firsttoken keys new`: 32 random bytes (256 bits) as URL-safe text.
 SECRET_BYTES = 32
@@ -62,6 +70,9 @@ class ApiKey:
         if self.expires_at is not None and now >= self.expires_at:
             return "key_expired"
         return None
+
+
+ANONYMOUS = ApiKey(name="")  # no keys file: everyone is the same anonymous caller, unlimited
 
 
 @functools.lru_cache(maxsize=1024)

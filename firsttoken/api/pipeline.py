@@ -35,7 +35,7 @@ from pydantic import BaseModel
 from starlette.requests import Request
 from starlette.responses import Response
 
-from firsttoken.admission.keys import ApiKey
+from firsttoken.admission.keys import ANONYMOUS, ApiKey
 from firsttoken.api.bodies import APIError
 from firsttoken.api.gateway import (
     Gateway,
@@ -62,7 +62,6 @@ B = TypeVar("B", bound=BaseModel)
 Answer = Response | EventStreamResponse
 
 # An open server's caller (no keys file): no name, default priority and weight.
-_OPEN = ApiKey(name="")
 
 
 class Ending(Enum):
@@ -155,7 +154,7 @@ class Format(Generic[B]):
         """The engine's request for `body`; `key` (None: an open server's caller) gives its
         name, priority and weight."""
         i = self.inputs(body, raw, model)
-        key = key or _OPEN
+        key = key or ANONYMOUS
         return GenerationRequest(
             request_id=stream_id,
             prompt=i.prompt,
