@@ -25,7 +25,7 @@ from firsttoken.api.takeover import Takeover
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
-from firsttoken.core.stream import SELF_RESUMING, Renderer, Stream
+from firsttoken.core.stream import SELF_RESUMING, BaseStream, Renderer, Stream
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.telemetry.log import log_event
@@ -201,7 +201,7 @@ class Gateway:
                 param = "messages" if generation.messages is not None else "continue_final_text"
             raise APIError(exc.status or 400, exc.code, exc.message, param=param) from None
 
-    def reader(self, stream: Stream, request: Request, **options: Any) -> EventStreamResponse:
+    def reader(self, stream: BaseStream, request: Request, **options: Any) -> EventStreamResponse:
         """A connection reading `stream`, with this server's heartbeat, send timeout and
         compression."""
         return EventStreamResponse(

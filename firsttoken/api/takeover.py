@@ -22,6 +22,7 @@ from firsttoken.admission import Admission, ApiKey, Ticket, sets_own_latency
 from firsttoken.api.bodies import APIError
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import SELF_RESUMING, Outcome, Stream, Usage
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.generation import from_stored, stored_request
@@ -85,7 +86,7 @@ class Takeover:
         return handover if len(handover) <= self.settings.takeover_max_bytes else None
 
     async def reopen(
-        self, claim: Claim, mirror: Stream
+        self, claim: Claim, mirror: Mirror
     ) -> tuple[Stream, GenerationRequest | None, int]:
         """A stream another instance started, as it was there (`handover`), with the events
         the store holds in its log, admitted here under its key (the entry of the secret it
@@ -177,7 +178,7 @@ class Takeover:
     def _stream(
         self,
         spec: dict[str, Any],
-        mirror: Stream,
+        mirror: Mirror,
         generation: GenerationRequest,
         renderer: Rebuilt,
     ) -> Stream:
@@ -203,7 +204,7 @@ class Takeover:
         return stream
 
     async def _rebuild(
-        self, spec: dict[str, Any], claim: Claim, mirror: Stream, before: Usage
+        self, spec: dict[str, Any], claim: Claim, mirror: Mirror, before: Usage
     ) -> tuple[Stream, GenerationRequest | None, int]:
         generation, key = self._request(spec, mirror.id)
         renderer = rebuild(spec["renderer"])

@@ -9,16 +9,17 @@ over, which hands the mirror's readers to the stream it continues here.
 
 from __future__ import annotations
 
-import hmac
 import time
 from collections.abc import Awaitable, Callable
 
 import anyio
 
-from firsttoken.core.stream import Outcome, Stream
+from firsttoken.core.stream import BaseStream, Events, Keeper, Outcome
+from firsttoken.eventlog import EventLog
 from firsttoken.generation import EngineError, GenerationRequest
-from firsttoken.resume import EventStore, Orphan, Resumed, StreamRecord, token_digest
+from firsttoken.resume import EventStore, Orphan, Resumed, StreamRecord
 from firsttoken.resume.tailer import fail
+from firsttoken.wire.rebuild import error_events
 
 __all__ = ["Mirror", "TakeOver"]
 
@@ -27,26 +28,22 @@ TakeOver = Callable[["Mirror", Orphan], Awaitable[bool]]
 _FOLLOW_AGAIN_S = 5.0  # how long a takeover may find the stream nowhere before it is lost
 
 
-class Mirror(Stream):
+class Mirror(BaseStream):
+    """A stream another instance generates, as this instance's readers read it."""
+
     # ended_there: True once the store said the stream ended (its end marker, or an error
     # event): a log closed otherwise (handed over, its tail stopped) is cut here, not the
     # stream's end. resumed: its reader's last event, to check against the store's.
     __slots__ = ("ended_there", "resumed")
 
+    # Nothing renders here: the owner's renderer made every event (the API layer asks).
+    renderer = None
+
     def __init__(self, record: StreamRecord, *, max_events: int) -> None:
         request = GenerationRequest(
             request_id=record.id, prompt="", model=record.model, tenant=record.tenant
         )
-        super().__init__(
-            request,
-            None,
-            kind=record.kind,
-            trace_id=record.trace_id,
-            grace_s=0,
-            prompt_tokens=0,
-            max_events=max_events,
-            accepted_at=time.perf_counter(),
-        )
+        super().__init__(request, record.kind, record.trace_id, EventLog(max_events))
         self.token_digest = record.token_digest
         self.ended_there = False
         self.resumed: Resumed | None = None
@@ -55,10 +52,8 @@ class Mirror(Stream):
     def ended(self) -> bool:
         return self.outcome is not None or self.log.closed
 
-    def check_token(self, token: str | None) -> bool:
-        if token is None:
-            return False
-        return hmac.compare_digest(token_digest(token), self.token_digest)
+    def error_events(self, code: str, message: str) -> Events:
+        return error_events(self.kind, code, message)
 
     def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
         """Stop tailing (the owner's generation is the owner's to stop)."""
@@ -72,6 +67,13 @@ class Mirror(Stream):
             self.generation.cancel()
         self.outcome = Outcome.MOVED
         self.log.close()
+
+    async def cancel(self, store: EventStore) -> str:
+        """Ask its owner, through the store, to stop it."""
+        return await store.cancel(self.id) or "cancelling"
+
+    def last_reader_left(self, keeper: Keeper) -> None:
+        self.stop(Outcome.DISCONNECTED)  # the owner keeps the grace; the tail stops
 
     def follow(self, store: EventStore, after: int, take_over: TakeOver | None = None) -> _Tail:
         """The producer: a tail of the store from `after`, run by the caller's task group."""

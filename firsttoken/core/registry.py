@@ -3,13 +3,9 @@
 It owns the one task group of the data plane: the pull tasks of iterator engines, the tails
 of mirrors, ticket releases and the expiry sweep. Everything per token happens in `Stream`.
 
-With a shared store (Redis) a stream outlives the instance that generates it. A reader here
-of a stream whose owner is gone takes it over (`_take_over`): the store's claim makes this
-instance the owner (one wins), the stream is rebuilt from the request stored with it
-(`reopen`, the API's) and the events the store holds, and generation goes on from exactly the
-text sent: a splice (`routing/splice.py`) onto this instance's engine. The other side: a
-stream this instance generates is `move`d, not ended, when it hands its streams over at
-shutdown or learns another instance took it over (`_on_fenced`).
+With a shared store (Redis) a stream outlives the instance that generates it: the registry's
+`Takeovers` (core/takeovers.py) follow mirrors of other instances' streams, take over those
+whose owner is gone, and let this instance's streams go to another.
 """
 
 from __future__ import annotations
@@ -18,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any, Protocol
 
 import anyio
@@ -27,21 +23,15 @@ from anyio.abc import TaskGroup, TaskStatus
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.schedule import Schedule
-from firsttoken.core.stream import AdmissionTicket, Outcome, Stream, Usage
-from firsttoken.generation import Delta, Engine, EngineError, GenerationRequest
-from firsttoken.resume import LOST_AHEAD, Claim, EventStore, MemoryStore, Orphan
+from firsttoken.core.stream import AdmissionTicket, BaseStream, Outcome, Stream, Usage
+from firsttoken.core.takeovers import Reopen, Takeovers
+from firsttoken.generation import Engine, EngineError, GenerationRequest
+from firsttoken.resume import EventStore, MemoryStore
 from firsttoken.resume.budget import ResumeBudget
-from firsttoken.resume.tailer import fail
 from firsttoken.telemetry.log import log_enabled, log_event
 from firsttoken.telemetry.metrics import LOOP_LAG_SAMPLE_S, Metrics, key_label
 
 __all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
-
-# The API's half of a takeover: the stream as it was (request, key, format) from what the
-# store kept, its log holding those events, admitted here; and the request that continues
-# it from the text they carry (None: the answer is complete), and the tokens already
-# generated. Raises EngineError to refuse.
-Reopen = Callable[[Claim, Stream], Awaitable[tuple[Stream, GenerationRequest | None, int]]]
 
 
 class StreamTracer(Protocol):
@@ -127,17 +117,15 @@ class StreamRegistry:
         self.max_response_bytes: int | None = None  # --max-response-bytes: a whole answer's
         self.budget: ResumeBudget | None = None  # --resume-max-bytes: finished buffers' bytes
         self.tracer: StreamTracer | None = None  # --otlp-endpoint
-        self.reopen: Reopen | None = None  # Redis mode: takeovers of gone instances' streams
         # With a keys file: why a stream about to start may not (its key revoked by a reload
         # after admission checked it; `Admission.revoked`), or None.
         self.revoked: Callable[[Stream], EngineError | None] | None = None
         self._stepper = engine.as_step_engine()
         self._streams: dict[str, Stream] = {}
-        self._mirrors: set[Mirror] = set()  # read here now: handed over at shutdown too
         self._expiry: deque[tuple[float, str]] = deque()
         self.clock: Callable[[], float] = time.monotonic  # of expiry (a fake one in tests)
         self._tg: TaskGroup | None = None
-        self._pulled: set[asyncio.Task[None]] = set()  # iterator engines' tasks (`_launch`)
+        self._pulled: set[asyncio.Task[None]] = set()  # iterator engines' tasks (`launch`)
         # Work that callbacks (engine steps, the schedule) hand to the task group.
         self._spawns: deque[
             tuple[Callable[..., Coroutine[Any, Any, None]], tuple[object, ...], bool]
@@ -147,6 +135,7 @@ class StreamRegistry:
         self._on_end = self._ended
         self._on_first_token = self._first_token
         self._wake_lag: Callable[[], None] = lambda: None  # armed by run()
+        self.takeovers = Takeovers(self)
 
     async def run(self, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
         """Own the registry's task group until cancelled (the app's lifespan)."""
@@ -160,7 +149,7 @@ class StreamRegistry:
                 )
                 tg.start_soon(self._sweep)
                 tg.start_soon(self._spawner)
-                self.store.on_fenced = self._on_fenced
+                self.store.on_fenced = self.takeovers.on_fenced
                 await tg.start(self.store.run, self._on_remote_cancel)
                 task_status.started()
                 try:
@@ -179,7 +168,20 @@ class StreamRegistry:
             with anyio.CancelScope(shield=True):
                 await asyncio.wait(tasks)
 
-    async def find(self, stream_id: str) -> Stream | None:
+    def spawn_task(self, fn: Callable[..., Coroutine[Any, Any, None]], *args: object) -> None:
+        """Run `fn(*args)` in the registry's task group (from a task)."""
+        assert self._tg is not None, "registry is not running"
+        self._tg.start_soon(fn, *args)
+
+    def local(self, stream_id: str) -> Stream | None:
+        """This instance's stream `stream_id`, live or recently finished, if it has one."""
+        return self._streams.get(stream_id)
+
+    def live(self) -> list[Stream]:
+        """This instance's streams that are still generating."""
+        return [s for s in self._streams.values() if s.outcome is None]
+
+    async def find(self, stream_id: str) -> Stream | Mirror | None:
         """This instance's stream, or a mirror of one that another instance generates."""
         stream = self._streams.get(stream_id)
         if stream is not None:
@@ -192,179 +194,26 @@ class StreamRegistry:
     async def tail(self, mirror: Mirror, after: int) -> None:
         """Start filling a mirror from the store; it stops when its reader leaves, and takes
         the stream over when its owner is gone."""
-        assert self._tg is not None
-        self._tg.start_soon(self._follow, mirror, after)
-
-    async def _follow(self, mirror: Mirror, after: int) -> None:
-        self._mirrors.add(mirror)
-        try:
-            await mirror.follow(self.store, after, self._take_over).run()
-        except Exception as exc:  # a bug must end the reader's stream, not the task group
-            log_event("stream.follow_crashed", logging.ERROR, stream=mirror.id, error=repr(exc))
-            self._lost(mirror, "refused", "the stream could not be followed here")
-        finally:
-            self._mirrors.discard(mirror)
-
-    # -- takeovers -------------------------------------------------------------------------
-
-    async def _take_over(self, mirror: Mirror, orphan: Orphan) -> bool:
-        """The owner of the stream `mirror` reads is gone: continue it here, or hand its
-        readers to this instance's copy of it. True once the mirror's readers have their
-        answer (continued, or told it is lost); False: follow the stream again (another
-        instance has it, or the store could not say)."""
-        local = self._streams.get(mirror.id)
-        if local is None:
-            if self.reopen is None:
-                return self._lost(mirror, "refused", "the instance generating it is gone")
-            # Once claimed, the stream is this instance's to continue even if its reader
-            # leaves meanwhile (the grace then ends it): never claimed and left standing.
-            with anyio.CancelScope(shield=True):
-                claim = await self.store.claim(mirror.id, orphan.owner, mirror.log.last_seq)
-                local = await self._continue(claim, mirror) if isinstance(claim, Claim) else None
-            if not isinstance(claim, Claim):
-                local = self._streams.get(mirror.id)  # another reader here won the claim
-                if claim == "moved" and local is not None and local.outcome is None:
-                    self._hand_readers(mirror, local)
-                    return True
-                if claim == "lost":
-                    return self._lost(
-                        mirror,
-                        "lost",
-                        "the instance generating this stream is gone, and the shared store "
-                        "lacks events this reader was sent",
-                    )
-                if claim == "refused":
-                    return self._lost(mirror, "refused", "the instance generating it is gone")
-                # Moved to another instance, ended, or gone from an unreachable store.
-                return False
-            if local is None:
-                return True
-        elif local.outcome is Outcome.MOVED:
-            return False
-        self._hand_readers(mirror, local)
-        return True
-
-    def _lost(self, mirror: Mirror, outcome: str, message: str) -> bool:
-        self.metrics.takeovers[outcome] += 1
-        log = mirror.log
-        if not log.closed:
-            fail(log, "stream_lost", message)
-        log_event("stream.takeover_failed", stream=mirror.id, outcome=outcome, reason=message)
-        return True
-
-    async def _continue(self, claim: Claim, mirror: Mirror) -> Stream | None:
-        """This instance now owns the stream: rebuild it from what the store holds and go on
-        generating from exactly the text its readers were sent."""
-        assert self.reopen is not None
-        try:
-            stream, following, at_token = await self.reopen(claim, mirror)
-        except EngineError as exc:
-            self._lost(mirror, "refused", f"the stream could not be taken over: {exc.message}")
-            return None
-        request = stream.request
-        stream.delivered_seq = mirror.delivered_seq
-        stream.tokens_sent = mirror.tokens_sent
-        stream.last_content_at = mirror.last_content_at
-        self._register(stream)
-        self.store.adopt(stream.record(), self.ttl_s, stream.log, claim.fence)
-        self.metrics.takeovers["continued"] += 1
-        to = self.store.instance
-        log_event(
-            "stream.taken_over",
-            stream=stream.id,
-            trace_id=stream.trace_id,
-            key=key_label(request.tenant),
-            owner=claim.owner,
-            to=to,
-            at_token=at_token,
-            fence=claim.fence,
-        )
-        stream.number_as(claim.fence)  # its events' ids are not those the old owner gave
-        stream.push_delta(
-            Delta(meta={"takeover": {"from": claim.owner, "to": to, "at_token": at_token}})
-        )
-        if following is None:  # cut exactly at its max_tokens: it is complete
-            stream.finish("length")
-            return stream
-        try:
-            self._launch(stream, following)
-        except EngineError as exc:
-            stream.fail(exc)
-        except Exception as exc:
-            log_event("stream.open_failed", logging.ERROR, stream=stream.id, error=repr(exc))
-            stream.fail(EngineError("internal_error", "the engine failed to continue this stream"))
-        finally:
-            stream.request = request.without_inputs()
-        return stream
-
-    def _hand_readers(self, mirror: Mirror, stream: Stream) -> None:
-        """The mirror's readers read `stream` from now on, from where each one is: if the
-        one that came back with an event the store did not have yet has that event here."""
-        resumed = mirror.resumed
-        if resumed is not None and not resumed.checked:
-            resumed.checked = True
-            if not stream.has_event(resumed.seq, resumed.id):
-                self._lost(mirror, "lost", LOST_AHEAD)
-        if not mirror.log.closed:
-            for reader in list(mirror.log.readers):
-                mirror.log.detach(reader)
-                mirror.readers -= 1
-                reader.move_to(stream)
-        if stream.readers == 0 and stream.outcome is None:
-            self._schedule_abandon(stream)
-
-    def _on_fenced(self, stream_id: str, kept: int, lost: bool) -> None:
-        """Another instance took over a stream this one still generates (this one was
-        paused, or cut off from the store), from its event `kept`: stop, and let every
-        reader go there. What this instance made after `kept` is not the answer any more:
-        a reader not past it ends there and comes back with the id of an event the other
-        instance goes on from; one past it is told `stream_lost` when it comes back (its
-        last event has another id there). `lost`: a reader here was sent events past `kept`
-        as confirmed (`--durable` released them while the store was away): told
-        `stream_lost` now rather than let it read another text from there."""
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return
-        log_event(
-            "stream.fenced", stream=stream_id, trace_id=stream.trace_id, kept=kept, lost=lost
-        )
-        if lost:
-            if stream.outcome is None:
-                message = "another instance took this stream over from events sent before it"
-                stream.stop(Outcome.ERROR, EngineError("stream_lost", message, client_fault=True))
-            return
-        if stream.outcome is None:
-            stream.move()  # forgotten here: a reader back here follows the other instance
-        else:  # it ended here, but the store has its end from the other instance
-            stream.outcome = Outcome.MOVED  # for its readers: this end is not the answer's
-            if self._streams.get(stream_id) is stream:
-                del self._streams[stream_id]
-                if self.budget is not None:
-                    self.budget.forget(stream_id)
-        stream.log.end_at(kept)
-        stream.log.close()  # again: the readers that waited for what is gone end now
+        self.takeovers.tail(mirror, after)
 
     async def hand_over(self) -> int:
         """A drain with a shared store: hand every live stream whose readers resume by
-        themselves (`movable`: native ones) over to the instance they come back to; their
-        engines stop here, their readers get what was generated and reconnect. The others
-        (an SDK's: one connection, one answer) go on here until they end. Returns how many
-        were moved."""
-        moving = [s for s in self._streams.values() if s.outcome is None and s.movable]
-        for stream in moving:
-            stream.move()
-        mirrors = list(self._mirrors)
-        for mirror in mirrors:  # their readers go on elsewhere too
-            mirror.move()
-        if moving or mirrors:
-            await self.store.hand_over([s.id for s in moving])
-        return len(moving)
+        themselves (`movable`: native ones) over to the instance they come back to
+        (`Takeovers.hand_over`). Returns how many were moved."""
+        return await self.takeovers.hand_over()
 
-    async def cancel(self, stream: Stream) -> str:
-        if isinstance(stream, Mirror):
-            return await self.store.cancel(stream.id) or "cancelling"
-        stream.stop(Outcome.CANCELLED)  # synchronous: the stream has ended when it returns
-        return stream.outcome.value if stream.outcome else "cancelling"
+    @property
+    def reopen(self) -> Reopen | None:
+        """Redis mode: the API's half of a takeover of a gone instance's stream."""
+        return self.takeovers.reopen
+
+    @reopen.setter
+    def reopen(self, reopen: Reopen | None) -> None:
+        self.takeovers.reopen = reopen
+
+    async def cancel(self, stream: BaseStream) -> str:
+        """Stop `stream` (its owner stops a mirror's); returns its outcome, or "cancelling"."""
+        return await stream.cancel(self.store)
 
     def _on_remote_cancel(self, stream_id: str) -> None:
         stream = self._streams.get(stream_id)
@@ -378,7 +227,7 @@ class StreamRegistry:
         active gauge, store registration) and counts `error`. Returns that error (a handler
         that has sent nothing yet answers it as JSON), or None."""
         assert self._tg is not None, "registry is not running"
-        self._register(stream)
+        self.register(stream)
         request = stream.request
         try:
             if self.revoked is not None:  # a keys file: its key may have been revoked since
@@ -401,7 +250,7 @@ class StreamRegistry:
                     max_tokens=request.max_tokens,
                 )
             stream.begin()
-            self._launch(stream, request)
+            self.launch(stream, request)
             if self.store.replicates:
                 # Findable on other instances before its id is handed out; the engine is
                 # already on its way, so the round trip is not added to the first token.
@@ -428,7 +277,7 @@ class StreamRegistry:
             # task runs); the stream keeps only the model and the limits.
             stream.request = request.without_inputs()
         if stream.readers == 0 and stream.outcome is None:
-            self._schedule_abandon(stream)
+            self.schedule_abandon(stream)
         return None
 
     def _store_request(self, stream: Stream) -> None:
@@ -440,7 +289,7 @@ class StreamRegistry:
             stream.handover = None
             stream.movable = False
 
-    def _register(self, stream: Stream) -> None:
+    def register(self, stream: Stream) -> None:
         self._streams[stream.id] = stream
         if not self.metrics.active_streams:
             self._wake_lag()  # the loop may be late from here on: sample it closely again
@@ -451,7 +300,7 @@ class StreamRegistry:
         if self.tracer is not None:
             self.tracer.started(stream)
 
-    def _launch(self, stream: Stream, request: GenerationRequest) -> None:
+    def launch(self, stream: Stream, request: GenerationRequest) -> None:
         """The engine starts on `request`, with `stream` as its sink."""
         assert self._tg is not None
         if self._stepper is not None:
@@ -465,7 +314,7 @@ class StreamRegistry:
             self._pulled.add(task)
             task.add_done_callback(self._pulled.discard)
 
-    def forget(self, stream: Stream) -> None:
+    def forget(self, stream: BaseStream) -> None:
         """Drop an ended stream nobody can ask for (it failed before its id was handed out)."""
         if stream.outcome is not None and self._streams.get(stream.id) is stream:
             del self._streams[stream.id]
@@ -488,21 +337,24 @@ class StreamRegistry:
         self.metrics.streams[Outcome.ERROR.value] += 1
         self._spawn(self._release, ticket, Outcome.ERROR, None, inline=True)
 
-    def attach(self, stream: Stream) -> None:
+    def attach(self, stream: BaseStream) -> None:
         stream.readers += 1
         stream._abandon_epoch += 1
 
-    def detach(self, stream: Stream) -> None:
+    def detach(self, stream: BaseStream) -> None:
         stream.readers -= 1
         if stream.readers == 0:
-            if isinstance(stream, Mirror):
-                stream.stop(Outcome.DISCONNECTED)
-            elif stream.outcome is not None:
-                self._log_finished(stream)
-            else:
-                self._schedule_abandon(stream)
+            stream.last_reader_left(self)  # a mirror stops its tail; a stream, `unread`
 
-    def _schedule_abandon(self, stream: Stream) -> None:
+    def unread(self, stream: Stream) -> None:
+        """The last reader of a stream generated here left: its grace starts (ended: its
+        line is logged now that no reader writes)."""
+        if stream.outcome is not None:
+            self._log_finished(stream)
+        else:
+            self.schedule_abandon(stream)
+
+    def schedule_abandon(self, stream: Stream) -> None:
         if stream.grace_s <= 0:
             stream.stop(Outcome.DISCONNECTED)
             return
@@ -530,7 +382,7 @@ class StreamRegistry:
 
     def end_oldest(self) -> bool:
         """End the oldest live stream with `overloaded` (memory shedding); False if none."""
-        live = [s for s in self._streams.values() if s.outcome is None]
+        live = self.live()
         if not live:
             return False
         oldest = min(live, key=lambda s: s.accepted_at)
@@ -545,7 +397,7 @@ class StreamRegistry:
     def end_all(self, code: str, message: str) -> int:
         """End every live stream with `event: error` `code` (e.g. a drain that ran out of
         time); returns how many were ended."""
-        live = [s for s in self._streams.values() if s.outcome is None]
+        live = self.live()
         for stream in live:
             stream.stop(Outcome.ERROR, EngineError(code, message))
         return len(live)
@@ -553,7 +405,7 @@ class StreamRegistry:
     def end_where(self, doomed: Callable[[Stream], bool], error: EngineError) -> int:
         """End the live streams `doomed` picks with `event: error` `error` (a revoked key's);
         returns how many were ended."""
-        live = [s for s in self._streams.values() if s.outcome is None and doomed(s)]
+        live = [s for s in self.live() if doomed(s)]
         for stream in live:
             stream.stop(Outcome.ERROR, error)
         return len(live)

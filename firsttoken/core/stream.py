@@ -1,35 +1,49 @@
-"""One `Stream` per answer, and the registry that starts, stops and expires them.
+"""One `Stream` per answer generated here: the engine's sink, and what its readers read.
 
 A stream is the engine's sink: a step engine calls `push` for each token from inside its
-step, and the stream renders the event, appends it to its log, and the log hands it to the
-caught-up readers, which write it to their sockets, all in that one call. Engines that can
-only be iterated (the relay, llama.cpp, the cache) are pulled by one task per stream instead.
+step, and the stream frames the event (`Framer`), appends it to its log, and the log hands it
+to the caught-up readers, which write it to their sockets, all in that one call. Engines that
+can only be iterated (the relay, llama.cpp, the cache) are pulled by one task per stream
+instead.
 
 Generation can outlive a dropped connection for the resume grace window, and stops the moment
 the stream is stopped: by the cancel endpoint, or when the last reader leaves and the grace
 runs out. Stopping is synchronous (the engine hears `cancel()` before its next step), and
 ending is one path (`_end`) whatever the outcome.
+
+Readers read a `BaseStream`: a `Stream`, or a `Mirror` (core/mirror.py) of a stream another
+instance generates, whose events come from the shared store instead of an engine.
 """
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import secrets
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from enum import StrEnum
-from typing import Any, NamedTuple, Protocol
+from typing import Any, Protocol
 
 import orjson
 
-from firsttoken.core.chunking import Chunk, CoalescePolicy, Coalescer
+from firsttoken.core.chunking import CoalescePolicy
+from firsttoken.core.framer import SHOWS_META, Framer
+from firsttoken.core.usage import Usage, reported, usage_of, with_carried
 from firsttoken.eventlog import EventLog
 from firsttoken.generation import Delta, EngineError, Generation, GenerationRequest
-from firsttoken.resume import StreamRecord, token_digest
-from firsttoken.wire.sse import DATA_FRAME, encode_event, event_id_of, ids_from, token_frame
+from firsttoken.resume import EventStore, StreamRecord, token_digest
+from firsttoken.wire.sse import event_id_of
 
-__all__ = ["AdmissionTicket", "Outcome", "Renderer", "Stream", "Usage"]
+__all__ = [
+    "AdmissionTicket",
+    "BaseStream",
+    "Keeper",
+    "Outcome",
+    "Renderer",
+    "Stream",
+    "Usage",
+]
 
 _dumps = orjson.dumps
 
@@ -53,23 +67,25 @@ class Outcome(StrEnum):
 # stream on that connection, and it is never let go without the format's error event.
 SELF_RESUMING = frozenset({"native"})
 
+Events = Sequence[tuple[str | None, bytes]]
+
 
 class Renderer(Protocol):
     """Turns engine output into the data payloads of one API's events.
 
     Each method returns the data payloads (bytes) and the event name (None for `data:` only);
-    the stream frames them with their sequence id and appends them to the log. `token` is the
-    hot path: a precomputed prefix + the JSON-escaped text + a suffix.
+    the stream's framer frames them with their sequence id and appends them to the log.
+    `token` is the hot path: a precomputed prefix + the JSON-escaped text + a suffix.
     """
 
-    def opening(self) -> Sequence[tuple[str | None, bytes]]: ...
+    def opening(self) -> Events: ...
 
     @property
     def token_event(self) -> str | None:
         """The event name of token events (None: plain `data:`)."""
         ...
 
-    def begin_text(self) -> Sequence[tuple[str | None, bytes]]:
+    def begin_text(self) -> Events:
         """What goes before answer text that follows something else (or nothing): e.g. a
         content block's start. Empty for formats without blocks."""
         ...
@@ -82,29 +98,15 @@ class Renderer(Protocol):
         the text)."""
         ...
 
-    def part(self, delta: Delta) -> Sequence[tuple[str | None, bytes]]:
+    def part(self, delta: Delta) -> Events:
         """A structured delta's events: reasoning, tool-call fragments, refusal."""
         ...
 
-    def closing(
-        self, finish_reason: str, usage: dict[str, Any]
-    ) -> Sequence[tuple[str | None, bytes]]: ...
+    def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events: ...
 
-    def error(
-        self, code: str, message: str, type_: str = "server_error"
-    ) -> Sequence[tuple[str | None, bytes]]:
+    def error(self, code: str, message: str, type_: str = "server_error") -> Events:
         """The events that end a failed stream (at least an `event: error`)."""
         ...
-
-
-class Usage(NamedTuple):
-    """What one answer used, in tokens: what its key is billed and counted for."""
-
-    prompt: int = 0
-    completion: int = 0  # reasoning included, as OpenAI counts it
-    reasoning: int = 0
-    cached: int = 0  # prompt tokens the upstream read from its cache (part of `prompt`)
-    cache_write: int = 0  # prompt tokens the upstream wrote to its cache (part of `prompt`)
 
 
 class _Named(Protocol):
@@ -134,61 +136,129 @@ class AdmissionTicket(Protocol):
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None: ...
 
 
-class Stream:
+class Keeper(Protocol):
+    """The registry, as a stream generated here tells it that its last reader left."""
+
+    def unread(self, stream: Stream) -> None: ...
+
+
+class BaseStream(ABC):
+    """What a reader reads: a stream's identity, its event log, and who reads it. A
+    `Stream` (generated here) or a `Mirror` (read here from the shared store)."""
+
+    __slots__ = (
+        "_abandon_epoch",
+        "_digest",
+        "delivered_seq",
+        "generation",
+        "id",
+        "kind",
+        "last_content_at",
+        "log",
+        "outcome",
+        "readers",
+        "request",
+        "tokens_sent",
+        "trace_id",
+    )
+
+    def __init__(self, request: GenerationRequest, kind: str, trace_id: str, log: EventLog) -> None:
+        self.id = request.request_id
+        self.request = request
+        self.kind = kind  # the format: "native" | "chat.completion.chunk" | "responses" ...
+        self.trace_id = trace_id
+        self.log = log
+        self._digest: str | None = None  # sha256 of the resume token: made when needed
+        self.delivered_seq = 0  # highest seq written to any reader: later writes are replays
+        self.tokens_sent = 0
+        self.last_content_at = 0.0
+        self.readers = 0
+        self._abandon_epoch = 0
+        self.outcome: Outcome | None = None
+        # What produces its events: the engine's request here, a tail of the store for a
+        # mirror. Cancelled to stop.
+        self.generation: Generation | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.outcome is not None
+
+    @property
+    def token_digest(self) -> str:
+        digest = self._digest
+        assert digest is not None  # a Stream makes it from its token; a Mirror is given it
+        return digest
+
+    @token_digest.setter
+    def token_digest(self, digest: str) -> None:
+        self._digest = digest  # a mirror, or a stream taken over, knows only the digest
+
+    def check_token(self, token: str | None) -> bool:
+        if token is None:
+            return False
+        return hmac.compare_digest(token_digest(token), self.token_digest)
+
+    @abstractmethod
+    def error_events(self, code: str, message: str) -> Events:
+        """The events that tell its readers it ended here with `code` (a reader let go)."""
+
+    @abstractmethod
+    def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
+        """Stop what produces its events (no-op once ended)."""
+
+    @abstractmethod
+    def move(self) -> None:
+        """Let its readers go, to come back to another instance with Last-Event-ID."""
+
+    @abstractmethod
+    async def cancel(self, store: EventStore) -> str:
+        """Stop its generation, wherever that runs (`store`: where another instance hears
+        of it); returns the outcome, or "cancelling"."""
+
+    @abstractmethod
+    def last_reader_left(self, keeper: Keeper) -> None:
+        """Its last reader left: a stream's grace starts (`keeper.unread`), a mirror's tail
+        stops."""
+
+
+class Stream(BaseStream):
     """A generation and its event log; the engine's sink for this request."""
 
     # Slots: ten thousand waiting streams each save the ~1.2 KiB of an instance dict.
     __slots__ = (
-        "_abandon_epoch",
-        "_coalescer",
-        "_digest",
-        "_flush_timer",
         "_frame",
-        "_in_text",
-        "_template",
-        "_token_event",
+        "_framer",
+        "_text",
         "accepted_at",
         "billed_before",
         "carried",
         "coalesce",
         "counted",
-        "delivered_seq",
         "error_code",
         "error_status",
         "finish_reason",
         "first_generated_at",
         "first_token_at",
-        "generation",
         "grace_s",
         "handover",
-        "id",
-        "id_base",
-        "kind",
-        "last_content_at",
         "last_meta_at",
-        "log",
         "logged_finish",
         "meta_interval_s",
         "movable",
         "on_end",
         "on_first_token",
-        "outcome",
         "prompt_tokens",
-        "readers",
         "reasoning_tokens",
         "renderer",
-        "request",
         "resume_token",
         "ticket",
         "tokens_generated",
-        "tokens_sent",
-        "trace_id",
     )
 
     def __init__(
         self,
         request: GenerationRequest,
-        renderer: Renderer | None,
+        renderer: Renderer,
         *,
         kind: str,
         trace_id: str,
@@ -198,26 +268,18 @@ class Stream:
         accepted_at: float,
         window: int | None = None,
     ) -> None:
-        self.id = request.request_id
-        self.request = request
+        log = EventLog(max_events, window)
+        super().__init__(request, kind, trace_id, log)
         self.renderer = renderer
-        self.kind = kind  # "native" | "openai"
-        self.trace_id = trace_id
+        self._framer = Framer(renderer, log, shows_meta=kind in SHOWS_META)
         self.grace_s = grace_s
         self.prompt_tokens = prompt_tokens
         self.resume_token = secrets.token_urlsafe(24)
-        self._digest: str | None = None  # sha256 of the token: made when Redis needs it
-        self.log = EventLog(max_events, window)
         self.accepted_at = accepted_at
         self.first_token_at: float | None = None
-        self.last_content_at = 0.0
-        self.delivered_seq = 0  # highest seq written to any reader: later writes are replays
         self.tokens_generated = 0
         self.reasoning_tokens = 0
         self.counted: Mapping[str, Any] | None = None  # the engine's own usage, at the finish
-        self.tokens_sent = 0
-        self.readers = 0
-        self.outcome: Outcome | None = None
         self.error_code: str | None = None
         self.error_status: int | None = None  # an upstream's HTTP status, for a whole answer
         self.finish_reason: str | None = None  # set by `finish`
@@ -227,19 +289,14 @@ class Stream:
         self.meta_interval_s: float | None = None  # None: no progress events
         self.last_meta_at = 0.0
         self.first_generated_at: float | None = None
-        self.generation: Generation | None = None
         self.on_end: Callable[[Stream], None] | None = None  # the registry's bookkeeping
         self.on_first_token: Callable[[Stream, float], None] | None = None
-        self._template: bytes | None = None  # the hot path's, armed by the first token
-        self._coalescer: Coalescer | None = None
-        self._flush_timer: asyncio.TimerHandle | None = None
-        self._token_event = renderer.token_event if renderer is not None else None
-        self._frame: bytes | None = None  # the hot path's per-token template (see begin())
-        self._in_text = False  # the last event was answer text (its template is current)
-        self._abandon_epoch = 0
-        # What the ids of the events it makes add to their seq: 0, unless another instance
-        # made its first events (`number_as`, a takeover).
-        self.id_base = 0
+        # The hot path's per-token frame: the text run's template while nothing else
+        # watches its tokens (`Framer.hot`); None otherwise.
+        self._frame: bytes | None = None
+        # What takes a text token in the current run (the framer's `text` or `coalesce`);
+        # None between runs: the next text token enters one.
+        self._text: Callable[[str], None] | None = None
         # Redis mode: what another instance needs to continue this stream (`StreamRecord`),
         # until the store has it; and whether another instance can continue it.
         self.handover: bytes | None = None
@@ -250,10 +307,6 @@ class Stream:
         self.billed_before: Usage | None = None
 
     @property
-    def ended(self) -> bool:
-        return self.outcome is not None
-
-    @property
     def token_digest(self) -> str:
         if self._digest is None:
             self._digest = token_digest(self.resume_token)
@@ -261,7 +314,13 @@ class Stream:
 
     @token_digest.setter
     def token_digest(self, digest: str) -> None:
-        self._digest = digest  # a mirror knows only the digest
+        self._digest = digest  # taken over: only the digest came with it
+
+    @property
+    def id_base(self) -> int:
+        """What the ids of the events it makes add to their seq: 0, unless another instance
+        made its first events (`number_as`, a takeover)."""
+        return self._framer.id_base
 
     def check_token(self, token: str | None) -> bool:
         if token is None:
@@ -285,42 +344,26 @@ class Stream:
 
     def begin(self) -> None:
         """Append the opening events; called once, before the engine starts."""
-        assert self.renderer is not None
-        if self.coalesce is not None:
-            self._coalescer = Coalescer(self.coalesce)
-        for name, data in self.renderer.opening():
-            self._append(name, data)
+        self._framer.opening(self.coalesce)
 
-    def _enter_text(self) -> None:
-        """Answer text starts (or starts again after reasoning or a tool call): the
-        renderer's opening for it, and the frame its tokens take from now on."""
-        renderer = self.renderer
-        assert renderer is not None
-        for name, data in renderer.begin_text():
-            self._append(name, data)
-        self._in_text = True
-        self._template = None
-        template = renderer.token_template()
-        if template is not None:
-            # One %-format per token (or per coalesced chunk).
-            self._template = token_frame(self._token_event, *template, self.id_base)
-        if self._coalescer is None and self.meta_interval_s is None:
-            self._frame = self._template  # from now on, tokens take the hot path
+    def _enter_text(self) -> Callable[[str], None]:
+        """Answer text starts (or starts again after reasoning or a tool call): what takes
+        its tokens from now on, and the hot path's frame when nothing else watches them."""
+        framer = self._framer
+        if self.meta_interval_s is not None:  # progress events watch the text
+            framer.on_text = self._progress  # a cycle, broken by `Framer.close`
+        self._text = text = framer.enter_text()
+        if framer.hot:
+            self._frame = framer.template  # from now on, tokens take the hot path
+        return text
 
     def number_as(self, fence: int) -> None:
         """Number the events made from now on as the owner of `fence` (a takeover): their
         ids say which instance made them (`wire.sse.ids_from`)."""
-        self.id_base = ids_from(fence)
-        if self._template is not None and self.renderer is not None:
-            template = self.renderer.token_template()
-            framed = (
-                None
-                if template is None
-                else token_frame(self._token_event, *template, self.id_base)
-            )
-            if self._frame is self._template:
-                self._frame = framed
-            self._template = framed
+        framer = self._framer
+        framer.number_as(fence)
+        if self._frame is not None:
+            self._frame = framer.template
 
     def has_event(self, seq: int, event_id: int) -> bool:
         """Whether this stream's event `seq` carries `event_id`, as kept here or as it will
@@ -328,7 +371,7 @@ class Stream:
         event (`resume.Resumed`). True where it cannot tell (no longer kept)."""
         log = self.log
         if seq > log.last_seq:
-            return not log.closed and event_id == seq + self.id_base
+            return not log.closed and event_id == seq + self._framer.id_base
         wire = log.wire(seq)
         if wire is None:
             return True
@@ -366,12 +409,10 @@ class Stream:
                 self._first_token()
             return False
         self.tokens_generated += 1
-        if not self._in_text:
-            self._enter_text()
-        if self._coalescer is None:
-            self._emit(text, 1)
-        else:
-            self._coalesce(text)
+        take = self._text
+        if take is None:
+            take = self._enter_text()
+        take(text)
         if first:
             self._first_token()  # reported once the token is on its way
         return self._room()
@@ -391,12 +432,10 @@ class Stream:
         if delta.meta is not None:
             if self.ticket is not None:  # a splice or hand-off: where the next leg begins
                 self.ticket.seam(delta.meta)
-            # News about the stream (a splice), not a token: native readers see it.
-            if self.kind == "native":
-                self._flush_pending()
-                self._in_text = False
+            # News about the stream (a splice), not a token: the formats that show it.
+            if self._framer.meta(delta.meta):
+                self._text = None
                 self._frame = None
-                self._append("meta", _dumps(delta.meta))
             return self._room()
         first = self.first_token_at is None
         if first:
@@ -415,17 +454,12 @@ class Stream:
         return self.outcome is None and self._room()
 
     def _part(self, delta: Delta) -> None:
-        self._flush_pending()
-        self._in_text = False
+        self._text = None
         self._frame = None
         self.tokens_generated += 1
         if delta.reasoning:
             self.reasoning_tokens += 1
-        assert self.renderer is not None
-        events = self.renderer.part(delta)
-        last = len(events) - 1
-        for i, (name, data) in enumerate(events):
-            self._append(name, data, 1 if i == last else 0)
+        self._framer.part(delta)
 
     def finish(self, reason: str, counted: Mapping[str, Any] | None = None) -> None:
         """The answer is complete; `counted` is the engine's own usage, when it has one
@@ -433,46 +467,27 @@ class Stream:
         if self.outcome is not None:
             return
         self.finish_reason = reason
-        self._flush_pending()
-        assert self.renderer is not None
-        usage: dict[str, Any] = {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.tokens_generated,
-            "total_tokens": self.prompt_tokens + self.tokens_generated,
-        }
-        if self.reasoning_tokens:
-            usage["completion_tokens_details"] = {"reasoning_tokens": self.reasoning_tokens}
+        usage = reported(self.prompt_tokens, self.tokens_generated, self.reasoning_tokens)
         if counted and isinstance(counted.get("completion_tokens"), int):
             if self.carried is not None:  # the engine counted only what it made here
-                counted = _with_carried(counted, self.carried)
+                counted = with_carried(counted, self.carried)
             usage = dict(counted)
             self.counted = counted
-        for name, data in self.renderer.closing(reason, usage):
-            self._append(name, data)
+        self._framer.closing(reason, usage)
         self._end(Outcome.COMPLETED, None)
 
     def usage(self) -> Usage:
         """What the answer used: the engine's own count when it gave one at the finish (an
         upstream's tokenizer, its cached prompt tokens), else this stream's. A stream cut
         before its finish counts what was generated until then."""
-        counted = self.counted
-        if counted is None:
-            return Usage(self.prompt_tokens, self.tokens_generated, self.reasoning_tokens)
-        return Usage(
-            _count(counted.get("prompt_tokens"), self.prompt_tokens),
-            _count(counted.get("completion_tokens"), self.tokens_generated),
-            _count(
-                _detail(counted, "completion_tokens_details", "reasoning_tokens"),
-                self.reasoning_tokens,
-            ),
-            _count(_detail(counted, "prompt_tokens_details", "cached_tokens"), 0),
-            _count(_detail(counted, "prompt_tokens_details", "cache_write_tokens"), 0),
+        return usage_of(
+            self.counted, self.prompt_tokens, self.tokens_generated, self.reasoning_tokens
         )
 
     def fail(self, error: EngineError) -> None:
         if self.outcome is not None:
             return
-        self._flush_pending()  # keep what arrived, even before an error
+        self._framer.flush()  # keep what arrived, even before an error
         self._end(Outcome.ERROR, error)
 
     def move(self) -> None:
@@ -483,10 +498,9 @@ class Stream:
             return
         if self.generation is not None:
             self.generation.cancel()
-        self._flush_pending()
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+        framer = self._framer
+        framer.flush()
+        framer.close()
         self.outcome = Outcome.MOVED
         self.log.on_room = None
         self.log.close()
@@ -500,11 +514,21 @@ class Stream:
             return
         if self.generation is not None:
             self.generation.cancel()
-        self._flush_pending()
+        self._framer.flush()
         if error is None:
             code, message, type_ = _STOPPED.get(reason, _STOPPED_ANY)
             error = EngineError(code, message, type_=type_)
         self._end(reason, error)
+
+    async def cancel(self, store: EventStore) -> str:
+        self.stop(Outcome.CANCELLED)  # synchronous: the stream has ended when it returns
+        return self.outcome.value if self.outcome else "cancelling"
+
+    def error_events(self, code: str, message: str) -> Events:
+        return self.renderer.error(code, message)
+
+    def last_reader_left(self, keeper: Keeper) -> None:
+        keeper.unread(self)
 
     # -- internals -------------------------------------------------------------------------
 
@@ -522,21 +546,17 @@ class Stream:
         """TTFT is the engine's: from the request's first byte to its first token
         (`first_token_at`, stamped as it arrived), whenever (or whether) a reader is there to
         take it. Reported (metric, shedding guard, log line) after the token was written."""
-        assert self.first_token_at is not None
-        if self.on_first_token is not None:
-            self.on_first_token(self, self.first_token_at - self.accepted_at)
+        first_token_at = self.first_token_at
+        if self.on_first_token is not None and first_token_at is not None:
+            self.on_first_token(self, first_token_at - self.accepted_at)
 
     def _end(self, outcome: Outcome, error: EngineError | None) -> None:
-        if self._flush_timer is not None:
-            self._flush_timer.cancel()
-            self._flush_timer = None
+        self._framer.close()
         self.outcome = outcome
         if error is not None:
-            assert self.renderer is not None
             self.error_code = error.code
             self.error_status = error.status  # before the event: a collector reads it there
-            for name, data in self.renderer.error(error.code, error.message, error.type):
-                self._append(name, data)
+            self._framer.error(error.code, error.message, error.type)
             if error.client_fault and self.ticket is not None:
                 self.ticket.client_fault = True
         self.log.on_room = None
@@ -547,101 +567,15 @@ class Stream:
         # goes with its last reference, not at the next full garbage collection.
         self.generation = None
 
-    def _append(self, name: str | None, data: bytes, tokens: int = 0) -> None:
-        log = self.log
-        log.append(encode_event(log.last_seq + 1 + self.id_base, data, name), tokens)
-
-    def _emit(self, text: str, tokens: int) -> None:
-        log = self.log
-        if self._template is not None:
-            log.append(self._template % (log.last_seq + 1, _dumps(text)), tokens)
-            if self.meta_interval_s is not None:
-                self._maybe_meta()
-            return
-        assert self.renderer is not None
-        data = self.renderer.token(text)
-        if self._token_event is None:
-            # JSON has no raw line breaks: the one-line frame needs no checks.
-            log.append(DATA_FRAME % (log.last_seq + 1 + self.id_base, data), tokens)
-        else:
-            seq = log.last_seq + 1 + self.id_base
-            log.append(encode_event(seq, data, self._token_event), tokens)
-        if self.meta_interval_s is not None:
-            self._maybe_meta()
-
-    def _maybe_meta(self) -> None:
+    def _progress(self) -> None:
+        """After each text event, with progress events (`meta_interval_s`): one every
+        interval, counting from the first."""
         now = time.perf_counter()
         if self.first_generated_at is None:
             self.first_generated_at = now
         elif self.meta_interval_s is not None and now - self.last_meta_at >= self.meta_interval_s:
             self.last_meta_at = now
-            self._append("meta", _progress(self, now))
-
-    def _coalesce(self, text: str) -> None:
-        """Tokens go through the coalescer as they come. A pending chunk's deadline is one
-        loop timer per stream, armed when a chunk opens and not cancelled when a boundary
-        flushes it first: when it fires it flushes what is due or re-arms for what is pending."""
-        coalescer = self._coalescer
-        assert coalescer is not None
-        now = time.perf_counter()
-        chunks = coalescer.push(text, now)
-        if chunks:
-            self._emit_chunks(chunks)
-        deadline = coalescer.deadline
-        if deadline is not None and self._flush_timer is None:
-            loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(max(0.0, deadline - now), self._flush_due)
-
-    def _flush_due(self) -> None:
-        self._flush_timer = None
-        coalescer = self._coalescer
-        if coalescer is None or self.outcome is not None:
-            return
-        now = time.perf_counter()
-        self._emit_chunks(coalescer.due(now))
-        deadline = coalescer.deadline
-        if deadline is not None:  # a newer chunk opened after the one this timer was for
-            loop = asyncio.get_running_loop()
-            self._flush_timer = loop.call_later(max(0.0, deadline - now), self._flush_due)
-
-    def _flush_pending(self) -> None:
-        if self._coalescer is not None:
-            self._emit_chunks(self._coalescer.flush())
-
-    def _emit_chunks(self, chunks: list[Chunk]) -> None:
-        for chunk in chunks:
-            self._emit(chunk.text, chunk.tokens)
-
-
-def _with_carried(counted: Mapping[str, Any], carried: Usage) -> dict[str, Any]:
-    """A taken-over stream's engine usage as the whole answer's: the original prompt once
-    (the continuation's prompt held the text sent before), and every token before it."""
-    out = dict(counted)
-    out["prompt_tokens"] = carried.prompt
-    out["completion_tokens"] = counted["completion_tokens"] + carried.completion
-    out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
-    reasoning = _count(_detail(counted, "completion_tokens_details", "reasoning_tokens"), 0)
-    if reasoning or carried.reasoning:
-        details = out.get("completion_tokens_details")
-        out["completion_tokens_details"] = {
-            **(details if isinstance(details, Mapping) else {}),
-            "reasoning_tokens": reasoning + carried.reasoning,
-        }
-    return out
-
-
-def _count(value: object, otherwise: int) -> int:
-    """A token count an engine reported, if it is one."""
-    return (
-        value
-        if isinstance(value, int) and not isinstance(value, bool) and value >= 0
-        else otherwise
-    )
-
-
-def _detail(usage: Mapping[str, Any], details: str, name: str) -> object:
-    part = usage.get(details)
-    return part.get(name) if isinstance(part, Mapping) else None
+            self._framer.append("meta", _progress(self, now))
 
 
 # A stream stopped by its reader's doing is not a server error: the type says whose it was.

@@ -31,6 +31,7 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from enum import Enum
+from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -38,13 +39,12 @@ from starlette.types import Receive, Scope, Send
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
-from firsttoken.core.stream import SELF_RESUMING, Outcome, Stream
+from firsttoken.core.stream import SELF_RESUMING, BaseStream, Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
-from firsttoken.wire.rebuild import error_events
 from firsttoken.wire.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
 from firsttoken.wire.transport import Body, Exchange, open_exchange
 
@@ -103,7 +103,7 @@ class EventWriter:
 
     def __init__(
         self,
-        stream: Stream,
+        stream: BaseStream,
         registry: StreamRegistry,
         metrics: Metrics,
         body: Body,
@@ -150,7 +150,7 @@ class EventWriter:
         self._arm(self.heartbeat_s)
         self.catch_up()
 
-    def move_to(self, stream: Stream) -> None:
+    def move_to(self, stream: BaseStream) -> None:
         """Read `stream` from here on, from this reader's cursor: the stream another
         instance generated, now continued by this one (a takeover)."""
         self.stream = stream
@@ -239,12 +239,7 @@ class EventWriter:
         """The stream moved to another instance under a reader that does not resume by itself
         (an SDK's): the format's error event, so that it raises rather than take what it got
         for the whole answer. No `id:`, so a client that does resume still can."""
-        stream = self.stream
-        code, message = MOVED_CODE, MOVED_MESSAGE
-        if stream.renderer is not None:
-            events = stream.renderer.error(code, message)
-        else:  # a mirror: the owner has the renderer
-            events = error_events(stream.kind, code, message)
+        events = self.stream.error_events(MOVED_CODE, MOVED_MESSAGE)
         self._write(b"".join(ServerSentEvent(d.decode(), name).encode() for name, d in events))
 
     def _write_last(self, data: bytes) -> None:
@@ -255,7 +250,7 @@ class EventWriter:
         except RuntimeError:
             self.close(End.DISCONNECTED)
 
-    def _account_tokens(self, stream: Stream, tokens: int, now: float) -> None:
+    def _account_tokens(self, stream: BaseStream, tokens: int, now: float) -> None:
         """Metrics for a first delivery (a replay to a resuming reader is not new). `deliver`
         does the same inline: it runs once per token."""
         metrics = self.metrics
@@ -417,7 +412,7 @@ class EventStreamResponse:
 
     def __init__(
         self,
-        stream: Stream,
+        stream: BaseStream,
         registry: StreamRegistry,
         metrics: Metrics,
         *,
@@ -475,8 +470,13 @@ class EventStreamResponse:
                 await attached.__aexit__(None, None, None)
         finally:
             if self.start:
-                self.registry.discard(self.stream)  # never started: give back its ticket
+                self.registry.discard(self._new())  # never started: give back its ticket
         await self._finish(end, writer, exchange)
+
+    def _new(self) -> Stream:
+        """The stream this response starts (`start`): the pipeline's new one, generated here
+        (a mirror is only ever read)."""
+        return cast(Stream, self.stream)
 
     def _writer(self, body: Body) -> EventWriter:
         return EventWriter(
@@ -495,7 +495,7 @@ class EventStreamResponse:
         # Attached before the stream starts, so it never runs without a reader.
         writer.open(self.preamble)
         if self.start:
-            await self.registry.start(self.stream)
+            await self.registry.start(self._new())
             # The engine has its request, and the first token is a TTFT away: let what is ready
             # run before this stream's first write (other new streams up to their engines, a
             # relay's upstream request), so a burst's streams start one set-up apart, not two.

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 
 import anyio
+import orjson
 
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Outcome
@@ -23,9 +24,7 @@ class _Store:
     def __init__(self, ends: bool) -> None:
         self.ends = ends
 
-    async def tail(
-        self, stream_id: str, after: int, log: EventLog, resumed: object = None
-    ) -> None:
+    async def tail(self, stream_id: str, after: int, log: EventLog, resumed: object = None) -> None:
         log.append(b'id: %d\ndata: {"token":"a"}\n\n' % log.next_seq, 1)
         if self.ends:
             log.close()  # the end marker
@@ -79,3 +78,37 @@ def test_a_mirror_knows_the_key_that_made_its_stream() -> None:
     assert Mirror(record, max_events=100).request.tenant == "alice"  # who reads it by id
     unnamed = StreamRecord("s2", "native", "d", "t", "synthetic")  # an open server's
     assert Mirror(unnamed, max_events=100).request.tenant == ""
+
+
+class _Cancels:
+    """A store that writes down the cancels it was asked to pass to a stream's owner."""
+
+    def __init__(self) -> None:
+        self.cancelled: list[str] = []
+
+    async def cancel(self, stream_id: str) -> str | None:
+        self.cancelled.append(stream_id)
+        return None  # the owner has not answered yet
+
+
+def test_cancelling_a_mirror_asks_its_owner_through_the_store() -> None:
+    store = _Cancels()
+    mirror = _mirror()
+    assert asyncio.run(mirror.cancel(store)) == "cancelling"  # type: ignore[arg-type]
+    assert store.cancelled == ["s1"] and mirror.outcome is None  # its owner ends it
+
+
+def test_a_mirror_s_last_reader_leaving_stops_its_tail_at_once() -> None:
+    async def body() -> None:
+        mirror, task = await _tailing(_Store(ends=False))
+        mirror.last_reader_left(None)  # type: ignore[arg-type]  # no grace here: the owner's
+        await task
+        assert mirror.log.closed and not mirror.ended_there
+
+    virtual_loop.run(body())
+
+
+def test_a_mirror_tells_a_reader_it_lets_go_in_its_format_without_a_renderer() -> None:
+    record = StreamRecord("s1", "responses", "d", "t", "synthetic")
+    [(name, data)] = Mirror(record, max_events=100).error_events("stream_moved", "elsewhere")
+    assert name == "error" and orjson.loads(data)["code"] == "stream_moved"

@@ -69,7 +69,7 @@ async def stream_events(request: Request) -> Answer:
     )
 
 
-def _ended(stream: Stream) -> bool:
+def _ended(stream: Stream | Mirror) -> bool:
     """Whether the stream's closed log is its end. Not for one handed over (its log closed
     here while another instance goes on), nor for a mirror whose tail stopped before the
     store said the stream ended: its reader is cut, and resumes, never told "all delivered"."""
@@ -87,7 +87,7 @@ async def cancel_stream(request: Request) -> Response:
     return JSONResponse({"id": stream.id, "outcome": outcome})
 
 
-async def _authorized_stream(request: Request) -> Stream:
+async def _authorized_stream(request: Request) -> Stream | Mirror:
     # The resume token is the credential here (an EventSource can only send it in the URL).
     token = request.query_params.get("token") or request.headers.get("x-resume-token")
     auth = request.headers.get("authorization", "")

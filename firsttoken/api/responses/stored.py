@@ -96,7 +96,7 @@ def as_it_stands(events: Iterable[tuple[str | None, bytes]]) -> dict[str, Any] |
     return opened
 
 
-def owns(stream: Stream, key_name: str) -> bool:
+def owns(stream: Stream | Mirror, key_name: str) -> bool:
     """Whether the key named `key_name` created `stream` (an open server's callers are all
     the one unnamed key)."""
     return stream.request.tenant == key_name
@@ -105,7 +105,7 @@ def owns(stream: Stream, key_name: str) -> bool:
 _NOT_FOUND = "no response with this id (it may have expired, or been deleted)"
 
 
-async def _response_stream(request: Request) -> Stream:
+async def _response_stream(request: Request) -> Stream | Mirror:
     key = gateway(request).admission.authenticate(request)
     stream = await find_response(request, request.path_params["response_id"], key.name)
     if stream is None:
@@ -113,12 +113,14 @@ async def _response_stream(request: Request) -> Stream:
     return stream
 
 
-async def find_response(request: Request, response_id: str, key_name: str) -> Stream | None:
+async def find_response(
+    request: Request, response_id: str, key_name: str
+) -> Stream | Mirror | None:
     """The stream of the response `response_id` of the key named `key_name`; None for one
     unknown, another format's, a whole answer's (not kept as events) or another key's: all
     alike."""
     gw = gateway(request)
-    stream: Stream | None = None
+    stream: Stream | Mirror | None = None
     if response_id.startswith(PREFIX):
         stream = await gw.registry.find(response_id[len(PREFIX) :])
     if (
@@ -149,7 +151,9 @@ def _events(log: EventLog) -> list[tuple[str | None, bytes]]:
     return [event_payload(wire) for seq in seqs if (wire := log.wire(seq)) is not None]
 
 
-async def current(request: Request, stream: Stream, until_end_s: float = 0.05) -> dict[str, Any]:
+async def current(
+    request: Request, stream: Stream | Mirror, until_end_s: float = 0.05
+) -> dict[str, Any]:
     """The Response as it stands, from the stream's log (a mirror's from the store, waiting
     `until_end_s` at most for its end)."""
     if isinstance(stream, Mirror):
