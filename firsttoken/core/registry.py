@@ -31,7 +31,12 @@ from firsttoken.resume.budget import ResumeBudget
 from firsttoken.telemetry.log import log_enabled, log_event
 from firsttoken.telemetry.metrics import LOOP_LAG_SAMPLE_S, Metrics, key_label
 
-__all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
+__all__ = ["FOUND_ELSEWHERE", "Reopen", "StreamRegistry", "StreamTracer"]
+
+# Formats whose streams other instances may be asked for before their first event: a native
+# stream's events URL, a Responses id (retrieve, background). Any stream a client may resume
+# (`grace_s` > 0) too.
+FOUND_ELSEWHERE = frozenset({"native", "responses"})
 
 
 class StreamTracer(Protocol):
@@ -251,9 +256,13 @@ class StreamRegistry:
                 )
             stream.begin()
             self.launch(stream, request)
-            if self.store.replicates:
+            if self.store.replicates and (stream.kind in FOUND_ELSEWHERE or stream.grace_s > 0):
                 # Findable on other instances before its id is handed out; the engine is
-                # already on its way, so the round trip is not added to the first token.
+                # already on its way, so the round trip is not added to the first token
+                # unless Redis is slow to take it (up to 1 s while it restarts). A stream only
+                # its own connection reads is not looked up elsewhere before its events,
+                # and its meta goes before them in any case (the flusher writes a missing
+                # meta first): it does not wait.
                 await self.store.registered(stream.id)
         except EngineError as exc:
             stream.fail(exc)

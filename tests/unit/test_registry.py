@@ -142,7 +142,7 @@ ENGINES: dict[str, Callable[[], Engine]] = {
 }
 
 
-def _stream(stream_id: str = "s1") -> Stream:
+def _stream(stream_id: str = "s1", kind: str = "native", grace_s: float = 10.0) -> Stream:
     return Stream(
         GenerationRequest(
             request_id=stream_id,
@@ -153,9 +153,9 @@ def _stream(stream_id: str = "s1") -> Stream:
             temperature=0,
         ),
         NativeRenderer(),
-        kind="native",
+        kind=kind,
         trace_id="t",
-        grace_s=10.0,
+        grace_s=grace_s,
         prompt_tokens=1,
         max_events=100,
         accepted_at=0.0,
@@ -465,3 +465,48 @@ def test_a_client_gone_before_the_first_token_is_billed_the_prompt_its_engine_re
     assert ticket.releases == [Outcome.DISCONNECTED]
     assert ticket.usage == (None if queued else Usage(prompt=1))
     assert ticket.read is not queued  # told while the route knows which target read it
+
+
+class _SlowRegistration(_Store):
+    """Redis slow to take a stream's meta (restarting): `registered` waits until `taken`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.waited: list[str] = []
+        self.taken = anyio.Event()
+
+    async def registered(self, stream_id: str) -> None:
+        self.waited.append(stream_id)
+        await self.taken.wait()
+
+
+@pytest.mark.parametrize(
+    ("kind", "grace_s", "waits"),
+    [
+        ("native", 0.0, True),  # its events URL is handed out with its id
+        ("responses", 0.0, True),  # retrieve and background read it by id elsewhere
+        ("openai", 5.0, True),  # resumable: its id and resume token are in the headers
+        ("openai", 0.0, False),  # read on its own connection only
+        ("anthropic", 0.0, False),
+    ],
+)
+def test_a_stream_waits_for_its_registration_only_where_others_may_look_it_up(
+    kind: str, grace_s: float, waits: bool
+) -> None:
+    """A Chat Completions stream started while Redis restarts did not begin until its meta
+    was written (up to 1 s added to its first token), though no other instance reads it."""
+
+    async def body() -> None:
+        store = _SlowRegistration()
+        registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            stream = _stream(kind=kind, grace_s=grace_s)
+            stream.ticket = _Ticket()
+            with anyio.move_on_after(0.05) as waited:  # waits: it never returns
+                await registry.start(stream)
+            assert waited.cancelled_caught is waits
+            assert store.opened == ["s1"] and store.waited == (["s1"] if waits else [])
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
