@@ -17,13 +17,14 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
+from typing import NamedTuple
 
 __all__ = [
     "PICOS",
-    "Leg",
     "LegCost",
+    "LegStart",
     "Price",
-    "TokenCounts",
+    "Usage",
     "answer_cost",
     "parse_money",
     "to_money",
@@ -127,16 +128,16 @@ class Price:
 FREE = Price()
 
 
-@dataclass(frozen=True, slots=True)
-class TokenCounts:
-    """One leg's tokens by kind. `prompt` includes `cached` and `cache_write` (as OpenAI's
-    prompt_tokens does); `completion` includes `reasoning`."""
+class Usage(NamedTuple):
+    """What one answer (or one leg of it) used, in tokens: what its key is billed and counted
+    for. `prompt` includes `cached` and `cache_write` (as OpenAI's prompt_tokens does);
+    `completion` includes `reasoning`."""
 
     prompt: int = 0
     completion: int = 0
     reasoning: int = 0
-    cached: int = 0
-    cache_write: int = 0
+    cached: int = 0  # prompt tokens the upstream read from its cache
+    cache_write: int = 0  # prompt tokens the upstream wrote to its cache
 
     def cost(self, price: Price) -> int:
         """In picos."""
@@ -152,7 +153,7 @@ class TokenCounts:
 
 
 @dataclass(frozen=True, slots=True)
-class Leg:
+class LegStart:
     """Where one part of an answer came from: the target, and the answer's token count before
     this leg began (0 for the first)."""
 
@@ -160,18 +161,18 @@ class Leg:
     at_token: int = 0
 
 
-_NO_LEG = Leg("")
+_NO_LEG = LegStart("")
 
 
 @dataclass(frozen=True, slots=True)
 class LegCost:
     target: str
-    tokens: TokenCounts
+    tokens: Usage
     cost: int  # picos
 
 
 def answer_cost(
-    legs: Sequence[Leg], usage: TokenCounts, prices: Mapping[str, Price]
+    legs: Sequence[LegStart], usage: Usage, prices: Mapping[str, Price]
 ) -> list[LegCost]:
     """`usage` (the whole answer's, as its client was told) split over its legs and priced:
     each leg's answer tokens at its own target's prices, the prompt at the first leg's.
@@ -193,7 +194,7 @@ def answer_cost(
         start = min(max(0, leg.at_token), total)
         end = total if i + 1 == len(legs) else min(max(start, legs[i + 1].at_token), total)
         reasoning = max(0, min(end, usage.reasoning) - start)
-        tokens = TokenCounts(
+        tokens = Usage(
             prompt=usage.prompt if i == 0 else 0,
             completion=end - start,
             reasoning=reasoning,

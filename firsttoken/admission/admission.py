@@ -51,7 +51,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.generation import EngineError
 from firsttoken.ledger import Ledger
-from firsttoken.pricing import PICOS, Leg
+from firsttoken.pricing import PICOS, LegStart
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label
 from firsttoken.wire.errors import APIError
@@ -360,13 +360,13 @@ class Admission:
         # No engine ran here: the breaker learns nothing from it (`client_fault`).
         return Ticket(self, grant, client_fault=True)
 
-    def taken_legs(self, model: str) -> tuple[Leg, ...]:
+    def taken_legs(self, model: str) -> tuple[LegStart, ...]:
         """A taken-over ticket bills the answer from where its owners' billing stopped, which
         may be tokens another instance generated (and, SIGKILLed, never billed): priced at
         the route's target, the one that generates its requests (a route's seams during the
         continuation add their legs as any request's do)."""
         target = self.ledger.target_of(model)
-        return (Leg(target),) if target else ()
+        return (LegStart(target),) if target else ()
 
     def limits_for(self, key: ApiKey) -> tuple[Limit, ...]:
         """The limits a request of `key` passes (gate.py): the server's always, and the ones

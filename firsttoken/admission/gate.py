@@ -51,7 +51,7 @@ from firsttoken.admission.limits import (
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import SpendHold, period_of
 from firsttoken.generation import DEFAULT_ANSWER_TOKENS
-from firsttoken.pricing import Leg, money_text
+from firsttoken.pricing import LegStart, money_text
 from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ class Admitted(NamedTuple):
     probe: bool  # the half-open breaker's probe: its outcome decides
     # The targets known to answer before any token: a taken-over stream's route target
     # (its seams add theirs as any request's do). A tuple: most have none or one.
-    legs: tuple[Leg, ...]
+    legs: tuple[LegStart, ...]
     arrived_at: float  # Unix time: the ledger record's time
     started: float  # perf_counter when admitted: the record's duration counts from it
     admitting_s: float  # what admission took: its calls to shared limits (Redis)
@@ -157,7 +157,7 @@ class Draft:
         request_id: str,
         trace_id: str,
         own_latency: bool,
-        legs: tuple[Leg, ...],
+        legs: tuple[LegStart, ...],
     ) -> Admitted:
         """Every limit passed: the holds are the request's to keep (the undo stack is dropped,
         never closed), frozen with what was granted. `begun`: perf_counter before the gate."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from firsttoken.admission.gate import Admitted
 from firsttoken.core.stream import Outcome, Usage
-from firsttoken.pricing import Leg, TokenCounts
+from firsttoken.pricing import LegStart
 from firsttoken.telemetry.metrics import key_label
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ class Ticket:
         if not self.legs:
             target = self.admission.serving(admitted.request_id)
             if target is not None:
-                self.legs = (Leg(target),)
+                self.legs = (LegStart(target),)
         if not admitted.own_latency:
             # The guard judges the engine: the time admission waited on Redis (up to its 1 s
             # timeout while Redis hangs) is the store's, not the engine's.
@@ -93,7 +93,7 @@ class Ticket:
         if not self.legs:
             target = self.admission.serving(self.admitted.request_id)
             if target is not None:
-                self.legs = (Leg(target),)
+                self.legs = (LegStart(target),)
 
     def seam(self, meta: Mapping[str, Any]) -> None:
         """A splice or a hand-off took: the next leg's target, from the token it began at.
@@ -106,9 +106,9 @@ class Ticket:
         if not isinstance(seam, Mapping) or not isinstance(seam.get("to"), str):
             return
         if not self.legs and isinstance(seam.get("from"), str):
-            self.legs = (Leg(seam["from"]),)
+            self.legs = (LegStart(seam["from"]),)
         at = seam.get("at_token")
-        self.legs += (Leg(seam["to"], at if isinstance(at, int) else 0),)
+        self.legs += (LegStart(seam["to"], at if isinstance(at, int) else 0),)
 
     async def release(self, outcome: Outcome, usage: Usage | None = None) -> None:
         if self.released:
@@ -151,9 +151,7 @@ class Ticket:
             key=key_label(self.key.name),  # `open` without a keys file, as in metrics
             model=admitted.model,
             legs=self.legs,
-            usage=TokenCounts(
-                used.prompt, used.completion, used.reasoning, used.cached, used.cache_write
-            ),
+            usage=used,
             outcome=outcome.value,
             ttft_ms=None if ttft is None else round(ttft * 1000, 3),
             duration_ms=round((time.perf_counter() - admitted.started) * 1000, 3),

@@ -17,7 +17,7 @@ from firsttoken.api.gateway import gateway, new_stream_id, retry_headers, trace_
 from firsttoken.api.protocol import _Body
 from firsttoken.core.stream import Outcome, Usage
 from firsttoken.generation import EmbeddingRequest, EngineError
-from firsttoken.pricing import Leg
+from firsttoken.pricing import LegStart
 from firsttoken.wire.errors import APIError
 
 __all__ = ["EmbeddingBody", "answer_once", "embeddings"]
@@ -101,7 +101,7 @@ async def answer_once(request: Request, kind: type[_Body], endpoint: str) -> Res
         return APIError(status, exc.code, exc.message, headers=retry_headers(exc)).response(trace)
     else:
         if answer.target is not None:
-            ticket.legs = (Leg(answer.target),)
+            ticket.legs = (LegStart(answer.target),)
         outcome, used = Outcome.COMPLETED, Usage(answer.prompt_tokens or tokens)
         answer.body["model"] = model  # the name the client asked by, not the target's
         return JSONResponse(answer.body, headers={"x-request-id": trace})

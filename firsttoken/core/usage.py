@@ -9,19 +9,11 @@ adds what the instances before it generated (`with_carried`).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any
+
+from firsttoken.pricing import Usage
 
 __all__ = ["Usage", "reported", "usage_of", "with_carried"]
-
-
-class Usage(NamedTuple):
-    """What one answer used, in tokens: what its key is billed and counted for."""
-
-    prompt: int = 0
-    completion: int = 0  # reasoning included, as OpenAI counts it
-    reasoning: int = 0
-    cached: int = 0  # prompt tokens the upstream read from its cache (part of `prompt`)
-    cache_write: int = 0  # prompt tokens the upstream wrote to its cache (part of `prompt`)
 
 
 def reported(prompt: int, completion: int, reasoning: int) -> dict[str, Any]:

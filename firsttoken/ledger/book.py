@@ -20,7 +20,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import LedgerStore, open_store
 from firsttoken.ledger.writer import LedgerWriter
-from firsttoken.pricing import FREE, PICOS, Leg, LegCost, Price, TokenCounts, answer_cost
+from firsttoken.pricing import FREE, PICOS, LegCost, LegStart, Price, Usage, answer_cost
 from firsttoken.routing.config import ModelRoute, RouteTable
 from firsttoken.telemetry.log import log_event
 
@@ -117,8 +117,8 @@ class Ledger:
         at: float,
         key: str,
         model: str,
-        legs: Sequence[Leg],
-        usage: TokenCounts,
+        legs: Sequence[LegStart],
+        usage: Usage,
         outcome: str,
         ttft_ms: float | None,
         duration_ms: float,
@@ -130,7 +130,7 @@ class Ledger:
         route = self.route_of(model)
         costs = answer_cost(legs, usage, self.prices)
         if prefill:
-            asked = TokenCounts(prompt=usage.prompt, completion=1)
+            asked = Usage(prompt=usage.prompt, completion=1)
             price = self.prices.get(prefill)
             costs.append(LegCost(prefill, asked, asked.cost(price) if price is not None else 0))
         record = UsageRecord(

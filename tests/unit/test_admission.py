@@ -14,7 +14,7 @@ from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import Budget, LocalSpend, MemorySpend
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Stream, Usage
-from firsttoken.pricing import Leg
+from firsttoken.pricing import LegStart
 from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
@@ -357,7 +357,7 @@ def test_budgets_show_their_amount_and_this_periods_spend_as_metrics(clock: Fake
         held = 10 * 1_000_000 + 20 * 100_000_000  # the route's dearest prices
         assert spent.value == held / 10**12
         assert await adm.budget_spent("erin", "day") == held
-        ticket.legs = (Leg("edge"),)
+        ticket.legs = (LegStart("edge"),)
         await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=2))
         (spent,) = {f.name: f for f in adm.collect()}["firsttoken_key_budget_spent"].samples
         assert spent.value == (10 * 500_000 + 2 * 50_000_000) / 10**12

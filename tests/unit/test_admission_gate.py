@@ -22,7 +22,7 @@ from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.spend import parse_budget
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
-from firsttoken.pricing import Leg
+from firsttoken.pricing import LegStart
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.errors import APIError
 from tests.unit import virtual_loop
@@ -159,7 +159,7 @@ def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -
         caps = [t.admitted.max_tokens for t in tickets]
         assert all(cap is not None and 0 < cap < 1024 for cap in caps), caps
         for ticket in tickets:
-            ticket.legs = (Leg("gpu"),)
+            ticket.legs = (LegStart("gpu"),)
             ran = min(20_000, ticket.admitted.max_tokens or 20_000)  # the engine stops at its cap
             await ticket.release(Outcome.COMPLETED, Usage(prompt=100, completion=ran))
         assert adm.spend.local.spent("carol", "day") <= CENT
@@ -167,7 +167,7 @@ def test_a_money_budget_caps_answers_that_name_no_max_tokens(clock: FakeClock) -
         with pytest.raises(APIError) as refused:
             for i in range(100):
                 ticket = await adm.admit(cent, 100, None, "chat", request_id=f"s{i}")
-                ticket.legs = (Leg("gpu"),)
+                ticket.legs = (LegStart("gpu"),)
                 usage = Usage(prompt=100, completion=ticket.admitted.max_tokens or 20_000)
                 await ticket.release(Outcome.COMPLETED, usage)
         assert refused.value.code == "budget_exceeded"

@@ -11,7 +11,7 @@ from firsttoken.admission import ApiKey, billed, sets_own_latency, shedding
 from firsttoken.admission import gate as gate_module
 from firsttoken.admission.spend import Budget, LocalSpend, MemorySpend, parse_budget
 from firsttoken.core.stream import Outcome, Usage
-from firsttoken.pricing import Leg
+from firsttoken.pricing import LegStart
 from firsttoken.routing.config import parse_routes
 from tests.unit.admissions import (
     ANYONE,
@@ -145,7 +145,7 @@ def test_the_hand_offs_prefill_is_billed_with_the_request_and_spends_the_budget(
         adm.ledger.price(parse_routes(ROUTES))
         key = ApiKey(name="erin", budget=Budget(10**12, "day"))
         ticket = await adm.admit(key, 10, 20, "chat", request_id="s1")
-        ticket.legs = (Leg("edge"),)
+        ticket.legs = (LegStart("edge"),)
         ticket.seam({"prefill": {"target": "center"}})
         await ticket.release(Outcome.COMPLETED, Usage(prompt=10, completion=20))
         (record,) = adm.ledger.writer.queue

@@ -4,7 +4,7 @@ request costs and counts, and the targets said to cost nothing."""
 from __future__ import annotations
 
 from firsttoken.ledger.book import Ledger
-from firsttoken.pricing import Leg, TokenCounts
+from firsttoken.pricing import LegStart, Usage
 from firsttoken.routing.config import parse_routes
 
 ROUTES = {
@@ -46,8 +46,8 @@ def test_an_ended_request_is_priced_counted_and_queued() -> None:
         at=0.0,
         key="alice",
         model="chat",
-        legs=[Leg("edge"), Leg("center", 5)],
-        usage=TokenCounts(prompt=10, completion=15),
+        legs=[LegStart("edge"), LegStart("center", 5)],
+        usage=Usage(prompt=10, completion=15),
         outcome="completed",
         ttft_ms=3.0,
         duration_ms=9.0,
@@ -76,8 +76,8 @@ def test_metrics_say_spend_and_cost_per_million() -> None:
         at=0.0,
         key="open",
         model="cheap",
-        legs=[Leg("edge")],
-        usage=TokenCounts(prompt=500_000, completion=500_000),
+        legs=[LegStart("edge")],
+        usage=Usage(prompt=500_000, completion=500_000),
         outcome="completed",
         ttft_ms=None,
         duration_ms=1.0,
@@ -118,8 +118,8 @@ def end(book: Ledger, key: str = "alice", **extra: object) -> int:
         at=0.0,
         key=key,
         model="chat",
-        legs=[Leg("edge"), Leg("center", 5)],
-        usage=TokenCounts(prompt=10, completion=15),
+        legs=[LegStart("edge"), LegStart("center", 5)],
+        usage=Usage(prompt=10, completion=15),
         outcome="completed",
         ttft_ms=3.0,
         duration_ms=9.0,

@@ -14,12 +14,12 @@ import pytest
 from firsttoken.ledger.record import UsageRecord
 from firsttoken.ledger.stores import MemoryLedgerStore, SQLiteLedgerStore
 from firsttoken.ledger.writer import LedgerWriter
-from firsttoken.pricing import LegCost, TokenCounts
+from firsttoken.pricing import LegCost, Usage
 
 
 def record(i: int) -> UsageRecord:
     return UsageRecord(
-        str(i), 0.0, "k", "r", "USD", "completed", None, 1.0, "", (LegCost("t", TokenCounts(), i),)
+        str(i), 0.0, "k", "r", "USD", "completed", None, 1.0, "", (LegCost("t", Usage(), i),)
     )
 
 

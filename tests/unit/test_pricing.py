@@ -7,9 +7,9 @@ from decimal import Decimal
 import pytest
 
 from firsttoken.pricing import (
-    Leg,
+    LegStart,
     Price,
-    TokenCounts,
+    Usage,
     answer_cost,
     money_text,
     parse_money,
@@ -39,7 +39,7 @@ def test_cache_prices_default_to_the_prompt_and_reasoning_to_the_completion() ->
 
 
 def test_each_kind_of_token_is_priced_at_its_own_price() -> None:
-    usage = TokenCounts(prompt=1000, completion=300, reasoning=100, cached=600, cache_write=200)
+    usage = Usage(prompt=1000, completion=300, reasoning=100, cached=600, cache_write=200)
     # fresh prompt 200 x 0.5, cached 600 x 0.05, written 200 x 0.625, answer 200 x 1.5,
     # reasoning 100 x 3, per million
     expected = Decimal("0.0001") + Decimal("0.00003") + Decimal("0.000125")
@@ -48,15 +48,17 @@ def test_each_kind_of_token_is_priced_at_its_own_price() -> None:
 
 
 def test_decimal_sums_never_drift_as_floats_do() -> None:
-    one = TokenCounts(prompt=1, completion=0).cost(Price.per_million(prompt=Decimal("0.1")))
+    one = Usage(prompt=1, completion=0).cost(Price.per_million(prompt=Decimal("0.1")))
     total = sum(one for _ in range(10_000))
     assert to_money(total) == Decimal("0.001")  # 10,000 x 0.1e-6, exactly
     assert sum(0.1e-6 for _ in range(10_000)) != 0.001  # what floats would have said
 
 
 def test_a_spliced_answer_is_priced_per_leg_and_the_prompt_once_at_the_first() -> None:
-    usage = TokenCounts(prompt=10, completion=30, reasoning=4)
-    legs = answer_cost([Leg("edge"), Leg("center", 8)], usage, {"edge": EDGE, "center": CENTER})
+    usage = Usage(prompt=10, completion=30, reasoning=4)
+    legs = answer_cost(
+        [LegStart("edge"), LegStart("center", 8)], usage, {"edge": EDGE, "center": CENTER}
+    )
     assert [(c.target, c.tokens.prompt, c.tokens.completion) for c in legs] == [
         ("edge", 10, 8),
         ("center", 0, 22),
@@ -68,13 +70,13 @@ def test_a_spliced_answer_is_priced_per_leg_and_the_prompt_once_at_the_first() -
 
 
 def test_a_leg_past_the_delivered_tokens_gets_none() -> None:
-    legs = answer_cost([Leg("edge"), Leg("center", 50)], TokenCounts(5, 20), {})
+    legs = answer_cost([LegStart("edge"), LegStart("center", 50)], Usage(5, 20), {})
     assert [c.tokens.completion for c in legs] == [20, 0]
 
 
 def test_no_legs_and_unpriced_targets_cost_nothing() -> None:
-    assert [c.cost for c in answer_cost([], TokenCounts(5, 20), {"x": CENTER})] == [0]
-    assert answer_cost([Leg("unpriced")], TokenCounts(5, 20), {"x": CENTER})[0].cost == 0
+    assert [c.cost for c in answer_cost([], Usage(5, 20), {"x": CENTER})] == [0]
+    assert answer_cost([LegStart("unpriced")], Usage(5, 20), {"x": CENTER})[0].cost == 0
 
 
 @pytest.mark.parametrize(

@@ -222,7 +222,7 @@ def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
     tmp_path: Path,
 ) -> None:
     from firsttoken.core.stream import Outcome, Usage
-    from firsttoken.pricing import Leg
+    from firsttoken.pricing import LegStart
     from firsttoken.wire.errors import APIError
 
     keys = '[[keys]]\nname = "a"\nkey = "sk-a"\nbudget = {{ amount = 0.01, per = "{per}" }}\n'
@@ -240,7 +240,7 @@ def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
         key = adm.keys.find("sk-a")
         assert key is not None
         ticket = await adm.admit(key, 0, 1, "chat", request_id="r1")
-        ticket.legs = (Leg("s"),)
+        ticket.legs = (LegStart("s"),)
         await ticket.release(Outcome.COMPLETED, Usage(completion=1))  # a cent: all of it
         for per in ("month", "total", "day"):  # each a budget of its own, until now
             write(files.api_keys, keys.format(per=per))

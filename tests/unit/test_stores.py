@@ -19,7 +19,7 @@ from firsttoken.ledger.stores import (
     SQLiteLedgerStore,
     open_store,
 )
-from firsttoken.pricing import LegCost, TokenCounts
+from firsttoken.pricing import LegCost, Usage
 from tests.postgres_server import PostgresServer
 
 DAY = 1796169600.0  # 2026-12-02 00:00 UTC
@@ -39,7 +39,7 @@ def record(
         duration_ms=80.0,
         trace_id="t" + rid,
         legs=tuple(
-            LegCost(target, TokenCounts(prompt, completion, 0, 0, 0), cost)
+            LegCost(target, Usage(prompt, completion, 0, 0, 0), cost)
             for target, prompt, completion, cost in legs
         ),
     )
