@@ -40,8 +40,8 @@ from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import Script, SyntheticEngine, _Run
 from firsttoken.resume import EventLog
 from firsttoken.telemetry.metrics import Metrics
+from firsttoken.wire.exchange import ChunkedBody
 from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.transport import ChunkedBody
 
 __all__ = ["main", "measure", "render_table", "stages"]
 

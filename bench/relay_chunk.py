@@ -171,8 +171,8 @@ async def _one_stream(
     from firsttoken.core.stream import Stream
     from firsttoken.core.writer import EventWriter
     from firsttoken.generation import GenerationRequest
+    from firsttoken.wire.exchange import ChunkedBody
     from firsttoken.wire.render import ChatRenderer
-    from firsttoken.wire.transport import ChunkedBody
 
     body = {"model": "m", "messages": [{"role": "user", "content": "bench"}], "stream": True}
     request = GenerationRequest(

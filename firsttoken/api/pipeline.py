@@ -53,7 +53,7 @@ from firsttoken.core.stream import Renderer, Stream
 from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.assemble import ChatAnswer
-from firsttoken.wire.transport import client_gone
+from firsttoken.wire.exchange import client_gone
 
 __all__ = ["Answer", "Ending", "Format", "Inputs", "Plan", "serve"]
 

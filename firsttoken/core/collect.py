@@ -89,7 +89,7 @@ class Collector:
 
     async def run(self, registry: StreamRegistry, gone: Callable[[], Awaitable[None]]) -> bool:
         """Start the stream and collect it; False if the client left first (`gone` returns
-        when it has: `wire.transport.client_gone`), and the stream is then stopped, as a
+        when it has: `wire.exchange.client_gone`), and the stream is then stopped, as a
         streaming reader's departure would."""
         stream = self.stream
         if self.max_bytes is None:

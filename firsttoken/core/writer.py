@@ -2,7 +2,7 @@
 streaming ASGI response that hands it the connection. It is the reader side of the log (as
 `collect.Collector` is for whole answers); `wire/` below it knows only bytes and formats.
 
-The response opens its exchange (`wire.transport`: the head, and a `Body` that frames and
+The response opens its exchange (`wire.exchange`: the head, and a `Body` that frames and
 writes to the connection; the core never sees the server's internals), hands it to an
 `EventWriter` and waits for one future. From then on the writer is driven by callbacks, never
 by a task:
@@ -45,8 +45,8 @@ from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor
 from firsttoken.wire.errors import error_body
+from firsttoken.wire.exchange import Body, Exchange, open_exchange
 from firsttoken.wire.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
-from firsttoken.wire.transport import Body, Exchange, open_exchange
 
 __all__ = ["End", "EventStreamResponse", "EventWriter"]
 
@@ -118,7 +118,7 @@ class EventWriter:
         self.log = stream.log
         self.registry = registry
         self.metrics = metrics
-        self.body = body  # the connection's, framed by wire/ (`wire.transport`)
+        self.body = body  # the connection's, framed by wire/ (`wire.exchange`)
         self.schedule: Schedule = registry.schedule
         self.cursor = after
         self.heartbeat_s = heartbeat_s

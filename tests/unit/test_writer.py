@@ -15,9 +15,9 @@ from firsttoken.core.stream import Outcome, Renderer, Stream
 from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.telemetry.metrics import Metrics
+from firsttoken.wire.exchange import ChunkedBody
 from firsttoken.wire.render import ChatRenderer, NativeRenderer
 from firsttoken.wire.sse import EventDecoder
-from firsttoken.wire.transport import ChunkedBody
 from tests.unit.clock import FakeClock
 
 

@@ -1,4 +1,4 @@
-"""The event stream's transport (`wire/transport.py`): the body's framing, set-up's held
+"""The event stream's transport (`wire/exchange.py`): the body's framing, set-up's held
 writes, the ASGI fallback, and the uvicorn release wire/ subclasses."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 
 import uvicorn
 
-from firsttoken.wire.transport import (
+from firsttoken.wire.exchange import (
     UVICORN_MINOR,
     AsgiExchange,
     ChunkedBody,
