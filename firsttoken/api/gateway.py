@@ -126,7 +126,7 @@ class Gateway:
         generation: GenerationRequest,
         renderer: Renderer,
         *,
-        kind: str,
+        format: str,
         grace_s: float,
         trace: str,
         accepted_at: float,
@@ -159,7 +159,7 @@ class Gateway:
             stream = Stream(
                 generation,
                 renderer,
-                kind=kind,
+                format=format,
                 trace_id=trace,
                 grace_s=grace_s,
                 prompt_tokens=admitted.prompt_tokens,
@@ -185,7 +185,7 @@ class Gateway:
             stream.handover = self.takeover.handover(stream, generation, ticket)
             # A drain hands over only what its readers resume by themselves (SELF_RESUMING);
             # the handover still lets a reader elsewhere take over any stream of a dead owner.
-            stream.movable = stream.handover is not None and kind in SELF_RESUMING
+            stream.movable = stream.handover is not None and format in SELF_RESUMING
         return stream
 
     def _check(self, generation: GenerationRequest, ticket: Ticket) -> None:

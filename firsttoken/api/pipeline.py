@@ -103,7 +103,7 @@ class Format(Generic[B]):
     """One API format, as the pipeline asks of it (a thin shell per format: the subclasses
     in `api/<format>/adapter.py`)."""
 
-    kind: str  # the stream's kind: its log lines, its rebuild on another instance
+    name: str  # the API format's name, a stream's `format`: its log lines, its rebuild elsewhere
     body: type[B]  # the request model
     # A header of the format's own that carries the trace id too (Anthropic's `request-id`).
     trace_header: str | None = None
@@ -201,7 +201,7 @@ async def serve(request: Request, format: Format[Any]) -> Answer:
         stream = gw.open_stream(
             generation,
             plan.renderer,
-            kind=format.kind,
+            format=format.name,
             grace_s=format.grace_for(body, gw.settings),
             trace=trace,
             accepted_at=accepted_at,

@@ -187,7 +187,7 @@ class Takeover:
         stream = Stream(
             generation,
             renderer,
-            kind=mirror.kind,
+            format=mirror.format,
             trace_id=mirror.trace_id,
             grace_s=spec["grace_s"],
             prompt_tokens=spec["prompt_tokens"],
@@ -200,7 +200,7 @@ class Takeover:
         if spec["coalesce"] is not None:
             stream.coalesce = CoalescePolicy(**spec["coalesce"])
         stream.meta_interval_s = spec["meta_interval_s"]
-        stream.movable = mirror.kind in SELF_RESUMING
+        stream.movable = mirror.format in SELF_RESUMING
         return stream
 
     async def _rebuild(

@@ -43,7 +43,7 @@ class Mirror(BaseStream):
         request = GenerationRequest(
             request_id=record.id, prompt="", model=record.model, tenant=record.tenant
         )
-        super().__init__(request, record.kind, record.trace_id, EventLog(max_events))
+        super().__init__(request, record.format, record.trace_id, EventLog(max_events))
         self.token_digest = record.token_digest
         self.ended_there = False
         self.resumed: Resumed | None = None
@@ -53,7 +53,7 @@ class Mirror(BaseStream):
         return self.outcome is not None or self.log.closed
 
     def error_events(self, code: str, message: str) -> Events:
-        return error_events(self.kind, code, message)
+        return error_events(self.format, code, message)
 
     def stop(self, reason: Outcome, error: EngineError | None = None) -> None:
         """Stop tailing (the owner's generation is the owner's to stop)."""

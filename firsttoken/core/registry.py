@@ -256,7 +256,7 @@ class StreamRegistry:
                 )
             stream.begin()
             self.launch(stream, request)
-            if self.store.replicates and (stream.kind in FOUND_ELSEWHERE or stream.grace_s > 0):
+            if self.store.replicates and (stream.format in FOUND_ELSEWHERE or stream.grace_s > 0):
                 # Findable on other instances before its id is handed out; the engine is
                 # already on its way, so the round trip is not added to the first token
                 # unless Redis is slow to take it (up to 1 s while it restarts). A stream only

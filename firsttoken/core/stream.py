@@ -150,9 +150,9 @@ class BaseStream(ABC):
         "_abandon_epoch",
         "_digest",
         "delivered_seq",
+        "format",
         "generation",
         "id",
-        "kind",
         "last_content_at",
         "log",
         "outcome",
@@ -162,10 +162,12 @@ class BaseStream(ABC):
         "trace_id",
     )
 
-    def __init__(self, request: GenerationRequest, kind: str, trace_id: str, log: EventLog) -> None:
+    def __init__(
+        self, request: GenerationRequest, format: str, trace_id: str, log: EventLog
+    ) -> None:
         self.id = request.request_id
         self.request = request
-        self.kind = kind  # the format: "native" | "chat.completion.chunk" | "responses" ...
+        self.format = format  # the API format: "native" | "openai" | "responses" | "anthropic"
         self.trace_id = trace_id
         self.log = log
         self._digest: str | None = None  # sha256 of the resume token: made when needed
@@ -260,7 +262,7 @@ class Stream(BaseStream):
         request: GenerationRequest,
         renderer: Renderer,
         *,
-        kind: str,
+        format: str,
         trace_id: str,
         grace_s: float,
         prompt_tokens: int,
@@ -269,9 +271,9 @@ class Stream(BaseStream):
         window: int | None = None,
     ) -> None:
         log = EventLog(max_events, window)
-        super().__init__(request, kind, trace_id, log)
+        super().__init__(request, format, trace_id, log)
         self.renderer = renderer
-        self._framer = Framer(renderer, log, shows_meta=kind in SHOWS_META)
+        self._framer = Framer(renderer, log, shows_meta=format in SHOWS_META)
         self.grace_s = grace_s
         self.prompt_tokens = prompt_tokens
         self.resume_token = secrets.token_urlsafe(24)
@@ -332,7 +334,7 @@ class Stream(BaseStream):
     def record(self) -> StreamRecord:
         return StreamRecord(
             self.id,
-            self.kind,
+            self.format,
             self.token_digest,
             self.trace_id,
             self.request.model,

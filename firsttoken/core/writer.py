@@ -504,7 +504,7 @@ class EventStreamResponse:
     async def _finish(self, end: End, writer: EventWriter, exchange: Exchange) -> None:
         if end is End.FINISHED:
             stream = writer.stream
-            if stream.outcome is Outcome.MOVED and stream.kind not in SELF_RESUMING:
+            if stream.outcome is Outcome.MOVED and stream.format not in SELF_RESUMING:
                 writer.write_moved()
             tail = self.compressor.finish() if self.compressor is not None else b""
             if await exchange.end(tail, self.send_timeout_s, writer.terminated):

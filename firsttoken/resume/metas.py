@@ -90,7 +90,7 @@ def meta_commands(rep: Replica, instance: str) -> list[tuple[Any, ...]]:
     r = rep.record
     key = meta_key(r.id)
     handover = rep.handover()
-    fields: list[Any] = ["kind", r.kind, "digest", r.token_digest, "trace", r.trace_id]
+    fields: list[Any] = ["kind", r.format, "digest", r.token_digest, "trace", r.trace_id]
     fields += ("model", r.model, "takeover", 0 if handover is None else 1)
     if handover is not None:
         fields += ("req", handover)
@@ -257,7 +257,7 @@ class MetaWriter:
         blob: list[bytes] = []
         for rep in reps:
             r = rep.record
-            fields = [f.encode() for f in (r.kind, r.token_digest, r.trace_id, r.model, r.tenant)]
+            fields = [f.encode() for f in (r.format, r.token_digest, r.trace_id, r.model, r.tenant)]
             handover = rep.handover()
             fields.append(handover or b"")
             fields.append(rep.end[0].encode() if rep.end is not None else b"")

@@ -41,7 +41,7 @@ def token_digest(token: str) -> str:
 @dataclass(frozen=True, slots=True)
 class StreamRecord:
     id: str
-    kind: str  # "native" | "openai": decides the connection preamble
+    format: str  # the API format ("native", "openai", ...): decides the connection preamble
     token_digest: str
     trace_id: str
     model: str

@@ -313,7 +313,7 @@ class Telemetry:
             "gen_ai.request.model": model,
             "firsttoken.stream_id": stream.id,
             "firsttoken.request_id": stream.trace_id,
-            "firsttoken.api": stream.kind,
+            "firsttoken.api": stream.format,
         }
         if request.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = request.max_tokens

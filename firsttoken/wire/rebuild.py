@@ -53,13 +53,13 @@ def rebuild(spec: dict[str, Any]) -> Rebuilt:
     raise ValueError(f"no renderer for {spec.get('format')!r}")
 
 
-def error_events(kind: str, code: str, message: str) -> Events:
-    """The events that end a stream of `kind` (a `Stream.kind`) with an error, without its
+def error_events(format: str, code: str, message: str) -> Events:
+    """The events that end a stream of `format` (a `Stream.format`) with an error, without its
     renderer: what a reader here of another instance's stream (a mirror) is told when this
     instance lets it go. Responses' `error` event carries no `sequence_number` then (the
     renderer that counts them is the owner's)."""
     type_ = "server_error"
-    match kind:
+    match format:
         case "anthropic":
             return [("error", anthropic_error_body(code, message, error_type(code, type_)))]
         case "responses":

@@ -312,7 +312,7 @@ def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() 
                         tenant=key.name,
                     ),
                     NativeRenderer(),
-                    kind="native",
+                    format="native",
                     trace_id="t",
                     grace_s=10.0,
                     prompt_tokens=1,

@@ -29,7 +29,7 @@ def make(max_events: int = 200) -> Stream:
     stream = Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic", max_tokens=50),
         renderer,
-        kind="anthropic",
+        format="anthropic",
         trace_id="t",
         grace_s=0.0,
         prompt_tokens=3,

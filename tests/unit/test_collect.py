@@ -28,7 +28,7 @@ def _stream() -> Stream:
     return Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         ChatRenderer("chatcmpl-s1", "synthetic", 0, True),
-        kind="openai",
+        format="openai",
         trace_id="t",
         grace_s=0.0,
         prompt_tokens=1,

@@ -28,7 +28,7 @@ def test_a_native_stream_is_answered_with_a_handle_and_keeps_its_options() -> No
     stream = Stream(
         STREAMS.generation(body, "m", "id1"),
         plan.renderer,
-        kind=STREAMS.kind,
+        format=STREAMS.name,
         trace_id="t1",
         grace_s=1,
         prompt_tokens=2,

@@ -15,7 +15,7 @@ def _stream() -> Stream:
     return Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         NativeRenderer(),
-        kind="native",
+        format="native",
         trace_id="t",
         grace_s=0.0,
         prompt_tokens=1,

@@ -142,7 +142,7 @@ ENGINES: dict[str, Callable[[], Engine]] = {
 }
 
 
-def _stream(stream_id: str = "s1", kind: str = "native", grace_s: float = 10.0) -> Stream:
+def _stream(stream_id: str = "s1", format: str = "native", grace_s: float = 10.0) -> Stream:
     return Stream(
         GenerationRequest(
             request_id=stream_id,
@@ -153,7 +153,7 @@ def _stream(stream_id: str = "s1", kind: str = "native", grace_s: float = 10.0) 
             temperature=0,
         ),
         NativeRenderer(),
-        kind=kind,
+        format=format,
         trace_id="t",
         grace_s=grace_s,
         prompt_tokens=1,
@@ -239,7 +239,7 @@ def _finished(registry: StreamRegistry, stream_id: str, tenant: str, tokens: int
     stream = Stream(
         GenerationRequest(request_id=stream_id, prompt="", model="synthetic", tenant=tenant),
         NativeRenderer(),
-        kind="native",
+        format="native",
         trace_id="t",
         grace_s=0.0,
         prompt_tokens=1,
@@ -351,7 +351,7 @@ def test_end_where_ends_only_the_live_streams_it_picks_with_their_error() -> Non
         stream = Stream(
             GenerationRequest(request_id=stream_id, prompt="", model="synthetic", tenant=tenant),
             NativeRenderer(),
-            kind="native",
+            format="native",
             trace_id="t",
             grace_s=0.0,
             prompt_tokens=1,
@@ -481,7 +481,7 @@ class _SlowRegistration(_Store):
 
 
 @pytest.mark.parametrize(
-    ("kind", "grace_s", "waits"),
+    ("format", "grace_s", "waits"),
     [
         ("native", 0.0, True),  # its events URL is handed out with its id
         ("responses", 0.0, True),  # retrieve and background read it by id elsewhere
@@ -491,7 +491,7 @@ class _SlowRegistration(_Store):
     ],
 )
 def test_a_stream_waits_for_its_registration_only_where_others_may_look_it_up(
-    kind: str, grace_s: float, waits: bool
+    format: str, grace_s: float, waits: bool
 ) -> None:
     """A Chat Completions stream started while Redis restarts did not begin until its meta
     was written (up to 1 s added to its first token), though no other instance reads it."""
@@ -501,7 +501,7 @@ def test_a_stream_waits_for_its_registration_only_where_others_may_look_it_up(
         registry = StreamRegistry(_FailingPull(), Metrics(), ttl_s=10, store=store)  # type: ignore[arg-type]
         async with anyio.create_task_group() as tg:
             await tg.start(registry.run)
-            stream = _stream(kind=kind, grace_s=grace_s)
+            stream = _stream(format=format, grace_s=grace_s)
             stream.ticket = _Ticket()
             with anyio.move_on_after(0.05) as waited:  # waits: it never returns
                 await registry.start(stream)

@@ -468,7 +468,7 @@ def stream_of(r: ResponsesRenderer, tenant: str = "alice") -> Stream:
     return Stream(
         request,
         r,
-        kind="responses",
+        format="responses",
         trace_id="t",
         grace_s=0,
         prompt_tokens=1,

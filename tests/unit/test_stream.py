@@ -27,7 +27,7 @@ def make(grace_s: float = 0.0) -> Stream:
     stream = Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic", max_tokens=10),
         NativeRenderer(),
-        kind="native",
+        format="native",
         trace_id="t",
         grace_s=grace_s,
         prompt_tokens=1,
@@ -224,7 +224,7 @@ async def _started(engine: object, request: GenerationRequest) -> Stream:
     stream = Stream(
         request,
         NativeRenderer(),
-        kind="native",
+        format="native",
         trace_id="t",
         grace_s=0.0,
         prompt_tokens=1,
@@ -409,7 +409,7 @@ def test_the_record_a_store_keeps_names_the_key_that_made_the_stream() -> None:
     stream = Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic", tenant="alice"),
         NativeRenderer(),
-        kind="responses",
+        format="responses",
         trace_id="t",
         grace_s=0,
         prompt_tokens=1,

@@ -37,7 +37,7 @@ def original(renderer=None, **fields) -> tuple[Stream, GenerationRequest]:
     stream = Stream(
         generation,
         renderer or ChatRenderer("chatcmpl-s1", "synthetic", 1, True),
-        kind="openai",
+        format="openai",
         trace_id="t",
         grace_s=5.0,
         prompt_tokens=2,

@@ -63,7 +63,7 @@ def stream(
     s = Stream(
         request,
         ChatRenderer("chatcmpl-1", "synthetic", 0, False),
-        kind="openai",
+        format="openai",
         trace_id=trace_id,
         grace_s=0,
         prompt_tokens=3,

@@ -42,7 +42,7 @@ def setup(
     grace_s: float = 0.0,
     window: int = 4,
     renderer: Renderer | None = None,
-    kind: str = "native",
+    format: str = "native",
 ) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventWriter]:
     clock = FakeClock()
     monkeypatch.setattr(writer_module, "_clock", clock)
@@ -51,7 +51,7 @@ def setup(
     stream = Stream(
         GenerationRequest(request_id="s1", prompt="hi", model="synthetic"),
         renderer or NativeRenderer(),
-        kind=kind,
+        format=format,
         trace_id="t",
         grace_s=grace_s,
         prompt_tokens=1,
@@ -360,7 +360,7 @@ def test_a_moved_stream_ends_an_sdk_reader_with_its_formats_error_never_clean(
 
     async def body() -> None:
         chat = ChatRenderer("chatcmpl-s1", "synthetic", 0, False)
-        _, stream, _, transport, writer = setup(monkeypatch, renderer=chat, kind="openai")
+        _, stream, _, transport, writer = setup(monkeypatch, renderer=chat, format="openai")
         writer.open(b"")
         stream.begin()
         writer.pause_writing()  # behind when the stream moves: catch_up writes its end

@@ -58,7 +58,7 @@ class MessagesFormat(Format[MessagesRequest]):
     """`POST /v1/messages`. A whole answer is collected in the chat format (which
     `assemble_chat` folds) and reshaped into a message object."""
 
-    kind = "anthropic"
+    name = "anthropic"
     body = MessagesRequest
     trace_header = "request-id"  # what the SDK reads as the request's id
 

@@ -18,7 +18,7 @@ __all__ = ["STREAMS", "NativeFormat"]
 
 
 class NativeFormat(Format[NativeStreamRequest]):
-    kind = "native"
+    name = "native"
     body = NativeStreamRequest
 
     def grace_s(self, settings: Settings) -> float:

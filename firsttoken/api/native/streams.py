@@ -64,7 +64,7 @@ async def stream_events(request: Request) -> Answer:
         stream,
         request,
         after=after,
-        preamble=_PREAMBLE if stream.kind == "native" else b"",
+        preamble=_PREAMBLE if stream.format == "native" else b"",
         timestamps=request.query_params.get("timestamps") in ("1", "true"),
     )
 

@@ -23,7 +23,7 @@ R = TypeVar("R", ChatCompletionRequest, CompletionRequest)
 
 
 class _OpenAIFormat(Format[R], Generic[R]):
-    kind = "openai"
+    name = "openai"
     prefix: str  # of the answer's id, before the stream's
     answer_object: str  # a whole answer's `object`
     renderer: type[ChatRenderer] | type[CompletionRenderer]

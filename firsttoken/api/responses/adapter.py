@@ -66,7 +66,7 @@ __all__ = [
 class ResponsesFormat(Format[ResponsesRequest]):
     """`POST /v1/responses`."""
 
-    kind = "responses"
+    name = "responses"
     body = ResponsesRequest
 
     def grace_s(self, settings: Settings) -> float:

@@ -125,7 +125,7 @@ async def find_response(
         stream = await gw.registry.find(response_id[len(PREFIX) :])
     if (
         stream is None
-        or stream.kind != "responses"
+        or stream.format != "responses"
         or not (isinstance(stream, Mirror) or isinstance(stream.renderer, ResponsesRenderer))
         or not owns(stream, key_name)
     ):
