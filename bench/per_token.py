@@ -180,7 +180,7 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
         stream = Stream(
             request,
             renderer,
-            kind="openai",
+            format="openai",
             trace_id="t",
             grace_s=0,
             prompt_tokens=1,

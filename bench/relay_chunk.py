@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import inspect
 import os
 import shutil
 import statistics
@@ -184,10 +185,13 @@ async def _one_stream(
         max_tokens=chunks + 8,
     )
     renderer = ChatRenderer("chatcmpl-" + "0" * 32, "m", int(time.time()), False)
+    # The stream's API format was `kind` before it was `format` (--rev runs older trees).
+    params = inspect.signature(Stream.__init__).parameters
+    format_param = "format" if "format" in params else "kind"
     stream = Stream(
         request,
         renderer,
-        kind="openai",
+        **{format_param: "openai"},
         trace_id="t",
         grace_s=0,
         prompt_tokens=1,
