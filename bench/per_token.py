@@ -34,8 +34,8 @@ from typing import Any
 import uvloop
 
 from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.sender import EventSender
 from firsttoken.core.stream import Stream
-from firsttoken.core.writer import EventWriter
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import Script, SyntheticEngine, _Run
 from firsttoken.resume import EventLog
@@ -188,7 +188,7 @@ async def stages(tokens_per_batch: int, rounds: int) -> dict[str, float]:
             accepted_at=time.perf_counter(),
             window=4,
         )
-        writer = EventWriter(
+        writer = EventSender(
             stream,
             registry,
             metrics,

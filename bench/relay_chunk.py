@@ -3,7 +3,7 @@ process, so the figure is not lost in the noise of separate processes.
 
 The server's real objects, on uvloop: the engine `--engine openai --upstream URL` builds (a
 one-route `RoutedEngine` over a `RelayEngine`), the registry's `_Pulled` task pushing its
-deltas into a `Stream`, and an `EventWriter` writing its frames. The upstream is a loopback
+deltas into a `Stream`, and an `EventSender` writing its frames. The upstream is a loopback
 server in the same loop; once it has answered the head, each timed chunk is handed to the
 upstream connection's protocol (`data_received`, as the loop would on a read), and the
 writer's transport notes when the client's frame is written. No syscall is timed, only the
@@ -170,7 +170,11 @@ async def _one_stream(
     """(request out s, request in s, first chunk s, later chunks s) of one relayed stream."""
     from firsttoken.core.registry import _Pulled
     from firsttoken.core.stream import Stream
-    from firsttoken.core.writer import EventWriter
+
+    try:
+        from firsttoken.core.sender import EventSender
+    except ImportError:  # --rev: a tree from before the rename
+        from firsttoken.core.writer import EventWriter as EventSender  # type: ignore[no-redef]
     from firsttoken.generation import GenerationRequest
     from firsttoken.wire.exchange import ChunkedBody
     from firsttoken.wire.render import ChatRenderer
@@ -198,7 +202,7 @@ async def _one_stream(
         max_events=chunks + 64,
         accepted_at=time.perf_counter(),
     )
-    writer = EventWriter(
+    writer = EventSender(
         stream,
         registry,
         metrics,

@@ -25,8 +25,8 @@ from firsttoken.api.takeover import Takeover
 from firsttoken.config import Settings
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.registry import StreamRegistry
+from firsttoken.core.sender import EventStreamResponse
 from firsttoken.core.stream import SELF_RESUMING, BaseStream, Renderer, Stream
-from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import Engine, EngineError, GenerationRequest
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import Metrics, key_label

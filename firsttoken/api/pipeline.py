@@ -49,8 +49,8 @@ from firsttoken.api.gateway import (
 from firsttoken.api.protocol import Coalesce
 from firsttoken.config import Settings
 from firsttoken.core.collect import Collector
+from firsttoken.core.sender import EventStreamResponse
 from firsttoken.core.stream import Renderer, Stream
-from firsttoken.core.writer import EventStreamResponse
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.wire.assemble import ChatAnswer
 from firsttoken.wire.exchange import client_gone

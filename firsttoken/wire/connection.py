@@ -43,7 +43,7 @@ CONNECTION_KEY = "firsttoken.wire.connection"
 
 
 class ConnectionListener(Protocol):
-    """What an event-stream writer hears from its connection (see `core.writer.EventWriter`)."""
+    """What an event-stream writer hears from its connection (see `core.sender.EventSender`)."""
 
     def pause_writing(self) -> None: ...
 

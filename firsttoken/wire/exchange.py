@@ -1,4 +1,4 @@
-"""An event stream's HTTP exchange: what the core's writer (`core.writer`) asks of the HTTP
+"""An event stream's HTTP exchange: what the core's writer (`core.sender`) asks of the HTTP
 connection it writes to, and how (our connection's methods, HTTP/1.1 chunk framing, ASGI
 messages).
 

@@ -1,10 +1,10 @@
-"""The event writer: one reader of a stream's event log, writing to one socket, and the
+"""The event sender: one reader of a stream's event log, writing to one socket, and the
 streaming ASGI response that hands it the connection. It is the reader side of the log (as
 `collect.Collector` is for whole answers); `wire/` below it knows only bytes and formats.
 
 The response opens its exchange (`wire.exchange`: the head, and a `Body` that frames and
 writes to the connection; the core never sees the server's internals), hands it to an
-`EventWriter` and waits for one future. From then on the writer is driven by callbacks, never
+`EventSender` and waits for one future. From then on the writer is driven by callbacks, never
 by a task:
 
 - the log's `deliver` (a new event, inside the engine's step): written at once to the body
@@ -21,7 +21,7 @@ own bookkeeping of the response (keep-alive, completion) stays right.
 
 Writes are system calls, and a short stream made five: the head, the opening event, its
 tokens, the closing events, the terminating chunk. The head waits for the opening events
-(`EventWriter.hold`), and the terminating chunk rides with the closing events (uvicorn's
+(`EventSender.hold`), and the terminating chunk rides with the closing events (uvicorn's
 bookkeeping is then told the response ended, and writes nothing): three.
 """
 
@@ -48,13 +48,13 @@ from firsttoken.wire.errors import error_body
 from firsttoken.wire.exchange import Body, Exchange, open_exchange
 from firsttoken.wire.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
 
-__all__ = ["End", "EventStreamResponse", "EventWriter"]
+__all__ = ["End", "EventSender", "EventStreamResponse"]
 
 # perf_counter, not the loop's clock: uvloop's has 1 ms resolution, too coarse for
 # inter-chunk histograms with 0.5 ms buckets.
 _clock = time.perf_counter
 _REPLAY_BATCH = 256  # events per write while catching up (a resume replay)
-# Set-up's writes are held back for one system call (see `EventWriter.hold`), but only this
+# Set-up's writes are held back for one system call (see `EventSender.hold`), but only this
 # many bytes of them: past it a long replay goes to the transport, whose high-water mark
 # pauses the writer, so a reader that never reads holds that mark plus the kernel's buffer.
 _HOLD_MAX_BYTES = 65536
@@ -73,8 +73,8 @@ class End(Enum):
     STALLED = "stalled"  # the socket took nothing for send_timeout_s
 
 
-class EventWriter:
-    """Writes one stream's events to one connection's transport; the log's reader."""
+class EventSender:
+    """Sends one stream's events to one connection: a reader of the stream's log."""
 
     __slots__ = (
         "_call",
@@ -478,8 +478,8 @@ class EventStreamResponse:
         (a mirror is only ever read)."""
         return cast(Stream, self.stream)
 
-    def _writer(self, body: Body) -> EventWriter:
-        return EventWriter(
+    def _writer(self, body: Body) -> EventSender:
+        return EventSender(
             self.stream,
             self.registry,
             self.metrics,
@@ -491,7 +491,7 @@ class EventStreamResponse:
             compressor=self.compressor,
         )
 
-    async def _run(self, writer: EventWriter) -> None:
+    async def _run(self, writer: EventSender) -> None:
         # Attached before the stream starts, so it never runs without a reader.
         writer.open(self.preamble)
         if self.start:
@@ -501,7 +501,7 @@ class EventStreamResponse:
             # relay's upstream request), so a burst's streams start one set-up apart, not two.
             await asyncio.sleep(0)
 
-    async def _finish(self, end: End, writer: EventWriter, exchange: Exchange) -> None:
+    async def _finish(self, end: End, writer: EventSender, exchange: Exchange) -> None:
         if end is End.FINISHED:
             stream = writer.stream
             if stream.outcome is Outcome.MOVED and stream.format not in SELF_RESUMING:

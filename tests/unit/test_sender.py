@@ -8,11 +8,11 @@ from typing import Any
 
 import pytest
 
-from firsttoken.core import writer as writer_module
+from firsttoken.core import sender as writer_module
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
+from firsttoken.core.sender import End, EventSender
 from firsttoken.core.stream import Outcome, Renderer, Stream
-from firsttoken.core.writer import End, EventWriter
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.exchange import ChunkedBody
@@ -43,7 +43,7 @@ def setup(
     window: int = 4,
     renderer: Renderer | None = None,
     format: str = "native",
-) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventWriter]:
+) -> tuple[FakeClock, Stream, StreamRegistry, Transport, EventSender]:
     clock = FakeClock()
     monkeypatch.setattr(writer_module, "_clock", clock)
     registry = StreamRegistry(SyntheticEngine(), Metrics(), ttl_s=10)
@@ -60,7 +60,7 @@ def setup(
         window=window,
     )
     transport = Transport()
-    writer = EventWriter(
+    writer = EventSender(
         stream,
         registry,
         registry.metrics,
@@ -200,7 +200,7 @@ def test_a_replay_is_not_counted_as_sent_twice(monkeypatch: pytest.MonkeyPatch) 
         for t in "abc":
             stream.push(t)
         writer.close(End.DISCONNECTED)
-        again = EventWriter(
+        again = EventSender(
             stream,
             registry,
             registry.metrics,
@@ -282,7 +282,7 @@ def test_a_started_stream_lets_its_engine_run_before_its_first_write(
     away, the head is not what the client waits for."""
     import anyio
 
-    from firsttoken.core.writer import EventStreamResponse
+    from firsttoken.core.sender import EventStreamResponse
     from firsttoken.delta import Delta
     from firsttoken.generation import BaseEngine
 
