@@ -60,7 +60,7 @@ from typing import Any
 import httpx
 import psutil
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.cache_upstreams import cache_upstreams
 from tests.postgres_server import PostgresServer, postgres_server
 from tests.servers import Server, run_server

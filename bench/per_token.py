@@ -38,10 +38,10 @@ from firsttoken.core.sender import EventSender
 from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import Script, SyntheticEngine, _Run
+from firsttoken.formats.render import ChatRenderer
 from firsttoken.resume import EventLog
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.exchange import ChunkedBody
-from firsttoken.wire.render import ChatRenderer
 
 __all__ = ["main", "measure", "render_table", "stages"]
 

@@ -175,9 +175,9 @@ async def _one_stream(
         from firsttoken.core.sender import EventSender
     except ImportError:  # --rev: a tree from before the rename
         from firsttoken.core.writer import EventWriter as EventSender  # type: ignore[no-redef]
+    from firsttoken.formats.render import ChatRenderer
     from firsttoken.generation import GenerationRequest
     from firsttoken.wire.exchange import ChunkedBody
-    from firsttoken.wire.render import ChatRenderer
 
     body = {"model": "m", "messages": [{"role": "user", "content": "bench"}], "stream": True}
     request = GenerationRequest(

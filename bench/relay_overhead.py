@@ -23,7 +23,7 @@ import httpx
 import orjson
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import run_server
 
 OPEN = ("--breaker-error-rate", "1", "--rate-limit-per-s", "0", "--ttft-slo-ms", "0")

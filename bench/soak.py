@@ -34,7 +34,7 @@ import psutil
 
 from bench.procs import ROOT
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 
 __all__ = ["SoakResult", "main", "soak"]
 

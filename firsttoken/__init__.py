@@ -30,15 +30,15 @@ _WHERE = {
     "EngineError": "firsttoken.engines",
     "GenerationRequest": "firsttoken.engines",
     "SyntheticEngine": "firsttoken.engines",
-    "EventDecoder": "firsttoken.wire.sse",
-    "ServerSentEvent": "firsttoken.wire.sse",
+    "EventDecoder": "firsttoken.formats.sse",
+    "ServerSentEvent": "firsttoken.formats.sse",
 }
 
 if TYPE_CHECKING:
     from firsttoken.app import create_app
     from firsttoken.config import Settings
     from firsttoken.engines import Delta, Engine, EngineError, GenerationRequest, SyntheticEngine
-    from firsttoken.wire.sse import EventDecoder, ServerSentEvent
+    from firsttoken.formats.sse import EventDecoder, ServerSentEvent
 
 
 def __getattr__(name: str) -> Any:

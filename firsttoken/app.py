@@ -27,6 +27,7 @@ from firsttoken.config import Settings
 from firsttoken.core.pacing import Pacer
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.engines import Engine
+from firsttoken.formats.errors import APIError
 from firsttoken.ops import OpsView
 from firsttoken.reload import ConfigFiles, Reloader
 from firsttoken.requestlimits import oversized
@@ -39,7 +40,6 @@ from firsttoken.telemetry.metrics import Metrics
 from firsttoken.telemetry.runtime import RuntimeCollector
 from firsttoken.wire.compression import GZipResponses
 from firsttoken.wire.connection import CONNECTION_KEY, RAW_SEND_KEY
-from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
     from firsttoken.telemetry.otel import Telemetry

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 
-from firsttoken.wire.sse import EventDecoder, ServerSentEvent
+from firsttoken.formats.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["AsyncClient", "Client", "StreamError", "StreamInterrupted", "TextStream"]
 

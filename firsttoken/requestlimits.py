@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from starlette.types import Scope
 
-from firsttoken.wire.errors import APIError
+from firsttoken.formats.errors import APIError
 
 __all__ = ["MAX_HEADERS", "MAX_HEADER_BYTES", "MAX_URL_BYTES", "oversized"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 
 __all__ = ["tokens_of"]
 

@@ -12,7 +12,7 @@ from urllib.parse import urlsplit
 import httpx
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 
 TIMEOUT = httpx.Timeout(60.0, connect=30.0)
 

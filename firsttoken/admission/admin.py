@@ -13,7 +13,7 @@ from pathlib import Path
 
 from starlette.requests import Request
 
-from firsttoken.wire.errors import APIError
+from firsttoken.formats.errors import APIError
 
 __all__ = ["AdminKey"]
 

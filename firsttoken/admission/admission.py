@@ -49,12 +49,12 @@ from firsttoken.admission.ticket import Ticket
 from firsttoken.config import Settings
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Stream, Usage
+from firsttoken.formats.errors import APIError
 from firsttoken.generation import EngineError
 from firsttoken.ledger import Ledger
 from firsttoken.pricing import PICOS, LegStart
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import OPEN_KEY, Metrics, key_label
-from firsttoken.wire.errors import APIError
 
 __all__ = ["Admission", "key_revoked"]
 

@@ -50,9 +50,9 @@ from firsttoken.admission.limits import (
 )
 from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import SpendHold, period_of
+from firsttoken.formats.errors import APIError
 from firsttoken.generation import DEFAULT_ANSWER_TOKENS
 from firsttoken.pricing import LegStart, money_text
-from firsttoken.wire.errors import APIError
 
 if TYPE_CHECKING:
     from firsttoken.admission.admission import Admission

@@ -9,8 +9,8 @@ import orjson
 from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
+from firsttoken.formats.errors import APIError, error_body
 from firsttoken.wire.connection import body_arrived
-from firsttoken.wire.errors import APIError, error_body
 
 __all__ = ["APIError", "error_body", "is_json_type", "read_json", "read_model", "validate"]
 

@@ -16,9 +16,9 @@ from starlette.responses import JSONResponse, Response
 from firsttoken.api.gateway import gateway, new_stream_id, retry_headers, trace_id
 from firsttoken.api.protocol import _Body
 from firsttoken.core.stream import Outcome, Usage
+from firsttoken.formats.errors import APIError
 from firsttoken.generation import EmbeddingRequest, EngineError
 from firsttoken.pricing import LegStart
-from firsttoken.wire.errors import APIError
 
 __all__ = ["EmbeddingBody", "answer_once", "embeddings"]
 

@@ -28,11 +28,11 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.sender import EventStreamResponse
 from firsttoken.core.stream import SELF_RESUMING, BaseStream, Renderer, Stream
 from firsttoken.engines import Engine, EngineError, GenerationRequest
+from firsttoken.formats.errors import echo
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor, negotiate
 from firsttoken.wire.connection import ARRIVED_KEY
-from firsttoken.wire.errors import echo
 
 __all__ = [
     "Gateway",

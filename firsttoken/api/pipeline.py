@@ -52,7 +52,7 @@ from firsttoken.core.collect import Collector
 from firsttoken.core.sender import EventStreamResponse
 from firsttoken.core.stream import Renderer, Stream
 from firsttoken.engines import EngineError, GenerationRequest
-from firsttoken.wire.assemble import ChatAnswer
+from firsttoken.formats.assemble import ChatAnswer
 from firsttoken.wire.exchange import client_gone
 
 __all__ = ["Answer", "Ending", "Format", "Inputs", "Plan", "serve"]

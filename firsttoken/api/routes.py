@@ -21,7 +21,7 @@ from firsttoken.api import (
     usage,
 )
 from firsttoken.api.pipeline import Answer, Format, serve
-from firsttoken.wire.errors import echo
+from firsttoken.formats.errors import echo
 
 __all__ = ["ROUTES", "ApiRoute", "Endpoint", "endpoint", "not_served"]
 

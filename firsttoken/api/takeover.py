@@ -3,7 +3,7 @@ a stream for that (`handover`), the stream rebuilt from it and from the events t
 held (`reopen`, the registry's `Reopen`), and the bill of a dead instance's stream nobody took
 over (`bill_orphaned`, the store's sweep's). The API's half of a takeover; the registry
 claims the stream and continues it (`core/registry.py`), the store keeps what travels
-(`resume/redis.py`), the renderer is rebuilt by replay (`wire/rebuild.py`).
+(`resume/redis.py`), the renderer is rebuilt by replay (`formats/rebuild.py`).
 
 The handover is JSON, read by instances of another version in a rolling deploy: its field
 names never change (the request's: `stored_request`, beside `GenerationRequest`).
@@ -25,18 +25,18 @@ from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import SELF_RESUMING, Outcome, Stream, Usage
 from firsttoken.engines import Engine, EngineError, GenerationRequest
+from firsttoken.formats.anthropic import MessagesRenderer
+from firsttoken.formats.rebuild import Rebuilt, decode, rebuild, replay
+from firsttoken.formats.render import ChatRenderer, CompletionRenderer, NativeRenderer
+from firsttoken.formats.responses import ResponsesRenderer
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.generation import from_stored, stored_request
 from firsttoken.resume import Claim, Orphaned
 from firsttoken.routing.splice import Transcript, continuation
-from firsttoken.wire.anthropic import MessagesRenderer
-from firsttoken.wire.rebuild import Rebuilt, decode, rebuild, replay
-from firsttoken.wire.render import ChatRenderer, CompletionRenderer, NativeRenderer
-from firsttoken.wire.responses import ResponsesRenderer
-from firsttoken.wire.sse import EventDecoder
 
 __all__ = ["Takeover"]
 
-# Every streaming format: another instance rebuilds its renderer (`wire/rebuild.py`).
+# Every streaming format: another instance rebuilds its renderer (`formats/rebuild.py`).
 _TAKEOVER_RENDERERS = (
     NativeRenderer,
     ChatRenderer,
@@ -255,7 +255,7 @@ def _replay(
 ) -> Transcript:
     """Fill a taken-over stream's log with the events the store held, and read back what they
     carry: the answer's text to continue from, the tokens generated (its `carried` usage,
-    billed where they were made), and its renderer's state (`wire/rebuild.py`)."""
+    billed where they were made), and its renderer's state (`formats/rebuild.py`)."""
     log = stream.log
     decoder = EventDecoder()
     parsed: list[tuple[str | None, bytes]] = []

@@ -21,11 +21,11 @@ from starlette.responses import Response
 from firsttoken.admission import ApiKey
 from firsttoken.admission.spend import period_of
 from firsttoken.api.gateway import Gateway, gateway
+from firsttoken.formats.errors import APIError
 from firsttoken.ledger import parse_since, usage_report
 from firsttoken.ledger.schema import GROUPS
 from firsttoken.pricing import money_text
 from firsttoken.telemetry.metrics import key_label
-from firsttoken.wire.errors import APIError
 
 __all__ = ["usage"]
 

@@ -16,9 +16,9 @@ import orjson
 
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.formats.assemble import ChatAnswer, ChatFold
+from firsttoken.formats.sse import event_payload
 from firsttoken.generation import EngineError
-from firsttoken.wire.assemble import ChatAnswer, ChatFold
-from firsttoken.wire.sse import event_payload
 
 __all__ = ["Collector"]
 

@@ -21,8 +21,8 @@ import orjson
 
 from firsttoken.core.chunking import CoalescePolicy, Coalescer
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.sse import DATA_FRAME, encode_event, ids_from, token_frame
 from firsttoken.generation import Delta
-from firsttoken.wire.sse import DATA_FRAME, encode_event, ids_from, token_frame
 
 if TYPE_CHECKING:
     from firsttoken.core.stream import Renderer
@@ -98,7 +98,7 @@ class Framer:
 
     def number_as(self, fence: int) -> None:
         """Number the events framed from now on as the owner of `fence` (a takeover): their
-        ids say which instance made them (`wire.sse.ids_from`)."""
+        ids say which instance made them (`formats.sse.ids_from`)."""
         self.id_base = ids_from(fence)
         if self.template is not None:
             template = self.renderer.token_template()

@@ -16,10 +16,10 @@ import anyio
 
 from firsttoken.core.stream import BaseStream, Events, Keeper, Outcome
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.rebuild import error_events
 from firsttoken.generation import EngineError, GenerationRequest
 from firsttoken.resume import EventStore, Orphan, Resumed, StreamRecord
 from firsttoken.resume.tailer import fail
-from firsttoken.wire.rebuild import error_events
 
 __all__ = ["Mirror", "TakeOver"]
 

@@ -41,12 +41,12 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import SELF_RESUMING, BaseStream, Outcome, Stream
 from firsttoken.eventlog import Event, ResumeExpired
+from firsttoken.formats.errors import error_body
+from firsttoken.formats.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
 from firsttoken.telemetry.log import log_event
 from firsttoken.telemetry.metrics import Metrics, key_label
 from firsttoken.wire.compression import StreamCompressor
-from firsttoken.wire.errors import error_body
 from firsttoken.wire.exchange import Body, Exchange, open_exchange
-from firsttoken.wire.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
 
 __all__ = ["End", "EventSender", "EventStreamResponse"]
 

@@ -31,9 +31,9 @@ from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.framer import SHOWS_META, Framer
 from firsttoken.core.usage import Usage, reported, usage_of, with_carried
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.sse import event_id_of
 from firsttoken.generation import Delta, EngineError, Generation, GenerationRequest
 from firsttoken.resume import EventStore, StreamRecord, token_digest
-from firsttoken.wire.sse import event_id_of
 
 __all__ = [
     "AdmissionTicket",
@@ -361,7 +361,7 @@ class Stream(BaseStream):
 
     def number_as(self, fence: int) -> None:
         """Number the events made from now on as the owner of `fence` (a takeover): their
-        ids say which instance made them (`wire.sse.ids_from`)."""
+        ids say which instance made them (`formats.sse.ids_from`)."""
         framer = self._framer
         framer.number_as(fence)
         if self._frame is not None:

@@ -28,6 +28,7 @@ from firsttoken.engines.upstream import (
     retry_after,
 )
 from firsttoken.engines.upstream_errors import generic, shaped_message
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.generation import (
     TARGET_FAULTS,
     Delta,
@@ -35,7 +36,6 @@ from firsttoken.generation import (
     GenerationRequest,
     ToolCallDelta,
 )
-from firsttoken.wire.sse import EventDecoder
 
 __all__ = [
     "ANTHROPIC_VERSION",
@@ -255,7 +255,7 @@ def _assistant_blocks(message: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def _input(arguments: Any) -> dict[str, Any]:
     """A tool call's arguments JSON as `input`: what is not a JSON object is kept under
-    `"arguments"` rather than lost (as `wire.anthropic` does)."""
+    `"arguments"` rather than lost (as `formats.anthropic` does)."""
     if isinstance(arguments, Mapping):
         return dict(arguments)
     if not isinstance(arguments, str) or not arguments.strip():

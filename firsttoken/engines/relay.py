@@ -23,6 +23,8 @@ from firsttoken.engines.upstream import (
     retry_after,
 )
 from firsttoken.engines.upstream_errors import generic, shaped_message
+from firsttoken.formats.chunks import BadChunk, chunk_delta
+from firsttoken.formats.sse import EventDecoder, ServerSentEvent
 from firsttoken.generation import (
     ENDPOINTS,
     TARGET_FAULTS,
@@ -33,8 +35,6 @@ from firsttoken.generation import (
     GenerationRequest,
     not_embedding,
 )
-from firsttoken.wire.chunks import BadChunk, chunk_delta
-from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = ["GATEWAY_FIELDS", "RelayEngine", "normalise_error"]
 

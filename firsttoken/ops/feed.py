@@ -22,8 +22,8 @@ from typing import Any
 import anyio
 import orjson
 
+from firsttoken.formats.sse import ServerSentEvent
 from firsttoken.ops.snapshot import Family, Snapshots
-from firsttoken.wire.sse import ServerSentEvent
 
 __all__ = ["QUEUE_FRAMES", "OpsFeed", "Subscriber", "changes"]
 

@@ -16,13 +16,13 @@ from starlette.routing import BaseRoute, Route
 
 from firsttoken.admission.keys import ApiKey
 from firsttoken.api.gateway import Gateway, gateway
+from firsttoken.formats.errors import APIError
 from firsttoken.ops.feed import OpsFeed
 from firsttoken.ops.gauges import LimitGauges
 from firsttoken.ops.snapshot import Family
 from firsttoken.ops.tap import LogTap, read_errors
 from firsttoken.routing import routes_in
 from firsttoken.telemetry.log import tap_log_events
-from firsttoken.wire.errors import APIError
 
 __all__ = ["STATIC_DIR", "OpsView"]
 

@@ -15,10 +15,10 @@ from typing import TypeVar
 
 import anyio
 
+from firsttoken.formats.errors import APIError
 from firsttoken.redisclient import REDIS_DOWN
 from firsttoken.resume.replicas import Replicas
 from firsttoken.telemetry.log import log_event
-from firsttoken.wire.errors import APIError
 
 __all__ = [
     "OP_TIMEOUT_S",

@@ -16,7 +16,7 @@ import anyio
 from anyio.abc import TaskStatus
 
 from firsttoken.eventlog import EventLog
-from firsttoken.wire.sse import event_id_of
+from firsttoken.formats.sse import event_id_of
 
 if TYPE_CHECKING:
     from prometheus_client.core import Metric
@@ -63,7 +63,7 @@ class Resumed:
     here only if the store's event `seq` carries that id. An owner's events reach its
     readers before the store (without `--durable`), and an instance that took the stream
     over from what the store held made its own events of those seqs, with other ids
-    (`wire.sse.ids_from`): that reader is told `stream_lost`, never given them."""
+    (`formats.sse.ids_from`): that reader is told `stream_lost`, never given them."""
 
     seq: int
     id: int

@@ -30,12 +30,12 @@ from anyio.abc import TaskGroup, TaskStatus
 from redis.typing import KeyT, StreamIdT
 
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.errors import error_body
+from firsttoken.formats.sse import encode_event
 from firsttoken.redisclient import REDIS_DOWN, AnyRedis, RawEntries
 from firsttoken.resume.redis_keys import tag_of
 from firsttoken.resume.runs import decode_run, run_first
 from firsttoken.resume.store import LOST_AHEAD, Resumed
-from firsttoken.wire.errors import error_body
-from firsttoken.wire.sse import encode_event
 
 __all__ = ["Follower", "Tailer", "apply_entries", "entry_id", "fail"]
 

@@ -22,8 +22,8 @@ from urllib.parse import urljoin, urlsplit, urlunsplit
 import httpcore._backends.anyio  # noqa: F401  (see below)
 import httpx
 
+from firsttoken.formats.sse import EventDecoder, ServerSentEvent
 from firsttoken.tools._tcpinfo import content_marker
-from firsttoken.wire.sse import EventDecoder, ServerSentEvent
 
 __all__ = [
     "Comment",

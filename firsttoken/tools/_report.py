@@ -8,11 +8,11 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from firsttoken.formats.sse import owner_of_id
 from firsttoken.tools._load import LoadRun
 from firsttoken.tools._measure import StreamResult
 from firsttoken.tools._stats import summary
 from firsttoken.tools._verdict import Verdict
-from firsttoken.wire.sse import owner_of_id
 
 __all__ = ["header_checks", "load_json", "render_load", "render_single", "single_json"]
 

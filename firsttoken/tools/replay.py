@@ -18,9 +18,9 @@ from collections.abc import Callable
 from typing import IO, Any
 
 from firsttoken.config import Parser
+from firsttoken.formats.sse import ServerSentEvent, comment
 from firsttoken.tools._capture import Recorded, load_capture
 from firsttoken.tools._measure import Event, classify
-from firsttoken.wire.sse import ServerSentEvent, comment
 
 __all__ = ["main"]
 

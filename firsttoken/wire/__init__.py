@@ -1,2 +1,3 @@
-"""Bytes on the wire: SSE framing, the renderers of each API's events, compression, the
-event-stream response and the connection it writes to."""
+"""HTTP plumbing of an event stream: the connection (a uvicorn protocol, subclassed), its
+request cycle, the exchange an event stream writes through, compression. The bytes it carries
+are made in `formats/`."""

@@ -13,7 +13,7 @@ import pytest
 
 from firsttoken.engines import GenerationRequest, synthetic_tokens
 from firsttoken.engines.synthetic import SyntheticOptions, answer_parts
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 

@@ -8,7 +8,7 @@ import json
 import httpx
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import Server
 
 N = 200

@@ -9,7 +9,7 @@ import time
 import httpx
 
 from firsttoken.engines.synthetic import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.events import tokens_of
 from tests.redis_server import run_redis
 from tests.servers import run_server, wait_for

@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from firsttoken.engines import synthetic_tokens
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.requestlimits import MAX_HEADER_BYTES, MAX_HEADERS, MAX_URL_BYTES
-from firsttoken.wire.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server, wait_for
 

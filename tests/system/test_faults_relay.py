@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import Server, run_server, wait_for
 from tests.upstreams import BEFORE, ScriptedUpstream, scripted_upstream
 

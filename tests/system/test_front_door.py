@@ -30,7 +30,7 @@ from cryptography.hazmat.primitives import serialization
 from playwright.sync_api import Browser, Page, sync_playwright
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.caddy import Caddy, run_caddy, self_signed
 from tests.h3client import h3_connect
 from tests.servers import ROOT, Server, run_server, wait_for

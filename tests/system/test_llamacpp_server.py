@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from firsttoken.engines.llamacpp import default_model_path
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import ROOT, run_server, wait_for
 from tests.upstreams import free_port
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.nginx import (
     DEPLOY_CONF,
     MULTI_CONF,

@@ -11,7 +11,7 @@ import httpx
 
 from firsttoken.core.pacing import Pacer
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import run_server
 from tests.unit.clock import FakeClock
 

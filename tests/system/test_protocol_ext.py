@@ -15,7 +15,7 @@ import zstandard
 
 from firsttoken.core.chunking import BOUNDARIES
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 

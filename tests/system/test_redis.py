@@ -11,7 +11,7 @@ import pytest
 
 from firsttoken.client import Client
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for

@@ -18,7 +18,7 @@ import pytest
 from firsttoken.engines import synthetic_tokens
 from firsttoken.engines.remote import upstream_base
 from firsttoken.engines.text import apply_stop
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import ROOT, Server, run_server, wait_for
 from tests.upstreams import (

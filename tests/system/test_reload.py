@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import ROOT, Server, run_server, wait_for
 
 ROUTES = """

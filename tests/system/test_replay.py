@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.tools import replay
-from firsttoken.wire.sse import EventDecoder
 from tests.servers import ROOT, Server, run_server
 from tests.system.test_diag import BackgroundLoop, port_of, run_diag, start_batching_proxy
 

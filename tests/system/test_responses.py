@@ -12,7 +12,7 @@ import pytest
 
 from firsttoken.engines import GenerationRequest
 from firsttoken.engines.synthetic import SyntheticOptions, answer_parts, synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 from tests.upstreams import VLLM_ARGUMENTS, scripted_upstream

@@ -8,7 +8,7 @@ from urllib.parse import quote
 import httpx
 
 from firsttoken.engines import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.servers import Server, run_server
 

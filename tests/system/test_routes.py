@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import ROOT, Server, run_server, wait_for
 from tests.upstreams import TOKENS, ScriptedUpstream, free_port, scripted_upstream
 

@@ -17,7 +17,7 @@ import httpx
 import pytest
 
 from firsttoken.engines.synthetic import synthetic_tokens
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis
 from tests.servers import Server, run_server, wait_for

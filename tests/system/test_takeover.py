@@ -18,9 +18,9 @@ import pytest
 import redis
 
 from firsttoken.engines.synthetic import synthetic_tokens
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.resume.redis_keys import events_key, meta_key
 from firsttoken.resume.runs import decode_run
-from firsttoken.wire.sse import EventDecoder
 from tests.proxy import CuttableProxy
 from tests.rawhttp import RawStream
 from tests.redis_server import run_redis

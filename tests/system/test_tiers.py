@@ -14,7 +14,7 @@ import httpx
 import openai
 import pytest
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.servers import Server, run_server, wait_for
 from tests.upstreams import free_port
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.proxy import CuttableProxy
 from tests.servers import ROOT, Server, run_server, wait_for
 

@@ -18,7 +18,7 @@ import httpx
 import pytest
 from playwright.sync_api import Page
 
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.proxy import CuttableProxy
 from tests.servers import Server, run_server
 from tests.system import test_web

@@ -2,7 +2,7 @@ import pytest
 from starlette.requests import Request
 
 from firsttoken.admission.admin import AdminKey
-from firsttoken.wire.errors import APIError
+from firsttoken.formats.errors import APIError
 
 
 def _request(authorization: str | None) -> Request:

@@ -14,10 +14,10 @@ from firsttoken.admission.shedding import LoadShedder
 from firsttoken.admission.spend import Budget, LocalSpend, MemorySpend
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Stream, Usage
+from firsttoken.formats.errors import APIError
 from firsttoken.pricing import LegStart
 from firsttoken.routing.config import parse_routes
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.errors import APIError
 from tests.unit.admissions import (
     ANYONE,
     DAVE,
@@ -289,7 +289,7 @@ def test_a_key_removed_while_its_body_arrived_is_refused_at_admission() -> None:
 def test_a_stream_admitted_just_before_a_reload_ends_key_revoked_as_it_starts() -> None:
     from firsttoken.core.registry import StreamRegistry
     from firsttoken.engines import GenerationRequest, SyntheticEngine
-    from firsttoken.wire.render import NativeRenderer
+    from firsttoken.formats.render import NativeRenderer
 
     async def body() -> None:
         adm, alice = keyed()

@@ -22,9 +22,9 @@ from firsttoken.admission.limits import RequestRates, TokenBudgets
 from firsttoken.admission.spend import parse_budget
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Usage
+from firsttoken.formats.errors import APIError
 from firsttoken.pricing import LegStart
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.errors import APIError
 from tests.unit import virtual_loop
 from tests.unit.admissions import (
     ANYONE,

@@ -16,10 +16,10 @@ from firsttoken.api.bodies import APIError
 from firsttoken.api.pipeline import Ending
 from firsttoken.core.stream import Stream
 from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.formats.anthropic import MessagesRenderer, message_object, stop_reason
+from firsttoken.formats.assemble import ChatAnswer, ToolCall
+from firsttoken.formats.render import ChatRenderer
 from firsttoken.generation import Delta, ToolCallDelta
-from firsttoken.wire.anthropic import MessagesRenderer, message_object, stop_reason
-from firsttoken.wire.assemble import ChatAnswer, ToolCall
-from firsttoken.wire.render import ChatRenderer
 
 _EVENT = TypeAdapter(RawMessageStreamEvent)
 
@@ -491,7 +491,7 @@ def test_cache_control_markers_reach_an_anthropic_target_unchanged() -> None:
 
 
 def test_usage_shows_the_prompt_caches_reads_and_writes_apart() -> None:
-    from firsttoken.wire.anthropic import cache_counts
+    from firsttoken.formats.anthropic import cache_counts
 
     usage = {
         "prompt_tokens": 3210,

@@ -1,4 +1,4 @@
-"""An OpenAI-style chunk read back as its delta (`firsttoken/wire/chunks.py`): one decoder for
+"""An OpenAI-style chunk read back as its delta (`firsttoken/formats/chunks.py`): one decoder for
 an upstream's chunks (the relay) and a stream's own (a takeover's replay)."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.chunks import BadChunk, chunk_delta
+from firsttoken.formats.chunks import BadChunk, chunk_delta
 
 
 def chat(fields: dict, finish: str | None = None, **choice) -> dict:

@@ -9,8 +9,8 @@ import pytest
 from firsttoken.core.collect import Collector
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.formats.render import ChatRenderer
 from firsttoken.generation import Delta, ToolCallDelta
-from firsttoken.wire.render import ChatRenderer
 
 
 class _Generation:

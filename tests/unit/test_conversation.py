@@ -8,7 +8,7 @@ import pytest
 
 from firsttoken.api.responses.conversation import _page, stored_items
 from firsttoken.api.responses.protocol import ResponsesRequest
-from firsttoken.wire.errors import APIError
+from firsttoken.formats.errors import APIError
 
 
 def own(**body: object) -> list:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from firsttoken.wire.errors import MESSAGE_CHARS, APIError, RefusalLog, echo
+from firsttoken.formats.errors import MESSAGE_CHARS, APIError, RefusalLog, echo
 from tests.unit.clock import FakeClock
 
 

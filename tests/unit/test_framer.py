@@ -10,9 +10,9 @@ import orjson
 from firsttoken.core.chunking import CoalescePolicy
 from firsttoken.core.framer import Framer
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.render import NativeRenderer
+from firsttoken.formats.sse import event_id_of, ids_from
 from firsttoken.generation import Delta
-from firsttoken.wire.render import NativeRenderer
-from firsttoken.wire.sse import event_id_of, ids_from
 from tests.unit import virtual_loop
 
 

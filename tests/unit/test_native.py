@@ -9,7 +9,7 @@ from firsttoken.api.native import STREAMS
 from firsttoken.api.native.protocol import NativeStreamRequest
 from firsttoken.api.pipeline import Ending
 from firsttoken.core.stream import Stream
-from firsttoken.wire.render import NativeRenderer
+from firsttoken.formats.render import NativeRenderer
 
 
 def test_a_native_body_becomes_a_prompt_without_a_relay_body() -> None:

@@ -7,8 +7,8 @@ from firsttoken.api.native.streams import _ended
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream
 from firsttoken.engines import GenerationRequest
+from firsttoken.formats.render import NativeRenderer
 from firsttoken.resume import StreamRecord
-from firsttoken.wire.render import NativeRenderer
 
 
 def _stream() -> Stream:

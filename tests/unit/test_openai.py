@@ -10,8 +10,8 @@ from firsttoken.api.openai import CHAT, COMPLETIONS
 from firsttoken.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.pipeline import Ending
 from firsttoken.engines.synthetic import SyntheticOptions, answer_parts, synthetic_tokens
-from firsttoken.wire.assemble import ChatAnswer
-from firsttoken.wire.render import ChatRenderer, CompletionRenderer
+from firsttoken.formats.assemble import ChatAnswer
+from firsttoken.formats.render import ChatRenderer, CompletionRenderer
 
 MESSAGES = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
 

@@ -7,9 +7,9 @@ from typing import Any
 
 import orjson
 
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.ops.feed import QUEUE_FRAMES, OpsFeed, changes
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.sse import EventDecoder
 from tests.unit.clock import FakeClock
 
 

@@ -20,7 +20,7 @@ from firsttoken.api.pipeline import Format, serve
 from firsttoken.api.responses import RESPONSES
 from firsttoken.app import create_app
 from firsttoken.config import Settings
-from firsttoken.wire.sse import EventDecoder
+from firsttoken.formats.sse import EventDecoder
 from tests.unit.virtual_loop import run
 
 Sent = list[dict[str, Any]]

@@ -1,4 +1,4 @@
-"""A renderer rebuilt on another instance (`firsttoken/wire/rebuild.py`): from its spec, as
+"""A renderer rebuilt on another instance (`firsttoken/formats/rebuild.py`): from its spec, as
 it travels (through JSON), and brought by the deltas its events carry to the state the
 stream left it in, so that the rest renders as it would have on the first instance."""
 
@@ -8,10 +8,10 @@ import orjson
 import pytest
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.anthropic import MessagesRenderer
-from firsttoken.wire.rebuild import decode, rebuild, replay
-from firsttoken.wire.render import ChatRenderer, CompletionRenderer, NativeRenderer
-from firsttoken.wire.responses import ResponsesRenderer
+from firsttoken.formats.anthropic import MessagesRenderer
+from firsttoken.formats.rebuild import decode, rebuild, replay
+from firsttoken.formats.render import ChatRenderer, CompletionRenderer, NativeRenderer
+from firsttoken.formats.responses import ResponsesRenderer
 
 USAGE = {"prompt_tokens": 1, "completion_tokens": 2, "total_tokens": 3}
 
@@ -87,7 +87,7 @@ def test_an_unknown_format_is_refused() -> None:
 
 @pytest.mark.parametrize("name", ["chat", "completion"])
 def test_an_openai_chunk_reads_back_whole_as_the_relay_reads_it(name: str) -> None:
-    """The relay's decoder (`wire/chunks.py`): a chunk's logprobs, and every field the
+    """The relay's decoder (`formats/chunks.py`): a chunk's logprobs, and every field the
     renderer put in one chunk, come back in one delta."""
     renderer = renderers()[name]
     scored = {"content": [{"token": "Hel", "logprob": -0.5, "top_logprobs": []}]}

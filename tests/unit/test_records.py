@@ -8,8 +8,8 @@ import anyio
 import pytest
 
 from firsttoken.api.responses.records import Kept, ResponseRecords
+from firsttoken.formats.errors import APIError
 from firsttoken.redisclient import redis_client
-from firsttoken.wire.errors import APIError
 from tests.redis_server import run_redis
 from tests.unit.clock import FakeClock
 

@@ -15,10 +15,10 @@ from redis.exceptions import ConnectionError
 from firsttoken.admission import redis_limits as limits_module
 from firsttoken.admission.limits import OK
 from firsttoken.admission.redis_limits import RedisLimits
+from firsttoken.formats.errors import APIError
 from firsttoken.redisclient import POOL_WAIT_S, eviction_risk, redis_client
 from firsttoken.resume import redis as store_module
 from firsttoken.resume.redis import RedisStore
-from firsttoken.wire.errors import APIError
 from tests.redis_server import run_redis
 
 

@@ -16,6 +16,7 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest
 from firsttoken.engines.cache import CachedEngine
+from firsttoken.formats.render import NativeRenderer
 from firsttoken.generation import BaseEngine, Delta, Engine, Generation, Sink, StepEngine
 from firsttoken.resume import (
     EventLog,
@@ -25,7 +26,6 @@ from firsttoken.resume import (
 )
 from firsttoken.resume.budget import ResumeBudget
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
 
 

@@ -222,8 +222,8 @@ def test_a_reload_that_changes_a_budgets_period_keeps_what_was_spent_in_it(
     tmp_path: Path,
 ) -> None:
     from firsttoken.core.stream import Outcome, Usage
+    from firsttoken.formats.errors import APIError
     from firsttoken.pricing import LegStart
-    from firsttoken.wire.errors import APIError
 
     keys = '[[keys]]\nname = "a"\nkey = "sk-a"\nbudget = {{ amount = 0.01, per = "{per}" }}\n'
     (tmp_path / "keys.toml").write_text(keys.format(per="day"))

@@ -27,11 +27,11 @@ from firsttoken.api.responses.protocol import ResponsesRequest
 from firsttoken.api.responses.stored import as_it_stands, log_seq, owns, starting_after
 from firsttoken.config import Settings
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.formats.assemble import ChatAnswer, ToolCall
+from firsttoken.formats.render import ChatRenderer
+from firsttoken.formats.responses import ResponsesRenderer, response_from_answer, response_usage
+from firsttoken.formats.sse import OWNER_IDS, event_id_of, event_payload
 from firsttoken.generation import Delta, GenerationRequest, ToolCallDelta
-from firsttoken.wire.assemble import ChatAnswer, ToolCall
-from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_usage
-from firsttoken.wire.sse import OWNER_IDS, event_id_of, event_payload
 
 USAGE = {"prompt_tokens": 4, "completion_tokens": 3, "total_tokens": 7}
 EVENTS: TypeAdapter[Any] = TypeAdapter(ResponseStreamEvent)

@@ -8,10 +8,10 @@ from itertools import pairwise
 import anyio
 
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.errors import APIError
 from firsttoken.resume.health import RETRY_MAX_S, STALL_S, unavailable
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
-from firsttoken.wire.errors import APIError
 from tests.unit import virtual_loop
 from tests.unit.replicated import TTL_S, confirm, flush, replicate, shown, store
 

@@ -14,10 +14,10 @@ from firsttoken.core.schedule import Schedule
 from firsttoken.core.sender import End, EventSender
 from firsttoken.core.stream import Outcome, Renderer, Stream
 from firsttoken.engines import GenerationRequest, SyntheticEngine
+from firsttoken.formats.render import ChatRenderer, NativeRenderer
+from firsttoken.formats.sse import EventDecoder
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.exchange import ChunkedBody
-from firsttoken.wire.render import ChatRenderer, NativeRenderer
-from firsttoken.wire.sse import EventDecoder
 from tests.unit.clock import FakeClock
 
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from firsttoken.wire import sse
-from firsttoken.wire.sse import EventDecoder, ServerSentEvent, comment, encode_event
+from firsttoken.formats import sse
+from firsttoken.formats.sse import EventDecoder, ServerSentEvent, comment, encode_event
 
 
 def reference_parse(stream: str) -> list[dict[str, str | None]]:

@@ -17,9 +17,9 @@ from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.stream import Outcome, Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest, SyntheticEngine
+from firsttoken.formats.render import NativeRenderer
 from firsttoken.generation import BaseEngine, Delta, Generation, Sink, ToolCallDelta
 from firsttoken.telemetry.metrics import Metrics
-from firsttoken.wire.render import NativeRenderer
 from tests.unit.clock import FakeClock
 
 

@@ -15,9 +15,9 @@ from firsttoken.config import Settings
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Stream, Usage
 from firsttoken.engines import EngineError, GenerationRequest
+from firsttoken.formats.render import ChatRenderer, NativeRenderer
+from firsttoken.formats.responses import ResponsesRenderer
 from firsttoken.resume import Claim, Orphaned, StreamRecord
-from firsttoken.wire.render import ChatRenderer, NativeRenderer
-from firsttoken.wire.responses import ResponsesRenderer
 
 MESSAGES = ({"role": "user", "content": "hi"},)
 

@@ -17,10 +17,10 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, StatusCode
 
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.formats.render import ChatRenderer
 from firsttoken.generation import EngineError, GenerationRequest
 from firsttoken.routing.engine import RoutedEngine
 from firsttoken.telemetry.otel import Telemetry, error_type
-from firsttoken.wire.render import ChatRenderer
 from tests.unit import virtual_loop
 from tests.unit.clock import FakeClock
 from tests.unit.scripted import ANSWER, Scripted, answer, cut, tokens

@@ -13,7 +13,7 @@ def _result(ids: list[str | None]) -> StreamResult:
 
 
 def test_a_takeovers_ids_read_on_from_their_seq_not_as_a_gap() -> None:
-    """After a takeover the new owner's ids are fence × 10¹² + seq (`wire.sse.ids_from`)."""
+    """After a takeover the new owner's ids are fence × 10¹² + seq (`formats.sse.ids_from`)."""
     ids = _ids(_result(["1", "2", "3", "2000000000004", None, "2000000000005"]))
     assert ids == {"seen": 5, "gaps": 0, "missing": 0, "out_of_order": 0}
     assert _ids(_result(["1", "3"]))["missing"] == 1

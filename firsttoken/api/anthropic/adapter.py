@@ -2,7 +2,7 @@
 
 A request becomes the same `GenerationRequest` an OpenAI one does: its plain-text prompt, and
 its translation to a Chat Completions body (what a relay forwards to an OpenAI-compatible
-upstream). A streaming answer is rendered by `wire.anthropic.MessagesRenderer`; a whole one is
+upstream). A streaming answer is rendered by `formats.anthropic.MessagesRenderer`; a whole one is
 collected in the chat format, assembled, and reshaped into a message object.
 """
 
@@ -33,7 +33,7 @@ from firsttoken.api.gateway import gateway, retry_headers, trace_id
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
 from firsttoken.config import Settings
 from firsttoken.engines import EngineError
-from firsttoken.wire.anthropic import (
+from firsttoken.formats.anthropic import (
     THREAD_UNSUPPORTED,
     MessagesRenderer,
     error_body,
@@ -41,7 +41,7 @@ from firsttoken.wire.anthropic import (
     message_object,
     status_error_type,
 )
-from firsttoken.wire.render import ChatRenderer
+from firsttoken.formats.render import ChatRenderer
 
 __all__ = [
     "MESSAGES",

@@ -12,7 +12,7 @@ from firsttoken.api.native.protocol import NativeStreamRequest
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
 from firsttoken.config import Settings
 from firsttoken.core.stream import Stream
-from firsttoken.wire.render import NativeRenderer
+from firsttoken.formats.render import NativeRenderer
 
 __all__ = ["STREAMS", "NativeFormat"]
 

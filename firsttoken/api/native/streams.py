@@ -14,8 +14,8 @@ from firsttoken.api.gateway import gateway, trace_id
 from firsttoken.api.pipeline import Answer
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Outcome, Stream
+from firsttoken.formats.sse import owner_of_id
 from firsttoken.resume import LOST_AHEAD, Resumed
-from firsttoken.wire.sse import owner_of_id
 
 __all__ = ["cancel_stream", "stream_events"]
 

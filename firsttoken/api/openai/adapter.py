@@ -14,8 +14,8 @@ from typing import Any, Generic, TypeVar
 from firsttoken.api.openai.protocol import ChatCompletionRequest, CompletionRequest
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
 from firsttoken.config import Settings
-from firsttoken.wire.assemble import ChatAnswer
-from firsttoken.wire.render import ChatRenderer, CompletionRenderer
+from firsttoken.formats.assemble import ChatAnswer
+from firsttoken.formats.render import ChatRenderer, CompletionRenderer
 
 __all__ = ["CHAT", "COMPLETIONS", "ChatFormat", "CompletionFormat"]
 

@@ -49,8 +49,8 @@ from firsttoken.api.responses.protocol import (
 )
 from firsttoken.config import Settings
 from firsttoken.core.stream import Stream
-from firsttoken.wire.render import ChatRenderer
-from firsttoken.wire.responses import ResponsesRenderer, response_from_answer, response_object
+from firsttoken.formats.render import ChatRenderer
+from firsttoken.formats.responses import ResponsesRenderer, response_from_answer, response_object
 
 __all__ = [
     "RESPONSES",

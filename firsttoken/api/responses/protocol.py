@@ -21,7 +21,7 @@ from pydantic import (
 )
 
 from firsttoken.api.protocol import Coalesce, SyntheticKnobs, _Body
-from firsttoken.wire.errors import echo
+from firsttoken.formats.errors import echo
 
 __all__ = [
     "FunctionCallItem",

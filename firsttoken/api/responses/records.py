@@ -29,8 +29,8 @@ from redis.exceptions import RedisError
 from starlette.requests import Request
 
 from firsttoken.api.gateway import gateway
+from firsttoken.formats.errors import APIError
 from firsttoken.resume.redis import RedisStore
-from firsttoken.wire.errors import APIError
 
 __all__ = ["Kept", "ResponseRecords", "response_records"]
 

@@ -28,8 +28,8 @@ from firsttoken.api.responses.records import response_records
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.stream import Outcome, Stream
 from firsttoken.eventlog import EventLog
-from firsttoken.wire.responses import ResponsesRenderer, response_object
-from firsttoken.wire.sse import event_payload
+from firsttoken.formats.responses import ResponsesRenderer, response_object
+from firsttoken.formats.sse import event_payload
 
 __all__ = [
     "as_it_stands",

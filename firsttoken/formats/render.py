@@ -13,7 +13,7 @@ from typing import Any, Self
 import orjson
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.errors import error_body
+from firsttoken.formats.errors import error_body
 
 __all__ = ["ChatRenderer", "CompletionRenderer", "Events", "NativeRenderer", "chat_tool_call"]
 

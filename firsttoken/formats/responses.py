@@ -25,8 +25,8 @@ from typing import Any
 import orjson
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.assemble import ChatAnswer
-from firsttoken.wire.render import Events
+from firsttoken.formats.assemble import ChatAnswer
+from firsttoken.formats.render import Events
 
 __all__ = [
     "ResponsesRenderer",

@@ -18,18 +18,18 @@ from typing import Any
 import orjson
 
 from firsttoken.delta import Delta, ToolCallDelta
-from firsttoken.wire.anthropic import MessagesRenderer, error_type
-from firsttoken.wire.anthropic import error_body as anthropic_error_body
-from firsttoken.wire.chunks import chunk_delta
-from firsttoken.wire.errors import error_body
-from firsttoken.wire.render import (
+from firsttoken.formats.anthropic import MessagesRenderer, error_type
+from firsttoken.formats.anthropic import error_body as anthropic_error_body
+from firsttoken.formats.chunks import chunk_delta
+from firsttoken.formats.errors import error_body
+from firsttoken.formats.render import (
     DONE,
     ChatRenderer,
     CompletionRenderer,
     Events,
     NativeRenderer,
 )
-from firsttoken.wire.responses import ResponsesRenderer
+from firsttoken.formats.responses import ResponsesRenderer
 
 __all__ = ["Rebuilt", "decode", "error_events", "rebuild", "replay"]
 
@@ -122,7 +122,7 @@ def _native(event: str | None, data: bytes) -> Delta | None:
 
 
 def _openai(format: str, data: bytes) -> Delta | None:
-    # The relay's own decoder (`wire/chunks.py`): what the renderer wrote, logprobs and all.
+    # The relay's own decoder (`formats/chunks.py`): what the renderer wrote, logprobs and all.
     delta, _ = chunk_delta(orjson.loads(data), chat=format == ChatRenderer.object)
     return delta
 

@@ -44,7 +44,7 @@ def error_body(
     request_id: str | None = None,
 ) -> bytes:
     """The error object, before the first byte (HTTP body) and after it (`event: error`).
-    Every format's error body takes these arguments (`wire.anthropic.error_body`); OpenAI's
+    Every format's error body takes these arguments (`formats.anthropic.error_body`); OpenAI's
     shape carries the request's id in its `x-request-id` header only."""
     return orjson.dumps(
         {"error": {"code": code, "message": message, "type": type_, "param": param}}

@@ -1,7 +1,7 @@
 """An OpenAI-style streamed chunk (Chat Completions' `chat.completion.chunk`, legacy
 completions' `text_completion`) read back as the delta it carries: the one decoder for what
 an upstream sends the relay (`engines/relay.py`) and for a stream's own events that another
-instance replays when it takes the stream over (`wire/rebuild.py`).
+instance replays when it takes the stream over (`formats/rebuild.py`).
 
 Whatever a chunk carries is kept: text, reasoning (`reasoning_content`, or vLLM's older
 `reasoning`), refusal, tool-call fragments, the choice's `logprobs`, and any other field of

@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from firsttoken.delta import Delta
-from firsttoken.wire.assemble import ChatAnswer
-from firsttoken.wire.render import Events
+from firsttoken.formats.assemble import ChatAnswer
+from firsttoken.formats.render import Events
 
 __all__ = [
     "THREAD_UNSUPPORTED",
@@ -108,7 +108,7 @@ def error_body(
     request_id: str | None = None,
 ) -> bytes:
     """`{"type": "error", "error": {"type", "message"}}`: the HTTP body of a refusal and the
-    data of a stream's `event: error`. The signature of `wire.errors.error_body`; `type_` is
+    data of a stream's `event: error`. The signature of `formats.errors.error_body`; `type_` is
     one of Anthropic's (`error_type`, `status_error_type`), and the shape has no place for
     `param`."""
     error: dict[str, Any] = {"type": type_, "message": message}
