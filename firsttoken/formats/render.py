@@ -200,4 +200,3 @@ class NativeRenderer:
 
     def error(self, code: str, message: str, type_: str = "server_error") -> Events:
         return [("error", error_body(code, message, type_))]
-

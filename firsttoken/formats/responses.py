@@ -256,9 +256,14 @@ class ResponsesRenderer:
         item.logprobs.extend(scored)
         seq = self.seq
         self.seq = seq + 1
-        return self._prefix + _dumps(text) + b',"logprobs":%s,"sequence_number":%d}' % (
-            _dumps(scored),
-            seq,
+        return (
+            self._prefix
+            + _dumps(text)
+            + b',"logprobs":%s,"sequence_number":%d}'
+            % (
+                _dumps(scored),
+                seq,
+            )
         )
 
     def closing(self, finish_reason: str, usage: dict[str, Any]) -> Events:

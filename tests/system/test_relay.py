@@ -362,9 +362,7 @@ def test_failover_before_the_first_token(ups: tuple[Server, Server]) -> None:
         # Each broken upstream was tried, and each time the next one took over.
         assert refusing.posts and early.posts
         # The shorthand names its targets upstream-1, upstream-2, ... in the given order.
-        failed = {
-            r["target"] for r in relay.log_records() if r["event"] == "route.target_failed"
-        }
+        failed = {r["target"] for r in relay.log_records() if r["event"] == "route.target_failed"}
         assert failed == {"upstream-1", "upstream-2", "upstream-3"}
         failovers = [r for r in relay.log_records() if r["event"] == "route.failover"]
         assert len(failovers) >= 3

@@ -160,7 +160,8 @@ class MessagesRequest(_Body):
     metadata: dict[str, Any] | None = None
     thinking: ThinkingConfig | None = None
     # Message threads (the SDK's tool runner sends them by default): refused, not ignored,
-    # since a `continue` carries only the new turn's messages (`formats.anthropic.THREAD_UNSUPPORTED`).
+    # since a `continue` carries only the new turn's messages
+    # (`formats.anthropic.THREAD_UNSUPPORTED`).
     thread: Any = None
     synthetic: SyntheticKnobs | None = None  # firsttoken's own, sent with `extra_body`
 
