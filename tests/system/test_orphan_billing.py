@@ -31,6 +31,10 @@ from tests.system.test_takeover import native, read_to_end, read_until, resume
 from tests.system.test_takeover_billing import COMPLETION, PROMPT, M, instance
 
 KEY = "sk-ops-new"
+# Tokens that may be in flight to a reader when its instance is SIGKILLed: a flush's worth
+# (50 ms at the route's 8 ms a token) confirmed or written and not yet read, and what a reset
+# drops from a socket its client had not read.
+IN_FLIGHT = 12
 
 
 @pytest.fixture
@@ -122,11 +126,14 @@ def test_a_dead_instances_sdk_stream_is_billed_what_its_client_received(
                 (told["prompt_tokens"] * PROMPT + told["completion_tokens"] * COMPLETION) / M,
             )
         ]
+        # Billed what Redis holds: never less than a reader received (`--durable`), and more
+        # only by the events in flight to it when A died (docs/reliability.md).
         ((outcome, prompt, completion, cost),) = billed.pop(late["id"])
-        assert (outcome, completion) == ("orphaned", len(got[1]["tokens"]))
+        assert outcome == "orphaned"
+        assert len(got[1]["tokens"]) <= completion <= len(got[1]["tokens"]) + IN_FLIGHT
         assert prompt > 0 and cost == (prompt * PROMPT + completion * COMPLETION) / M
         ((outcome, prompt, completion, cost),) = [v[0] for v in billed.values()]
-        assert (outcome, completion) == ("orphaned", received)
+        assert outcome == "orphaned" and received <= completion <= received + IN_FLIGHT
         assert prompt > 0 and cost == (prompt * PROMPT + completion * COMPLETION) / M
         assert b.metric("firsttoken_redis_orphans_swept_total") == 2
         # The late reader is told its stream is gone, and nothing is billed twice.
