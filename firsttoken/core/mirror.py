@@ -34,7 +34,9 @@ class Mirror(BaseStream):
     # ended_there: True once the store said the stream ended (its end marker, or an error
     # event): a log closed otherwise (handed over, its tail stopped) is cut here, not the
     # stream's end. resumed: its reader's last event, to check against the store's.
-    __slots__ = ("ended_there", "resumed")
+    # successor: the stream continued here once this instance took it over; a reader that
+    # comes to the mirror after that (it found the mirror before) reads it instead.
+    __slots__ = ("ended_there", "resumed", "successor")
 
     # Nothing renders here: the owner's renderer made every event (the API layer asks).
     renderer = None
@@ -47,6 +49,7 @@ class Mirror(BaseStream):
         self.token_digest = record.token_digest
         self.ended_there = False
         self.resumed: Resumed | None = None
+        self.successor: BaseStream | None = None
 
     @property
     def ended(self) -> bool:

@@ -37,6 +37,7 @@ import anyio
 import anyio.lowlevel
 from starlette.types import Receive, Scope, Send
 
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
 from firsttoken.core.stream import SELF_RESUMING, BaseStream, Outcome, Stream
@@ -142,7 +143,12 @@ class EventSender:
 
     def open(self, preamble: bytes) -> None:
         """Attach to the stream and its log, write the preamble and any backlog."""
-        self.registry.attach(self.stream)
+        stream = self.stream
+        if self.log.closed and isinstance(stream, Mirror) and stream.successor is not None:
+            # Taken over here since this reader found the mirror: it reads the stream itself.
+            self.stream = stream = stream.successor
+            self.log = stream.log
+        self.registry.attach(stream)
         self.log.attach(self)
         self.last_write = _clock()
         if preamble:

@@ -172,6 +172,11 @@ class Takeovers:
                 mirror.log.detach(reader)
                 mirror.readers -= 1
                 reader.move_to(stream)
+            # A reader that found the mirror but has not attached yet (its connection is still
+            # opening) reads the stream too: closed, the mirror's log wakes it, and
+            # `EventSender.open` sends it on. Left open, that reader waited for ever.
+            mirror.successor = stream
+            mirror.log.close()
         if stream.readers == 0 and stream.outcome is None:
             self.registry.schedule_abandon(stream)
 

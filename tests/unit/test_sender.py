@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from firsttoken.core import sender as writer_module
+from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.sender import End, EventSender
@@ -16,6 +17,7 @@ from firsttoken.core.stream import Outcome, Renderer, Stream
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.formats.render import ChatRenderer, NativeRenderer
 from firsttoken.formats.sse import EventDecoder
+from firsttoken.resume import StreamRecord
 from firsttoken.telemetry.metrics import Metrics
 from firsttoken.wire.exchange import ChunkedBody
 from tests.unit.clock import FakeClock
@@ -102,6 +104,39 @@ def test_a_caught_up_writer_writes_each_token_as_it_is_pushed(
         assert len(transport.writes) == 4
         assert body_of(transport.writes[-1:]).endswith(b"data: [DONE]\n\n")
         assert transport.writes[-1].endswith(b"\r\n0\r\n\r\n") and writer.terminated
+        assert writer.done.result() is End.FINISHED
+
+    run(body)
+
+
+def test_a_reader_of_a_mirror_taken_over_before_it_opened_reads_the_stream_continued(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Its connection was opening while this instance took the stream over (`Takeovers`):
+    it reads the stream continued here from its cursor to [DONE], never the mirror's
+    closed log (which had nothing more for it: it waited for ever)."""
+
+    async def body() -> None:
+        _, stream, registry, transport, _ = setup(monkeypatch)
+        mirror = Mirror(StreamRecord("s1", "native", "d", "t", "synthetic"), max_events=100)
+        mirror.successor = stream
+        mirror.log.close()
+        writer = EventSender(
+            mirror,
+            registry,
+            registry.metrics,
+            ChunkedBody(transport),
+            after=0,
+            heartbeat_s=5.0,
+            send_timeout_s=30.0,
+            timestamps=False,
+            compressor=None,
+        )
+        writer.open(b"")
+        assert writer.stream is stream and stream.readers == 1 and mirror.readers == 0
+        stream.begin()
+        stream.push("Hello", "stop")
+        assert body_of(transport.writes).endswith(b"data: [DONE]\n\n")
         assert writer.done.result() is End.FINISHED
 
     run(body)

@@ -243,6 +243,27 @@ def test_two_readers_here_of_one_orphan_read_the_one_stream_continued_here() -> 
     asyncio.run(body())
 
 
+def test_a_mirror_taken_over_before_its_reader_attached_sends_that_reader_on() -> None:
+    """The reader found the mirror, and its connection was still opening when the owner
+    was found gone and the stream continued here: the mirror's log closes (its waiter wakes)
+    and names the stream continued, which `EventSender.open` reads instead. Before, nothing
+    ever reached that reader: its mirror's tail had stopped, its log stayed open."""
+
+    async def body() -> None:
+        registry = StreamRegistry(_Recording(), Metrics(), ttl_s=10, store=_Claims(_claim()))  # type: ignore[arg-type]
+        registry.reopen = _reopen
+        async with anyio.create_task_group() as tg:
+            await tg.start(registry.run)
+            mirror = _mirror(after=0)
+            assert await registry.takeovers.take_over(mirror, Orphan("a"))
+            local = await registry.find("s1")
+            assert local is not None and mirror.successor is local
+            assert mirror.log.closed and not mirror.ended_there  # cut here, not its end
+            tg.cancel_scope.cancel()
+
+    asyncio.run(body())
+
+
 class _Closing(_Reader):
     """A reader that writes down that its connection ended (the log closed under it)."""
 
