@@ -11,6 +11,7 @@ import os
 import re
 import secrets
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -108,17 +109,26 @@ class Gateway:
         model = self.model(getattr(body, "model", None), key)
         return body, raw, model, key
 
-    async def admit(self, key: ApiKey, generation: GenerationRequest, trace: str) -> Ticket:
+    async def admit(
+        self,
+        key: ApiKey,
+        prompt: str,
+        max_tokens: int | None,
+        model: str,
+        stream_id: str,
+        options: Mapping[str, Any],
+        trace: str,
+    ) -> Ticket:
         """Admit the request once its prompt and limits are known: the key's token budget
         holds its prompt (counted here, once) plus its `max_tokens`."""
         return await self.admission.admit(
             key,
-            self.engine.prompt_tokens(generation.prompt),
-            generation.max_tokens,
-            generation.model,
-            request_id=generation.request_id,  # the ledger's record of it
+            self.engine.prompt_tokens(prompt),
+            max_tokens,
+            model,
+            request_id=stream_id,  # the ledger's record of it
             trace_id=trace,
-            own_latency=sets_own_latency(generation.options),
+            own_latency=sets_own_latency(options),
         )
 
     def open_stream(
@@ -133,7 +143,6 @@ class Gateway:
         ticket: Ticket,
         coalesce: Coalesce,
         meta: bool,
-        traceparent: str | None = None,
         takeover: bool = True,
     ) -> Stream:
         """A new stream with this server's resume, backpressure and chunking settings, for
@@ -145,15 +154,6 @@ class Gateway:
         answer, which nobody could resume)."""
         s = self.settings
         admitted = ticket.admitted
-        limit = generation.max_tokens if admitted.max_tokens is None else admitted.max_tokens
-        trusted = s.trust_trace_headers
-        generation = generation.admitted(
-            limit,
-            admitted.prompt_tokens,
-            trace,
-            traceparent if trusted else None,
-            None if trusted else traceparent,
-        )
         self._check(generation, ticket)
         try:
             stream = Stream(

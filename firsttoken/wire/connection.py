@@ -229,7 +229,7 @@ class StreamingProtocol(HttpToolsProtocol):
             self._stop_reading()
             raise _StopParsing
         direct = self.options.direct
-        if answering is not None or direct is None or not self._serve_direct(direct):
+        if direct is None or not self._serve_direct(direct, answering is not None):
             # Started, or queued behind `answering` (uvicorn's pipeline, reading paused).
             super().on_headers_complete()
             # The cycle's arrival flag, without asyncio.Event's up-front waiter deque (the
@@ -314,9 +314,12 @@ class StreamingProtocol(HttpToolsProtocol):
             self.transport.write_eof()
         self._arm_header_timer(self.linger_s)
 
-    def _serve_direct(self, direct: DirectRoutes) -> bool:
-        """Start a hot route's request without uvicorn's ASGI layers; False leaves it to them
-        (HTTP/1.0, an upgrade, `expect: 100-continue`, an escaped or absolute-form path)."""
+    def _serve_direct(self, direct: DirectRoutes, queued: bool) -> bool:
+        """Start a hot route's request without uvicorn's ASGI layers, or, `queued` behind the
+        answer under way, queue it as uvicorn queues a pipelined one; False leaves it to them
+        (HTTP/1.0, an upgrade, `expect: 100-continue`, an escaped or absolute-form path).
+        Queued is common, not rare: a client's next request on the connection often comes as
+        soon as the last event's chunk, before this side has told the cycle it ended."""
         parser = self.parser
         if self.expect_100_continue or parser.should_upgrade():
             return False
@@ -345,6 +348,10 @@ class StreamingProtocol(HttpToolsProtocol):
         )
         self.cycle = cycle
         serve = partial(direct.serve, route)  # the ASGI app the cycle runs
+        if queued:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, serve))  # started by `on_response_complete`
+            return True
         task = self.loop.create_task(cycle.run_asgi(serve))
         task.add_done_callback(self.tasks.discard)
         self.tasks.add(task)
