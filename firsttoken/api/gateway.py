@@ -251,7 +251,7 @@ class Gateway:
             served = self._served = (models, {m: m for m in models})
         # The engine's own string, shared: the body's copy would stay with every stream.
         found = served[1].get(requested) if requested is not None else None
-        if found is not None and (key is None or key.may_use(found)):
+        if found is not None and (key is None or key.routes is None or key.may_use(found)):
             return found
         allowed = self.models_for(key)
         if requested is None and allowed:

@@ -111,8 +111,9 @@ class Framer:
     # -- events ----------------------------------------------------------------------------
 
     def events(self, events: Events) -> None:
-        for name, data in events:
-            self.append(name, data)
+        log, base = self.log, self.id_base
+        for name, data in events:  # `append`'s, inline: a stream's opening and closing events
+            log.append(encode_event(log.last_seq + 1 + base, data, name), 0)
 
     def append(self, name: str | None, data: bytes, tokens: int = 0) -> None:
         log = self.log

@@ -31,7 +31,6 @@ import asyncio
 import time
 from collections.abc import Callable, Sequence
 from enum import Enum
-from typing import cast
 
 import anyio
 import anyio.lowlevel
@@ -40,7 +39,7 @@ from starlette.types import Receive, Scope, Send
 from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule, ScheduledCall
-from firsttoken.core.stream import SELF_RESUMING, BaseStream, Outcome, Stream
+from firsttoken.core.stream import SELF_RESUMING, BaseStream, Outcome
 from firsttoken.eventlog import Event, ResumeExpired
 from firsttoken.formats.errors import error_body
 from firsttoken.formats.sse import PING, ServerSentEvent, encode_event, response_headers, stamp
@@ -475,14 +474,9 @@ class EventStreamResponse:
             else:
                 await attached.__aexit__(None, None, None)
         finally:
-            if self.start:
-                self.registry.discard(self._new())  # never started: give back its ticket
+            if self.start:  # never started: give back its ticket
+                self.registry.discard(self.stream)  # type: ignore[arg-type]  # `_run`'s
         await self._finish(end, writer, exchange)
-
-    def _new(self) -> Stream:
-        """The stream this response starts (`start`): the pipeline's new one, generated here
-        (a mirror is only ever read)."""
-        return cast(Stream, self.stream)
 
     def _writer(self, body: Body) -> EventSender:
         return EventSender(
@@ -501,7 +495,9 @@ class EventStreamResponse:
         # Attached before the stream starts, so it never runs without a reader.
         writer.open(self.preamble)
         if self.start:
-            await self.registry.start(self._new())
+            # The pipeline's new stream, generated here (a mirror is only ever read): typed
+            # `BaseStream` for the responses that read one, not cast (a call a stream).
+            await self.registry.start(self.stream)  # type: ignore[arg-type]
             # The engine has its request, and the first token is a TTFT away: let what is ready
             # run before this stream's first write (other new streams up to their engines, a
             # relay's upstream request), so a burst's streams start one set-up apart, not two.

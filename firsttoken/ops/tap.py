@@ -78,7 +78,8 @@ class LogTap:
         """One log line (`telemetry.metrics.LogTap`)."""
         if event == "stream.finished":
             if fields.get("outcome") != "error":
-                self._failed_at.pop(str(fields.get("stream")), None)
+                if self._failed_at:  # a stream that failed over and then ended well
+                    self._failed_at.pop(str(fields.get("stream")), None)
                 return
             self._error(event, level, fields)
             return

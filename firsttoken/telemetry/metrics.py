@@ -17,7 +17,7 @@ import os
 import socket
 import threading
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -294,14 +294,25 @@ class Metrics:
         self.route_active[route] = self.route_active.get(route, 0) - 1
         self.key_active[key] = self.key_active.get(key, 0) - 1
 
-    def count_key_tokens(self, key: str, usage: Iterable[int]) -> None:
-        """An ended answer's usage (`core.stream.Usage`: prompt, completion, reasoning, cached,
-        cache_write), added to its key's counters."""
+    def count_key_tokens(self, key: str, usage: Sequence[int]) -> None:
+        """An ended answer's usage (`pricing.Usage`: prompt, completion, reasoning, cached,
+        cache_write), added to its key's counters. Spelled out, not a loop over the kinds:
+        it runs once a stream, and most kinds are 0 for most answers."""
         counts = self.key_tokens
-        for kind, tokens in zip(KEY_TOKEN_KINDS, usage, strict=True):
-            # Most kinds are 0 for most answers: those need no update once their series is.
-            if tokens or (key, kind) not in counts:
-                counts[key, kind] = counts.get((key, kind), 0) + tokens
+        if (key, "cache_write") not in counts:  # its first: every series exists from now on
+            for kind in KEY_TOKEN_KINDS:
+                counts.setdefault((key, kind), 0)
+        prompt, completion, reasoning, cached, cache_write = usage
+        if prompt:
+            counts[key, "prompt"] += prompt
+        if completion:
+            counts[key, "completion"] += completion
+        if reasoning:
+            counts[key, "reasoning"] += reasoning
+        if cached:
+            counts[key, "cached"] += cached
+        if cache_write:
+            counts[key, "cache_write"] += cache_write
 
     def render(self) -> bytes:
         if self.share is not None:
