@@ -22,7 +22,8 @@ against direct's), or it counts as failed.
   round; p50/p99 over those differences, and each target's own p50/p99.
 - **c=32**: per round, each target in turn (rotating) gets 32 clients at once, each sending
   `--per-client` requests back to back on its own keep-alive connection; p50/p99 per request
-  over every round, and requests per second while it ran.
+  over every round, requests per second while it ran, and this client's CPU over that time
+  (near 100%: the one client process, not the target, set the pace).
 
 Latency runs from the request's write to the whole answer read (httpx, one connection per
 client, opened before timing). Nothing is pinned: on a shared machine the figures carry its
@@ -141,9 +142,9 @@ async def one_at_a_time(
     return out
 
 
-async def burst(url: str, check: Checked, sizes: Sizes) -> tuple[list[float | None], float]:
-    """`concurrency` clients at once, each `per_client` requests back to back: latencies, and
-    the wall time of the whole burst."""
+async def burst(url: str, check: Checked, sizes: Sizes) -> tuple[list[float | None], float, float]:
+    """`concurrency` clients at once, each `per_client` requests back to back: latencies, the
+    wall time of the whole burst, and this client's CPU time over it."""
     clients = [connect(url) for _ in range(sizes.concurrency)]
     try:
         # One connection each, opened before timing.
@@ -152,23 +153,25 @@ async def burst(url: str, check: Checked, sizes: Sizes) -> tuple[list[float | No
         async def one(client: httpx.AsyncClient) -> list[float | None]:
             return [await timed(client, check) for _ in range(sizes.per_client)]
 
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), time.process_time()
         runs = await asyncio.gather(*(one(c) for c in clients))
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
     finally:
         await asyncio.gather(*(c.aclose() for c in clients))
-    return [ms for run in runs for ms in run], wall
+    return [ms for run in runs for ms in run], wall, cpu
 
 
-async def at_once(
-    urls: dict[str, str], check: Checked, sizes: Sizes
-) -> dict[str, tuple[list[float | None], float]]:
+Burst = tuple[list[float | None], float, float]  # latencies, wall s, client CPU s
+
+
+async def at_once(urls: dict[str, str], check: Checked, sizes: Sizes) -> dict[str, Burst]:
     names = list(urls)
-    out: dict[str, tuple[list[float | None], float]] = {name: ([], 0.0) for name in names}
+    out: dict[str, Burst] = {name: ([], 0.0, 0.0) for name in names}
     for r in range(sizes.burst_rounds):
         for name in names[r % len(names) :] + names[: r % len(names)]:
-            got, wall = await burst(urls[name], check, sizes)
-            out[name] = (out[name][0] + got, out[name][1] + wall)
+            got, wall, cpu = await burst(urls[name], check, sizes)
+            lat, wall_sum, cpu_sum = out[name]
+            out[name] = (lat + got, wall_sum + wall, cpu_sum + cpu)
     return out
 
 
@@ -176,9 +179,7 @@ def _pct(values: Sequence[float], q: float) -> float | None:
     return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
 
 
-def summarise(
-    single: dict[str, list[float | None]], many: dict[str, tuple[list[float | None], float]]
-) -> dict[str, Any]:
+def summarise(single: dict[str, list[float | None]], many: dict[str, Burst]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     direct = single["direct"]
     for name, got in single.items():
@@ -186,7 +187,7 @@ def summarise(
         added = [
             ms - d for ms, d in zip(got, direct, strict=True) if ms is not None and d is not None
         ]
-        lat, wall = many[name]
+        lat, wall, cpu = many[name]
         ok_many = [ms for ms in lat if ms is not None]
         out[name] = {
             "c1": {
@@ -203,6 +204,7 @@ def summarise(
                 "p50_ms": _pct(ok_many, 50),
                 "p99_ms": _pct(ok_many, 99),
                 "per_s": len(ok_many) / wall if wall else None,
+                "client_cpu_share": cpu / wall if wall else None,  # 1.0: the client is the limit
             },
         }
     return out
@@ -224,8 +226,8 @@ def report(res: dict[str, Any]) -> str:
         f"LiteLLM: {meta['litellm']['status']}",
         "",
         f"| | c=1 p50 / p99 ms | c=1 added over direct p50 / p99 ms "
-        f"| c={c} p50 / p99 ms | c={c} req/s | failed |",
-        "|---|---|---|---|---|---|",
+        f"| c={c} p50 / p99 ms | c={c} req/s | client CPU at c={c} | failed |",
+        "|---|---|---|---|---|---|---|",
     ]
     for name, fig in figs.items():
         one, many = fig["c1"], fig["many"]
@@ -235,9 +237,10 @@ def report(res: dict[str, Any]) -> str:
             else "—"
         )
         rate = f"{many['per_s']:.0f}" if many["per_s"] else "—"
+        client = f"{many['client_cpu_share']:.0%}" if many["client_cpu_share"] else "—"
         lines.append(
             f"| {LABELS[name]} | {_ms(one['p50_ms'])} / {_ms(one['p99_ms'])} | {added} "
-            f"| {_ms(many['p50_ms'])} / {_ms(many['p99_ms'])} | {rate} "
+            f"| {_ms(many['p50_ms'])} / {_ms(many['p99_ms'])} | {rate} | {client} "
             f"| {one['failed'] + many['failed']} |"
         )
     if "litellm" in figs and "relay" in figs:
