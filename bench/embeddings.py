@@ -13,7 +13,7 @@ deterministic vectors, in microseconds of its own work). In front of it:
 - `litellm`: the LiteLLM proxy (`model: openai/synthetic`, `api_base` the upstream; found and
   run as `bench.proxies` does: `.venv/litellm`, `--litellm PATH`).
 
-Each request is what the openai SDK sends by default: one text of 12 words,
+Each request is what the openai SDK sends by default: one text of 15 words,
 `encoding_format: "base64"`; its answer must be 200 with the upstream's own vector (checked
 against direct's), or it counts as failed.
 
