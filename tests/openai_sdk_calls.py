@@ -7,6 +7,7 @@ the SDK and the standard library: the 2.x venv holds nothing else."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
 import sys
@@ -82,6 +83,29 @@ def responses(client: openai.OpenAI) -> dict[str, Any]:
         "deltas": "".join(deltas),
         "final": final,
     }
+
+
+def helpers(client: openai.OpenAI) -> dict[str, Any]:
+    """The SDK's own helpers: `responses.stream()` and the async client."""
+    with client.responses.stream(model="synthetic", input=QUESTION, extra_body=SLOW) as stream:
+        for _ in stream:
+            pass
+        final = stream.get_final_response().output_text
+
+    async def streamed() -> list[str]:
+        async with openai.AsyncOpenAI(
+            base_url=str(client.base_url), api_key="unused", max_retries=0
+        ) as sdk:
+            out = []
+            chunks = await sdk.chat.completions.create(
+                model="synthetic", messages=MESSAGES, stream=True, max_tokens=20, seed=9
+            )
+            async for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    out.append(chunk.choices[0].delta.content)
+            return out
+
+    return {"stream_final": final, "async_parts": asyncio.run(streamed())}
 
 
 def resumed(client: openai.OpenAI) -> dict[str, Any]:
@@ -195,7 +219,7 @@ def errors(client: openai.OpenAI) -> dict[str, Any]:
 
 def main() -> None:
     client = openai.OpenAI(base_url=sys.argv[1], api_key="unused", max_retries=0)
-    calls = (chat, completions, responses, resumed, cancelled, embeddings, errors)
+    calls = (chat, completions, responses, helpers, resumed, cancelled, embeddings, errors)
     results = {call.__name__: call(client) for call in calls}
     print(json.dumps({"sdk": openai.__version__, **results}))
 

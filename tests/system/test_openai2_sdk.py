@@ -52,22 +52,24 @@ def test_it_is_the_pinned_2x_release(sdk2: dict[str, Any]) -> None:
     assert sdk2["sdk"] == pinned() and sdk2["sdk"].startswith("2.")
 
 
-def test_chat_completions_whole_and_streamed(sdk2: dict[str, Any]) -> None:
+def test_chat_completions_whole_streamed_and_async(sdk2: dict[str, Any]) -> None:
     chat = sdk2["chat"]
     assert chat["whole"] == "".join(synthetic_tokens(PROMPT, 1, 25)[0])
     assert (chat["whole_finish"], chat["whole_tokens"]) == ("length", 25)
     assert chat["parts"] == synthetic_tokens(PROMPT, 7, 40)[0]  # one chunk per token
     assert (chat["finishes"], chat["tokens"]) == (["length"], 40)
+    assert sdk2["helpers"]["async_parts"] == synthetic_tokens(PROMPT, 9, 20)[0]  # AsyncOpenAI
     expected = synthetic_tokens("Once upon a time", 2, 12)[0]
     assert sdk2["completions"]["parts"] == expected
 
 
-def test_responses_whole_streamed_resumed_and_cancelled(sdk2: dict[str, Any]) -> None:
+def test_responses_whole_streamed_helper_resumed_and_cancelled(sdk2: dict[str, Any]) -> None:
     expected = "".join(synthetic_tokens(QUESTION, 7, None, 40)[0])
     responses = sdk2["responses"]
     assert responses["whole"] == responses["deltas"] == responses["final"] == expected
     assert (responses["whole_status"], responses["whole_tokens"]) == ("completed", 40)
     assert responses["types"] == ["response.created", "response.completed"]
+    assert sdk2["helpers"]["stream_final"] == expected  # responses.stream()
     resumed = sdk2["resumed"]
     # Dropped after sequence number 5, read on with starting_after=5: every later event.
     assert resumed["first_sequence"] == list(range(6))
