@@ -99,7 +99,7 @@ class Collector:
         delivered = False
         try:
             await registry.start(stream)
-            if stream.log.shown_all:
+            if stream.log.shown_all():
                 delivered = True
                 return True
             left = asyncio.ensure_future(gone())

@@ -90,7 +90,6 @@ class Framer:
         )
         return self.text if self._coalescer is None else self.coalesce
 
-    @property
     def hot(self) -> bool:
         """Whether the stream may frame text tokens itself with `template`: nothing but the
         log sees them (no coalescer, no progress events)."""

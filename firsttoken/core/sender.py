@@ -284,7 +284,7 @@ class EventSender:
                 self.close(End.FINISHED)
                 return
             if not events:
-                if log.shown_all and self.cursor >= log.last_seq:
+                if log.shown_all() and self.cursor >= log.last_seq:
                     self.close(End.FINISHED)
                 return
             if self.timestamps:
@@ -450,7 +450,8 @@ class EventStreamResponse:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         exchange = await open_exchange(scope, receive, send, self.headers)
         self.headers = _SENT  # sent: a waiting stream need not keep them (nor a list of its own)
-        writer = self._writer(exchange.body)
+        body = exchange.body
+        writer = self._writer(body)
         # `async with`, spelled out: it would keep a bound `__aexit__` (64 bytes) in every
         # waiting stream's frame.
         attached = exchange.attached(writer)
@@ -458,7 +459,7 @@ class EventStreamResponse:
             await attached.__aenter__()
             try:
                 try:
-                    if exchange.body.is_closing():
+                    if body.is_closing():
                         writer.close(End.DISCONNECTED)
                     else:
                         try:

@@ -355,7 +355,7 @@ class Stream(BaseStream):
         if self.meta_interval_s is not None:  # progress events watch the text
             framer.on_text = self._progress  # a cycle, broken by `Framer.close`
         self._text = text = framer.enter_text()
-        if framer.hot:
+        if framer.hot():
             self._frame = framer.template  # from now on, tokens take the hot path
         return text
 

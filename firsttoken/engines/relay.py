@@ -372,7 +372,7 @@ class _ChunkReader(EventDecoder):
         split without decoding it to text first. None: the full decoder reads it."""
         if (
             not chunk.endswith(b"\n\n")
-            or b"\r" in chunk
+            or chunk.find(b"\r") >= 0  # not `in`: see `formats.sse.encode_event`
             or self._buffer
             or self._has_fields
             or self._event
@@ -383,7 +383,7 @@ class _ChunkReader(EventDecoder):
             return None
         out = []
         for block in chunk[:-2].split(b"\n\n"):
-            if not block.startswith(b"data:") or b"\n" in block:
+            if not block.startswith(b"data:") or block.find(b"\n") >= 0:
                 return None
             out.append(block[6:] if block[5:6] == b" " else block[5:])
         self._started = self.saw_event = True

@@ -167,8 +167,9 @@ class ServerSentEvent:
 
 def encode_event(seq: int, data: bytes, event: str | None = None) -> bytes:
     """Fast path for the per-token hot path: one `id:` and one-line data (JSON has no raw
-    line breaks); anything else goes through `ServerSentEvent.encode`."""
-    if event is None and b"\n" not in data and b"\r" not in data:
+    line breaks); anything else goes through `ServerSentEvent.encode`. `find`, not `in`: on
+    bytes, `in` first tries its operand as an int and formats a TypeError (~0.6 µs)."""
+    if event is None and data.find(b"\n") < 0 and data.find(b"\r") < 0:
         return DATA_FRAME % (seq, data)
     return ServerSentEvent(data=data.decode(), event=event, id=str(seq)).encode()
 

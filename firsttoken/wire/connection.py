@@ -169,6 +169,8 @@ class StreamingProtocol(HttpToolsProtocol):
         # at the default 64 KiB a stalled reader of a live stream held ~1.4 MiB, here ~0.2.
         transport.set_write_buffer_limits(high=self.write_buffer_high)
         self.transport = RequestTransport(transport)
+        # The event loop's transport: a stream's events are written to it directly.
+        self.socket_transport = transport
         # uvicorn's FlowControl, with a waiter made only when a send waits for the drain:
         # its asyncio.Event took a 64-slot deque up front (~620 B per connection).
         self.flow = Flow(transport)
@@ -326,7 +328,8 @@ class StreamingProtocol(HttpToolsProtocol):
         if parser.get_http_version() != "1.1":
             return False
         raw_path, _, query = self.url.partition(b"?")
-        if raw_path[:1] != b"/" or b"%" in raw_path or not raw_path.isascii():
+        # `find`, not `in` (which formats a TypeError first on bytes: `formats.sse`).
+        if raw_path[:1] != b"/" or raw_path.find(b"%") >= 0 or not raw_path.isascii():
             return False
         method = parser.get_method().decode("ascii")
         path = raw_path.decode("ascii")
@@ -376,11 +379,6 @@ class StreamingProtocol(HttpToolsProtocol):
             self.listener.resume_writing()
 
     # What a stream's writer asks of its connection (`transport.DirectExchange`).
-
-    @property
-    def socket_transport(self) -> asyncio.Transport:
-        """The event loop's transport: a stream's events are written to it directly."""
-        return self.transport.real
 
     def answering(self) -> bool:
         """Whether a response is under way here (started, not ended): the request it answers

@@ -256,7 +256,7 @@ class DirectExchange:
         exchange.connection = connection
         exchange.transport = exchange.real = transport = connection.socket_transport
         if not transport.is_closing():
-            exchange.body.hold(head)  # the head leaves with the first events (`release`)
+            exchange.hold(head)  # the head leaves with the first events (`release`)
         return exchange
 
     @property

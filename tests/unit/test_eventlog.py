@@ -268,7 +268,7 @@ def test_end_at_lets_the_events_after_it_go_and_a_reader_behind_ends_there() -> 
     log.hold(4)
     assert log.after(3) == [Event(4, b"x", 1)]  # not the count of the event dropped
     log.close()
-    assert log.shown_all
+    assert log.shown_all()
 
 
 def test_end_at_before_what_is_kept_leaves_none() -> None:

@@ -34,7 +34,7 @@ def test_a_text_run_hands_the_stream_its_template_when_nothing_else_watches_it()
     framer = _framer()
     framer.opening(None)
     take = framer.enter_text()
-    assert take == framer.text and framer.hot and framer.template is not None
+    assert take == framer.text and framer.hot() and framer.template is not None
     take("a")
     log = framer.log
     # The stream's hot path: the template, its seq and the JSON text, nothing else.
@@ -66,7 +66,7 @@ def test_coalesced_text_leaves_in_chunks_and_its_end_disarms_the_timer() -> None
         framer = _framer()
         framer.opening(CoalescePolicy(max_wait_s=10.0))
         take = framer.enter_text()
-        assert take == framer.coalesce and not framer.hot
+        assert take == framer.coalesce and not framer.hot()
         for token in ("a", "b", "c", "d"):
             take(token)
         assert framer.log.last_seq == 1  # the first token alone; the rest under a timer

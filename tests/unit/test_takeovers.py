@@ -275,7 +275,7 @@ class _Closing(_Reader):
 
     def catch_up(self) -> None:
         super().catch_up()
-        if self.log.shown_all:
+        if self.log.shown_all():
             self.log_closed()
 
 
