@@ -41,6 +41,8 @@ def pair(redis: RedisServer) -> Iterator[tuple[Server, Server]]:
         "2",
         "--openai-grace-s",
         "2",
+        "--rate-limit-per-s",  # no shared bucket: admission asks Redis nothing
+        "0",
     )
     with run_server(*args) as a, run_server(*args) as b:
         yield a, b
