@@ -298,9 +298,10 @@ class RedisStore:
         """Another instance's stream, as its meta says; None when there is none. The owner
         hands a new stream's id out before its meta lands (`open`: nothing waits for it on
         the owner, so a Redis restart adds nothing to a first token), so a stream not found
-        is asked again for up to `_META_WAIT_S` before it is unknown: its meta may be on its
-        way (next turn of the owner's loop, or the flusher's next write while Redis comes
-        back). Only ids that can be ours wait (`_STREAM_ID`): any other is unknown at once."""
+        is asked again for up to 1 s (`_META_POLLS_S`) before it is unknown: its meta may be
+        on its way (next turn of the owner's loop, or the flusher's next write while Redis
+        comes back). Only ids that can be ours wait (`_STREAM_ID`): any other is unknown at
+        once."""
         meta = await self._meta(stream_id)
         if meta is None and _STREAM_ID.fullmatch(stream_id) is not None:
             for delay in _META_POLLS_S:
