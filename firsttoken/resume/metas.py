@@ -12,7 +12,7 @@ it meanwhile waits a while for the meta (`RedisStore.lookup`). A meta that did n
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import anyio
@@ -135,6 +135,10 @@ def by_request_bytes(reps: list[Replica]) -> Iterator[list[Replica]]:
         yield run
 
 
+def _nobody() -> None:
+    return None
+
+
 class MetaWriter:
     """The metas of the streams opened since its last write, in one write."""
 
@@ -155,6 +159,8 @@ class MetaWriter:
         self._script = redis.register_script(WRITE_METAS)
         self._batch: list[Replica] = []  # streams opened since the last write
         self._wake = anyio.Event()
+        # Told that Redis took a write while the store is down (the flusher recovers now).
+        self.answered: Callable[[], None] = _nobody
 
     async def load(self) -> None:
         """The first burst's call finds the script (none on a cluster: commands there)."""
@@ -196,6 +202,8 @@ class MetaWriter:
             return
         for rep in batch:
             rep.written_meta()
+        if not self.health.up:
+            self.answered()
 
     def failed(self, batch: list[Replica], error: BaseException) -> None:
         """The flusher writes the metas Redis did not take, before the streams' next runs;

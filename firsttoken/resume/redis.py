@@ -144,6 +144,7 @@ class RedisStore:
             presence_ms=_PRESENCE_MS,
             owner_gone_s=OWNER_GONE_S,
         )
+        self._metas.answered = self._flusher.answered
         self._heartbeat.before_beat = self._replicas.expire
         self._heartbeat.on_beat = self._beat_answered
 
@@ -243,7 +244,8 @@ class RedisStore:
         rep = self._replicas.add(record, ttl_s, log, hold=self._health.holding)
         if not self._health.up:
             self._replicas.mark(rep)  # the flusher writes it when Redis is back
-            return
+        # Tried at once even so: Redis may be back before the flusher knows (up to a
+        # heartbeat, 1 s), and a meta late by that long is a reader elsewhere waiting as long.
         self._metas.open(rep)
 
     def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:

@@ -90,8 +90,9 @@ def test_the_lua_call_carries_each_streams_fields_after_its_lengths() -> None:
 
 
 def opened(s: RedisStore, answer: Callable[[], Awaitable[list[Any]]]) -> list[str]:
-    """Two streams opened in one turn while Redis answers their metas' call with `answer`:
-    what the flusher is left to write, once the call is over (virtual time)."""
+    """Two more streams opened in the turn of s1 (opened while the store counted Redis as
+    down: its meta is tried at once too), while Redis answers their metas' call with
+    `answer`: what the flusher is left to write, once the call is over (virtual time)."""
     s.up = True
     s._replicas.dirty.clear()
     s._replicas["s1"].queued = False
@@ -123,7 +124,7 @@ def test_a_meta_write_that_runs_out_of_time_is_the_flushers_and_leaves_the_store
         await anyio.sleep(OP_TIMEOUT_S * 5)
         return []
 
-    assert opened(s, slow) == ["s2"]
+    assert opened(s, slow) == ["s1", "s2"]
     assert s.up and s.outages == 0 and not s._replicas["s2"].meta_done
 
 
@@ -133,7 +134,7 @@ def test_a_refused_meta_write_is_the_flushers_and_takes_the_store_down() -> None
     async def refused() -> list[Any]:
         raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused.")
 
-    assert opened(s, refused) == ["s2"]
+    assert opened(s, refused) == ["s1", "s2"]
     assert not s.up and s.outages == 1
 
 
@@ -144,3 +145,27 @@ def test_a_written_meta_is_done_and_nothing_is_left_to_the_flusher() -> None:
         return []
 
     assert opened(s, taken) == [] and s._replicas["s2"].meta_done
+
+
+def test_a_meta_taken_while_the_store_counts_redis_as_down_recovers_the_flusher_now() -> None:
+    """A stream opened while the store counts Redis as down is tried at once too: Redis may
+    be back before the next heartbeat tells the flusher (1 s), a reader elsewhere waiting
+    for the meta as long."""
+    s = store()
+    assert "s1" in s._replicas.dirty  # the flusher's, should the write fail
+    told: list[bool] = []
+    s._metas.answered = lambda: told.append(True)
+
+    async def taken(reps: list[Replica]) -> list[Any]:
+        return []
+
+    s._metas.call = taken  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s._metas.write_forever)
+            await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+
+    virtual_loop.run(body())
+    assert s._replicas["s1"].meta_done and told == [True]
