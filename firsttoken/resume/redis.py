@@ -139,7 +139,9 @@ class RedisStore:
         self._tailer = Tailer(
             redis,
             self.instance,
-            on_error=self._health.down,
+            # Its reads wait for a connection with everyone's: under a burst of readers that
+            # wait runs out while Redis answers, which is not an outage (`Health.failed`).
+            on_error=self._health.failed,
             cluster=cluster,
             presence_ms=_PRESENCE_MS,
             owner_gone_s=OWNER_GONE_S,

@@ -21,6 +21,20 @@ def metric(s: object, name: str) -> float:
     return found.samples[0].value
 
 
+def test_the_shared_tail_out_of_connections_leaves_the_store_up() -> None:
+    """A burst of readers of other instances' streams (1,000 resumes at once on four
+    connections) made the tail's reads wait past the pool's wait: the store was marked down."""
+    s = store()
+    s.up = True
+    try:
+        raise RedisConnectionError("No connection available.") from TimeoutError()
+    except RedisConnectionError as exc:
+        s._tailer.on_error(exc)
+    assert s.up and s.outages == 0
+    s._tailer.on_error(RedisConnectionError("Error 111 connecting to 127.0.0.1:6379."))
+    assert not s.up and s.outages == 1
+
+
 class _Metas:
     """Redis as `lookup` sees it: the metas it holds (`held`, from the virtual time each
     lands), and how long each answer takes (`slow`: one entry per call, then at once)."""
