@@ -70,8 +70,9 @@ def eviction_risk(policy: str) -> str | None:
 
 
 # A call finding every connection busy waits this long for one, then fails with redis-py's
-# ConnectionError("No connection available."), which every caller already takes for Redis
-# being unreachable. The same 1 s a request-path call gives Redis (`_OP_TIMEOUT_S` in the
+# ConnectionError("No connection available.") raised from a TimeoutError: Redis unreachable
+# for that call (the stream store does not count it as an outage: `resume.health.busy`).
+# The same 1 s a request-path call gives Redis (`_OP_TIMEOUT_S` in the
 # store and the limits), so the wait is part of that budget, never a shorter one: a burst of
 # 1,000 new streams on one process waits up to 0.5-1 s for a connection at any pool size
 # (the loop, not Redis, is busy), and a 0.5 s wait sent 40-573 of them to the fallbacks.
@@ -130,8 +131,10 @@ class _WaitingCluster(RedisCluster):
     async def turn(self) -> AsyncIterator[None]:
         try:
             await asyncio.wait_for(self.turns.acquire(), POOL_WAIT_S)
-        except TimeoutError:
-            raise ConnectionError("No connection available.") from None
+        except TimeoutError as exc:
+            # Raised from the timeout, as the single node's pool does: a busy process, not
+            # Redis away (`resume.health.busy`).
+            raise ConnectionError("No connection available.") from exc
         try:
             yield
         finally:

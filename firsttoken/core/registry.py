@@ -31,12 +31,7 @@ from firsttoken.resume.budget import ResumeBudget
 from firsttoken.telemetry.log import log_enabled, log_event
 from firsttoken.telemetry.metrics import LOOP_LAG_SAMPLE_S, Metrics, key_label
 
-__all__ = ["FOUND_ELSEWHERE", "Reopen", "StreamRegistry", "StreamTracer"]
-
-# Formats whose streams other instances may be asked for before their first event: a native
-# stream's events URL, a Responses id (retrieve, background). Any stream a client may resume
-# (`grace_s` > 0) too.
-FOUND_ELSEWHERE = frozenset({"native", "responses"})
+__all__ = ["Reopen", "StreamRegistry", "StreamTracer"]
 
 
 class StreamTracer(Protocol):
@@ -255,15 +250,11 @@ class StreamRegistry:
                     max_tokens=request.max_tokens,
                 )
             stream.begin()
+            # Its id goes out now, whatever the store: waiting for Redis to hold the meta
+            # added up to 1 s to first tokens while Redis restarted. Another instance asked
+            # for it before the meta lands waits for it instead (`RedisStore.lookup`), and
+            # the flusher writes a missing meta before the stream's events.
             self.launch(stream, request)
-            if self.store.replicates and (stream.format in FOUND_ELSEWHERE or stream.grace_s > 0):
-                # Findable on other instances before its id is handed out; the engine is
-                # already on its way, so the round trip is not added to the first token
-                # unless Redis is slow to take it (up to 1 s while it restarts). A stream only
-                # its own connection reads is not looked up elsewhere before its events,
-                # and its meta goes before them in any case (the flusher writes a missing
-                # meta first): it does not wait.
-                await self.store.registered(stream.id)
         except EngineError as exc:
             stream.fail(exc)
             return exc
@@ -278,9 +269,6 @@ class StreamRegistry:
             error = EngineError("internal_error", "the engine failed to start this stream")
             stream.fail(error)
             return error
-        except BaseException:  # cancelled while registering: nobody is left to read it
-            stream.stop(Outcome.DISCONNECTED)
-            raise
         finally:
             # The engine holds what it still needs (a relay forwards the raw body when its
             # task runs); the stream keeps only the model and the limits.

@@ -35,7 +35,7 @@ class Cancels:
             with anyio.fail_after(OP_TIMEOUT_S):
                 await self.redis.publish(CANCEL, stream_id)
         except REDIS_DOWN as exc:
-            self.health.down(exc)
+            self.health.failed(exc)  # a request's call: its timeout is its own
             raise unavailable("the cancel could not reach the stream's instance") from None
         with anyio.move_on_after(_OUTCOME_WAIT_S):
             while True:

@@ -1,6 +1,7 @@
 """Whether Redis answers, and what `--durable` does while it does not.
 
-Every part of the Redis store reports a failed call here (`down`); the flusher reports each
+Every part of the Redis store reports a failed call here (`down`, or `failed` for a call on
+the request path, which may only have run out of time: `busy`); the flusher reports each
 write's start and end (`write_began`, `write_ended`), and only a write answered in full
 brings the store back up. While Redis is away or slow, `durable` readers are let go on
 without it (`release`): no other instance can take a stream over meanwhile, since its claim
@@ -14,6 +15,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from firsttoken.formats.errors import APIError
 from firsttoken.redisclient import REDIS_DOWN
@@ -26,6 +28,7 @@ __all__ = [
     "RETRY_MIN_S",
     "STALL_S",
     "Health",
+    "busy",
     "unavailable",
 ]
 
@@ -46,6 +49,16 @@ def unavailable(what: str) -> APIError:
         f"the shared stream store (Redis) is unreachable; {what}",
         headers={"retry-after": "1"},
     )
+
+
+def busy(error: BaseException) -> bool:
+    """A call that ran out of time (`OP_TIMEOUT_S`), or waited that long for a free
+    connection (the pool's `ConnectionError`, raised from a timeout): on a loop starved by a
+    burst (500 resumes at once) that is this process being busy, not Redis being away. A
+    refused or reset connection, or an error reply, is Redis's."""
+    if isinstance(error, TimeoutError):
+        return True
+    return isinstance(error, RedisConnectionError) and isinstance(error.__cause__, TimeoutError)
 
 
 class Health:
@@ -88,6 +101,14 @@ class Health:
 
     def down(self, error: BaseException) -> None:
         self.set_up(False, error)
+
+    def failed(self, error: BaseException) -> None:
+        """A request-path call failed: the store is down, unless the call was only `busy`.
+        One request's timeout must not take the store down for every stream (a burst that
+        starves the loop would); the flusher and the heartbeat, which call Redis all the
+        time, say soon enough whether it is away."""
+        if not busy(error):
+            self.down(error)
 
     def release(self) -> None:
         """`durable`, Redis away or slow: every stream's readers see its events as they come

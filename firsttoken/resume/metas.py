@@ -2,17 +2,17 @@
 
 A burst of 500 new streams made 500 round trips, each waiting for a connection; here one
 task (`MetaWriter.write_forever`) takes what opened since its last write and sends it as one
-Lua call (`_WRITE_METAS`), in several only past `_META_CALL_BYTES` of stored requests. The
-stream's id is handed out once `registered` returns: another instance finds it from then on.
-A meta that did not go in (Redis away, or it failed) is left to the flusher, which writes it
-as commands (`meta_commands`) before the stream's next run.
+Lua call (`_WRITE_METAS`), in several only past `_META_CALL_BYTES` of stored requests.
+Nothing waits for it: the stream's id is handed out at once, and another instance asked for
+it meanwhile waits a while for the meta (`RedisStore.lookup`). A meta that did not go in
+(Redis away, or it failed) is left to the flusher, which writes it as commands
+(`meta_commands`) before the stream's next run.
 """
 
 from __future__ import annotations
 
 import struct
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator
 from typing import Any, cast
 
 import anyio
@@ -135,16 +135,12 @@ def by_request_bytes(reps: list[Replica]) -> Iterator[list[Replica]]:
         yield run
 
 
-@dataclass(slots=True, eq=False)
-class _MetaBatch:
-    reps: list[Replica] = field(default_factory=list)
-    done: anyio.Event = field(default_factory=anyio.Event)
-    error: BaseException | None = None
+def _nobody() -> None:
+    return None
 
 
 class MetaWriter:
-    """The metas of the streams opened since its last write, in one write; `registered`
-    waits for a stream's."""
+    """The metas of the streams opened since its last write, in one write."""
 
     def __init__(
         self,
@@ -161,9 +157,10 @@ class MetaWriter:
         self.health = health
         self.cluster = cluster
         self._script = redis.register_script(WRITE_METAS)
-        self._batch: _MetaBatch | None = None  # streams opened since the last write
+        self._batch: list[Replica] = []  # streams opened since the last write
         self._wake = anyio.Event()
-        self._opening: dict[str, _MetaBatch] = {}  # until `registered` is awaited
+        # Told that Redis took a write while the store is down (the flusher recovers now).
+        self.answered: Callable[[], None] = _nobody
 
     async def load(self) -> None:
         """The first burst's call finds the script (none on a cluster: commands there)."""
@@ -172,64 +169,51 @@ class MetaWriter:
 
     def open(self, rep: Replica) -> None:
         """Send `rep`'s meta with every other stream opened in this turn of the loop."""
-        batch = self._batch
-        if batch is None:
-            batch = self._batch = _MetaBatch()
+        if not self._batch:
             self._wake.set()
-        batch.reps.append(rep)
-        self._opening[rep.record.id] = batch
-
-    def forget(self, stream_id: str) -> None:
-        """Nothing waits for the stream's meta any more (it finished, or was forgotten)."""
-        self._opening.pop(stream_id, None)
-
-    async def registered(self, stream_id: str) -> None:
-        """Return once the stream's meta is in Redis; or, Redis failing to take it within
-        `OP_TIMEOUT_S`, once the flusher has it to write (the store is then degraded, and
-        the stream goes on)."""
-        batch = self._opening.pop(stream_id, None)
-        if batch is None:
-            return
-        error = batch.error
-        try:
-            with anyio.fail_after(OP_TIMEOUT_S):
-                await batch.done.wait()
-            error = batch.error
-        except TimeoutError as exc:
-            error = exc
-        if error is not None:
-            self.health.down(error)
-            rep = self.replicas.get(stream_id)
-            if rep is not None and not rep.meta_done:
-                self.replicas.mark(rep)
+        self._batch.append(rep)
 
     async def write_forever(self) -> None:
         while True:
             await self._wake.wait()
             self._wake = anyio.Event()
-            batch, self._batch = self._batch, None
-            if batch is not None:
-                await self._write(batch)
+            batch, self._batch = self._batch, []
+            if batch:
+                await self.write(batch)
 
-    async def _write(self, batch: _MetaBatch) -> None:
+    async def write(self, batch: list[Replica]) -> None:
+        """`batch`'s metas; what did not go in is the flusher's to write (`failed`)."""
         try:
             with anyio.fail_after(OP_TIMEOUT_S):
                 if self.cluster:  # a script's keys must share a slot: commands there
-                    commands = [c for rep in batch.reps for c in self.commands(rep)]
+                    commands = [c for rep in batch for c in self.commands(rep)]
                     replies = await send(self.redis, True, commands)
                 else:
                     replies = []
-                    for reps in by_request_bytes(batch.reps):
+                    for reps in by_request_bytes(batch):
                         replies += await self.call(reps)
         except REDIS_DOWN as exc:
-            batch.error = exc
-        else:  # an error reply (e.g. OOM) fails the batch as an outage would
-            batch.error = next((r for r in replies if isinstance(r, BaseException)), None)
-            if batch.error is None:
-                for rep in batch.reps:
-                    rep.written_meta()
-        finally:
-            batch.done.set()
+            self.failed(batch, exc)
+            return
+        # An error reply (e.g. OOM) fails the batch as an outage would.
+        error = next((r for r in replies if isinstance(r, BaseException)), None)
+        if error is not None:
+            self.failed(batch, error)
+            return
+        for rep in batch:
+            rep.written_meta()
+        if not self.health.up:
+            self.answered()
+
+    def failed(self, batch: list[Replica], error: BaseException) -> None:
+        """The flusher writes the metas Redis did not take, before the streams' next runs;
+        the store is down unless the write only ran out of time (`Health.failed`: the
+        flusher's own write says soon whether Redis is away)."""
+        self.health.failed(error)
+        for rep in batch:
+            # Not one it let go meanwhile (another instance's now, or forgotten).
+            if not rep.meta_done and self.replicas.get(rep.record.id) is rep:
+                self.replicas.mark(rep)
 
     def commands(self, rep: Replica) -> list[tuple[Any, ...]]:
         return meta_commands(rep, self.instance)

@@ -26,7 +26,7 @@ Keys (`{g}` is the stream's group tag, `keys.py`: what one command touches is in
 
 `RedisStore` is the `EventStore` these parts make together, each with one job:
   replicas.py   the streams this instance owns, what Redis confirmed of each, their expiry
-  metas.py      new streams' metas, one call per turn of the loop (`registered` waits)
+  metas.py      new streams' metas, one call per turn of the loop (nothing waits for it)
   flusher.py    every dirty stream's run and end, one call per flush; fences; resyncs
   health.py     Redis up or down; `durable`'s gates lifted while it is away or slow
   heartbeat.py  this instance's liveness key and its place among the instances
@@ -54,6 +54,7 @@ Redis, and a reader whose next event is in the hole gets `resume_expired` (at th
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable, Collection, Iterator
@@ -68,7 +69,7 @@ from firsttoken.redisclient import REDIS_DOWN, RawEntries, redis_client
 from firsttoken.resume.cancels import Cancels
 from firsttoken.resume.evictions import Evictions
 from firsttoken.resume.flusher import FLUSH_INTERVAL_S, Flusher
-from firsttoken.resume.health import OP_TIMEOUT_S, Health, unavailable
+from firsttoken.resume.health import OP_TIMEOUT_S, Health, busy, unavailable
 from firsttoken.resume.heartbeat import OWNER_GONE_S, Heartbeat, instance_key
 from firsttoken.resume.metas import MetaWriter
 from firsttoken.resume.redis_keys import events_key, meta_key, readers_key
@@ -85,6 +86,12 @@ __all__ = ["FLUSH_INTERVAL_S", "RedisStore"]
 _OP_TIMEOUT_S = OP_TIMEOUT_S  # what the pool's wait matches (tests/unit/test_redisclient.py)
 _PRESENCE_MS = 3000
 _HAND_OVER_S = 2.0  # how long a hand-over waits for Redis to hold its streams' last events
+_LOOKED_UP = ["kind", "digest", "trace", "model", "tenant"]  # what `lookup` reads of a meta
+# A stream not found is asked again after each of these (1 s in all: what its owner's meta
+# write may take while Redis comes back, `OP_TIMEOUT_S`), if its id can be one of ours
+# (`api.gateway.new_stream_id`: 32 hex digits).
+_META_POLLS_S = (0.05, 0.1, 0.15, 0.2, 0.2, 0.3)
+_STREAM_ID = re.compile(r"[0-9a-f]{32}")
 
 
 class RedisStore:
@@ -132,12 +139,14 @@ class RedisStore:
         self._tailer = Tailer(
             redis,
             self.instance,
-            on_error=self._health.down,
+            # Its reads wait for a connection with everyone's: under a burst of readers that
+            # wait runs out while Redis answers, which is not an outage (`Health.failed`).
+            on_error=self._health.failed,
             cluster=cluster,
             presence_ms=_PRESENCE_MS,
             owner_gone_s=OWNER_GONE_S,
         )
-        self._replicas.on_forget = self._metas.forget
+        self._metas.answered = self._flusher.answered
         self._heartbeat.before_beat = self._replicas.expire
         self._heartbeat.on_beat = self._beat_answered
 
@@ -232,20 +241,14 @@ class RedisStore:
 
     def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
         """Replicate `log` from now, and send the stream's meta with every other stream
-        opened in the same turn of the loop (`MetaWriter`). The engine may start meanwhile;
-        `registered` waits for the write before the stream's id is handed out."""
+        opened in the same turn of the loop (`MetaWriter`). Nothing waits for it: another
+        instance asked for the stream before it lands waits for it (`lookup`)."""
         rep = self._replicas.add(record, ttl_s, log, hold=self._health.holding)
         if not self._health.up:
             self._replicas.mark(rep)  # the flusher writes it when Redis is back
-            return
+        # Tried at once even so: Redis may be back before the flusher knows (up to a
+        # heartbeat, 1 s), and a meta late by that long is a reader elsewhere waiting as long.
         self._metas.open(rep)
-
-    async def registered(self, stream_id: str) -> None:
-        await self._metas.registered(stream_id)
-
-    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
-        self.open(record, ttl_s, log)
-        await self.registered(record.id)
 
     def adopt(self, record: StreamRecord, ttl_s: float, log: EventLog, fence: int) -> None:
         """A stream taken over: Redis holds its log up to now and its meta (`claim`)."""
@@ -260,7 +263,6 @@ class RedisStore:
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:
         rep = self._replicas.get(stream_id)
         if rep is not None:
-            self._metas.forget(stream_id)
             self._replicas.finish(rep, outcome, last_seq, ttl_s)
 
     def release(self, stream_id: str) -> None:
@@ -297,20 +299,43 @@ class RedisStore:
     # -- another instance's side ------------------------------------------------------------
 
     async def lookup(self, stream_id: str) -> StreamRecord | None:
-        try:
-            with anyio.fail_after(OP_TIMEOUT_S):
-                meta = await self.redis.hmget(
-                    meta_key(stream_id), ["kind", "digest", "trace", "model", "tenant"]
-                )
-        except REDIS_DOWN as exc:
-            self._health.down(exc)
-            raise unavailable("streams of other instances cannot be found now") from None
-        if meta[0] is None:
+        """Another instance's stream, as its meta says; None when there is none. The owner
+        hands a new stream's id out before its meta lands (`open`: nothing waits for it on
+        the owner, so a Redis restart adds nothing to a first token), so a stream not found
+        is asked again for up to 1 s (`_META_POLLS_S`) before it is unknown: its meta may be
+        on its way (next turn of the owner's loop, or the flusher's next write while Redis
+        comes back). Only ids that can be ours wait (`_STREAM_ID`): any other is unknown at
+        once."""
+        meta = await self._meta(stream_id)
+        if meta is None and _STREAM_ID.fullmatch(stream_id) is not None:
+            for delay in _META_POLLS_S:
+                await anyio.sleep(delay)
+                meta = await self._meta(stream_id)
+                if meta is not None:
+                    break
+        if meta is None:
             return None
         raw = cast("list[bytes | None]", meta)
         kind, digest, trace, model = (v.decode() for v in cast("list[bytes]", raw[:4]))
         tenant = (raw[4] or b"").decode()  # none in a meta written before it was kept
         return StreamRecord(stream_id, kind, digest, trace, model, tenant=tenant)
+
+    async def _meta(self, stream_id: str) -> list[Any] | None:
+        """The fields of the stream's meta that `lookup` reads; None when it has none. A call
+        that only ran out of time (`busy`: a burst of resumes on a starved loop, Redis
+        answering) is tried once more, and then answers this request alone 503: it does not
+        take the store down for everyone (`Health.failed`)."""
+        for attempt in range(2):
+            try:
+                with anyio.fail_after(OP_TIMEOUT_S):
+                    meta = await self.redis.hmget(meta_key(stream_id), _LOOKED_UP)
+            except REDIS_DOWN as exc:
+                self._health.failed(exc)
+                if not attempt and busy(exc) and self._health.up:
+                    continue
+                raise unavailable("streams of other instances cannot be found now") from None
+            return None if meta[0] is None else meta
+        raise AssertionError("unreachable")
 
     async def delete(self, stream_id: str) -> None:
         rep = self._replicas.get(stream_id)
@@ -325,7 +350,7 @@ class RedisStore:
                     await anyio.sleep(self._flusher.flush_interval_s)
                     await self.redis.delete(*keys)
         except REDIS_DOWN as exc:
-            self._health.down(exc)
+            self._health.failed(exc)
             raise unavailable("responses cannot be deleted now") from None
 
     async def cancel(self, stream_id: str) -> str | None:

@@ -29,10 +29,6 @@ def _nothing() -> None:
     return None
 
 
-def _no_one(stream_id: str) -> None:
-    return None
-
-
 @dataclass(slots=True, eq=False)
 class Replica:
     """One owned stream as Redis should hold it, and how much of that Redis confirmed.
@@ -131,8 +127,6 @@ class Replicas:
         self.dirty: dict[str, Replica] = {}
         self.wake = anyio.Event()  # set when a stream becomes dirty; the flusher renews it
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
-        # Told of each stream forgotten (the meta writer stops waiting on it).
-        self.on_forget: Callable[[str], None] = _no_one
         self._expiry: list[tuple[float, str]] = []  # (expires_at, id) of ended ones
 
     def __len__(self) -> int:
@@ -192,7 +186,6 @@ class Replicas:
     def forget(self, stream_id: str, rep: Replica) -> None:
         del self.by_id[stream_id]
         self.dirty.pop(stream_id, None)
-        self.on_forget(stream_id)
         rep.log.on_append = None
         rep.wanted = _nothing  # it holds `rep`: no cycle left for the collector
 

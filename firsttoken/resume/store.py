@@ -139,22 +139,18 @@ class EventStore(Protocol):
         self, on_cancel: Callable[[str], None], task_status: TaskStatus[None]
     ) -> None: ...
 
-    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
-        """`open`, then `registered`."""
-        ...
-
     def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
-        """A new stream of this instance: replicate its log from now (its first event may
-        come before `registered` returns)."""
-        ...
-
-    async def registered(self, stream_id: str) -> None:
-        """Return once another instance can find the stream (before its id is handed out)."""
+        """A new stream of this instance: replicate its log from now. Its id is handed out
+        at once: the store writes its record soon after, and another instance's `lookup`
+        waits for it a while."""
         ...
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None: ...
 
-    async def lookup(self, stream_id: str) -> StreamRecord | None: ...
+    async def lookup(self, stream_id: str) -> StreamRecord | None:
+        """Another instance's stream `stream_id`; None for one the store does not know
+        (after waiting a while for a record that may be on its way)."""
+        ...
 
     async def cancel(self, stream_id: str) -> str | None: ...
 
@@ -222,13 +218,7 @@ class MemoryStore:
         task_status.started()
         await anyio.sleep_forever()
 
-    async def register(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
-        return None
-
     def open(self, record: StreamRecord, ttl_s: float, log: EventLog) -> None:
-        return None
-
-    async def registered(self, stream_id: str) -> None:
         return None
 
     def finish(self, stream_id: str, outcome: str, last_seq: int, ttl_s: float) -> None:

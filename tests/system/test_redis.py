@@ -1,8 +1,11 @@
-"""Two gateway instances sharing a real Redis: resume on the other one, cancel from it."""
+"""Two gateway instances sharing a real Redis: resume on the other one, cancel from it, and
+find a stream there that was created while Redis was slow."""
 
 from __future__ import annotations
 
 import json
+import signal
+import threading
 import time
 from collections.abc import Iterator
 
@@ -13,29 +16,36 @@ from firsttoken.client import Client
 from firsttoken.engines import synthetic_tokens
 from firsttoken.formats.sse import EventDecoder
 from tests.rawhttp import RawStream
-from tests.redis_server import run_redis
+from tests.redis_server import RedisServer, redis_server
 from tests.servers import Server, run_server, wait_for
 
 GENERATED = "firsttoken_tokens_generated_total"
 
 
 @pytest.fixture(scope="module")
-def pair() -> Iterator[tuple[Server, Server]]:
-    with run_redis() as url:
-        args = (
-            "--redis",
-            url,
-            "--synthetic-ttft-ms",
-            "10",
-            "--synthetic-itl-ms",
-            "15",
-            "--resume-grace-s",
-            "2",
-            "--openai-grace-s",
-            "2",
-        )
-        with run_server(*args) as a, run_server(*args) as b:
-            yield a, b
+def redis() -> Iterator[RedisServer]:
+    with redis_server() as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def pair(redis: RedisServer) -> Iterator[tuple[Server, Server]]:
+    args = (
+        "--redis",
+        redis.url,
+        "--synthetic-ttft-ms",
+        "10",
+        "--synthetic-itl-ms",
+        "15",
+        "--resume-grace-s",
+        "2",
+        "--openai-grace-s",
+        "2",
+        "--rate-limit-per-s",  # no shared bucket: admission asks Redis nothing
+        "0",
+    )
+    with run_server(*args) as a, run_server(*args) as b:
+        yield a, b
 
 
 def tokens_of(body: bytes) -> tuple[list[str], str, bool]:
@@ -108,3 +118,34 @@ def test_reader_on_b_keeps_stream_on_a_alive(pair: tuple[Server, Server]) -> Non
     r = httpx.get(b.url + created["events_url"], timeout=30)
     tokens, _, done = tokens_of(r.content)
     assert done and tokens == synthetic_tokens("long", None, 250)[0]
+
+
+def test_a_stream_created_while_redis_is_slow_is_out_at_once_and_found_on_b(
+    redis: RedisServer, pair: tuple[Server, Server]
+) -> None:
+    """A native stream's id waited for Redis to hold its meta: up to 1 s while Redis
+    restarted. Now it is out at once; B, asked for it before the meta lands, waits for it."""
+    a, b = pair
+    assert redis.proc is not None
+    redis.proc.send_signal(signal.SIGSTOP)  # Redis answers nothing until SIGCONT
+    paused = time.monotonic()
+    try:
+        started = time.monotonic()
+        created = httpx.post(
+            a.v1 + "/streams", json={"prompt": "paused", "max_tokens": 20}, timeout=10
+        ).json()
+        took = time.monotonic() - started
+        read: list[httpx.Response] = []
+        reader = threading.Thread(
+            target=lambda: read.append(httpx.get(b.url + created["events_url"], timeout=20))
+        )
+        reader.start()
+        # Under the owner's liveness TTL (1.2 s): A is not taken for dead meanwhile.
+        time.sleep(max(0.0, paused + 0.8 - time.monotonic()))
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    reader.join(30)
+    assert took < 0.5  # before: ~0.8 s, until Redis answered
+    assert read and read[0].status_code == 200, read and read[0].text
+    tokens, _, done = tokens_of(read[0].content)
+    assert done and tokens == synthetic_tokens("paused", None, 20)[0]

@@ -49,7 +49,8 @@ async def stores(url: str) -> AsyncIterator[tuple[RedisStore, RedisStore, TaskGr
 async def owned(a: RedisStore, sid: str) -> EventLog:
     """A stream of A's: its log, which A replicates."""
     log = EventLog(max_events=1000)
-    await a.register(StreamRecord(sid, "native", "digest", "trace", "synthetic"), TTL_S, log)
+    a.open(StreamRecord(sid, "native", "digest", "trace", "synthetic"), TTL_S, log)
+    await until(lambda: a._replicas[sid].meta_done)  # nothing waits for it: the test does
     return log
 
 

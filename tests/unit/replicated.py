@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import struct
 
-import anyio
-
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.flusher import Call
 from firsttoken.resume.metas import META_COMMANDS
@@ -26,9 +24,9 @@ def store(
     max_events: int = 100, *, durable: bool = False, handover: bytes | None = None
 ) -> RedisStore:
     s = RedisStore(URL, max_events=max_events, max_connections=1, durable=durable)
-    s.up = False  # register() queues the meta for the flusher instead of writing it
+    s.up = False  # open() queues the meta for the flusher instead of writing it
     record = StreamRecord("s1", "native", "d", "t", "m", handover)
-    anyio.run(s.register, record, TTL_S, EventLog(max_events))
+    s.open(record, TTL_S, EventLog(max_events))
     return s
 
 

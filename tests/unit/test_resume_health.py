@@ -6,10 +6,12 @@ from __future__ import annotations
 from itertools import pairwise
 
 import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import ResponseError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.formats.errors import APIError
-from firsttoken.resume.health import RETRY_MAX_S, STALL_S, unavailable
+from firsttoken.resume.health import RETRY_MAX_S, STALL_S, busy, unavailable
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
@@ -126,3 +128,25 @@ def test_unavailable_is_a_503_that_says_to_retry() -> None:
     assert isinstance(error, APIError)
     assert (error.status, error.code) == (503, "store_unavailable")
     assert error.headers == {"retry-after": "1"}
+
+
+def test_a_call_that_only_ran_out_of_time_or_connections_is_busy_not_redis_away() -> None:
+    def pool_wait() -> RedisConnectionError:
+        try:
+            raise TimeoutError
+        except TimeoutError as exc:
+            try:
+                raise RedisConnectionError("No connection available.") from exc
+            except RedisConnectionError as error:
+                return error
+
+    assert busy(TimeoutError()) and busy(pool_wait())
+    refused = RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused.")
+    assert not busy(refused) and not busy(ConnectionResetError()) and not busy(ResponseError())
+    s = store()
+    s.up = True
+    s._health.failed(TimeoutError())
+    s._health.failed(pool_wait())
+    assert s.up and s.outages == 0  # one request's timeout is its own
+    s._health.failed(refused)
+    assert not s.up and s.outages == 1

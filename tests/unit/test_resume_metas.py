@@ -1,17 +1,22 @@
 """New streams' metas (`firsttoken/resume/metas.py`) without I/O: what is written for each,
-what a written meta lets go of, how a turn's metas are cut into calls, and what `registered`
-waits for (on virtual time)."""
+what a written meta lets go of, how a turn's metas are cut into calls, and what a failed
+write leaves to the flusher (on virtual time)."""
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import anyio
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from firsttoken.eventlog import EventLog
 from firsttoken.resume.health import OP_TIMEOUT_S
 from firsttoken.resume.metas import _META_CALL_BYTES, LIVE_EXTRA_S, by_request_bytes
+from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.redis_keys import meta_key, owned_key, tag_of
+from firsttoken.resume.replicas import Replica
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
 from tests.unit.replicated import TTL_S, confirm, flush, replicate, store
@@ -84,21 +89,83 @@ def test_the_lua_call_carries_each_streams_fields_after_its_lengths() -> None:
     assert head[3:] == (6, 1, 1, 1, 0, 2, 0)
 
 
-def test_registered_waits_for_the_write_and_leaves_a_failed_meta_to_the_flusher() -> None:
-    s = store()
+def opened(s: RedisStore, answer: Callable[[], Awaitable[list[Any]]]) -> list[str]:
+    """Two more streams opened in the turn of s1 (opened while the store counted Redis as
+    down: its meta is tried at once too), while Redis answers their metas' call with
+    `answer`: what the flusher is left to write, once the call is over (virtual time)."""
     s.up = True
     s._replicas.dirty.clear()
     s._replicas["s1"].queued = False
     s.open(StreamRecord("s2", "native", "d", "t", "m"), TTL_S, EventLog(8))
     s.open(StreamRecord("s3", "native", "d", "t", "m"), TTL_S, EventLog(8))
-    s.let_go("s3", flush=False)  # forgotten: nothing to wait for
+    s.let_go("s3", flush=False)  # forgotten meanwhile: nothing of it is written any more
 
-    async def body() -> float:
-        started = anyio.current_time()
-        await s.registered("s3")
-        assert anyio.current_time() == started
-        await s.registered("s2")  # nobody writes it: Redis is taken for away after the bound
-        return anyio.current_time() - started
+    async def call(reps: list[Replica]) -> list[Any]:
+        return await answer()
 
-    assert virtual_loop.run(body()) == OP_TIMEOUT_S
-    assert not s.up and s.outages == 1 and list(s._replicas.dirty) == ["s2"]
+    s._metas.call = call  # type: ignore[method-assign]  # Redis's answer, as the test says
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s._metas.write_forever)
+            await anyio.sleep(OP_TIMEOUT_S * 2)
+            tg.cancel_scope.cancel()
+
+    virtual_loop.run(body())
+    return list(s._replicas.dirty)
+
+
+def test_a_meta_write_that_runs_out_of_time_is_the_flushers_and_leaves_the_store_up() -> None:
+    """On a loop starved by a burst the write may time out though Redis answers: the
+    flusher's own write says whether Redis is away."""
+    s = store()
+
+    async def slow() -> list[Any]:
+        await anyio.sleep(OP_TIMEOUT_S * 5)
+        return []
+
+    assert opened(s, slow) == ["s1", "s2"]
+    assert s.up and s.outages == 0 and not s._replicas["s2"].meta_done
+
+
+def test_a_refused_meta_write_is_the_flushers_and_takes_the_store_down() -> None:
+    s = store()
+
+    async def refused() -> list[Any]:
+        raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused.")
+
+    assert opened(s, refused) == ["s1", "s2"]
+    assert not s.up and s.outages == 1
+
+
+def test_a_written_meta_is_done_and_nothing_is_left_to_the_flusher() -> None:
+    s = store()
+
+    async def taken() -> list[Any]:
+        return []
+
+    assert opened(s, taken) == [] and s._replicas["s2"].meta_done
+
+
+def test_a_meta_taken_while_the_store_counts_redis_as_down_recovers_the_flusher_now() -> None:
+    """A stream opened while the store counts Redis as down is tried at once too: Redis may
+    be back before the next heartbeat tells the flusher (1 s), a reader elsewhere waiting
+    for the meta as long."""
+    s = store()
+    assert "s1" in s._replicas.dirty  # the flusher's, should the write fail
+    told: list[bool] = []
+    s._metas.answered = lambda: told.append(True)
+
+    async def taken(reps: list[Replica]) -> list[Any]:
+        return []
+
+    s._metas.call = taken  # type: ignore[method-assign]
+
+    async def body() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(s._metas.write_forever)
+            await anyio.sleep(0.1)
+            tg.cancel_scope.cancel()
+
+    virtual_loop.run(body())
+    assert s._replicas["s1"].meta_done and told == [True]

@@ -5,8 +5,12 @@ them all. Each part's own rules are in its module's tests (tests/unit/test_resum
 from __future__ import annotations
 
 import anyio
+import pytest
+from redis.exceptions import ConnectionError as RedisConnectionError
 
 from firsttoken.eventlog import EventLog
+from firsttoken.formats.errors import APIError
+from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.store import StreamRecord
 from tests.unit import virtual_loop
 from tests.unit.replicated import TTL_S, confirm, events_of, flush, replicate, store
@@ -17,16 +21,100 @@ def metric(s: object, name: str) -> float:
     return found.samples[0].value
 
 
-def test_a_stream_opened_while_redis_is_away_waits_for_the_flusher_not_for_its_meta() -> None:
+def test_the_shared_tail_out_of_connections_leaves_the_store_up() -> None:
+    """A burst of readers of other instances' streams (1,000 resumes at once on four
+    connections) made the tail's reads wait past the pool's wait: the store was marked down."""
     s = store()
-    assert "s1" in s._replicas.dirty and not s._replicas["s1"].meta_done
+    s.up = True
+    try:
+        raise RedisConnectionError("No connection available.") from TimeoutError()
+    except RedisConnectionError as exc:
+        s._tailer.on_error(exc)
+    assert s.up and s.outages == 0
+    s._tailer.on_error(RedisConnectionError("Error 111 connecting to 127.0.0.1:6379."))
+    assert not s.up and s.outages == 1
 
-    async def body() -> float:
+
+class _Metas:
+    """Redis as `lookup` sees it: the metas it holds (`held`, from the virtual time each
+    lands), and how long each answer takes (`slow`: one entry per call, then at once)."""
+
+    def __init__(self, held: dict[str, float], slow: list[float] | None = None) -> None:
+        self.held = held
+        self.slow = slow or []
+        self.calls: list[float] = []
+
+    async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+        self.calls.append(anyio.current_time())
+        if self.slow:
+            await anyio.sleep(self.slow.pop(0))
+        stream_id = key.split(":")[2]
+        lands = self.held.get(stream_id)
+        if lands is None or anyio.current_time() < lands:
+            return [None] * len(fields)
+        return [b"native", b"digest", b"trace", b"model", b"tenant"]
+
+
+def looked_up(s: RedisStore, stream_id: str) -> tuple[StreamRecord | None, float]:
+    async def body() -> tuple[StreamRecord | None, float]:
         started = anyio.current_time()
-        await s.registered("s1")
-        return anyio.current_time() - started
+        found = await s.lookup(stream_id)
+        return found, anyio.current_time() - started
 
-    assert virtual_loop.run(body()) == 0  # nothing to wait for: the flusher writes it
+    return virtual_loop.run(body())
+
+
+OURS = "0123456789abcdef0123456789abcdef"  # as `new_stream_id` makes them
+
+
+def test_a_stream_not_found_yet_is_found_once_its_owners_meta_lands() -> None:
+    """Its owner hands its id out before the meta lands (no create waits for Redis): the
+    instance asked for it meanwhile asks Redis again, not answers "no such stream"."""
+    s = store()
+    metas = _Metas({OURS: virtual_loop.START + 0.25})
+    s.redis = metas  # type: ignore[assignment]  # a Redis that only holds metas
+    found, waited = looked_up(s, OURS)
+    assert found is not None and (found.format, found.tenant) == ("native", "tenant")
+    assert round(waited, 6) == 0.3 and len(metas.calls) == 4  # after 50, 100, 150 ms
+
+
+def test_an_unknown_stream_is_unknown_after_a_second_and_a_foreign_id_at_once() -> None:
+    s = store()
+    metas = _Metas({})
+    s.redis = metas  # type: ignore[assignment]
+    assert looked_up(s, OURS) == (None, 1.0)
+    assert len(metas.calls) == 7
+    assert looked_up(s, "not-one-of-ours") == (None, 0.0)  # never ours: nothing to wait for
+    assert len(metas.calls) == 8
+
+
+def test_a_lookup_that_runs_out_of_time_is_tried_again_and_never_takes_the_store_down() -> None:
+    """500 resumes at once through another instance: on the starved loop their lookups ran
+    past the deadline though Redis answered, and each marked the store down for everyone."""
+    s = store()
+    s.up = True
+    s.redis = _Metas({OURS: 0.0}, slow=[5.0])  # type: ignore[assignment]
+    found, waited = looked_up(s, OURS)
+    assert found is not None and waited == 1.0  # the second try answered at once
+    s.redis = _Metas({OURS: 0.0}, slow=[5.0, 5.0])  # type: ignore[assignment]
+    with pytest.raises(APIError) as raised:
+        looked_up(s, OURS)
+    assert (raised.value.status, raised.value.code) == (503, "store_unavailable")
+    assert s.up and s.outages == 0
+
+
+def test_a_lookup_refused_by_redis_takes_the_store_down() -> None:
+    class Refused(_Metas):
+        async def hmget(self, key: str, fields: list[str]) -> list[bytes | None]:
+            self.calls.append(anyio.current_time())
+            raise RedisConnectionError("Error 111 connecting to 127.0.0.1:6379. Refused.")
+
+    s = store()
+    s.up = True
+    s.redis = refused = Refused({})  # type: ignore[assignment]
+    with pytest.raises(APIError):
+        looked_up(s, OURS)
+    assert not s.up and s.outages == 1 and len(refused.calls) == 1  # no second try
 
 
 def test_a_stream_taken_over_is_written_from_its_next_event_with_its_new_fence() -> None:

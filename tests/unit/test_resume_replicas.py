@@ -55,8 +55,6 @@ def test_taking_a_batch_leaves_the_rest_dirty_and_what_comes_after_marks_again()
 
 def test_release_keeps_only_what_redis_lacks_and_expiry_follows_the_clock() -> None:
     replicas, clock = owned()
-    forgotten: list[str] = []
-    replicas.on_forget = forgotten.append
     append(replicas, 1, 6)
     rep = replicas["s1"]
     rep.flushed = rep.sent = 4
@@ -70,7 +68,7 @@ def test_release_keeps_only_what_redis_lacks_and_expiry_follows_the_clock() -> N
     assert "s1" in replicas
     clock.advance(1)
     replicas.expire()
-    assert "s1" not in replicas and not replicas.dirty and forgotten == ["s1"]
+    assert "s1" not in replicas and not replicas.dirty
     assert rep.log.on_append is None and not isinstance(rep.wanted, partial)  # no cycle left
 
 
