@@ -149,3 +149,43 @@ def test_a_stream_created_while_redis_is_slow_is_out_at_once_and_found_on_b(
     assert read and read[0].status_code == 200, read and read[0].text
     tokens, _, done = tokens_of(read[0].content)
     assert done and tokens == synthetic_tokens("paused", None, 20)[0]
+
+
+def test_a_streamed_response_created_while_redis_is_slow_starts_at_once_and_is_stored(
+    redis: RedisServer, pair: tuple[Server, Server]
+) -> None:
+    """A streamed Responses create stored its input in Redis before its first event: up to
+    ~1 s while Redis came back from a restart (the production day's slowest first tokens).
+    Now the input is stored beside the stream, and is there once Redis answers."""
+    a, _ = pair
+    assert redis.proc is not None
+    body = {
+        "model": "synthetic",
+        "input": "paused response",
+        "stream": True,
+        "max_output_tokens": 5,
+    }
+    redis.proc.send_signal(signal.SIGSTOP)
+    try:
+        started = time.monotonic()
+        with httpx.stream("POST", a.v1 + "/responses", json=body, timeout=10) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines()
+            first = next(lines)
+            took = time.monotonic() - started
+            events = [first, *lines]
+    finally:
+        redis.proc.send_signal(signal.SIGCONT)
+    assert took < 0.5, took  # before: ~1 s, until Redis answered
+    created = json.loads(next(e for e in events if e.startswith("data: "))[6:])
+    response_id = created["response"]["id"]
+    ended = {e.removeprefix("event: ") for e in events if e.startswith("event: ")}
+    assert "response.incomplete" in ended, events[-4:]  # max_output_tokens reached: whole
+
+    def stored() -> bool:
+        items = httpx.get(f"{a.v1}/responses/{response_id}/input_items", timeout=10)
+        return items.status_code == 200 and items.json()["data"][0]["content"][0]["text"] == (
+            "paused response"
+        )
+
+    wait_for(stored, timeout=10)

@@ -35,6 +35,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from firsttoken.admission.keys import ApiKey
+from firsttoken.api.gateway import gateway
 from firsttoken.api.pipeline import Ending, Format, Inputs, Plan
 from firsttoken.api.responses import conversation
 from firsttoken.api.responses.protocol import (
@@ -86,7 +87,15 @@ class ResponsesFormat(Format[ResponsesRequest]):
     async def opened(
         self, request: Request, key: ApiKey, body: ResponsesRequest, stream: Stream
     ) -> None:
-        if body.store is not False:
+        if body.store is False:
+            return
+        if body.stream:
+            # The first event does not wait on the shared store (a Redis coming back from a
+            # restart held it ~1 s): the input is stored beside the stream, within moments.
+            gateway(request).registry.spawn_task(
+                conversation.keep_input_later, request, key, body, stream
+            )
+        else:  # its whole answer is kept with it (`folded`): the input must be there first
             await conversation.keep_input(request, key, body, stream)
 
     async def folded(

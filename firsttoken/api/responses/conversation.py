@@ -30,6 +30,7 @@ __all__ = [
     "input_items",
     "keep_answer",
     "keep_input",
+    "keep_input_later",
     "prepare",
     "stored_items",
 ]
@@ -148,6 +149,17 @@ async def keep_input(request: Request, key: ApiKey, body: ResponsesRequest, stre
         )
     except APIError as exc:
         log_event("responses.unstored", 30, stream_id=stream.id, error=exc.message)
+
+
+async def keep_input_later(
+    request: Request, key: ApiKey, body: ResponsesRequest, stream: Stream
+) -> None:
+    """`keep_input` off the request's path, in the registry's task group: what fails is
+    logged, never raised into the group."""
+    try:
+        await keep_input(request, key, body, stream)
+    except Exception as exc:
+        log_event("responses.unstored", 30, stream_id=stream.id, error=repr(exc))
 
 
 async def keep_answer(request: Request, key: ApiKey, body: ResponsesRequest, answer: Any) -> None:
