@@ -1,3 +1,3 @@
 """The package version, on a floor of its own: every layer may import it."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
