@@ -167,6 +167,10 @@ class Tailer:
         self.on_error = on_error  # Redis unreachable: the store's degraded state
         self.presence_ms = presence_ms
         self.owner_gone_s = owner_gone_s
+        # Until then a missing owner key is not taken for a dead owner: Redis just failed a
+        # read of ours, and may have failed the owner's writes too (a cluster's failover
+        # loses the last writes not yet copied; an owner's key lapses while it cannot write).
+        self._owners_unsure_until = 0.0
         self._lanes: list[_Lane] = []
         self._lane_of: dict[str, _Lane] = {}
         self._fresh: list[Follower] = []  # presence not written yet
@@ -287,7 +291,7 @@ class Tailer:
                     await self.redis.xread(streams, block=BLOCK_MS, count=COUNT),
                 )
             except Exception as exc:  # not only REDIS_DOWN: a client bug in a failover too
-                self.on_error(exc)
+                self._failed(exc, time.monotonic())
                 await anyio.sleep(RETRY_S)
                 continue
             for raw_key, entries in found or ():
@@ -348,7 +352,7 @@ class Tailer:
                         pipe.exists(key)
                     results = await pipe.execute()
             except REDIS_DOWN as exc:
-                self.on_error(exc)
+                self._failed(exc, now)
                 self._fresh[:0] = fresh
                 # Through an outage the owner's key cannot be seen: no follower is lost.
                 for f in self._all():
@@ -356,6 +360,12 @@ class Tailer:
                 continue
             alive = dict(zip(owners, results[len(presence) :], strict=True))
             self._judge(followers, alive, now)
+
+    def _failed(self, exc: BaseException, now: float) -> None:
+        """A read of ours failed: the store hears of it, and owners' keys are not judged
+        for `owner_gone_s` (see `_owners_unsure_until`)."""
+        self.on_error(exc)
+        self._owners_unsure_until = now + self.owner_gone_s
 
     def _judge(self, followers: list[Follower], alive: dict[str, Any], now: float) -> None:
         for f in followers:
@@ -366,6 +376,8 @@ class Tailer:
                 f.missing_since = None
                 continue
             if f.takeover:
+                if now < self._owners_unsure_until:
+                    continue  # judged once the owner has had the time to write its key again
                 # Its key lapsed (1.2 s unwritten) or was deleted by a hand-over: the claim
                 # decides, once (a paused owner that comes back finds its writes fenced).
                 f.orphaned = True

@@ -84,6 +84,22 @@ def test_a_stream_that_can_be_taken_over_is_orphaned_at_the_first_check_its_owne
     assert f.done.is_set() and f.orphaned and not f.log.closed
 
 
+def test_an_owner_key_missing_just_after_redis_failed_a_read_is_not_taken_for_dead() -> None:
+    """A cluster's failover lost the owner's last write of its key, and the owner could not
+    write it meanwhile: the live stream was taken over from under its owner's readers (they
+    ended short). Judged once the owner has had `owner_gone_s` to write it again."""
+    t = tailer()
+    f = follower(takeover=True)
+    t._failed(ConnectionError("the master went away"), now=10.0)
+    t._judge([f], {"ft:instance:a": 0}, now=10.25)
+    t._judge([f], {"ft:instance:a": 0}, now=11.9)
+    assert not f.done.is_set() and not f.log.closed
+    t._judge([f], {"ft:instance:a": 1}, now=12.1)  # back: nothing to do
+    assert not f.done.is_set()
+    t._judge([f], {"ft:instance:a": 0}, now=12.35)  # gone for real now: the claim decides
+    assert f.orphaned
+
+
 def test_events_heard_since_the_last_check_keep_an_owner_alive() -> None:
     """A busy owner whose key lapsed still writes: not taken over on that check."""
     t = tailer()
