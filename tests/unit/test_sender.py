@@ -13,7 +13,7 @@ from firsttoken.core.mirror import Mirror
 from firsttoken.core.registry import StreamRegistry
 from firsttoken.core.schedule import Schedule
 from firsttoken.core.sender import End, EventSender
-from firsttoken.core.stream import Outcome, Renderer, Stream
+from firsttoken.core.stream import BaseStream, Outcome, Renderer, Stream
 from firsttoken.engines import GenerationRequest, SyntheticEngine
 from firsttoken.formats.render import ChatRenderer, NativeRenderer
 from firsttoken.formats.sse import EventDecoder
@@ -62,7 +62,11 @@ def setup(
         window=window,
     )
     transport = Transport()
-    writer = EventSender(
+    return clock, stream, registry, transport, sender(stream, registry, transport)
+
+
+def sender(stream: BaseStream, registry: StreamRegistry, transport: Transport) -> EventSender:
+    return EventSender(
         stream,
         registry,
         registry.metrics,
@@ -73,7 +77,6 @@ def setup(
         timestamps=False,
         compressor=None,
     )
-    return clock, stream, registry, transport, writer
 
 
 def body_of(writes: list[bytes]) -> bytes:
@@ -121,17 +124,7 @@ def test_a_reader_of_a_mirror_taken_over_before_it_opened_reads_the_stream_conti
         mirror = Mirror(StreamRecord("s1", "native", "d", "t", "synthetic"), max_events=100)
         mirror.successor = stream
         mirror.log.close()
-        writer = EventSender(
-            mirror,
-            registry,
-            registry.metrics,
-            ChunkedBody(transport),
-            after=0,
-            heartbeat_s=5.0,
-            send_timeout_s=30.0,
-            timestamps=False,
-            compressor=None,
-        )
+        writer = sender(mirror, registry, transport)
         writer.open(b"")
         assert writer.stream is stream and stream.readers == 1 and mirror.readers == 0
         stream.begin()
