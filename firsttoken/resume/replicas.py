@@ -128,6 +128,7 @@ class Replicas:
         self.wake = anyio.Event()  # set when a stream becomes dirty; the flusher renews it
         self.events_dropped = 0  # never reached Redis: fell off a backlog past its bound
         self._expiry: list[tuple[float, str]] = []  # (expires_at, id) of ended ones
+        self._later: list[Replica] = []  # ended ones to write again, the newest last
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -182,6 +183,22 @@ class Replicas:
             rep.log.on_append = rep.wanted
             batch.append(rep)
         return batch
+
+    def mark_later(self, reps: list[Replica]) -> None:
+        """Ended streams to write again after a Redis restart (`mark_some`), the newest first:
+        the likeliest to be resumed."""
+        self._later = reps
+
+    def mark_some(self, events: int) -> int:
+        """Mark for the next flush the next of the `mark_later` streams, up to about `events`
+        of their events (one stream at least); returns how many are left."""
+        later = self._later
+        while later and events > 0:
+            rep = later.pop()
+            if self.by_id.get(rep.record.id) is rep:  # not forgotten since
+                events -= rep.unconfirmed() + 1
+                self.mark(rep)
+        return len(later)
 
     def forget(self, stream_id: str, rep: Replica) -> None:
         del self.by_id[stream_id]

@@ -11,6 +11,7 @@ from firsttoken.eventlog import EventLog
 from firsttoken.resume.metas import META_COMMANDS
 from firsttoken.resume.redis import RedisStore
 from firsttoken.resume.redis_keys import events_key, meta_key
+from firsttoken.resume.store import StreamRecord
 from tests.unit.clock import FakeClock
 from tests.unit.replicated import TTL_S, confirm, events_of, flush, replicate, store
 
@@ -100,6 +101,21 @@ def test_events_lost_in_an_outage_are_counted_when_redis_comes_back_empty() -> N
     assert s._replicas.events_dropped == 10 and s._flusher.resyncs == 1
     args = flush(s)
     assert args["first"] == 13 and args["minid"] == 13
+
+
+def test_a_restart_writes_the_live_streams_again_at_once_and_the_ended_ones_later() -> None:
+    """The ended streams an instance keeps for resume (85,000 events after 2.5 minutes at 15
+    streams a second) written at once took every instance's CPU and Redis's: new streams'
+    first tokens came ~0.3 s late. They go a few a flush, after the live ones."""
+    s = store()
+    replicate(s, 1, 3)
+    flush(s)
+    s.open(StreamRecord("s2", "native", "d", "t", "m"), TTL_S, EventLog(100))
+    s._replicas.finish(s._replicas["s2"], "done", 0, TTL_S)
+    s._replicas.take(10)
+    s._flusher.resync("a new run id")
+    assert list(s._replicas.dirty) == ["s1"]
+    assert s._replicas.mark_some(1) == 0 and list(s._replicas.dirty) == ["s1", "s2"]
 
 
 def test_every_write_carries_the_fence() -> None:

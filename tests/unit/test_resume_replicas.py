@@ -107,3 +107,24 @@ def test_a_durable_stream_shows_its_readers_only_what_the_log_held_when_it_was_a
     replicas.add(StreamRecord("s1", "native", "d", "t", "m"), TTL_S, log, hold=True)
     log.append(b"e2", 1)
     assert [e.seq for e in log.after(0)] == [1]
+
+
+def test_ended_streams_to_write_again_go_a_few_at_a_time_the_newest_first() -> None:
+    replicas, clock = owned(4)
+    for i in range(4):
+        append(replicas, 1, 5, f"s{i + 1}")
+    replicas.take(4)
+    for i in range(4):
+        replicas.finish(replicas[f"s{i + 1}"], "done", 5, 1.0 + i)
+    replicas.take(4)
+    replicas.mark_later([replicas[f"s{i + 1}"] for i in range(4)])
+    # Five events and an end each: 12 of them is two streams, the newest first.
+    assert replicas.mark_some(12) == 2
+    assert list(replicas.dirty) == ["s4", "s3"]
+    replicas.take(4)
+    clock.advance(1.5)
+    replicas.expire()  # s1's TTL ran out meanwhile: skipped, not written again
+    assert "s1" not in replicas
+    assert replicas.mark_some(12) == 0
+    assert list(replicas.dirty) == ["s2"]
+    assert replicas.mark_some(12) == 0 and list(replicas.dirty) == ["s2"]
