@@ -20,6 +20,7 @@ __all__ = [
     "REDIS_DOWN",
     "AnyRedis",
     "Liveness",
+    "Outage",
     "RawEntries",
     "eviction_risk",
     "pack",
@@ -77,6 +78,30 @@ def eviction_risk(policy: str) -> str | None:
 # 1,000 new streams on one process waits up to 0.5-1 s for a connection at any pool size
 # (the loop, not Redis, is busy), and a 0.5 s wait sent 40-573 of them to the fallbacks.
 POOL_WAIT_S = 1.0
+
+
+class Outage:
+    """Whether Redis answers, as the users of one client see it. A call that finds it away
+    marks it down; every call then takes its caller's local answer at once, and one probe
+    (the owner's, every 0.25 s) marks it up again once Redis answers.
+
+    Without it every admission step during an outage paid a refused connect and its retry's
+    backoff (20 ms: 65 ms a new stream, three steps) or, with Redis hung, the 1 s timeout."""
+
+    PROBE_S = 0.25
+
+    def __init__(self) -> None:
+        self.up = True
+
+    def failed(self) -> bool:
+        """A call found Redis away; True if it was up (the caller says so once)."""
+        was, self.up = self.up, False
+        return was
+
+    def answered(self) -> bool:
+        """Redis answered; True if it was down."""
+        was, self.up = self.up, True
+        return not was
 
 
 def redis_client(url: str, *, max_connections: int, cluster: bool = False) -> AnyRedis:

@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from decimal import Decimal
-from typing import Any
+from typing import Any, cast
 
 import anyio
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -87,7 +87,8 @@ class Admission:
         if settings.redis:
             from firsttoken.admission.redis_spend import RedisSpend
 
-            self.spend: Spend = RedisSpend(self.limits.redis)  # type: ignore[union-attr]
+            limits = cast(RedisLimits, self.limits)
+            self.spend: Spend = RedisSpend(limits.redis, limits.outage)
         else:
             self.spend = LocalSpend()
         # The gate's limits (gate.py): every request's, and those a key may have of its own;

@@ -11,7 +11,8 @@ given back if the bucket refuses); and leases are refreshed one call per key.
 
 While Redis is unreachable, admission **fails open to this instance's own limits**: the same
 rate bucket, key slots and token budgets, kept in memory (`MemoryLimits`), so each instance
-still enforces them locally and a fleet of N admits at most N times the shared limit. Refusing
+still enforces them locally and a fleet of N admits at most N times the shared limit (no
+request waits on Redis meanwhile: `run` asks it every 0.25 s whether it is back). Refusing
 every stream because the limit store is away would turn a Redis restart into an outage of
 the whole service, while the streams themselves need nothing from Redis. Leases taken locally
 stay local until released; leases held in Redis before the outage are written back (plain
@@ -30,7 +31,7 @@ import anyio
 from prometheus_client.core import CounterMetricFamily, Metric
 
 from firsttoken.admission.limits import OK, RATE, SLOTS, Lease, MemoryLimits, Reservation
-from firsttoken.redisclient import REDIS_DOWN, redis_client
+from firsttoken.redisclient import REDIS_DOWN, Outage, redis_client
 from firsttoken.telemetry.log import log_event
 
 __all__ = ["RedisLimits"]
@@ -157,12 +158,12 @@ class RedisLimits:
         self._held: dict[str, Lease] = {}
         self.local = MemoryLimits(rate_per_s, burst)  # the fallback while Redis is away
         self._local_leases: set[str] = set()
-        self.up = True
+        self.outage = Outage()  # shared with the money budgets (`RedisSpend`)
         self.fallbacks = 0  # admission decisions taken locally
 
     @property
     def degraded(self) -> str | None:
-        return None if self.up else "redis_limits"
+        return None if self.outage.up else "redis_limits"
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(
@@ -173,59 +174,63 @@ class RedisLimits:
         yield family
 
     def _down(self, exc: BaseException) -> None:
-        if self.up:
-            self.up = False
+        if self.outage.failed():
             log_event("redis.limits_fallback", logging.ERROR, error=repr(exc))
 
     def _back(self) -> None:
-        if not self.up:
-            self.up = True
+        if self.outage.answered():
             log_event("redis.limits_back")
 
     async def run(self) -> None:
-        """Refresh this instance's leases until cancelled."""
+        """Refresh this instance's leases until cancelled; while Redis is away, ask it every
+        `Outage.PROBE_S` whether it is back (no request waits on it meanwhile), then write
+        back the leases a restarted Redis lost."""
         try:
             while True:
-                await anyio.sleep(self.lease_ms / 3000)
-                if not self._held:
-                    if not self.up:
-                        await self._probe()
+                await anyio.sleep(self.lease_ms / 3000 if self.outage.up else Outage.PROBE_S)
+                write_back = not self.outage.up  # a restarted Redis lost the leases it held
+                if write_back and not await self.probe():
                     continue
-                leases = list(self._held.values())
-                mode = "XX" if self.up else ""
-                # On a cluster one call per key (its slot); else one call for all.
-                groups: dict[str, list[Lease]] = {}
-                for le in leases:
-                    groups.setdefault(le.key if self.cluster else "", []).append(le)
-                try:
-                    with anyio.fail_after(_OP_TIMEOUT_S):
-                        for group in groups.values():
-                            await self._refresh(
-                                keys=[_slots(le.key) for le in group],
-                                args=[self.lease_ms, mode, *(le.id for le in group)],
-                            )
-                except _ERRORS as exc:
-                    self._down(exc)
-                    log_event("redis.lease_refresh_failed", logging.WARNING, error=repr(exc))
-                else:
-                    self._back()
+                if self._held:
+                    await self._refresh_leases("" if write_back else "XX")
         finally:
             with anyio.CancelScope(shield=True):
                 await self.redis.aclose()
 
-    async def _probe(self) -> None:
+    async def _refresh_leases(self, mode: str) -> None:
+        leases = list(self._held.values())
+        # On a cluster one call per key (its slot); else one call for all.
+        groups: dict[str, list[Lease]] = {}
+        for le in leases:
+            groups.setdefault(le.key if self.cluster else "", []).append(le)
+        try:
+            with anyio.fail_after(_OP_TIMEOUT_S):
+                for group in groups.values():
+                    await self._refresh(
+                        keys=[_slots(le.key) for le in group],
+                        args=[self.lease_ms, mode, *(le.id for le in group)],
+                    )
+        except _ERRORS as exc:
+            self._down(exc)
+            log_event("redis.lease_refresh_failed", logging.WARNING, error=repr(exc))
+
+    async def probe(self) -> bool:
+        """Whether Redis answers now (and, if so, it is up again)."""
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self.redis.ping()
         except _ERRORS:
-            return
+            return False
         self._back()
+        return True
 
     async def admit(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
         """One round trip: the key's slots, then the shared bucket, atomically; this
         instance's own limits while Redis is unreachable."""
         if key is None and self.rate <= 0:
             return OK, 0.0, None  # nothing shared to count: no round trip
+        if not self.outage.up:
+            return await self._admit_here(key, limit)
         lease = Lease(key, uuid.uuid4().hex) if key is not None else None
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
@@ -244,11 +249,7 @@ class RedisLimits:
                     )
         except _ERRORS as exc:
             self._down(exc)
-            self.fallbacks += 1
-            answer = await self.local.admit(key, limit)
-            if answer[2] is not None:
-                self._local_leases.add(answer[2].id)
-            return answer
+            return await self._admit_here(key, limit)
         self._back()
         verdict = int(verdict)
         if verdict == 2:
@@ -258,6 +259,13 @@ class RedisLimits:
         if lease is not None:
             self._held[lease.id] = lease
         return OK, 0.0, lease
+
+    async def _admit_here(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
+        self.fallbacks += 1
+        answer = await self.local.admit(key, limit)
+        if answer[2] is not None:
+            self._local_leases.add(answer[2].id)
+        return answer
 
     async def _admit_apart(
         self, key: str | None, limit: int, lease: Lease | None
@@ -282,6 +290,9 @@ class RedisLimits:
         counts too); in this instance alone while Redis is unreachable."""
         budgets = self.local.budgets
         window = budgets.minute()
+        if not self.outage.up:
+            self.fallbacks += 1
+            return budgets.reserve(key, budget, prompt, answer)
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 left = int(
@@ -303,6 +314,9 @@ class RedisLimits:
         """`RequestRates.take` in Redis, shared by every instance; in this instance alone while
         Redis is unreachable."""
         now = time.time()
+        if not self.outage.up:
+            self.fallbacks += 1
+            return self.local.requests.take(key, limit)
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 counted = int(
@@ -325,6 +339,10 @@ class RedisLimits:
         window = self.local.budgets.minute()
         if reservation.window != window and excess <= 0:
             return
+        if not self.outage.up:
+            if excess > 0:
+                self.local.budgets.add(reservation.key, excess)
+            return
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._settle(keys=[_budget(reservation.key, window)], args=[excess])
@@ -332,6 +350,8 @@ class RedisLimits:
             self._down(exc)
             if excess > 0:
                 self.local.budgets.add(reservation.key, excess)
+        else:
+            self._back()
 
     async def release(self, lease: Lease) -> None:
         if lease.id in self._local_leases:
@@ -339,8 +359,12 @@ class RedisLimits:
             await self.local.release(lease)
             return
         self._held.pop(lease.id, None)
+        if not self.outage.up:
+            return  # no longer refreshed: it frees itself within lease_s
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self.redis.zrem(_slots(lease.key), lease.id)
         except _ERRORS as exc:
             self._down(exc)  # the lease is no longer refreshed: it frees itself within lease_s
+        else:
+            self._back()

@@ -5,7 +5,8 @@ held in one script, so requests arriving together on any instance see each other
 While Redis is unreachable each instance holds and settles in its own memory (as the other
 limits fail open, `redis_limits.py`): a fleet of N may then spend up to N times what is left,
 and budgets are still enforced. What Redis could not take when a request ended is kept in
-this instance.
+this instance. It shares the limits' client and their `Outage`: while Redis is away no call
+waits on it, and the limits' probe says when it is back.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 import anyio
 
 from firsttoken.admission.spend import Budget, MemorySpend, SpendHold, period_of
-from firsttoken.redisclient import REDIS_DOWN
+from firsttoken.redisclient import REDIS_DOWN, Outage
 from firsttoken.telemetry.log import log_event
 
 __all__ = ["RedisSpend"]
@@ -64,17 +65,16 @@ def _spend_key(key: str, period: str) -> str:
 class RedisSpend:
     shared = True  # the periods' counts are every instance's: a scrape reads them back
 
-    def __init__(self, redis: Any, local: MemorySpend | None = None) -> None:
+    def __init__(self, redis: Any, outage: Outage, local: MemorySpend | None = None) -> None:
         self.redis = redis
         self.local = local or MemorySpend()
         self._reserve = redis.register_script(_RESERVE)
         self._settle = redis.register_script(_SETTLE)
         self._at_least = redis.register_script(_AT_LEAST)
-        self.up = True
+        self.outage = outage
 
     def _down(self, exc: BaseException) -> None:
-        if self.up:
-            self.up = False
+        if self.outage.failed():
             log_event("redis.spend_fallback", logging.ERROR, error=repr(exc))
 
     async def reserve(
@@ -84,6 +84,8 @@ class RedisSpend:
         period, _ = period_of(budget.per, self.local.clock())
         # What this instance spent while Redis was away counts against the amount too.
         amount = budget.amount - self.local.spent(key, budget.per)
+        if not self.outage.up:
+            return self.local.reserve(key, budget, picos, per_token, share)
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 held = int(
@@ -95,7 +97,7 @@ class RedisSpend:
         except REDIS_DOWN as exc:
             self._down(exc)
             return self.local.reserve(key, budget, picos, per_token, share)
-        self.up = True
+        self.outage.answered()
         if held < 0:
             return None
         if held == 0:
@@ -111,6 +113,10 @@ class RedisSpend:
         excess = cost - hold.picos
         if hold.period != period and excess <= 0:
             return
+        if not self.outage.up:
+            if excess > 0:
+                self.local.add(hold.key, hold.per, excess)
+            return
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._settle(
@@ -124,6 +130,8 @@ class RedisSpend:
     async def spent(self, key: str, per: str) -> int:
         """The key's spend in its current period, fleet-wide (0 while Redis is away)."""
         period, _ = period_of(per, self.local.clock())
+        if not self.outage.up:
+            return self.local.spent(key, per)
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 value = await self.redis.get(_spend_key(key, period))
@@ -143,6 +151,9 @@ class RedisSpend:
     async def at_least(self, key: str, per: str, picos: int) -> None:
         """`MemorySpend.at_least`, fleet-wide: every instance that reloads raises it alike."""
         period, _ = period_of(per, self.local.clock())
+        if not self.outage.up:
+            self.local.at_least(key, per, picos)
+            return
         try:
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._at_least(keys=[_spend_key(key, period)], args=[picos, _TTL_S[per]])

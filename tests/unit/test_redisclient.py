@@ -16,6 +16,8 @@ from redis.exceptions import ConnectionError
 from firsttoken.admission import redis_limits as limits_module
 from firsttoken.admission.limits import OK
 from firsttoken.admission.redis_limits import RedisLimits
+from firsttoken.admission.redis_spend import RedisSpend
+from firsttoken.admission.spend import Budget
 from firsttoken.formats.errors import APIError
 from firsttoken.redisclient import POOL_WAIT_S, eviction_risk, redis_client
 from firsttoken.resume import redis as store_module
@@ -123,6 +125,8 @@ def test_an_exhausted_pool_sends_admission_to_the_local_limits(url: str) -> None
             for conn in held:
                 await pool.release(conn)  # type: ignore[arg-type]
             await limits.release(lease)  # taken locally, given back locally
+            assert (await limits.admit("key", 5))[0] == OK and limits.fallbacks == 2
+            assert await limits.probe()  # what `run` asks every 0.25 s while Redis is away
             assert (await limits.admit("key", 5))[0] == OK and limits.degraded is None
         finally:
             await limits.redis.aclose()
@@ -137,3 +141,42 @@ def test_only_noeviction_keeps_every_key_of_ours() -> None:
     assert volatile is not None and "day and month" in volatile and "spend" in volatile
     anything = eviction_risk("allkeys-lru")
     assert anything is not None and anything.startswith("any key") and "spend" in anything
+
+
+def test_while_redis_is_away_admission_asks_only_the_probe() -> None:
+    """Every new stream paid a refused connect and its retry's backoff for each admission
+    step while Redis restarted (65 ms a stream); now they go local at once, and the probe
+    alone asks Redis whether it is back."""
+
+    async def body() -> None:
+        limits = RedisLimits(
+            "redis://127.0.0.1:1/0",  # nothing listens: refused
+            rate_per_s=100.0,
+            burst=10,
+            max_connections=2,
+        )
+        spend = RedisSpend(limits.redis, limits.outage)
+        asked = 0
+        script = limits._admit
+
+        async def counted(**kw: object) -> object:
+            nonlocal asked
+            asked += 1
+            return await script(**kw)
+
+        limits._admit = counted  # type: ignore[method-assign]
+        try:
+            for _ in range(5):
+                verdict, _, lease = await limits.admit("key", 5)
+                assert verdict == OK and lease is not None
+                await limits.release(lease)
+                assert await limits.count_request("key", 100) is None
+            assert asked == 1 and limits.fallbacks == 10
+            assert limits.degraded == "redis_limits" and not spend.outage.up
+            budget = Budget(amount=1_000, per="day")
+            assert await spend.reserve("key", budget, 10) is not None  # local, at once
+            assert not await limits.probe() and asked == 1
+        finally:
+            await limits.redis.aclose()
+
+    asyncio.run(body())
