@@ -999,6 +999,17 @@ def summarize(day: Day, ledger: dict[str, list[tuple[str, str, int]]]) -> dict[s
             }
             for r in sorted(with_text, key=lambda r: -(r.ttft_s or 0))[:5]
         ],
+        "longest_gaps": [
+            {
+                "format": r.ask.fmt,
+                "stream": r.stream_id,
+                "gap_ms": round(r.longest_gap_s * 1000),
+                "at_s": round(r.longest_gap_at - r.longest_gap_s - day.began, 1),
+                "window": day.windows.of(r.longest_gap_at - r.longest_gap_s, r.longest_gap_at),
+                "resumed": r.reconnects,
+            }
+            for r in sorted(with_text, key=lambda r: -r.longest_gap_s)[:20]
+        ],
     }
 
 
