@@ -80,6 +80,10 @@ def eviction_risk(policy: str) -> str | None:
 POOL_WAIT_S = 1.0
 
 
+class RedisAway(ConnectionError):
+    """A call not made: an earlier one found Redis away (`Outage.check`)."""
+
+
 class Outage:
     """Whether Redis answers, as the users of one client see it. A call that finds it away
     marks it down; every call then takes its caller's local answer at once, and one probe
@@ -92,6 +96,12 @@ class Outage:
 
     def __init__(self) -> None:
         self.up = True
+
+    def check(self) -> None:
+        """Raise `RedisAway` (one of `REDIS_DOWN`) while Redis is away: inside a call's `try`,
+        its own fallback serves both a failed call and one not made."""
+        if not self.up:
+            raise RedisAway("Redis is away; the probe has not found it back")
 
     def failed(self) -> bool:
         """A call found Redis away; True if it was up (the caller says so once)."""

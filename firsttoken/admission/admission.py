@@ -23,7 +23,7 @@ import logging
 import time
 from collections.abc import Callable, Iterator, Mapping
 from decimal import Decimal
-from typing import Any, cast
+from typing import Any
 
 import anyio
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -72,25 +72,22 @@ class Admission:
         self._warned_open = False
         if settings.redis:
             from firsttoken.admission.redis_limits import RedisLimits
+            from firsttoken.admission.redis_spend import RedisSpend
 
-            self.limits: MemoryLimits | RedisLimits = RedisLimits(
+            limits = RedisLimits(
                 settings.redis,
                 settings.rate_limit_per_s,
                 settings.rate_limit_burst,
                 max_connections=settings.redis_max_connections,
                 cluster=settings.redis_cluster,
             )
-        else:
-            self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
-        self.shedder = LoadShedder(settings, metrics)
-        self.ledger = Ledger(settings.usage_db, read=settings.admin_key is not None)
-        if settings.redis:
-            from firsttoken.admission.redis_spend import RedisSpend
-
-            limits = cast(RedisLimits, self.limits)
+            self.limits: MemoryLimits | RedisLimits = limits
             self.spend: Spend = RedisSpend(limits.redis, limits.outage)
         else:
+            self.limits = MemoryLimits(settings.rate_limit_per_s, settings.rate_limit_burst)
             self.spend = LocalSpend()
+        self.shedder = LoadShedder(settings, metrics)
+        self.ledger = Ledger(settings.usage_db, read=settings.admin_key is not None)
         # The gate's limits (gate.py): every request's, and those a key may have of its own;
         # with no keys file and no bucket (--rate-limit-per-s 0), no slots to ask.
         shedding, slots, probe = Shedding(self.shedder), Slots(self), Probe(self.shedder)

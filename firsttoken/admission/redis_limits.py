@@ -229,10 +229,9 @@ class RedisLimits:
         instance's own limits while Redis is unreachable."""
         if key is None and self.rate <= 0:
             return OK, 0.0, None  # nothing shared to count: no round trip
-        if not self.outage.up:
-            return await self._admit_here(key, limit)
         lease = Lease(key, uuid.uuid4().hex) if key is not None else None
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 if self.cluster:
                     verdict, retry = await self._admit_apart(key, limit, lease)
@@ -249,7 +248,11 @@ class RedisLimits:
                     )
         except _ERRORS as exc:
             self._down(exc)
-            return await self._admit_here(key, limit)
+            self.fallbacks += 1
+            answer = await self.local.admit(key, limit)
+            if answer[2] is not None:
+                self._local_leases.add(answer[2].id)
+            return answer
         self._back()
         verdict = int(verdict)
         if verdict == 2:
@@ -259,13 +262,6 @@ class RedisLimits:
         if lease is not None:
             self._held[lease.id] = lease
         return OK, 0.0, lease
-
-    async def _admit_here(self, key: str | None, limit: int) -> tuple[str, float, Lease | None]:
-        self.fallbacks += 1
-        answer = await self.local.admit(key, limit)
-        if answer[2] is not None:
-            self._local_leases.add(answer[2].id)
-        return answer
 
     async def _admit_apart(
         self, key: str | None, limit: int, lease: Lease | None
@@ -290,10 +286,8 @@ class RedisLimits:
         counts too); in this instance alone while Redis is unreachable."""
         budgets = self.local.budgets
         window = budgets.minute()
-        if not self.outage.up:
-            self.fallbacks += 1
-            return budgets.reserve(key, budget, prompt, answer)
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 left = int(
                     await self._reserve(
@@ -314,10 +308,8 @@ class RedisLimits:
         """`RequestRates.take` in Redis, shared by every instance; in this instance alone while
         Redis is unreachable."""
         now = time.time()
-        if not self.outage.up:
-            self.fallbacks += 1
-            return self.local.requests.take(key, limit)
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 counted = int(
                     await self._requests(keys=[_requests(key, int(now // 60))], args=[limit])
@@ -339,11 +331,8 @@ class RedisLimits:
         window = self.local.budgets.minute()
         if reservation.window != window and excess <= 0:
             return
-        if not self.outage.up:
-            if excess > 0:
-                self.local.budgets.add(reservation.key, excess)
-            return
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._settle(keys=[_budget(reservation.key, window)], args=[excess])
         except _ERRORS as exc:
@@ -359,9 +348,8 @@ class RedisLimits:
             await self.local.release(lease)
             return
         self._held.pop(lease.id, None)
-        if not self.outage.up:
-            return  # no longer refreshed: it frees itself within lease_s
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self.redis.zrem(_slots(lease.key), lease.id)
         except _ERRORS as exc:

@@ -84,9 +84,8 @@ class RedisSpend:
         period, _ = period_of(budget.per, self.local.clock())
         # What this instance spent while Redis was away counts against the amount too.
         amount = budget.amount - self.local.spent(key, budget.per)
-        if not self.outage.up:
-            return self.local.reserve(key, budget, picos, per_token, share)
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 held = int(
                     await self._reserve(
@@ -113,11 +112,8 @@ class RedisSpend:
         excess = cost - hold.picos
         if hold.period != period and excess <= 0:
             return
-        if not self.outage.up:
-            if excess > 0:
-                self.local.add(hold.key, hold.per, excess)
-            return
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._settle(
                     keys=[_spend_key(hold.key, period)], args=[excess, _TTL_S[hold.per]]
@@ -130,9 +126,8 @@ class RedisSpend:
     async def spent(self, key: str, per: str) -> int:
         """The key's spend in its current period, fleet-wide (0 while Redis is away)."""
         period, _ = period_of(per, self.local.clock())
-        if not self.outage.up:
-            return self.local.spent(key, per)
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 value = await self.redis.get(_spend_key(key, period))
         except REDIS_DOWN:
@@ -151,10 +146,8 @@ class RedisSpend:
     async def at_least(self, key: str, per: str, picos: int) -> None:
         """`MemorySpend.at_least`, fleet-wide: every instance that reloads raises it alike."""
         period, _ = period_of(per, self.local.clock())
-        if not self.outage.up:
-            self.local.at_least(key, per, picos)
-            return
         try:
+            self.outage.check()
             with anyio.fail_after(_OP_TIMEOUT_S):
                 await self._at_least(keys=[_spend_key(key, period)], args=[picos, _TTL_S[per]])
         except REDIS_DOWN as exc:
